@@ -1,0 +1,63 @@
+//! Flags of `infera kvd` (the seed's `python -m infera.kvd`).
+//!
+//! Only the shape of the command line lives here; `TryFrom<KvdArgs> for KvdConfig` checks it.
+//! Where the seed gives no default (`--socket`, `--max-bytes`, `--long-bytes`), the Python
+//! daemon's own defaults are used so that existing command lines keep their meaning.
+
+use crate::config::kvd::{ArenaSize, IoMode, LongBackend};
+use crate::config::units::ByteSize;
+use clap::Args;
+use std::path::PathBuf;
+
+const L3: &str = "L3 tier (NVMe tablespace)";
+
+/// Arguments of `infera kvd`.
+#[derive(Debug, Clone, Args)]
+pub struct KvdArgs {
+    /// Unix socket path engines connect to.
+    #[arg(long, default_value = "/var/run/infera-kvd.sock", value_name = "PATH")]
+    pub socket: PathBuf,
+
+    /// Host RAM (L2) budget, e.g. 64GiB, 512MiB, 1G or plain bytes.
+    #[arg(long, default_value = "8GiB", value_name = "SIZE")]
+    pub max_bytes: ByteSize,
+
+    /// Zero-copy shared arena size: auto = --max-bytes; 0 = off (inline bytes on the socket).
+    #[arg(long, default_value = "auto", value_name = "SIZE|auto")]
+    pub shared_arena_bytes: ArenaSize,
+
+    /// L3 region on a single device (directory); mutually exclusive with --long-paths.
+    #[arg(long, value_name = "DIR", help_heading = L3)]
+    pub long_path: Option<PathBuf>,
+
+    /// L3 region striped across devices: comma-separated directories, one shard each;
+    /// mutually exclusive with --long-path.
+    #[arg(long, value_name = "DIR,DIR,...", help_heading = L3)]
+    pub long_paths: Option<String>,
+
+    /// L3 region size (with --long-paths: the total, split evenly across shards).
+    #[arg(long, default_value = "32GiB", value_name = "SIZE", help_heading = L3)]
+    pub long_bytes: ByteSize,
+
+    /// (deprecated) no-op, accepted for backward compatibility; the L3 tier is always the
+    /// container-file tablespace layout now.
+    #[arg(long, help_heading = L3)]
+    pub use_tablespace: bool,
+
+    /// Long-term store, one only: tablespace (L3) | mooncake | lmcache (L4); the L4 stores are
+    /// not available in this build yet.
+    #[arg(long, value_enum, default_value = "tablespace", help_heading = L3)]
+    pub long_backend: LongBackend,
+
+    /// L3 I/O: auto picks O_DIRECT on NVMe, buffered on NFS/SATA.
+    #[arg(long, value_enum, default_value = "auto", help_heading = L3)]
+    pub io_mode: IoMode,
+
+    /// Intra-shard I/O parallelism for the striped (--long-paths) region.
+    #[arg(long, default_value_t = 8, value_name = "N", help_heading = L3)]
+    pub long_workers_per_shard: u32,
+
+    /// Validate, print the resolved configuration as JSON on stdout and exit.
+    #[arg(long)]
+    pub check_config: bool,
+}

@@ -1,0 +1,133 @@
+//! The `infera` command line: the clap definitions of every subcommand and [`parse_from`].
+//!
+//! `infera worker vllm|sglang|atom` cannot be parsed by clap alone, because unknown arguments
+//! belong to the engine and may be interleaved with Infera's. [`parse_from`] first splits such
+//! a command line with [`passthrough::split`], which reads the subcommand's own clap
+//! definition, then parses Infera's part with clap and stores the engine's part in the parsed
+//! arguments. Every other command line is parsed by clap directly.
+
+pub mod kvd;
+pub mod passthrough;
+pub mod server;
+pub mod worker;
+
+use crate::replay_cmd;
+use clap::{CommandFactory, Parser, Subcommand};
+use std::ffi::OsString;
+
+/// Infera: KV-aware routing control plane for LLM serving fleets.
+#[derive(Debug, Parser)]
+#[command(name = "infera", version, about, propagate_version = true)]
+pub struct Cli {
+    /// The program to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The programs of the `infera` binary.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// OpenAI-compatible HTTP server and KV-aware router.
+    Server(server::ServerArgs),
+    /// Launch one engine and join it to the fleet.
+    #[command(subcommand)]
+    Worker(worker::WorkerCommand),
+    /// KV-cache daemon: host RAM (L2) and NVMe (L3) tiers behind a Unix socket.
+    Kvd(kvd::KvdArgs),
+    /// Replay a recorded or public trace offline through the real router code.
+    Replay(replay_cmd::ReplayArgs),
+    /// Convert or inspect traces.
+    Trace(replay_cmd::TraceArgs),
+}
+
+/// Parses a full command line (program name first).
+///
+/// # Errors
+/// The clap error for a usage error, `--help` or `--version`; [`clap::Error::exit`] prints it
+/// and exits with its code (2 for usage errors, 0 for help and version).
+pub fn parse_from<I, T>(argv: I) -> Result<Cli, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString>,
+{
+    let argv: Vec<OsString> = argv.into_iter().map(Into::into).collect();
+    let engine = match (argv.get(1), argv.get(2)) {
+        (Some(first), Some(second)) if first == "worker" => second
+            .to_str()
+            .and_then(worker::WorkerCommand::forwarding_engine),
+        _ => None,
+    };
+    let Some(engine) = engine else {
+        return Cli::try_parse_from(argv);
+    };
+    let mut command = Cli::command();
+    command.build();
+    let split = match command
+        .find_subcommand("worker")
+        .and_then(|worker| worker.find_subcommand(engine.to_string()))
+    {
+        Some(subcommand) => passthrough::split(subcommand, engine, &argv[3..])?,
+        None => return Cli::try_parse_from(argv),
+    };
+    let mut cli = Cli::try_parse_from(argv[..3].iter().cloned().chain(split.ours))?;
+    if let Command::Worker(worker) = &mut cli.command
+        && let Some(engine_args) = worker.engine_args_mut()
+    {
+        *engine_args = split.engine;
+    }
+    Ok(cli)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_clap_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn worker_engine_args_are_stored_after_parsing() {
+        let cli = parse_from([
+            "infera",
+            "worker",
+            "vllm",
+            "--model",
+            "m",
+            "--enforce-eager",
+        ])
+        .unwrap();
+        let Command::Worker(mut worker) = cli.command else {
+            panic!("not a worker");
+        };
+        assert_eq!(
+            worker.engine_args_mut().map(|args| args.clone()),
+            Some(vec!["--enforce-eager".to_owned()])
+        );
+    }
+
+    #[test]
+    fn mock_rejects_unknown_flags() {
+        let error = parse_from([
+            "infera",
+            "worker",
+            "mock",
+            "--model-path",
+            "m",
+            "--tp-size",
+            "2",
+        ])
+        .unwrap_err();
+        assert_eq!(error.kind(), clap::error::ErrorKind::UnknownArgument);
+    }
+
+    #[test]
+    fn help_and_version_are_clap_errors_with_exit_code_0() {
+        let error = parse_from(["infera", "worker", "sglang", "--help"]).unwrap_err();
+        assert_eq!(error.kind(), clap::error::ErrorKind::DisplayHelp);
+        assert_eq!(error.exit_code(), 0);
+        let error = parse_from(["infera", "--version"]).unwrap_err();
+        assert_eq!(error.kind(), clap::error::ErrorKind::DisplayVersion);
+    }
+}

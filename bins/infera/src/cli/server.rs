@@ -1,0 +1,181 @@
+//! Flags of `infera server` (the seed's `python -m infera.server`), plus Infera's extensions.
+//!
+//! Only the shape of the command line lives here: names, defaults, help and the syntax of
+//! each value. Everything else is checked by `TryFrom<ServerArgs> for ServerConfig`.
+
+use crate::config::server::{EventLogConfig, RouterMode, RouterPolicy};
+use crate::config::units::{ByteSize, HumanDuration};
+use crate::config::{DiscoveryBackend, KvEventTransport, RequestTransport};
+use clap::Args;
+use std::path::PathBuf;
+
+const EXTENSIONS: &str = "Infera extensions";
+const ROUTING: &str = "Routing";
+const DISCOVERY: &str = "Discovery";
+const TRANSPORT: &str = "Transport";
+
+/// Arguments of `infera server`.
+#[derive(Debug, Clone, Args)]
+#[command(
+    after_help = "--discovery-backend, --request-transport and --kv-event-transport must \
+    be the same on the server and on every worker."
+)]
+pub struct ServerArgs {
+    /// OpenAI-compatible HTTP bind address.
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+
+    /// OpenAI-compatible HTTP port.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+
+    /// Tokenizer for prefix hashing (required): a directory containing tokenizer.json, or a
+    /// tokenizer.json file. Must match the workers' model.
+    #[arg(long, value_name = "PATH", help_heading = ROUTING)]
+    pub router_tokenizer_path: Option<PathBuf>,
+
+    /// auto: the in-process policy picks each request's worker; direct: use the worker named
+    /// in the x-worker-instance-id header (set by a Gateway API Inference Extension endpoint
+    /// picker).
+    #[arg(long, value_enum, default_value = "auto", help_heading = ROUTING)]
+    pub router_mode: RouterMode,
+
+    /// Routing policy used when --router-mode auto.
+    #[arg(long, value_enum, default_value = "kv-aware", help_heading = ROUTING)]
+    pub router_policy: RouterPolicy,
+
+    /// KV-aware: cache locality vs load balance (weight of the blocks a worker would have to
+    /// prefill; 0 = pure load balancing).
+    #[arg(
+        long,
+        default_value = "1.0",
+        value_name = "WEIGHT",
+        allow_negative_numbers = true,
+        help_heading = ROUTING
+    )]
+    pub kv_overlap_weight: f64,
+
+    /// KV-aware PD: prefill-side weight (typical 20.0); overrides the global weight.
+    /// [default: unset]
+    #[arg(long, value_name = "WEIGHT", allow_negative_numbers = true, help_heading = ROUTING)]
+    pub kv_prefill_overlap_weight: Option<f64>,
+
+    /// KV-aware PD: decode-side weight (typical 2.0); overrides the global weight.
+    /// [default: unset]
+    #[arg(long, value_name = "WEIGHT", allow_negative_numbers = true, help_heading = ROUTING)]
+    pub kv_decode_overlap_weight: Option<f64>,
+
+    /// Retry on an alternate worker on a failure before the response starts (never
+    /// mid-stream); 0 disables.
+    #[arg(long, default_value_t = 1, value_name = "N", help_heading = ROUTING)]
+    pub request_max_retries: u32,
+
+    /// How workers are discovered.
+    #[arg(long, value_enum, default_value = "kubernetes", help_heading = DISCOVERY)]
+    pub discovery_backend: DiscoveryBackend,
+
+    /// etcd endpoint (host:port or URL); required for --discovery-backend etcd.
+    #[arg(long, value_name = "ENDPOINT", help_heading = DISCOVERY)]
+    pub etcd_endpoint: Option<String>,
+
+    /// etcd key prefix the fleet registers under.
+    #[arg(
+        long,
+        default_value = "/infera/workers/",
+        value_name = "PREFIX",
+        help_heading = DISCOVERY
+    )]
+    pub etcd_prefix: String,
+
+    /// Worker-Pod label selector (kubernetes discovery). [default: $INFERA_K8S_LABEL_SELECTOR]
+    #[arg(
+        long,
+        env = "INFERA_K8S_LABEL_SELECTOR",
+        value_name = "SELECTOR",
+        help_heading = DISCOVERY
+    )]
+    pub k8s_label_selector: Option<String>,
+
+    /// Namespace to watch (kubernetes discovery). [default: the Pod's own namespace]
+    #[arg(long, value_name = "NAMESPACE", help_heading = DISCOVERY)]
+    pub k8s_namespace: Option<String>,
+
+    /// How requests reach workers.
+    #[arg(long, value_enum, default_value = "nats", help_heading = TRANSPORT)]
+    pub request_transport: RequestTransport,
+
+    /// How KV-cache events reach the router.
+    #[arg(long, value_enum, default_value = "nats", help_heading = TRANSPORT)]
+    pub kv_event_transport: KvEventTransport,
+
+    /// NATS broker URL.
+    #[arg(
+        long,
+        env = "NATS_SERVER",
+        default_value = "nats://127.0.0.1:4222",
+        value_name = "URL",
+        help_heading = TRANSPORT
+    )]
+    pub nats_server: String,
+
+    /// NATS requests: per-chunk inactivity timeout (0 = forever); e.g. 900s, 15m.
+    #[arg(long, default_value = "900s", value_name = "DURATION", help_heading = TRANSPORT)]
+    pub nats_req_idle_timeout: HumanDuration,
+
+    /// NATS requests: hard wall-clock cap per request (0 = off).
+    #[arg(long, default_value = "0", value_name = "DURATION", help_heading = TRANSPORT)]
+    pub nats_req_max_duration: HumanDuration,
+
+    /// NATS requests: per-worker admission limit, beyond which requests get 429 (0 = off).
+    #[arg(long, default_value_t = 0, value_name = "N", help_heading = TRANSPORT)]
+    pub nats_req_max_pending: u32,
+
+    /// kvd Unix socket; enables POST /v1/cache/prewarm (L3 prefetch), which answers 503
+    /// without it.
+    #[arg(long, value_name = "PATH")]
+    pub kvd_socket_path: Option<PathBuf>,
+
+    /// Enable the torch-profiler control plane (POST /v1/admin/profile/{start,stop}).
+    /// [default: off]
+    #[arg(long)]
+    pub enable_profiling: bool,
+
+    /// Infera extension: 0 picks the cheapest worker (argmin); above 0 picks at random with
+    /// softmax weights over the costs, normalised by the decision's cost range.
+    #[arg(
+        long,
+        default_value = "0",
+        value_name = "T",
+        allow_negative_numbers = true,
+        help_heading = EXTENSIONS
+    )]
+    pub router_temperature: f64,
+
+    /// Infera extension: where router events are kept: memory, nats (JetStream),
+    /// sqlite:PATH or postgres://USER@HOST/DB.
+    #[arg(long, default_value = "memory", value_name = "LOG", help_heading = EXTENSIONS)]
+    pub event_log: EventLogConfig,
+
+    /// Infera extension: record the event log as Parquet trace segments in DIR, for
+    /// `infera replay`.
+    #[arg(long, value_name = "DIR", help_heading = EXTENSIONS)]
+    pub record_trace: Option<PathBuf>,
+
+    /// Infera extension: also record prompt text in the trace (needs --record-trace).
+    /// [default: off]
+    #[arg(long, help_heading = EXTENSIONS)]
+    pub record_prompts: bool,
+
+    /// Infera extension: chat template file (Jinja) used to tokenize chat requests for
+    /// prefix hashing. [default: the tokenizer's own template]
+    #[arg(long, value_name = "FILE", help_heading = EXTENSIONS)]
+    pub chat_template: Option<PathBuf>,
+
+    /// Infera extension: largest accepted request body (413 beyond); e.g. 32MiB, 1G.
+    #[arg(long, default_value = "32MiB", value_name = "SIZE", help_heading = EXTENSIONS)]
+    pub max_body_bytes: ByteSize,
+
+    /// Validate, print the resolved configuration as JSON on stdout and exit.
+    #[arg(long)]
+    pub check_config: bool,
+}

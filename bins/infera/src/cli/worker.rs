@@ -1,0 +1,267 @@
+//! Flags of `infera worker {vllm,sglang,atom,mock}` (the seed's `python -m infera.engine.*`).
+//!
+//! Every engine shares [`WorkerArgs`]; the model and port flags take each engine's spelling
+//! (see [`EngineKind`]) with the other spelling as an alias. Real engines add `--engine-cmd`
+//! and forward every argument that is not Infera's (see [`super::passthrough`]); the mock
+//! engine adds its simulation parameters and accepts nothing else.
+
+use crate::config::units::HumanDuration;
+use crate::config::worker::{EngineKind, TimingCoeffs};
+use crate::config::{DiscoveryBackend, KvEventTransport, RequestTransport};
+use clap::{Arg, Args, Subcommand};
+
+const EXTENSIONS: &str = "Infera extensions";
+const MOCK: &str = "Mock engine";
+
+const FORWARDING: &str = "Every argument that is not listed above is forwarded verbatim, in \
+    order, to the engine (e.g. --tensor-parallel-size, --block-size, --kv-transfer-config); \
+    arguments after `--` are always forwarded. The model, host and port are passed to the \
+    engine in its own spelling. --discovery-backend, --request-transport and \
+    --kv-event-transport must match the server's.";
+
+/// The engine a worker launches.
+#[derive(Debug, Clone, Subcommand)]
+pub enum WorkerCommand {
+    /// Launch vLLM (`vllm serve`) and join it to the fleet.
+    #[command(
+        after_help = FORWARDING,
+        mut_arg("model", |arg| model_arg(arg, EngineKind::Vllm)),
+        mut_arg("port", |arg| port_arg(arg, EngineKind::Vllm)),
+        mut_arg("engine_cmd", |arg| engine_cmd_arg(arg, EngineKind::Vllm)),
+    )]
+    Vllm(EngineWorkerArgs),
+
+    /// Launch SGLang (`python3 -m sglang.launch_server`) and join it to the fleet.
+    #[command(
+        after_help = FORWARDING,
+        mut_arg("model", |arg| model_arg(arg, EngineKind::Sglang)),
+        mut_arg("port", |arg| port_arg(arg, EngineKind::Sglang)),
+        mut_arg("engine_cmd", |arg| engine_cmd_arg(arg, EngineKind::Sglang)),
+    )]
+    Sglang(EngineWorkerArgs),
+
+    /// Launch AMD ATOM (`python3 -m atom.entrypoints.openai_server`) and join it to the fleet.
+    #[command(
+        after_help = FORWARDING,
+        mut_arg("model", |arg| model_arg(arg, EngineKind::Atom)),
+        mut_arg("port", |arg| port_arg(arg, EngineKind::Atom)),
+        mut_arg("engine_cmd", |arg| engine_cmd_arg(arg, EngineKind::Atom)),
+    )]
+    Atom(EngineWorkerArgs),
+
+    /// Run Infera's GPU-free simulated engine (registers as vllm, speaks its formats).
+    #[command(
+        mut_arg("model", |arg| model_arg(arg, EngineKind::Mock)),
+        mut_arg("port", |arg| port_arg(arg, EngineKind::Mock)),
+    )]
+    Mock(MockWorkerArgs),
+}
+
+impl WorkerCommand {
+    /// The subcommands whose unknown arguments are forwarded to an engine.
+    pub fn forwarding_engine(name: &str) -> Option<EngineKind> {
+        match name {
+            "vllm" => Some(EngineKind::Vllm),
+            "sglang" => Some(EngineKind::Sglang),
+            "atom" => Some(EngineKind::Atom),
+            _ => None,
+        }
+    }
+
+    /// Where the forwarded engine arguments go, for the engines that take them.
+    pub fn engine_args_mut(&mut self) -> Option<&mut Vec<String>> {
+        match self {
+            Self::Vllm(args) | Self::Sglang(args) | Self::Atom(args) => Some(&mut args.engine_args),
+            Self::Mock(_) => None,
+        }
+    }
+
+    /// Whether `--check-config` was given.
+    pub fn check_config(&self) -> bool {
+        match self {
+            Self::Vllm(args) | Self::Sglang(args) | Self::Atom(args) => args.common.check_config,
+            Self::Mock(args) => args.common.check_config,
+        }
+    }
+}
+
+fn model_arg(arg: Arg, engine: EngineKind) -> Arg {
+    arg.long(long_name(engine.model_flag()))
+        .visible_alias(long_name(engine.model_alias()))
+}
+
+fn port_arg(arg: Arg, engine: EngineKind) -> Arg {
+    let arg = arg.long(long_name(engine.port_flag())).help(format!(
+        "Engine HTTP port. [default: the engine's own, {}]",
+        engine.default_port()
+    ));
+    match engine.port_alias() {
+        Some(alias) => arg.visible_alias(long_name(alias)),
+        None => arg,
+    }
+}
+
+fn engine_cmd_arg(arg: Arg, engine: EngineKind) -> Arg {
+    match engine.default_command() {
+        Some(command) => arg.default_value(command),
+        None => arg,
+    }
+}
+
+fn long_name(flag: &'static str) -> &'static str {
+    flag.trim_start_matches('-')
+}
+
+/// The flags every worker takes.
+#[derive(Debug, Clone, Args)]
+pub struct WorkerArgs {
+    /// Served model (required).
+    #[arg(long = "model-path", value_name = "MODEL")]
+    pub model: Option<String>,
+
+    /// Engine HTTP port (the help of each engine states its default).
+    #[arg(long = "port", value_name = "PORT")]
+    pub port: Option<u16>,
+
+    /// Bind address (passed to the engine).
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+
+    /// Shared etcd endpoint (etcd discovery); required for --discovery-backend etcd.
+    #[arg(long, value_name = "ENDPOINT")]
+    pub etcd_endpoint: Option<String>,
+
+    /// Routable host/IP published for cross-node access. [default: = --host]
+    #[arg(long, value_name = "HOST")]
+    pub advertise_host: Option<String>,
+
+    /// How this worker registers.
+    #[arg(long, value_enum, default_value = "kubernetes")]
+    pub discovery_backend: DiscoveryBackend,
+
+    /// How the router reaches this worker.
+    #[arg(long, value_enum, default_value = "nats")]
+    pub request_transport: RequestTransport,
+
+    /// Publish KV events for KV-aware routing. [default: on]
+    #[arg(long, overrides_with = "no_enable_kv_events")]
+    pub enable_kv_events: bool,
+
+    /// Do not publish KV events.
+    #[arg(long, overrides_with = "enable_kv_events")]
+    pub no_enable_kv_events: bool,
+
+    /// How KV events reach the router.
+    #[arg(long, value_enum, default_value = "nats")]
+    pub kv_event_transport: KvEventTransport,
+
+    /// Infera extension: on SIGTERM, how long in-flight requests may finish after
+    /// deregistration before the engine is stopped (0 = do not wait).
+    #[arg(long, default_value = "30s", value_name = "DURATION", help_heading = EXTENSIONS)]
+    pub drain_timeout: HumanDuration,
+
+    /// Infera extension: etcd key prefix the worker registers under.
+    #[arg(
+        long,
+        default_value = "/infera/workers/",
+        value_name = "PREFIX",
+        help_heading = EXTENSIONS
+    )]
+    pub etcd_prefix: String,
+
+    /// Infera extension: NATS broker URL.
+    #[arg(
+        long,
+        env = "NATS_SERVER",
+        default_value = "nats://127.0.0.1:4222",
+        value_name = "URL",
+        help_heading = EXTENSIONS
+    )]
+    pub nats_server: String,
+
+    /// Infera extension: namespace of this worker's Pod (kubernetes discovery).
+    /// [default: the Pod's own namespace]
+    #[arg(long, value_name = "NAMESPACE", help_heading = EXTENSIONS)]
+    pub k8s_namespace: Option<String>,
+
+    /// Infera extension: label selector of worker Pods (kubernetes discovery).
+    #[arg(
+        long,
+        env = "INFERA_K8S_LABEL_SELECTOR",
+        value_name = "SELECTOR",
+        help_heading = EXTENSIONS
+    )]
+    pub k8s_label_selector: Option<String>,
+
+    /// Validate, print the resolved configuration as JSON on stdout and exit.
+    #[arg(long)]
+    pub check_config: bool,
+}
+
+/// The flags of a worker that runs a real engine.
+#[derive(Debug, Clone, Args)]
+pub struct EngineWorkerArgs {
+    #[command(flatten)]
+    pub common: WorkerArgs,
+
+    /// Infera extension: the engine command, split on whitespace (tests run a stand-in).
+    #[arg(long, env = "INFERA_ENGINE_CMD", value_name = "COMMAND", help_heading = EXTENSIONS)]
+    pub engine_cmd: Option<String>,
+
+    /// The arguments forwarded to the engine, filled in by the argument splitter.
+    #[arg(skip)]
+    pub engine_args: Vec<String>,
+}
+
+/// The flags of `infera worker mock`.
+#[derive(Debug, Clone, Args)]
+pub struct MockWorkerArgs {
+    #[command(flatten)]
+    pub common: WorkerArgs,
+
+    /// KV blocks of simulated GPU memory.
+    #[arg(long, default_value_t = 16384, value_name = "N", help_heading = MOCK)]
+    pub gpu_blocks: u32,
+
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16, value_name = "N", help_heading = MOCK)]
+    pub block_size: u32,
+
+    /// Token budget of one scheduler step.
+    #[arg(long, default_value_t = 8192, value_name = "N", help_heading = MOCK)]
+    pub max_batched_tokens: u32,
+
+    /// Sequences running at once.
+    #[arg(long, default_value_t = 256, value_name = "N", help_heading = MOCK)]
+    pub max_seqs: u32,
+
+    /// Run simulated time this many times faster than the timing model.
+    #[arg(
+        long,
+        default_value = "1.0",
+        value_name = "X",
+        allow_negative_numbers = true,
+        help_heading = MOCK
+    )]
+    pub speedup: f64,
+
+    /// Prefill step time in ms: A·t² + B·t + C over the step's new prompt tokens t.
+    #[arg(
+        long,
+        default_value = "4.21e-7,0.01518,16.5",
+        value_name = "A,B,C",
+        allow_hyphen_values = true,
+        help_heading = MOCK
+    )]
+    pub prefill_coeffs: TimingCoeffs,
+
+    /// Decode step time in ms: A·u² + B·u + C over the fraction u of KV blocks in use.
+    #[arg(
+        long,
+        default_value = "-25.74,54.01,5.74",
+        value_name = "A,B,C",
+        allow_hyphen_values = true,
+        help_heading = MOCK
+    )]
+    pub decode_coeffs: TimingCoeffs,
+}

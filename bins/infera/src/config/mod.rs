@@ -1,0 +1,274 @@
+//! Validated configuration of each command, built from its clap arguments.
+//!
+//! Each command has one `*Config` type ([`ServerConfig`], [`WorkerConfig`], [`KvdConfig`]) and
+//! exactly one way to obtain it: `TryFrom<*Args>`, which performs every check that can be made
+//! before anything starts (required flags, mutually exclusive flags, positive sizes and counts,
+//! readable files). A failed check is a [`ConfigError`]: one line naming the flag, which the
+//! binary prints and turns into exit code 2. Checks that need the running system (resolving the
+//! Pod's own namespace, loading the tokenizer, reaching a broker) belong to the runtimes.
+//!
+//! Configs serialize to the JSON that `--check-config` prints, and deserialize from it
+//! (`deny_unknown_fields`), so a printed config is a complete, reloadable description.
+//! The enums shared by the argument structs and the configs live here.
+
+pub mod kvd;
+pub mod server;
+pub mod units;
+pub mod worker;
+
+pub use kvd::KvdConfig;
+pub use server::ServerConfig;
+pub use worker::WorkerConfig;
+
+use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::path::Path;
+
+/// A configuration that failed validation: the flag at fault and what is wrong with it.
+/// Displays as a single line, `--flag reason`, so reasons are phrased to follow the flag
+/// ("must be greater than 0 (got 0)", "is required with ...").
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{flag} {reason}")]
+pub struct ConfigError {
+    /// The flag (or flags, e.g. `--long-path/--long-paths`) the user must change.
+    pub flag: &'static str,
+    /// What is wrong and, where it helps, what to pass instead; reads as a sentence after the flag.
+    pub reason: String,
+}
+
+impl ConfigError {
+    /// A failed check of `flag`.
+    pub fn new(flag: &'static str, reason: impl Into<String>) -> Self {
+        Self {
+            flag,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// How workers announce themselves and how the server finds them (`--discovery-backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DiscoveryBackend {
+    /// Worker Pods carry their record in an annotation; the server watches Pods.
+    Kubernetes,
+    /// Workers put their record under a leased etcd key; the server watches the prefix.
+    Etcd,
+}
+
+/// How the server forwards a request to a worker (`--request-transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestTransport {
+    /// Request/reply over the worker's NATS subject, with timeouts and admission control.
+    Nats,
+    /// Plain HTTP to the worker's URL.
+    Http,
+}
+
+/// How KV-cache events travel from workers to the router (`--kv-event-transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvEventTransport {
+    /// Workers republish engine events on NATS subjects.
+    Nats,
+    /// The router subscribes to each worker's ZeroMQ endpoint directly.
+    Zmq,
+}
+
+/// Where workers are discovered, with the settings of the chosen backend.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum DiscoveryConfig {
+    /// Kubernetes Pods and annotations.
+    Kubernetes {
+        /// Namespace to use; `None` means the Pod's own, read at runtime from the service
+        /// account mount (never during validation).
+        namespace: Option<String>,
+        /// Label selector of worker Pods; `None` selects every Pod that carries a worker record.
+        label_selector: Option<String>,
+    },
+    /// etcd v3 keys attached to leases.
+    Etcd {
+        /// The etcd endpoint (`host:port` or a URL).
+        endpoint: String,
+        /// Key prefix the fleet registers under.
+        prefix: String,
+    },
+}
+
+/// The discovery flags shared by the server and the workers, before validation.
+#[derive(Debug)]
+pub(crate) struct DiscoveryFlags {
+    pub backend: DiscoveryBackend,
+    pub etcd_endpoint: Option<String>,
+    pub etcd_prefix: String,
+    pub k8s_namespace: Option<String>,
+    pub k8s_label_selector: Option<String>,
+}
+
+impl TryFrom<DiscoveryFlags> for DiscoveryConfig {
+    type Error = ConfigError;
+
+    fn try_from(flags: DiscoveryFlags) -> Result<Self, ConfigError> {
+        match flags.backend {
+            DiscoveryBackend::Kubernetes => Ok(Self::Kubernetes {
+                namespace: non_empty(flags.k8s_namespace),
+                label_selector: non_empty(flags.k8s_label_selector),
+            }),
+            DiscoveryBackend::Etcd => {
+                let endpoint = non_empty(flags.etcd_endpoint).ok_or_else(|| {
+                    ConfigError::new(
+                        "--etcd-endpoint",
+                        "is required with --discovery-backend etcd \
+                         (e.g. --etcd-endpoint http://127.0.0.1:2379)",
+                    )
+                })?;
+                if flags.etcd_prefix.is_empty() {
+                    return Err(ConfigError::new(
+                        "--etcd-prefix",
+                        "must not be empty with --discovery-backend etcd \
+                         (the default is /infera/workers/)",
+                    ));
+                }
+                Ok(Self::Etcd {
+                    endpoint,
+                    prefix: flags.etcd_prefix,
+                })
+            }
+        }
+    }
+}
+
+/// `None` for an absent or blank value (an empty environment variable counts as unset).
+pub(crate) fn non_empty(value: Option<String>) -> Option<String> {
+    value.filter(|text| !text.trim().is_empty())
+}
+
+/// Checks that a count is positive.
+pub(crate) fn positive<T: PartialOrd + Default + std::fmt::Display>(
+    flag: &'static str,
+    value: T,
+) -> Result<T, ConfigError> {
+    if value > T::default() {
+        Ok(value)
+    } else {
+        Err(ConfigError::new(
+            flag,
+            format!("must be greater than 0 (got {value})"),
+        ))
+    }
+}
+
+/// Checks that a weight or temperature is a finite number ≥ 0.
+pub(crate) fn non_negative_f64(flag: &'static str, value: f64) -> Result<f64, ConfigError> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(value)
+    } else {
+        Err(ConfigError::new(
+            flag,
+            format!("must be a finite number >= 0 (got {value})"),
+        ))
+    }
+}
+
+/// Checks that a factor is a finite number > 0.
+pub(crate) fn positive_f64(flag: &'static str, value: f64) -> Result<f64, ConfigError> {
+    if value.is_finite() && value > 0.0 {
+        Ok(value)
+    } else {
+        Err(ConfigError::new(
+            flag,
+            format!("must be a finite number greater than 0 (got {value})"),
+        ))
+    }
+}
+
+/// Checks that `path` is a regular file this process can open for reading.
+pub(crate) fn readable_file(flag: &'static str, path: &Path) -> Result<(), ConfigError> {
+    if path.is_dir() {
+        return Err(ConfigError::new(
+            flag,
+            format!(
+                "names {}, which is a directory; expected a file",
+                path.display()
+            ),
+        ));
+    }
+    File::open(path).map(drop).map_err(|error| {
+        ConfigError::new(
+            flag,
+            format!("names {}, which cannot be read: {error}", path.display()),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flags(backend: DiscoveryBackend) -> DiscoveryFlags {
+        DiscoveryFlags {
+            backend,
+            etcd_endpoint: None,
+            etcd_prefix: "/infera/workers/".into(),
+            k8s_namespace: None,
+            k8s_label_selector: Some("app=worker".into()),
+        }
+    }
+
+    #[test]
+    fn etcd_discovery_needs_an_endpoint() {
+        let error = DiscoveryConfig::try_from(flags(DiscoveryBackend::Etcd)).unwrap_err();
+        assert_eq!(error.flag, "--etcd-endpoint");
+        assert!(error.to_string().contains("--discovery-backend etcd"));
+
+        let mut with_endpoint = flags(DiscoveryBackend::Etcd);
+        with_endpoint.etcd_endpoint = Some("127.0.0.1:2379".into());
+        assert_eq!(
+            DiscoveryConfig::try_from(with_endpoint).unwrap(),
+            DiscoveryConfig::Etcd {
+                endpoint: "127.0.0.1:2379".into(),
+                prefix: "/infera/workers/".into()
+            }
+        );
+    }
+
+    #[test]
+    fn kubernetes_discovery_leaves_the_namespace_to_runtime() {
+        let mut blank_namespace = flags(DiscoveryBackend::Kubernetes);
+        blank_namespace.k8s_namespace = Some(" ".into());
+        assert_eq!(
+            DiscoveryConfig::try_from(blank_namespace).unwrap(),
+            DiscoveryConfig::Kubernetes {
+                namespace: None,
+                label_selector: Some("app=worker".into())
+            }
+        );
+    }
+
+    #[test]
+    fn numeric_checks_name_the_flag_and_the_value() {
+        assert_eq!(positive("--n", 3u32), Ok(3));
+        let error = positive("--n", 0u32).unwrap_err();
+        assert_eq!(error.to_string(), "--n must be greater than 0 (got 0)");
+        assert!(non_negative_f64("--w", 0.0).is_ok());
+        assert!(non_negative_f64("--w", -0.5).is_err());
+        assert!(non_negative_f64("--w", f64::NAN).is_err());
+        assert!(positive_f64("--s", 0.0).is_err());
+        assert!(positive_f64("--s", f64::INFINITY).is_err());
+        assert_eq!(positive_f64("--s", 2.5), Ok(2.5));
+    }
+
+    #[test]
+    fn readable_file_rejects_missing_files_and_directories() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = readable_file("--f", &dir.path().join("nope")).unwrap_err();
+        assert!(missing.reason.contains("cannot be read"), "{missing}");
+        let directory = readable_file("--f", dir.path()).unwrap_err();
+        assert!(directory.reason.contains("is a directory"), "{directory}");
+        let file = dir.path().join("ok");
+        std::fs::write(&file, b"{}").unwrap();
+        assert!(readable_file("--f", &file).is_ok());
+    }
+}

@@ -1,0 +1,466 @@
+//! [`ServerConfig`]: the validated configuration of `infera server`.
+//!
+//! Built only by `TryFrom<ServerArgs>`, which checks, in this order: the tokenizer path
+//! (required; a directory with `tokenizer.json` or a readable file; it is read, not loaded),
+//! discovery (etcd needs an endpoint), routing weights and temperature (finite, ≥ 0), the
+//! body-size limit (> 0), the event log location, trace recording and the chat template.
+//! Durations of 0 become `None` ("off" / "forever"), as the seed documents them.
+
+use crate::cli::server::ServerArgs;
+use crate::config::units::{ByteSize, HumanDuration};
+use crate::config::{
+    ConfigError, DiscoveryConfig, DiscoveryFlags, KvEventTransport, RequestTransport,
+    non_negative_f64, positive, readable_file,
+};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use std::str::FromStr;
+
+/// Who picks the worker for a request (`--router-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RouterMode {
+    /// The in-process routing policy.
+    Auto,
+    /// An external endpoint picker, through the x-worker-instance-id header.
+    Direct,
+}
+
+/// The in-process routing policy (`--router-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RouterPolicy {
+    /// Lowest cost: blocks to prefill (weighted) plus current load.
+    KvAware,
+    /// Each worker in turn.
+    RoundRobin,
+}
+
+/// Where the router's event log is kept (`--event-log`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum EventLogConfig {
+    /// In process memory; lost on exit.
+    Memory,
+    /// A NATS JetStream stream on `--nats-server`.
+    Nats,
+    /// An SQLite database file.
+    Sqlite {
+        /// The database file.
+        path: PathBuf,
+    },
+    /// A PostgreSQL database.
+    Postgres {
+        /// The connection URL (`postgres://` or `postgresql://`).
+        url: String,
+    },
+}
+
+impl FromStr for EventLogConfig {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        const EXPECTED: &str = "expected memory, nats, sqlite:PATH or postgres://USER@HOST/DB";
+        match text {
+            "memory" => return Ok(Self::Memory),
+            "nats" => return Ok(Self::Nats),
+            _ => {}
+        }
+        if text.starts_with("postgres://") || text.starts_with("postgresql://") {
+            return Ok(Self::Postgres { url: text.into() });
+        }
+        if let Some(rest) = text.strip_prefix("sqlite:") {
+            // Accept sqlx-style `sqlite://PATH` as well as `sqlite:PATH`.
+            let path = rest.strip_prefix("//").unwrap_or(rest);
+            if path.is_empty() {
+                return Err(format!("'{text}' names no database file; {EXPECTED}"));
+            }
+            return Ok(Self::Sqlite { path: path.into() });
+        }
+        Err(format!("'{text}' is not an event log; {EXPECTED}"))
+    }
+}
+
+/// Where and what the server records for `infera replay`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TraceRecordingConfig {
+    /// Directory of the Parquet segments.
+    pub dir: PathBuf,
+    /// Whether prompt text is recorded too.
+    pub prompts: bool,
+}
+
+/// The HTTP front.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Bind address.
+    pub host: String,
+    /// Bind port.
+    pub port: u16,
+    /// Largest accepted request body.
+    pub max_body_bytes: ByteSize,
+}
+
+/// Routing: tokenizer, policy and its weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouterConfig {
+    /// `--router-tokenizer-path` as given.
+    pub tokenizer_path: PathBuf,
+    /// The tokenizer.json file it resolved to (checked readable, not yet loaded).
+    pub tokenizer_file: PathBuf,
+    /// Chat template replacing the tokenizer's own, if any.
+    pub chat_template: Option<PathBuf>,
+    /// Who picks the worker.
+    pub mode: RouterMode,
+    /// The in-process policy.
+    pub policy: RouterPolicy,
+    /// Weight of blocks to prefill against load.
+    pub kv_overlap_weight: f64,
+    /// Prefill-role weight in PD mode; `None` uses `kv_overlap_weight`.
+    pub kv_prefill_overlap_weight: Option<f64>,
+    /// Decode-role weight in PD mode; `None` uses `kv_overlap_weight`.
+    pub kv_decode_overlap_weight: Option<f64>,
+    /// 0: argmin; above 0: softmax sampling over range-normalised costs.
+    pub temperature: f64,
+    /// Failovers before the first response byte.
+    pub request_max_retries: u32,
+}
+
+/// The NATS broker and the limits of NATS requests.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsConfig {
+    /// Broker URL.
+    pub server: String,
+    /// Longest gap between reply chunks; `None` waits forever.
+    pub req_idle_timeout: Option<HumanDuration>,
+    /// Longest whole request; `None` is unlimited.
+    pub req_max_duration: Option<HumanDuration>,
+    /// In-flight requests per worker before 429; `None` is unlimited.
+    pub req_max_pending: Option<u32>,
+}
+
+/// The validated configuration of `infera server`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// The OpenAI-compatible HTTP front.
+    pub http: HttpConfig,
+    /// Routing.
+    pub router: RouterConfig,
+    /// Worker discovery.
+    pub discovery: DiscoveryConfig,
+    /// How requests reach workers.
+    pub request_transport: RequestTransport,
+    /// How KV events reach the router.
+    pub kv_event_transport: KvEventTransport,
+    /// NATS settings (used by whichever of the above is `nats`, and by a `nats` event log).
+    pub nats: NatsConfig,
+    /// kvd socket for prewarm; `None` makes prewarm answer 503.
+    pub kvd_socket_path: Option<PathBuf>,
+    /// Whether the profiler endpoints are enabled.
+    pub enable_profiling: bool,
+    /// Where router events are kept.
+    pub event_log: EventLogConfig,
+    /// Trace recording, if enabled.
+    pub record_trace: Option<TraceRecordingConfig>,
+}
+
+impl TryFrom<ServerArgs> for ServerConfig {
+    type Error = ConfigError;
+
+    fn try_from(args: ServerArgs) -> Result<Self, ConfigError> {
+        let (tokenizer_path, tokenizer_file) = tokenizer(args.router_tokenizer_path)?;
+        let discovery = DiscoveryConfig::try_from(DiscoveryFlags {
+            backend: args.discovery_backend,
+            etcd_endpoint: args.etcd_endpoint,
+            etcd_prefix: args.etcd_prefix,
+            k8s_namespace: args.k8s_namespace,
+            k8s_label_selector: args.k8s_label_selector,
+        })?;
+        let optional_weight = |flag, weight: Option<f64>| -> Result<Option<f64>, ConfigError> {
+            weight.map(|w| non_negative_f64(flag, w)).transpose()
+        };
+        let router = RouterConfig {
+            tokenizer_path,
+            tokenizer_file,
+            chat_template: chat_template(args.chat_template)?,
+            mode: args.router_mode,
+            policy: args.router_policy,
+            kv_overlap_weight: non_negative_f64("--kv-overlap-weight", args.kv_overlap_weight)?,
+            kv_prefill_overlap_weight: optional_weight(
+                "--kv-prefill-overlap-weight",
+                args.kv_prefill_overlap_weight,
+            )?,
+            kv_decode_overlap_weight: optional_weight(
+                "--kv-decode-overlap-weight",
+                args.kv_decode_overlap_weight,
+            )?,
+            temperature: non_negative_f64("--router-temperature", args.router_temperature)?,
+            request_max_retries: args.request_max_retries,
+        };
+        let http = HttpConfig {
+            host: args.host,
+            port: args.port,
+            max_body_bytes: positive("--max-body-bytes", args.max_body_bytes.bytes())
+                .map(ByteSize)?,
+        };
+        Ok(Self {
+            http,
+            router,
+            discovery,
+            request_transport: args.request_transport,
+            kv_event_transport: args.kv_event_transport,
+            nats: NatsConfig {
+                server: args.nats_server,
+                req_idle_timeout: args.nats_req_idle_timeout.non_zero(),
+                req_max_duration: args.nats_req_max_duration.non_zero(),
+                req_max_pending: (args.nats_req_max_pending > 0)
+                    .then_some(args.nats_req_max_pending),
+            },
+            kvd_socket_path: args.kvd_socket_path,
+            enable_profiling: args.enable_profiling,
+            event_log: event_log(args.event_log)?,
+            record_trace: record_trace(args.record_trace, args.record_prompts)?,
+        })
+    }
+}
+
+/// Resolves `--router-tokenizer-path` to its tokenizer.json, checking only that it is readable.
+fn tokenizer(path: Option<PathBuf>) -> Result<(PathBuf, PathBuf), ConfigError> {
+    const FLAG: &str = "--router-tokenizer-path";
+    let path = path.ok_or_else(|| {
+        ConfigError::new(
+            FLAG,
+            "is required: a directory containing tokenizer.json, or a tokenizer.json file, \
+             for the same model as the workers",
+        )
+    })?;
+    if path.is_dir() {
+        let file = path.join("tokenizer.json");
+        if !file.exists() {
+            return Err(ConfigError::new(
+                FLAG,
+                format!(
+                    "names {}, a directory without tokenizer.json",
+                    path.display()
+                ),
+            ));
+        }
+        readable_file(FLAG, &file)?;
+        return Ok((path, file));
+    }
+    if !path.exists() {
+        return Err(ConfigError::new(
+            FLAG,
+            format!(
+                "names {}, which does not exist (expected a directory containing \
+                 tokenizer.json, or a tokenizer.json file)",
+                path.display()
+            ),
+        ));
+    }
+    readable_file(FLAG, &path)?;
+    Ok((path.clone(), path))
+}
+
+fn chat_template(path: Option<PathBuf>) -> Result<Option<PathBuf>, ConfigError> {
+    if let Some(path) = &path {
+        readable_file("--chat-template", path)?;
+    }
+    Ok(path)
+}
+
+fn event_log(log: EventLogConfig) -> Result<EventLogConfig, ConfigError> {
+    if let EventLogConfig::Sqlite { path } = &log {
+        let parent = path.parent().filter(|dir| !dir.as_os_str().is_empty());
+        if let Some(dir) = parent.filter(|dir| !dir.is_dir()) {
+            return Err(ConfigError::new(
+                "--event-log",
+                format!(
+                    "names sqlite:{}, whose directory {} does not exist",
+                    path.display(),
+                    dir.display()
+                ),
+            ));
+        }
+    }
+    Ok(log)
+}
+
+fn record_trace(
+    dir: Option<PathBuf>,
+    prompts: bool,
+) -> Result<Option<TraceRecordingConfig>, ConfigError> {
+    match dir {
+        None if prompts => Err(ConfigError::new(
+            "--record-prompts",
+            "needs --record-trace DIR (prompts are recorded into the trace)",
+        )),
+        None => Ok(None),
+        Some(dir) if dir.exists() && !dir.is_dir() => Err(ConfigError::new(
+            "--record-trace",
+            format!(
+                "names {}, which exists and is not a directory",
+                dir.display()
+            ),
+        )),
+        Some(dir) => Ok(Some(TraceRecordingConfig { dir, prompts })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::Cli;
+    use clap::Parser;
+
+    fn tokenizer_dir() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), b"{}").unwrap();
+        dir
+    }
+
+    fn parse(extra: &[&str]) -> Result<ServerConfig, ConfigError> {
+        let dir = tokenizer_dir();
+        let path = dir.path().to_str().unwrap().to_owned();
+        let mut argv = vec!["infera", "server", "--router-tokenizer-path", &path];
+        argv.extend_from_slice(extra);
+        let cli = Cli::try_parse_from(argv).unwrap();
+        match cli.command {
+            crate::cli::Command::Server(args) => ServerConfig::try_from(args),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_match_the_seed() {
+        let config = parse(&[]).unwrap();
+        assert_eq!(config.http.host, "0.0.0.0");
+        assert_eq!(config.http.port, 8000);
+        assert_eq!(config.http.max_body_bytes, ByteSize(32 << 20));
+        assert_eq!(config.router.mode, RouterMode::Auto);
+        assert_eq!(config.router.policy, RouterPolicy::KvAware);
+        assert_eq!(config.router.kv_overlap_weight, 1.0);
+        assert_eq!(config.router.kv_prefill_overlap_weight, None);
+        assert_eq!(config.router.temperature, 0.0);
+        assert_eq!(config.router.request_max_retries, 1);
+        assert!(matches!(
+            config.discovery,
+            DiscoveryConfig::Kubernetes {
+                namespace: None,
+                ..
+            }
+        ));
+        assert_eq!(config.request_transport, RequestTransport::Nats);
+        assert_eq!(config.kv_event_transport, KvEventTransport::Nats);
+        assert_eq!(config.nats.req_idle_timeout, Some("900s".parse().unwrap()));
+        assert_eq!(config.nats.req_max_duration, None);
+        assert_eq!(config.nats.req_max_pending, None);
+        assert_eq!(config.event_log, EventLogConfig::Memory);
+        assert_eq!(config.record_trace, None);
+        assert!(config.router.tokenizer_file.ends_with("tokenizer.json"));
+    }
+
+    #[test]
+    fn the_config_round_trips_through_json() {
+        let config = parse(&["--kv-prefill-overlap-weight", "20", "--event-log", "nats"]).unwrap();
+        let json = serde_json::to_string(&config).unwrap();
+        let back: ServerConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, config);
+    }
+
+    #[test]
+    fn negative_weights_and_temperature_are_rejected() {
+        for (flag, value) in [
+            ("--kv-overlap-weight", "-1"),
+            ("--kv-prefill-overlap-weight", "-0.5"),
+            ("--kv-decode-overlap-weight", "-2"),
+            ("--router-temperature", "-0.1"),
+        ] {
+            let error = parse(&[flag, value]).unwrap_err();
+            assert_eq!(error.flag, flag);
+        }
+        assert!(parse(&["--kv-overlap-weight", "0", "--router-temperature", "0.5"]).is_ok());
+    }
+
+    #[test]
+    fn event_log_specs_parse() {
+        assert_eq!("memory".parse(), Ok(EventLogConfig::Memory));
+        assert_eq!("nats".parse(), Ok(EventLogConfig::Nats));
+        assert_eq!(
+            "sqlite:/tmp/events.db".parse(),
+            Ok(EventLogConfig::Sqlite {
+                path: "/tmp/events.db".into()
+            })
+        );
+        assert_eq!(
+            "sqlite:///tmp/events.db".parse(),
+            Ok(EventLogConfig::Sqlite {
+                path: "/tmp/events.db".into()
+            })
+        );
+        assert_eq!(
+            "postgresql://u@h/db".parse(),
+            Ok(EventLogConfig::Postgres {
+                url: "postgresql://u@h/db".into()
+            })
+        );
+        assert!("sqlite:".parse::<EventLogConfig>().is_err());
+        assert!("redis://x".parse::<EventLogConfig>().is_err());
+    }
+
+    #[test]
+    fn sqlite_event_log_needs_an_existing_directory() {
+        let error = parse(&["--event-log", "sqlite:/no/such/dir/events.db"]).unwrap_err();
+        assert_eq!(error.flag, "--event-log");
+        assert!(parse(&["--event-log", "sqlite:events.db"]).is_ok());
+    }
+
+    #[test]
+    fn record_prompts_needs_record_trace() {
+        assert_eq!(
+            parse(&["--record-prompts"]).unwrap_err().flag,
+            "--record-prompts"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let trace = dir.path().join("trace");
+        let config = parse(&[
+            "--record-trace",
+            trace.to_str().unwrap(),
+            "--record-prompts",
+        ])
+        .unwrap();
+        assert_eq!(
+            config.record_trace,
+            Some(TraceRecordingConfig {
+                dir: trace,
+                prompts: true
+            })
+        );
+    }
+
+    #[test]
+    fn tokenizer_paths_are_checked_for_readability() {
+        assert_eq!(tokenizer(None).unwrap_err().flag, "--router-tokenizer-path");
+        let empty = tempfile::tempdir().unwrap();
+        let error = tokenizer(Some(empty.path().into())).unwrap_err();
+        assert!(error.reason.contains("without tokenizer.json"), "{error}");
+        let error = tokenizer(Some(empty.path().join("missing.json"))).unwrap_err();
+        assert!(error.reason.contains("does not exist"), "{error}");
+        let file = empty.path().join("tok.json");
+        std::fs::write(&file, b"{}").unwrap();
+        assert_eq!(tokenizer(Some(file.clone())).unwrap(), (file.clone(), file));
+    }
+
+    #[test]
+    fn zero_max_body_bytes_is_rejected() {
+        assert_eq!(
+            parse(&["--max-body-bytes", "0"]).unwrap_err().flag,
+            "--max-body-bytes"
+        );
+    }
+}

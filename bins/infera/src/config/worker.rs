@@ -1,0 +1,664 @@
+//! [`WorkerConfig`]: the validated configuration of `infera worker {vllm,sglang,atom,mock}`.
+//!
+//! Built only by `TryFrom<WorkerCommand>`. For a real engine the config holds the complete
+//! engine command line: the engine command (`--engine-cmd`), then the model, host and port
+//! re-emitted in the engine's own spelling, then every forwarded argument in its original
+//! order. The engine's block size and parallel sizes are read from the forwarded arguments
+//! (not removed from them) so registration can carry `kv_block_size` and `dp_size`.
+//! For `mock` the config holds the simulated engine's parameters instead.
+//!
+//! [`EngineKind`] is the one place that knows each engine's spelling of its flags.
+
+use crate::cli::worker::{EngineWorkerArgs, MockWorkerArgs, WorkerArgs, WorkerCommand};
+use crate::config::units::HumanDuration;
+use crate::config::{
+    ConfigError, DiscoveryConfig, DiscoveryFlags, KvEventTransport, RequestTransport, non_empty,
+    positive, positive_f64,
+};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// The engine a worker runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    /// vLLM (`vllm serve`).
+    Vllm,
+    /// SGLang (`python3 -m sglang.launch_server`).
+    Sglang,
+    /// AMD ATOM (`python3 -m atom.entrypoints.openai_server`).
+    Atom,
+    /// Infera's GPU-free simulated engine, run in process.
+    Mock,
+}
+
+impl EngineKind {
+    /// The engine's own spelling of the model flag; the other spelling is accepted as an alias.
+    pub fn model_flag(self) -> &'static str {
+        match self {
+            Self::Vllm | Self::Atom => "--model",
+            Self::Sglang | Self::Mock => "--model-path",
+        }
+    }
+
+    /// The alternative spelling of the model flag.
+    pub fn model_alias(self) -> &'static str {
+        match self {
+            Self::Vllm | Self::Atom => "--model-path",
+            Self::Sglang | Self::Mock => "--model",
+        }
+    }
+
+    /// The engine's spelling of its HTTP port flag. ATOM's own `--port` is the internal
+    /// torch-distributed port, so for ATOM `--port` is forwarded, not read as the HTTP port.
+    pub fn port_flag(self) -> &'static str {
+        match self {
+            Self::Atom => "--server-port",
+            Self::Vllm | Self::Sglang | Self::Mock => "--port",
+        }
+    }
+
+    /// The alternative spelling of the HTTP port flag, where it does not clash with the engine.
+    pub fn port_alias(self) -> Option<&'static str> {
+        match self {
+            Self::Atom => None,
+            Self::Vllm | Self::Sglang | Self::Mock => Some("--server-port"),
+        }
+    }
+
+    /// The HTTP port the engine uses when none is given.
+    pub fn default_port(self) -> u16 {
+        match self {
+            Self::Sglang => 30000,
+            Self::Vllm | Self::Atom | Self::Mock => 8000,
+        }
+    }
+
+    /// The command that starts the engine (before its arguments); `None` for the mock.
+    pub fn default_command(self) -> Option<&'static str> {
+        match self {
+            Self::Vllm => Some("vllm serve"),
+            Self::Sglang => Some("python3 -m sglang.launch_server"),
+            Self::Atom => Some("python3 -m atom.entrypoints.openai_server"),
+            Self::Mock => None,
+        }
+    }
+
+    /// Spellings of the engine's KV block size flag.
+    pub fn block_size_flags(self) -> &'static [&'static str] {
+        match self {
+            Self::Vllm | Self::Atom => &["--block-size"],
+            Self::Sglang => &["--page-size"],
+            Self::Mock => &[],
+        }
+    }
+
+    /// Spellings of the engine's tensor-parallel size flag.
+    pub fn tensor_parallel_flags(self) -> &'static [&'static str] {
+        match self {
+            Self::Vllm | Self::Atom => &["--tensor-parallel-size", "-tp"],
+            Self::Sglang => &["--tp-size", "--tensor-parallel-size"],
+            Self::Mock => &[],
+        }
+    }
+
+    /// Spellings of the engine's data-parallel size flag.
+    pub fn data_parallel_flags(self) -> &'static [&'static str] {
+        match self {
+            Self::Vllm | Self::Atom => &["--data-parallel-size", "-dp"],
+            Self::Sglang => &["--dp-size", "--data-parallel-size"],
+            Self::Mock => &[],
+        }
+    }
+
+    /// Engine flags known to take a value. When splitting the command line, the token after
+    /// one of these always stays with it, even if it looks like one of Infera's flags; an
+    /// unknown engine flag keeps the next token only if that is not an Infera flag.
+    pub fn value_flags(self) -> &'static [&'static str] {
+        match self {
+            Self::Vllm => &[
+                "--block-size",
+                "--tensor-parallel-size",
+                "-tp",
+                "--data-parallel-size",
+                "-dp",
+                "--pipeline-parallel-size",
+                "-pp",
+                "--data-parallel-rank",
+                "--kv-transfer-config",
+                "--kv-events-config",
+                "--served-model-name",
+                "--tokenizer",
+                "--chat-template",
+                "--seed",
+                "--max-model-len",
+                "--gpu-memory-utilization",
+                "--kv-cache-dtype",
+                "--dtype",
+                "--quantization",
+                "--max-num-seqs",
+                "--max-num-batched-tokens",
+            ],
+            Self::Sglang => &[
+                "--page-size",
+                "--tp-size",
+                "--tensor-parallel-size",
+                "--dp-size",
+                "--data-parallel-size",
+                "--disaggregation-mode",
+                "--disaggregation-bootstrap-port",
+                "--disaggregation-transfer-backend",
+                "--kv-events-config",
+                "--served-model-name",
+                "--tokenizer-path",
+                "--chat-template",
+                "--random-seed",
+                "--context-length",
+                "--mem-fraction-static",
+                "--kv-cache-dtype",
+                "--dtype",
+                "--quantization",
+                "--attention-backend",
+                "--speculative-algorithm",
+            ],
+            Self::Atom => &[
+                "--block-size",
+                "--tensor-parallel-size",
+                "-tp",
+                "--data-parallel-size",
+                "-dp",
+                "--kv-transfer-config",
+                "--port",
+                "--kv_cache_dtype",
+                "--max-model-len",
+                "--gpu-memory-utilization",
+            ],
+            Self::Mock => &[],
+        }
+    }
+}
+
+impl fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
+            Self::Atom => "atom",
+            Self::Mock => "mock",
+        })
+    }
+}
+
+/// Whether and how the worker publishes KV-cache events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvEventsConfig {
+    /// `--enable-kv-events` / `--no-enable-kv-events`.
+    pub enabled: bool,
+    /// How events reach the router.
+    pub transport: KvEventTransport,
+}
+
+/// A real engine, run as a child process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineProcessConfig {
+    /// The engine command (`--engine-cmd`, split on whitespace).
+    pub command: Vec<String>,
+    /// The engine's arguments: model, host and port in the engine's spelling, then
+    /// `passthrough`.
+    pub args: Vec<String>,
+    /// The arguments forwarded verbatim, in their original order.
+    pub passthrough: Vec<String>,
+    /// The engine's KV block size, if given (`--block-size`, SGLang `--page-size`).
+    pub kv_block_size: Option<u32>,
+    /// The engine's tensor-parallel size, if given.
+    pub tensor_parallel_size: Option<u32>,
+    /// The engine's data-parallel size, if given.
+    pub data_parallel_size: Option<u32>,
+}
+
+/// Quadratic timing coefficients `A,B,C`: `A·x² + B·x + C` milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TimingCoeffs(pub [f64; 3]);
+
+impl FromStr for TimingCoeffs {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let parts: Vec<&str> = text.split(',').map(str::trim).collect();
+        let [a, b, c] = parts.as_slice() else {
+            return Err(format!(
+                "'{text}' is not three comma-separated numbers A,B,C"
+            ));
+        };
+        let number = |part: &str| -> Result<f64, String> {
+            part.parse::<f64>()
+                .ok()
+                .filter(|value| value.is_finite())
+                .ok_or_else(|| format!("'{part}' in '{text}' is not a finite number"))
+        };
+        Ok(Self([number(a)?, number(b)?, number(c)?]))
+    }
+}
+
+/// The simulated engine of `infera worker mock`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MockEngineConfig {
+    /// KV blocks of simulated GPU memory.
+    pub gpu_blocks: u32,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Token budget of one scheduler step.
+    pub max_batched_tokens: u32,
+    /// Sequences running at once.
+    pub max_seqs: u32,
+    /// Simulated time runs this many times faster than the timing model.
+    pub speedup: f64,
+    /// Prefill step time over the step's new prompt tokens x.
+    pub prefill_coeffs: TimingCoeffs,
+    /// Decode step time over the fraction x of KV blocks in use.
+    pub decode_coeffs: TimingCoeffs,
+}
+
+/// How the engine is run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LaunchConfig {
+    /// A real engine as a child process.
+    Process(EngineProcessConfig),
+    /// The simulated engine, in process.
+    Mock(MockEngineConfig),
+}
+
+/// The validated configuration of `infera worker`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// The engine.
+    pub engine: EngineKind,
+    /// The served model.
+    pub model: String,
+    /// The engine's bind address.
+    pub host: String,
+    /// The engine's HTTP port.
+    pub port: u16,
+    /// The routable host published in the worker record (`--advertise-host`, else `--host`).
+    pub advertise_host: String,
+    /// How the worker registers.
+    pub discovery: DiscoveryConfig,
+    /// How the router reaches this worker.
+    pub request_transport: RequestTransport,
+    /// KV-event publishing.
+    pub kv_events: KvEventsConfig,
+    /// NATS broker URL.
+    pub nats_server: String,
+    /// How long in-flight requests may finish on shutdown; 0 = do not wait.
+    pub drain_timeout: HumanDuration,
+    /// How the engine is run.
+    pub launch: LaunchConfig,
+}
+
+impl TryFrom<WorkerCommand> for WorkerConfig {
+    type Error = ConfigError;
+
+    fn try_from(command: WorkerCommand) -> Result<Self, ConfigError> {
+        match command {
+            WorkerCommand::Vllm(args) => from_engine(EngineKind::Vllm, args),
+            WorkerCommand::Sglang(args) => from_engine(EngineKind::Sglang, args),
+            WorkerCommand::Atom(args) => from_engine(EngineKind::Atom, args),
+            WorkerCommand::Mock(args) => from_mock(args),
+        }
+    }
+}
+
+fn from_engine(engine: EngineKind, args: EngineWorkerArgs) -> Result<WorkerConfig, ConfigError> {
+    let shared = Shared::try_new(engine, args.common)?;
+    let command_line = args
+        .engine_cmd
+        .or_else(|| engine.default_command().map(str::to_owned))
+        .unwrap_or_default();
+    let command: Vec<String> = command_line.split_whitespace().map(str::to_owned).collect();
+    if command.is_empty() {
+        return Err(ConfigError::new(
+            "--engine-cmd",
+            format!("must name the {engine} executable (it is empty)"),
+        ));
+    }
+    let passthrough = args.engine_args;
+    let mut engine_args = vec![
+        engine.model_flag().to_owned(),
+        shared.model.clone(),
+        "--host".to_owned(),
+        shared.host.clone(),
+        engine.port_flag().to_owned(),
+        shared.port.to_string(),
+    ];
+    engine_args.extend(passthrough.iter().cloned());
+    let launch = LaunchConfig::Process(EngineProcessConfig {
+        command,
+        args: engine_args,
+        kv_block_size: peek(&passthrough, engine.block_size_flags())?,
+        tensor_parallel_size: peek(&passthrough, engine.tensor_parallel_flags())?,
+        data_parallel_size: peek(&passthrough, engine.data_parallel_flags())?,
+        passthrough,
+    });
+    Ok(shared.into_config(engine, launch))
+}
+
+fn from_mock(args: MockWorkerArgs) -> Result<WorkerConfig, ConfigError> {
+    let shared = Shared::try_new(EngineKind::Mock, args.common)?;
+    let launch = LaunchConfig::Mock(MockEngineConfig {
+        gpu_blocks: positive("--gpu-blocks", args.gpu_blocks)?,
+        block_size: positive("--block-size", args.block_size)?,
+        max_batched_tokens: positive("--max-batched-tokens", args.max_batched_tokens)?,
+        max_seqs: positive("--max-seqs", args.max_seqs)?,
+        speedup: positive_f64("--speedup", args.speedup)?,
+        prefill_coeffs: args.prefill_coeffs,
+        decode_coeffs: args.decode_coeffs,
+    });
+    Ok(shared.into_config(EngineKind::Mock, launch))
+}
+
+/// The validated flags every engine shares.
+#[derive(Debug)]
+struct Shared {
+    model: String,
+    host: String,
+    port: u16,
+    advertise_host: String,
+    discovery: DiscoveryConfig,
+    request_transport: RequestTransport,
+    kv_events: KvEventsConfig,
+    nats_server: String,
+    drain_timeout: HumanDuration,
+}
+
+impl Shared {
+    fn try_new(engine: EngineKind, args: WorkerArgs) -> Result<Self, ConfigError> {
+        let model = non_empty(args.model).ok_or_else(|| {
+            ConfigError::new(
+                engine.model_flag(),
+                format!(
+                    "is required: the model the engine serves ({} is accepted too)",
+                    engine.model_alias()
+                ),
+            )
+        })?;
+        let port = args.port.unwrap_or_else(|| engine.default_port());
+        if port == 0 {
+            return Err(ConfigError::new(
+                engine.port_flag(),
+                "must be a port between 1 and 65535 (got 0)",
+            ));
+        }
+        let discovery = DiscoveryConfig::try_from(DiscoveryFlags {
+            backend: args.discovery_backend,
+            etcd_endpoint: args.etcd_endpoint,
+            etcd_prefix: args.etcd_prefix,
+            k8s_namespace: args.k8s_namespace,
+            k8s_label_selector: args.k8s_label_selector,
+        })?;
+        let advertise_host = non_empty(args.advertise_host).unwrap_or_else(|| args.host.clone());
+        Ok(Self {
+            model,
+            host: args.host,
+            port,
+            advertise_host,
+            discovery,
+            request_transport: args.request_transport,
+            kv_events: KvEventsConfig {
+                enabled: !args.no_enable_kv_events,
+                transport: args.kv_event_transport,
+            },
+            nats_server: args.nats_server,
+            drain_timeout: args.drain_timeout,
+        })
+    }
+
+    fn into_config(self, engine: EngineKind, launch: LaunchConfig) -> WorkerConfig {
+        WorkerConfig {
+            engine,
+            model: self.model,
+            host: self.host,
+            port: self.port,
+            advertise_host: self.advertise_host,
+            discovery: self.discovery,
+            request_transport: self.request_transport,
+            kv_events: self.kv_events,
+            nats_server: self.nats_server,
+            drain_timeout: self.drain_timeout,
+            launch,
+        }
+    }
+}
+
+/// Reads the last value given to any spelling in `flags` (`--flag V` or `--flag=V`) from the
+/// forwarded arguments, which keep it. The value must be a positive integer.
+fn peek(args: &[String], flags: &'static [&'static str]) -> Result<Option<u32>, ConfigError> {
+    let mut found: Option<(&'static str, &str)> = None;
+    let mut tokens = args.iter().peekable();
+    while let Some(token) = tokens.next() {
+        for &flag in flags {
+            if token == flag {
+                if let Some(value) = tokens.peek() {
+                    found = Some((flag, value.as_str()));
+                }
+            } else if let Some(value) = token
+                .strip_prefix(flag)
+                .and_then(|rest| rest.strip_prefix('='))
+            {
+                found = Some((flag, value));
+            }
+        }
+    }
+    found
+        .map(|(flag, value)| {
+            value
+                .parse::<u32>()
+                .ok()
+                .filter(|size| *size > 0)
+                .ok_or_else(|| {
+                    ConfigError::new(flag, format!("must be a positive integer (got '{value}')"))
+                })
+        })
+        .transpose()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::{Command, parse_from};
+
+    fn parse(argv: &[&str]) -> Result<WorkerConfig, ConfigError> {
+        let mut full = vec!["infera", "worker"];
+        full.extend_from_slice(argv);
+        match parse_from(full).unwrap().command {
+            Command::Worker(command) => WorkerConfig::try_from(command),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    fn process(config: &WorkerConfig) -> &EngineProcessConfig {
+        match &config.launch {
+            LaunchConfig::Process(process) => process,
+            LaunchConfig::Mock(_) => panic!("expected a process launch"),
+        }
+    }
+
+    #[test]
+    fn vllm_re_emits_model_host_and_port_in_its_spelling() {
+        let config = parse(&["vllm", "--model-path", "m", "--port", "8001", "--foo"]).unwrap();
+        let launch = process(&config);
+        assert_eq!(launch.command, ["vllm", "serve"]);
+        assert_eq!(
+            launch.args,
+            [
+                "--model", "m", "--host", "0.0.0.0", "--port", "8001", "--foo"
+            ]
+        );
+        assert_eq!(launch.passthrough, ["--foo"]);
+        assert_eq!(config.advertise_host, "0.0.0.0");
+    }
+
+    #[test]
+    fn sglang_and_atom_use_their_own_spellings_and_default_ports() {
+        let config = parse(&["sglang", "--model", "m"]).unwrap();
+        assert_eq!(config.port, 30000);
+        assert_eq!(
+            process(&config).args,
+            ["--model-path", "m", "--host", "0.0.0.0", "--port", "30000"]
+        );
+        let config = parse(&["atom", "--model-path", "m", "--server-port", "9000"]).unwrap();
+        assert_eq!(
+            process(&config).args,
+            ["--model", "m", "--host", "0.0.0.0", "--server-port", "9000"]
+        );
+    }
+
+    #[test]
+    fn atom_forwards_its_internal_port() {
+        let config = parse(&["atom", "--model", "m", "--port", "29500"]).unwrap();
+        assert_eq!(config.port, 8000);
+        assert_eq!(process(&config).passthrough, ["--port", "29500"]);
+    }
+
+    #[test]
+    fn engine_sizes_are_peeked_but_still_forwarded() {
+        let config = parse(&[
+            "vllm",
+            "--model",
+            "m",
+            "-tp",
+            "2",
+            "--block-size=32",
+            "--data-parallel-size",
+            "4",
+        ])
+        .unwrap();
+        let launch = process(&config);
+        assert_eq!(launch.kv_block_size, Some(32));
+        assert_eq!(launch.tensor_parallel_size, Some(2));
+        assert_eq!(launch.data_parallel_size, Some(4));
+        assert_eq!(
+            launch.passthrough,
+            ["-tp", "2", "--block-size=32", "--data-parallel-size", "4"]
+        );
+        let config = parse(&[
+            "sglang",
+            "--model-path",
+            "m",
+            "--page-size",
+            "64",
+            "--tp-size",
+            "8",
+        ])
+        .unwrap();
+        assert_eq!(process(&config).kv_block_size, Some(64));
+        assert_eq!(process(&config).tensor_parallel_size, Some(8));
+    }
+
+    #[test]
+    fn an_unreadable_engine_size_names_the_engine_flag() {
+        let error = parse(&["sglang", "--model-path", "m", "--page-size", "big"]).unwrap_err();
+        assert_eq!(error.flag, "--page-size");
+        let error = parse(&["vllm", "--model", "m", "--block-size", "0"]).unwrap_err();
+        assert_eq!(error.flag, "--block-size");
+    }
+
+    #[test]
+    fn the_model_is_required_in_the_engine_spelling() {
+        assert_eq!(parse(&["vllm"]).unwrap_err().flag, "--model");
+        assert_eq!(parse(&["sglang"]).unwrap_err().flag, "--model-path");
+        assert_eq!(parse(&["mock"]).unwrap_err().flag, "--model-path");
+        assert_eq!(
+            parse(&["vllm", "--model", "m", "--port", "0"])
+                .unwrap_err()
+                .flag,
+            "--port"
+        );
+    }
+
+    #[test]
+    fn kv_events_default_on_and_the_last_switch_wins() {
+        let enabled = |argv: &[&str]| parse(argv).unwrap().kv_events.enabled;
+        assert!(enabled(&["mock", "--model-path", "m"]));
+        assert!(!enabled(&[
+            "mock",
+            "--model-path",
+            "m",
+            "--no-enable-kv-events"
+        ]));
+        assert!(enabled(&[
+            "mock",
+            "--model-path",
+            "m",
+            "--no-enable-kv-events",
+            "--enable-kv-events"
+        ]));
+        assert!(!enabled(&[
+            "vllm",
+            "--model",
+            "m",
+            "--enable-kv-events",
+            "--no-enable-kv-events"
+        ]));
+    }
+
+    #[test]
+    fn mock_defaults_and_checks() {
+        let config = parse(&["mock", "--model-path", "m"]).unwrap();
+        let LaunchConfig::Mock(mock) = &config.launch else {
+            panic!("expected the mock engine");
+        };
+        assert_eq!(mock.gpu_blocks, 16384);
+        assert_eq!(mock.block_size, 16);
+        assert_eq!(mock.max_batched_tokens, 8192);
+        assert_eq!(mock.max_seqs, 256);
+        assert_eq!(mock.speedup, 1.0);
+        assert_eq!(mock.prefill_coeffs, TimingCoeffs([4.21e-7, 0.01518, 16.5]));
+        assert_eq!(mock.decode_coeffs, TimingCoeffs([-25.74, 54.01, 5.74]));
+        for flag in [
+            "--gpu-blocks",
+            "--block-size",
+            "--max-batched-tokens",
+            "--max-seqs",
+            "--speedup",
+        ] {
+            let error = parse(&["mock", "--model-path", "m", flag, "0"]).unwrap_err();
+            assert_eq!(error.flag, flag);
+        }
+    }
+
+    #[test]
+    fn timing_coefficients_parse() {
+        assert_eq!("1,2,3".parse(), Ok(TimingCoeffs([1.0, 2.0, 3.0])));
+        assert_eq!(
+            " -1 , 2e-3 ,0".parse(),
+            Ok(TimingCoeffs([-1.0, 0.002, 0.0]))
+        );
+        assert!("1,2".parse::<TimingCoeffs>().is_err());
+        assert!("1,2,x".parse::<TimingCoeffs>().is_err());
+        assert!("1,2,inf".parse::<TimingCoeffs>().is_err());
+    }
+
+    #[test]
+    fn an_empty_engine_command_is_rejected() {
+        let error = parse(&["vllm", "--model", "m", "--engine-cmd", " "]).unwrap_err();
+        assert_eq!(error.flag, "--engine-cmd");
+    }
+
+    #[test]
+    fn the_config_round_trips_through_json() {
+        for argv in [
+            &["vllm", "--model", "m", "--tensor-parallel-size", "2"][..],
+            &["mock", "--model-path", "m", "--speedup", "10"][..],
+        ] {
+            let config = parse(argv).unwrap();
+            let json = serde_json::to_string(&config).unwrap();
+            assert_eq!(serde_json::from_str::<WorkerConfig>(&json).unwrap(), config);
+        }
+    }
+}

@@ -1,0 +1,26 @@
+//! The `infera` binary: parse the command line, start logging, run the command, and turn the
+//! outcome into an exit code. Everything else lives in the modules below.
+
+// Tests may unwrap; the non-test build still denies it everywhere.
+
+mod app;
+mod cli;
+mod config;
+mod replay_cmd;
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let cli = match cli::parse_from(std::env::args_os()) {
+        Ok(cli) => cli,
+        Err(error) => error.exit(),
+    };
+    app::init_tracing();
+    match app::run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("{error}");
+            error.exit_code()
+        }
+    }
+}

@@ -1,0 +1,576 @@
+//! `infera replay` (offline replay of a trace through the real router) and `infera trace`
+//! (import and inspect traces). Flag parsing and wiring only; the work is in `infera-replay`.
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand, ValueEnum};
+use infera_core::engine::TimingModel;
+use infera_core::policy::PolicyKind;
+use infera_replay::plot::{self, PlotPoint};
+use infera_replay::report::{self, Row, Summary};
+use infera_replay::rules::RetentionRule;
+use infera_replay::sim::{SimConfig, SimResult, TierConfig};
+use infera_replay::sweep::{self, SweepAxis};
+use infera_replay::{output, trace};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// The default simulated GPU KV cache: about what one 80–141 GB accelerator holds for a large
+/// MLA model after weights.
+const DEFAULT_GPU_TOKENS: usize = 1 << 20;
+
+/// `--router-policy` values.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum PolicyArg {
+    KvAware,
+    RoundRobin,
+}
+
+/// Arguments of `infera replay`.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Example: infera replay fixtures/traces/conversation_trace.parquet \
+    --kv-prefill-overlap-weight 20 --sweep kv-overlap-weight=0,1,4,16 --out results.parquet"
+)]
+pub struct ReplayArgs {
+    /// Trace to replay: `.parquet`, Mooncake `.jsonl`, Azure `.csv`, or a directory of recorded
+    /// Parquet segments.
+    pub trace: PathBuf,
+
+    /// Routing policy, as `infera server --router-policy`.
+    #[arg(long, value_enum, default_value = "kv-aware")]
+    pub router_policy: PolicyArg,
+    /// KV-aware: cache locality vs load balance, as `infera server`.
+    #[arg(long, default_value_t = 1.0)]
+    pub kv_overlap_weight: f64,
+    /// KV-aware PD: prefill-side weight. Without --prefill-workers/--decode-workers, a PD fleet is
+    /// simulated with a quarter of --workers as prefill workers.
+    #[arg(long)]
+    pub kv_prefill_overlap_weight: Option<f64>,
+    /// KV-aware PD: decode-side weight (same default split as above).
+    #[arg(long)]
+    pub kv_decode_overlap_weight: Option<f64>,
+    /// 0: cheapest worker wins; above 0: softmax over normalised costs (Infera extension).
+    #[arg(long, default_value_t = 0.0)]
+    pub router_temperature: f64,
+
+    /// Mixed (non-PD) workers in the simulated fleet.
+    #[arg(long, default_value_t = 8)]
+    pub workers: usize,
+    /// Prefill workers of a PD fleet (with --decode-workers).
+    #[arg(long, requires = "decode_workers")]
+    pub prefill_workers: Option<usize>,
+    /// Decode workers of a PD fleet (with --prefill-workers).
+    #[arg(long, requires = "prefill_workers")]
+    pub decode_workers: Option<usize>,
+    /// GPU KV-cache capacity per worker, in blocks [default: 1,048,576 tokens' worth at the block size]
+    #[arg(long)]
+    pub gpu_blocks: Option<usize>,
+    /// Simulated kvd host-RAM (L2) tier per worker, in blocks (0 = none).
+    #[arg(long, default_value_t = 0)]
+    pub host_blocks: u64,
+    /// Simulated kvd NVMe (L3) tier per worker, in blocks (0 = none).
+    #[arg(long, default_value_t = 0)]
+    pub disk_blocks: u64,
+    /// Tokens per KV block [default: the trace's]
+    #[arg(long)]
+    pub block_size: Option<u32>,
+    /// Engine per-step token budget.
+    #[arg(long, default_value_t = 8192)]
+    pub max_batched_tokens: u32,
+    /// Engine maximum running sequences.
+    #[arg(long, default_value_t = 256)]
+    pub max_seqs: u32,
+    /// Prefill time model, ms = A·t² + B·t + C for t new prompt tokens in a step.
+    #[arg(long, value_name = "A,B,C", default_value = "4.21e-7,0.01518,16.5")]
+    pub prefill_coeffs: String,
+    /// Decode step time model, ms = A·u² + B·u + C for KV-cache utilisation u in 0..1.
+    #[arg(long, value_name = "A,B,C", default_value = "-25.74,54.01,5.74")]
+    pub decode_coeffs: String,
+    /// Cost of loading one block from the host/disk tiers into the GPU.
+    #[arg(long, default_value_t = 0.02)]
+    pub load_ms_per_block: f64,
+    /// Play the trace this many times faster (arrival times are divided by it).
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// Seed for tie-breaking, sampling and arrival spreading.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Delay between an engine storing blocks and the router seeing the KV event.
+    #[arg(long, default_value_t = 1.0)]
+    pub kv_event_delay_ms: f64,
+    /// Half-life of the load charge a routing decision leaves on its worker.
+    #[arg(long, default_value_t = 1000.0)]
+    pub recent_half_life_ms: f64,
+    /// Retention class rule COND:CLASS[:ttl=SECONDS], first match wins, e.g.
+    /// 'input_length<2048:short' or '*:long:ttl=600' (repeatable; the trace's own column wins).
+    #[arg(long = "retention-rule", value_name = "RULE")]
+    pub retention_rules: Vec<String>,
+    /// Sweep an option over values, KEY=V1,V2,... (repeatable: a grid), e.g.
+    /// kv-overlap-weight=0,0.5,1,2,4,8,16,32.
+    #[arg(long = "sweep", value_name = "KEY=V1,V2,...")]
+    pub sweeps: Vec<String>,
+    /// Worker threads for sweeps [default: all cores]
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Keep Mooncake's ~3 s timestamp buckets instead of spreading arrivals within them.
+    #[arg(long)]
+    pub no_spread: bool,
+    /// Write per-request rows to this Parquet file and a summary to FILE.summary.parquet.
+    #[arg(long, value_name = "FILE.parquet")]
+    pub out: Option<PathBuf>,
+    /// Draw hit rate and TTFT p50 against the swept value, and TTFT CDFs (SVG).
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+}
+
+/// Arguments of `infera trace`.
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    #[command(subcommand)]
+    pub cmd: TraceCmd,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TraceCmd {
+    /// Convert a Mooncake JSONL or Azure CSV trace (or a Parquet trace) to Infera's Parquet schema.
+    Import {
+        /// Source trace (.jsonl, .csv, .parquet or a directory of segments).
+        input: PathBuf,
+        /// Destination Parquet file (written atomically).
+        output: PathBuf,
+        #[command(flatten)]
+        load: LoadArgs,
+    },
+    /// Summarise a trace: counts, span, rate, length percentiles, ideal hit rate.
+    Inspect {
+        /// Trace (.parquet, .jsonl, .csv or a directory of segments).
+        input: PathBuf,
+        #[command(flatten)]
+        load: LoadArgs,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct LoadArgs {
+    /// Seed for spreading arrivals within Mooncake's timestamp buckets.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Keep the timestamp buckets as they are.
+    #[arg(long)]
+    pub no_spread: bool,
+    /// Block size for traces without hashes (Azure CSV).
+    #[arg(long, default_value_t = 16)]
+    pub azure_block_size: u32,
+    /// Model name for traces that carry none.
+    #[arg(long, default_value = "default")]
+    pub model: String,
+}
+
+impl LoadArgs {
+    fn options(&self) -> trace::LoadOptions {
+        trace::LoadOptions {
+            seed: self.seed,
+            spread_buckets: !self.no_spread,
+            azure_block_size: self.azure_block_size,
+            model: self.model.clone(),
+        }
+    }
+}
+
+fn parse_coeffs(flag: &str, s: &str) -> anyhow::Result<[f64; 3]> {
+    let v: Vec<f64> = s
+        .split(',')
+        .map(|x| x.trim().parse::<f64>())
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("--{flag} {s:?}: expected three numbers A,B,C"))?;
+    match v.as_slice() {
+        [a, b, c] if v.iter().all(|x| x.is_finite()) => Ok([*a, *b, *c]),
+        _ => bail!("--{flag} {s:?}: expected three finite numbers A,B,C"),
+    }
+}
+
+/// Builds the base simulation configuration from the flags (the only conversion path).
+fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfig> {
+    let nonneg = |flag: &str, v: f64| -> anyhow::Result<()> {
+        if !(v.is_finite() && v >= 0.0) {
+            bail!("--{flag} must be a non-negative number (got {v})");
+        }
+        Ok(())
+    };
+    nonneg("kv-overlap-weight", a.kv_overlap_weight)?;
+    nonneg("router-temperature", a.router_temperature)?;
+    nonneg("kv-event-delay-ms", a.kv_event_delay_ms)?;
+    nonneg("load-ms-per-block", a.load_ms_per_block)?;
+    if let Some(w) = a.kv_prefill_overlap_weight {
+        nonneg("kv-prefill-overlap-weight", w)?;
+    }
+    if let Some(w) = a.kv_decode_overlap_weight {
+        nonneg("kv-decode-overlap-weight", w)?;
+    }
+    if a.workers == 0 {
+        bail!("--workers must be at least 1");
+    }
+    if a.prefill_workers == Some(0) || a.decode_workers == Some(0) {
+        bail!("--prefill-workers and --decode-workers must be at least 1");
+    }
+    if !(a.speedup.is_finite() && a.speedup > 0.0) {
+        bail!("--speedup must be above 0 (got {})", a.speedup);
+    }
+    if !(a.recent_half_life_ms.is_finite() && a.recent_half_life_ms > 0.0) {
+        bail!("--recent-half-life-ms must be above 0");
+    }
+    let block_size = a.block_size.unwrap_or(trace_block_size).max(1);
+    if a.block_size == Some(0) {
+        bail!("--block-size must be at least 1");
+    }
+    let gpu_blocks = a
+        .gpu_blocks
+        .unwrap_or_else(|| (DEFAULT_GPU_TOKENS / block_size as usize).max(1));
+    if gpu_blocks == 0 {
+        bail!("--gpu-blocks must be at least 1");
+    }
+    let [pa, pb, pc] = parse_coeffs("prefill-coeffs", &a.prefill_coeffs)?;
+    let [da, db, dc] = parse_coeffs("decode-coeffs", &a.decode_coeffs)?;
+    let rules = a
+        .retention_rules
+        .iter()
+        .map(|r| r.parse::<RetentionRule>())
+        .collect::<Result<Vec<_>, _>>()
+        .context("--retention-rule")?;
+    let mut cfg = SimConfig::default();
+    cfg.router.policy = match a.router_policy {
+        PolicyArg::KvAware => PolicyKind::KvAware,
+        PolicyArg::RoundRobin => PolicyKind::RoundRobin,
+    };
+    cfg.router.overlap_weight = a.kv_overlap_weight;
+    cfg.router.prefill_overlap_weight = a.kv_prefill_overlap_weight;
+    cfg.router.decode_overlap_weight = a.kv_decode_overlap_weight;
+    cfg.router.temperature = a.router_temperature;
+    cfg.router.seed = a.seed;
+    cfg.workers = a.workers;
+    cfg.pd = a.prefill_workers.zip(a.decode_workers);
+    cfg.engine.gpu_blocks = gpu_blocks;
+    cfg.engine.block_size = block_size;
+    cfg.engine.max_batched_tokens = a.max_batched_tokens;
+    cfg.engine.max_seqs = a.max_seqs;
+    cfg.engine.timing = TimingModel {
+        prefill_a: pa,
+        prefill_b: pb,
+        prefill_c: pc,
+        decode_a: da,
+        decode_b: db,
+        decode_c: dc,
+        load_ms_per_block: a.load_ms_per_block,
+    };
+    cfg.tiers = TierConfig {
+        host_blocks: a.host_blocks,
+        disk_blocks: a.disk_blocks,
+    };
+    cfg.rules = rules;
+    cfg.speedup = a.speedup;
+    cfg.kv_event_delay_us = (a.kv_event_delay_ms * 1000.0) as u64;
+    cfg.fleet.recent_half_life_us = (a.recent_half_life_ms * 1000.0) as u64;
+    cfg.engine.validate().context("engine settings")?;
+    Ok(cfg)
+}
+
+/// A progress bar on stderr that appears only when stderr is a terminal and the run lasts more
+/// than a second.
+struct Progress {
+    bar: indicatif::ProgressBar,
+    done: Arc<AtomicBool>,
+}
+
+impl Progress {
+    fn new(total: u64, what: &str) -> Self {
+        let bar = indicatif::ProgressBar::with_draw_target(
+            Some(total),
+            indicatif::ProgressDrawTarget::hidden(),
+        );
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{spinner} {msg} [{elapsed}] {bar:30} {pos}/{len}",
+        ) {
+            bar.set_style(style);
+        }
+        bar.set_message(what.to_owned());
+        let done = Arc::new(AtomicBool::new(false));
+        if std::io::stderr().is_terminal() {
+            let (b, d) = (bar.clone(), done.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_secs(1));
+                if !d.load(Ordering::Acquire) {
+                    b.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+                    b.enable_steady_tick(Duration::from_millis(120));
+                }
+            });
+        }
+        Self { bar, done }
+    }
+
+    fn finish(&self) {
+        self.done.store(true, Ordering::Release);
+        self.bar.finish_and_clear();
+    }
+}
+
+pub fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    // Validate everything that does not need the trace before reading it.
+    let axes: Vec<SweepAxis> = args
+        .sweeps
+        .iter()
+        .map(|s| s.parse::<SweepAxis>())
+        .collect::<Result<_, _>>()?;
+    check_output_path(args.out.as_deref(), "parquet", "--out")?;
+    check_output_path(args.plot.as_deref(), "svg", "--plot")?;
+    let opts = trace::LoadOptions {
+        seed: args.seed,
+        spread_buckets: !args.no_spread,
+        ..Default::default()
+    };
+    let mut tr = trace::load(&args.trace, &opts)?;
+    if let Some(n) = args.limit {
+        if n == 0 {
+            bail!("--limit must be at least 1");
+        }
+        tr.requests.truncate(n);
+    }
+    let trace_bs = tr.requests.first().map(|r| r.block_size).unwrap_or(16);
+    let mut base = base_config(&args, trace_bs)?;
+    let mut notes = tr.notes.clone();
+    notes.extend(sweep::resolve_pd(&mut base));
+    let mut points = sweep::grid(&base, &axes)?;
+    for p in &mut points {
+        // Sweeping a PD weight on a mixed fleet implies the default split too.
+        if let Some(n) = sweep::resolve_pd(&mut p.config)
+            && !notes.contains(&n)
+        {
+            notes.push(n);
+        }
+    }
+    let summary = trace::summarize(&tr);
+    println!(
+        "trace: {} — {} requests over {:.1} min ({:.2} req/s), block size {}, {} blocks",
+        args.trace.display(),
+        summary.requests,
+        summary.span_s / 60.0,
+        summary.rate_per_s.unwrap_or(0.0),
+        trace_bs,
+        summary.blocks_total
+    );
+    for n in &notes {
+        println!("note: {n}");
+    }
+    describe_fleet(&base);
+
+    let threads = args.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .build()?;
+    let progress = Progress::new(points.len() as u64, "replaying");
+    let bar = progress.bar.clone();
+    let sim_started = Instant::now();
+    let results = pool.install(|| sweep::run_all(&tr, &points, &|| bar.inc(1)));
+    progress.finish();
+    let sim_secs = sim_started.elapsed().as_secs_f64();
+    let mut runs: Vec<(usize, SimResult, Summary)> = Vec::with_capacity(points.len());
+    for (i, r) in results.into_iter().enumerate() {
+        let r = r.with_context(|| format!("configuration {}", points[i].label))?;
+        let s = Summary::of(&r, summary.ideal_hit_rate);
+        runs.push((i, r, s));
+    }
+    // Rank: TTFT p50 first (what users feel), then hit rate.
+    let mut order: Vec<usize> = (0..runs.len()).collect();
+    order.sort_by(|a, b| {
+        let (sa, sb) = (&runs[*a].2, &runs[*b].2);
+        sa.ttft_p50_ms
+            .total_cmp(&sb.ttft_p50_ms)
+            .then(sb.hit_rate.total_cmp(&sa.hit_rate))
+    });
+    let rows: Vec<Row> = order
+        .iter()
+        .map(|i| Row {
+            label: points[*i].label.clone(),
+            summary: runs[*i].2.clone(),
+        })
+        .collect();
+    println!();
+    print!("{}", report::table(&rows));
+    let best = &runs[order[0]];
+    println!();
+    println!(
+        "best: {} (ranked by TTFT p50, then hit rate)",
+        points[best.0].label
+    );
+    let classes = report::class_table(&best.2);
+    if classes.lines().count() > 2 {
+        println!("hits by retention class:");
+        print!("{classes}");
+    }
+    let shares: Vec<String> = best
+        .2
+        .shares
+        .iter()
+        .map(|(w, s)| format!("{}={:.1}%", short_worker(w), s * 100.0))
+        .collect();
+    println!("per-worker share: {}", shares.join(" "));
+    println!(
+        "simulated {} configuration(s) in {:.2} s on {} thread(s) ({:.2} s per configuration; the best: {} engine steps, {} events in its log)",
+        runs.len(),
+        sim_secs,
+        threads,
+        sim_secs * threads.min(runs.len()).max(1) as f64 / runs.len() as f64,
+        best.1.steps,
+        best.1.events
+    );
+    if let Some(out) = &args.out {
+        let mut rank_of = vec![0usize; runs.len()];
+        for (rank, i) in order.iter().enumerate() {
+            rank_of[*i] = rank + 1;
+        }
+        let written: Vec<output::Written<'_>> = runs
+            .iter()
+            .map(|(i, r, s)| output::Written {
+                label: &points[*i].label,
+                rank: rank_of[*i],
+                config: &points[*i].config,
+                result: r,
+                summary: s,
+            })
+            .collect();
+        output::write(out, &written)?;
+        println!(
+            "wrote {} and {}",
+            out.display(),
+            output::summary_path(out).display()
+        );
+    }
+    if let Some(path) = &args.plot {
+        let axis = axes
+            .first()
+            .map(|a| a.key.clone())
+            .unwrap_or_else(|| "configuration".into());
+        let pts: Vec<PlotPoint> = runs
+            .iter()
+            .map(|(i, r, s)| {
+                let mut ttft: Vec<f64> = r
+                    .requests
+                    .iter()
+                    .filter(|q| !q.rejected)
+                    .map(|q| q.ttft_us as f64 / 1000.0)
+                    .collect();
+                ttft.sort_by(f64::total_cmp);
+                PlotPoint {
+                    label: points[*i].label.clone(),
+                    x: (axes.len() == 1)
+                        .then(|| points[*i].values[0].1.parse::<f64>().ok())
+                        .flatten(),
+                    hit_rate: s.hit_rate,
+                    ttft_p50_ms: s.ttft_p50_ms,
+                    ttft_ms: ttft,
+                }
+            })
+            .collect();
+        write_atomic(path, plot::render(&axis, &pts).as_bytes())?;
+        println!("wrote {}", path.display());
+    }
+    tracing::debug!(elapsed_s = started.elapsed().as_secs_f64(), "replay done");
+    Ok(())
+}
+
+fn describe_fleet(c: &SimConfig) {
+    let fleet = match c.pd {
+        Some((p, d)) => format!("{p} prefill + {d} decode workers"),
+        None => format!("{} workers", c.workers),
+    };
+    let tiers = if c.tiers.host_blocks + c.tiers.disk_blocks > 0 {
+        format!(
+            ", kvd tiers host {} / disk {} blocks",
+            c.tiers.host_blocks, c.tiers.disk_blocks
+        )
+    } else {
+        String::new()
+    };
+    println!(
+        "fleet: {fleet}, {} GPU blocks of {} tokens each{tiers}; policy {}",
+        c.engine.gpu_blocks,
+        c.engine.block_size,
+        c.router.policy.as_str()
+    );
+}
+
+fn short_worker(w: &str) -> &str {
+    w.strip_suffix(":8000")
+        .unwrap_or(w)
+        .trim_start_matches("sim-")
+}
+
+fn check_output_path(p: Option<&Path>, ext: &str, flag: &str) -> anyhow::Result<()> {
+    let Some(p) = p else { return Ok(()) };
+    if p.extension().and_then(|e| e.to_str()) != Some(ext) {
+        bail!("{flag} {}: expected a .{ext} file", p.display());
+    }
+    let dir = p
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !dir.is_dir() {
+        bail!(
+            "{flag} {}: directory {} does not exist",
+            p.display(),
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    let name = path
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+}
+
+pub fn run_trace(args: TraceArgs) -> anyhow::Result<()> {
+    match args.cmd {
+        TraceCmd::Import {
+            input,
+            output,
+            load,
+        } => {
+            check_output_path(Some(&output), "parquet", "output")?;
+            let tr = trace::load(&input, &load.options())?;
+            for n in &tr.notes {
+                println!("note: {n}");
+            }
+            trace::write_parquet(&tr, &output)?;
+            println!(
+                "wrote {} ({} requests)",
+                output.display(),
+                tr.requests.len()
+            );
+            Ok(())
+        }
+        TraceCmd::Inspect { input, load } => {
+            let tr = trace::load(&input, &load.options())?;
+            for n in &tr.notes {
+                println!("note: {n}");
+            }
+            print!("{}", trace::summarize(&tr));
+            Ok(())
+        }
+    }
+}

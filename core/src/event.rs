@@ -1,0 +1,395 @@
+//! Typed events and their envelope: the only way router state changes.
+//!
+//! Every fact the router acts on is one [`Event`] wrapped in an [`Envelope`] and appended to the
+//! [`crate::log::EventLog`]; projections ([`crate::fleet::FleetState`], the KV index) fold the log in
+//! sequence order. Persisted form is JSON (`serde`), versioned by [`EVENT_FORMAT_VERSION`]; new fields
+//! are `#[serde(default)]` so old logs keep parsing, and `fixtures/events/v1.jsonl` is the golden file
+//! that must always decode.
+
+use crate::clock::Micros;
+use crate::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
+use serde::{Deserialize, Serialize};
+
+/// The version written into every envelope.
+pub const EVENT_FORMAT_VERSION: u16 = 1;
+
+/// Position of an event in one log. Starts at 1; 0 means "before the first event".
+pub type Seq = u64;
+
+/// Where an event came from, for gap detection and attribution.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Source {
+    pub worker: WorkerId,
+    #[serde(default)]
+    pub dp_rank: u32,
+    /// The source's own sequence number (e.g. the engine's ZMQ seq), if it has one.
+    #[serde(default)]
+    pub seq: Option<u64>,
+}
+
+/// An event as stored in a log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Envelope {
+    /// Format version of this record.
+    #[serde(default = "default_version")]
+    pub v: u16,
+    /// Log sequence number, assigned by the log on append.
+    pub seq: Seq,
+    /// When the log accepted the event (microseconds on the log's clock).
+    pub ts_us: Micros,
+    #[serde(default)]
+    pub source: Option<Source>,
+    pub event: Event,
+}
+
+fn default_version() -> u16 {
+    EVENT_FORMAT_VERSION
+}
+
+/// Every kind of fact in the log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type")]
+pub enum Event {
+    WorkerRegistered(WorkerRegistered),
+    WorkerDeregistered(WorkerDeregistered),
+    KvBlocksStored(KvBlocksStored),
+    KvBlocksRemoved(KvBlocksRemoved),
+    KvCacheCleared(KvCacheCleared),
+    RequestRouted(RequestRouted),
+    RequestPrefilled(RequestPrefilled),
+    RequestFinished(RequestFinished),
+}
+
+impl Event {
+    /// A short name for logs and metrics labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Event::WorkerRegistered(_) => "worker_registered",
+            Event::WorkerDeregistered(_) => "worker_deregistered",
+            Event::KvBlocksStored(_) => "kv_blocks_stored",
+            Event::KvBlocksRemoved(_) => "kv_blocks_removed",
+            Event::KvCacheCleared(_) => "kv_cache_cleared",
+            Event::RequestRouted(_) => "request_routed",
+            Event::RequestPrefilled(_) => "request_prefilled",
+            Event::RequestFinished(_) => "request_finished",
+        }
+    }
+}
+
+/// Engines Infera launches. The wire value is what the Python server accepts (PROTOCOLS §1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    Vllm,
+    Sglang,
+    Atom,
+}
+
+/// A worker's role in prefill/decode disaggregation.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    #[default]
+    Mixed,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Mixed => "mixed",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// How a worker receives requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RequestTransport {
+    #[default]
+    Nats,
+    Http,
+}
+
+/// The registration record a worker publishes (PROTOCOLS §1, compat).
+///
+/// Unknown fields are kept in `extra` so that a record written by a newer worker survives a round
+/// trip through this server unchanged.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerRecord {
+    pub worker_id: WorkerId,
+    pub url: String,
+    pub model_name: String,
+    pub engine: Engine,
+    #[serde(default, deserialize_with = "null_as_mixed")]
+    pub disagg_mode: Role,
+    #[serde(default)]
+    pub disagg_meta: Option<serde_json::Value>,
+    #[serde(default)]
+    pub kv_events_endpoint: Option<String>,
+    pub kv_block_size: u32,
+    #[serde(default)]
+    pub dp_rank: u32,
+    #[serde(default = "one")]
+    pub dp_size: u32,
+    #[serde(default)]
+    pub request_transport: RequestTransport,
+    #[serde(default)]
+    pub kv: Option<serde_json::Value>,
+    /// Fields this version does not know, kept verbatim.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn null_as_mixed<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Role, D::Error> {
+    Ok(Option::<Role>::deserialize(d)?.unwrap_or_default())
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerRegistered {
+    pub record: WorkerRecord,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerDeregistered {
+    pub worker: WorkerId,
+    /// Why it left (lease expired, pod deleted, shutdown…), for operators.
+    #[serde(default)]
+    pub reason: String,
+}
+
+/// Where a cached block lives, fastest first.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    #[default]
+    Gpu,
+    Host,
+    Disk,
+    External,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 4] = [Tier::Gpu, Tier::Host, Tier::Disk, Tier::External];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Gpu => "gpu",
+            Tier::Host => "host",
+            Tier::Disk => "disk",
+            Tier::External => "external",
+        }
+    }
+}
+
+/// Blocks an engine stored, as consecutive blocks of one sequence.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvBlocksStored {
+    pub worker: WorkerRank,
+    #[serde(default)]
+    pub tier: Tier,
+    pub block_size: u32,
+    /// The engine's keys, one per block.
+    pub engine_hashes: Vec<EngineHash>,
+    /// The router's hashes of the same blocks, computed from the event's token ids.
+    pub router_hashes: Vec<BlockHash>,
+    /// The engine key of the block before the first one, if any.
+    #[serde(default)]
+    pub parent: Option<EngineHash>,
+}
+
+/// Blocks an engine evicted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvBlocksRemoved {
+    pub worker: WorkerRank,
+    #[serde(default)]
+    pub tier: Tier,
+    pub engine_hashes: Vec<EngineHash>,
+    /// The router hashes the engine keys mapped to when the event was ingested (informative; the
+    /// index resolves removals through its own map).
+    #[serde(default)]
+    pub router_hashes: Vec<BlockHash>,
+}
+
+/// An engine dropped its whole cache (or restarted).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvCacheCleared {
+    pub worker: WorkerRank,
+    /// `None` clears every tier.
+    #[serde(default)]
+    pub tier: Option<Tier>,
+}
+
+/// Retention class of a request's KV blocks (PROTOCOLS §5), lowest to highest.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Retention {
+    None,
+    Ephemeral,
+    Short,
+    #[default]
+    Long,
+}
+
+impl Retention {
+    pub const ALL: [Retention; 4] = [
+        Retention::None,
+        Retention::Ephemeral,
+        Retention::Short,
+        Retention::Long,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Retention::None => "none",
+            Retention::Ephemeral => "ephemeral",
+            Retention::Short => "short",
+            Retention::Long => "long",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "none" => Retention::None,
+            "ephemeral" => Retention::Ephemeral,
+            "short" => Retention::Short,
+            "long" => Retention::Long,
+            _ => return None,
+        })
+    }
+}
+
+/// One scored candidate of a routing decision, kept for "why did it go there".
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CandidateScore {
+    pub worker: WorkerRank,
+    pub overlap_blocks: u32,
+    pub cost: f64,
+}
+
+/// One leg of a routed request (a single leg, or the prefill and decode legs in PD mode).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoutedLeg {
+    pub worker: WorkerRank,
+    pub role: Role,
+    pub overlap_blocks: u32,
+}
+
+/// The router's decision for one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestRouted {
+    pub request_id: RequestId,
+    pub model: String,
+    pub legs: Vec<RoutedLeg>,
+    /// The request's complete-block router hashes (at the chosen worker's block size).
+    pub blocks: Vec<BlockHash>,
+    /// Prompt tokens (for queued-prefill accounting).
+    #[serde(default)]
+    pub prompt_tokens: u32,
+    pub policy: String,
+    /// The overlap weight(s) used, by role.
+    #[serde(default)]
+    pub weights: Vec<(Role, f64)>,
+    /// The best few candidates, cheapest first.
+    #[serde(default)]
+    pub top: Vec<CandidateScore>,
+    /// The client's retention hint, if it gave one (it scales the overlap weight).
+    #[serde(default)]
+    pub retention: Option<Retention>,
+    /// When the decision was made (microseconds on the router's clock); load decay is computed
+    /// from this, so a rebuilt state decays exactly like the original.
+    pub at_us: Micros,
+}
+
+/// The request's prompt has been processed (first token produced): it no longer queues prefill.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestPrefilled {
+    pub request_id: RequestId,
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestStatus {
+    Ok,
+    ClientError,
+    Cancelled,
+    WorkerError,
+    Timeout,
+    Rejected,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestFinished {
+    pub request_id: RequestId,
+    pub status: RequestStatus,
+    /// Time to first token, if one was produced.
+    #[serde(default)]
+    pub ttft_us: Option<u64>,
+    #[serde(default)]
+    pub tokens_in: u32,
+    #[serde(default)]
+    pub tokens_out: u32,
+    /// `usage.prompt_tokens_details.cached_tokens` as the engine reported it.
+    #[serde(default)]
+    pub cached_tokens: Option<u32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registration_record_parses_python_shape_and_keeps_unknown_fields() {
+        let json = r#"{"worker_id":"10.0.0.5:30000","url":"http://10.0.0.5:30000",
+            "model_name":"m","engine":"sglang","disagg_mode":null,"disagg_meta":null,
+            "kv_events_endpoint":"tcp://10.0.0.5:5557","kv_block_size":16,"dp_rank":0,
+            "dp_size":1,"request_transport":"http","capacity_blocks":4096}"#;
+        let r: WorkerRecord = serde_json::from_str(json).expect("parse");
+        assert_eq!(r.disagg_mode, Role::Mixed);
+        assert_eq!(r.engine, Engine::Sglang);
+        assert_eq!(r.extra["capacity_blocks"], 4096);
+        let back = serde_json::to_value(&r).expect("ser");
+        assert_eq!(back["capacity_blocks"], 4096);
+    }
+
+    #[test]
+    fn unknown_engine_is_rejected() {
+        let json = r#"{"worker_id":"a:1","url":"http://a:1","model_name":"m","engine":"mock",
+            "kv_block_size":16}"#;
+        assert!(serde_json::from_str::<WorkerRecord>(json).is_err());
+    }
+
+    #[test]
+    fn golden_event_log_still_parses() {
+        let text = include_str!("../../fixtures/events/v1.jsonl");
+        let mut kinds = std::collections::BTreeSet::new();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let env: Envelope = serde_json::from_str(line).expect("golden event");
+            assert_eq!(env.v, 1);
+            kinds.insert(env.event.kind());
+        }
+        assert_eq!(
+            kinds.len(),
+            8,
+            "golden file covers every event kind: {kinds:?}"
+        );
+    }
+}

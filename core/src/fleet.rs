@@ -1,0 +1,680 @@
+//! `FleetState`: the router's whole view of the fleet, as a projection of the event log.
+//!
+//! It owns the workers (by model and role, with their block sizes), the [`KvIndex`], and the load
+//! the router itself put on each worker rank:
+//! - `active_blocks`: distinct blocks of in-flight requests (a prefix shared by two requests on the
+//!   same rank counts once; refcounted per block);
+//! - `recent_blocks`: a decayed charge of recent picks (half-life [`FleetConfig::recent_half_life_us`]),
+//!   so that a burst decided before any KV event arrives still spreads;
+//! - `queued_prefill_tokens`: prompt tokens routed to a rank and not yet prefilled.
+//!
+//! Invariants: only [`Projection::apply`] mutates it; decay is evaluated from event timestamps
+//! carried in the events themselves (`RequestRouted::at_us`), never from a wall clock, so a rebuild
+//! from a dump is identical and replay is deterministic.
+
+use crate::event::{
+    Envelope, Event, RequestFinished, RequestPrefilled, RequestRouted, RequestStatus, Role,
+    WorkerRecord, WorkerRegistered,
+};
+use crate::ids::{BlockHash, RequestId, WorkerId, WorkerRank};
+use crate::index::{KvIndex, WorkerSlot};
+use crate::projection::Projection;
+use rustc_hash::FxHashMap;
+use std::collections::{BTreeMap, VecDeque};
+
+/// Tunables of the load accounting.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FleetConfig {
+    /// Half-life of the charge a pick leaves on its worker rank.
+    pub recent_half_life_us: u64,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        Self {
+            recent_half_life_us: 1_000_000,
+        }
+    }
+}
+
+/// How many half-lives a pick is remembered for (after that its charge is < 0.4 %).
+const RECENT_HORIZON_HALF_LIVES: u64 = 8;
+
+/// One routable unit as the policy sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    pub rank: WorkerRank,
+    pub slot: WorkerSlot,
+    pub role: Role,
+    pub block_size: u32,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+struct RankLoad {
+    /// Block → number of in-flight requests on this rank that contain it.
+    active: FxHashMap<BlockHash, u32>,
+    queued_prefill_tokens: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct InFlight {
+    routed: RequestRouted,
+    /// Per leg: the prompt tokens this leg still has to prefill.
+    queued_tokens: Vec<u64>,
+    prefilled: bool,
+    order: u64,
+}
+
+/// Picks aggregated per time bucket (width = half-life / [`BUCKETS_PER_HALF_LIFE`]) and rank, so the
+/// recent charge costs O(buckets × ranks) per decision, whatever the request rate.
+#[derive(Debug, Clone, PartialEq)]
+struct RecentBucket {
+    bucket: u64,
+    per_rank: Vec<(WorkerRank, u64)>,
+}
+
+/// Resolution of the recent-pick window.
+const BUCKETS_PER_HALF_LIFE: u64 = 8;
+
+/// The fleet as the router knows it. See the module docs.
+#[derive(Debug, Clone, Default)]
+pub struct FleetState {
+    config: FleetConfig,
+    workers: BTreeMap<WorkerId, WorkerRecord>,
+    index: KvIndex,
+    load: FxHashMap<WorkerRank, RankLoad>,
+    inflight: FxHashMap<RequestId, InFlight>,
+    recent: VecDeque<RecentBucket>,
+    /// Finished requests still inside the recent window, kept so a dump can reproduce `recent`.
+    recent_finished: BTreeMap<u64, RequestRouted>,
+    latest_bucket: u64,
+    picks: u64,
+}
+
+impl FleetState {
+    pub fn new(config: FleetConfig) -> Self {
+        Self {
+            config,
+            ..Default::default()
+        }
+    }
+
+    pub fn config(&self) -> &FleetConfig {
+        &self.config
+    }
+
+    /// The KV index (read-only: only events change it).
+    pub fn index(&self) -> &KvIndex {
+        &self.index
+    }
+
+    pub fn worker(&self, id: &WorkerId) -> Option<&WorkerRecord> {
+        self.workers.get(id)
+    }
+
+    /// Every registered worker, by id.
+    pub fn workers(&self) -> impl Iterator<Item = &WorkerRecord> {
+        self.workers.values()
+    }
+
+    pub fn worker_count(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Models served by at least one worker, sorted.
+    pub fn models(&self) -> Vec<String> {
+        let mut m: Vec<String> = self
+            .workers
+            .values()
+            .map(|w| w.model_name.clone())
+            .collect();
+        m.sort();
+        m.dedup();
+        m
+    }
+
+    /// Whether the model has dedicated prefill and decode pools (PD disaggregation).
+    pub fn is_disaggregated(&self, model: &str) -> bool {
+        let mut prefill = false;
+        let mut decode = false;
+        for w in self.workers.values().filter(|w| w.model_name == model) {
+            prefill |= w.disagg_mode == Role::Prefill;
+            decode |= w.disagg_mode == Role::Decode;
+        }
+        prefill && decode
+    }
+
+    /// The routable ranks of `model` with `role`, in a stable order (by worker id, then rank).
+    pub fn candidates(&self, model: &str, role: Role) -> Vec<Candidate> {
+        let mut out = Vec::new();
+        for w in self.workers.values() {
+            if w.model_name != model || w.disagg_mode != role {
+                continue;
+            }
+            for r in rank_range(w) {
+                let rank = WorkerRank::new(w.worker_id.clone(), r);
+                if let Some(slot) = self.index.slot(&rank) {
+                    out.push(Candidate {
+                        rank,
+                        slot,
+                        role,
+                        block_size: w.kv_block_size,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Distinct blocks of in-flight requests on `rank`.
+    pub fn active_blocks(&self, rank: &WorkerRank) -> u64 {
+        self.load
+            .get(rank)
+            .map(|l| l.active.len() as u64)
+            .unwrap_or(0)
+    }
+
+    /// Prompt tokens routed to `rank` and not yet prefilled.
+    pub fn queued_prefill_tokens(&self, rank: &WorkerRank) -> u64 {
+        self.load
+            .get(rank)
+            .map(|l| l.queued_prefill_tokens)
+            .unwrap_or(0)
+    }
+
+    /// The decayed charge of recent picks of `rank`, evaluated at `now_us`.
+    pub fn recent_blocks(&self, rank: &WorkerRank, now_us: u64) -> f64 {
+        self.recent_by_rank(now_us)
+            .get(rank)
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    /// Recent charges of every rank at once (one pass; used by the policy per decision).
+    pub fn recent_by_rank(&self, now_us: u64) -> FxHashMap<&WorkerRank, f64> {
+        let width = self.bucket_width_us();
+        let hl = self.config.recent_half_life_us.max(1) as f64;
+        let mut out: FxHashMap<&WorkerRank, f64> = FxHashMap::default();
+        for b in &self.recent {
+            let age = now_us.saturating_sub(b.bucket * width) as f64;
+            let factor = (-age / hl * std::f64::consts::LN_2).exp();
+            for (rank, blocks) in &b.per_rank {
+                *out.entry(rank).or_default() += *blocks as f64 * factor;
+            }
+        }
+        out
+    }
+
+    fn bucket_width_us(&self) -> u64 {
+        (self.config.recent_half_life_us / BUCKETS_PER_HALF_LIFE).max(1)
+    }
+
+    /// Requests routed and not finished.
+    pub fn inflight_requests(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// In-flight requests per rank (for metrics and `/v1/workers`).
+    pub fn inflight_on(&self, rank: &WorkerRank) -> usize {
+        self.inflight
+            .values()
+            .filter(|f| f.routed.legs.iter().any(|l| &l.worker == rank))
+            .count()
+    }
+
+    fn register(&mut self, record: &WorkerRecord) {
+        if let Some(old) = self.workers.get(&record.worker_id) {
+            // Ranks the worker no longer has leave routing (a re-registration may shrink dp_size).
+            let (old_ranks, new_ranks) = (rank_range(old), rank_range(record));
+            let id = record.worker_id.clone();
+            self.drop_ranks(|r| {
+                r.worker == id && old_ranks.contains(&r.dp_rank) && !new_ranks.contains(&r.dp_rank)
+            });
+        }
+        for r in rank_range(record) {
+            self.index
+                .ensure_slot(&WorkerRank::new(record.worker_id.clone(), r));
+        }
+        self.workers
+            .insert(record.worker_id.clone(), record.clone());
+    }
+
+    fn deregister(&mut self, worker: &WorkerId) {
+        self.workers.remove(worker);
+        self.index.remove_worker(worker);
+        self.drop_ranks(|r| &r.worker == worker);
+    }
+
+    /// Forgets the load on ranks that left routing. Decisions that involved them no longer load
+    /// them: their legs are stripped from the stored decisions, so that a dump (which re-applies the
+    /// stored decisions) reproduces exactly this state.
+    fn drop_ranks(&mut self, gone: impl Fn(&WorkerRank) -> bool) {
+        self.load.retain(|rank, _| !gone(rank));
+        for f in self.inflight.values_mut() {
+            let keep: Vec<bool> = f.routed.legs.iter().map(|l| !gone(&l.worker)).collect();
+            let mut k = keep.iter();
+            f.routed.legs.retain(|_| k.next().copied().unwrap_or(true));
+            let mut k = keep.iter();
+            f.queued_tokens
+                .retain(|_| k.next().copied().unwrap_or(true));
+        }
+        for r in self.recent_finished.values_mut() {
+            r.legs.retain(|l| !gone(&l.worker));
+        }
+        for b in self.recent.iter_mut() {
+            b.per_rank.retain(|(rank, _)| !gone(rank));
+        }
+        self.recent.retain(|b| !b.per_rank.is_empty());
+    }
+
+    fn serves(&self, rank: &WorkerRank) -> bool {
+        self.workers
+            .get(&rank.worker)
+            .is_some_and(|w| rank_range(w).contains(&rank.dp_rank))
+    }
+
+    fn routed(&mut self, r: &RequestRouted) {
+        if self.inflight.contains_key(&r.request_id) {
+            return; // duplicate delivery
+        }
+        self.picks += 1;
+        let order = self.picks;
+        self.latest_bucket = self.latest_bucket.max(r.at_us / self.bucket_width_us());
+        let mut routed = r.clone();
+        // A leg to a worker that is not registered (it left before the decision was applied)
+        // puts no load anywhere.
+        routed.legs.retain(|l| self.serves(&l.worker));
+        let mut queued_tokens = Vec::with_capacity(routed.legs.len());
+        for leg in &routed.legs {
+            let bs = self
+                .workers
+                .get(&leg.worker.worker)
+                .map(|w| w.kv_block_size)
+                .unwrap_or(0);
+            self.charge_recent(r.at_us, &leg.worker, r.blocks.len() as u64);
+            let load = self.load.entry(leg.worker.clone()).or_default();
+            for b in &r.blocks {
+                *load.active.entry(*b).or_default() += 1;
+            }
+            let queued = if leg.role == Role::Decode {
+                0
+            } else {
+                let cached = leg.overlap_blocks as u64 * bs as u64;
+                (r.prompt_tokens as u64).saturating_sub(cached)
+            };
+            load.queued_prefill_tokens += queued;
+            queued_tokens.push(queued);
+        }
+        self.prune_recent();
+        let entry = InFlight {
+            routed,
+            queued_tokens,
+            prefilled: false,
+            order,
+        };
+        self.inflight.insert(r.request_id.clone(), entry);
+    }
+
+    fn charge_recent(&mut self, at_us: u64, rank: &WorkerRank, blocks: u64) {
+        let bucket = at_us / self.bucket_width_us();
+        // Buckets stay sorted; a late pick (older timestamp) lands in its own bucket.
+        let pos = self.recent.partition_point(|b| b.bucket < bucket);
+        if self.recent.get(pos).is_none_or(|b| b.bucket != bucket) {
+            self.recent.insert(
+                pos,
+                RecentBucket {
+                    bucket,
+                    per_rank: Vec::new(),
+                },
+            );
+        }
+        if let Some(b) = self.recent.get_mut(pos) {
+            match b.per_rank.iter_mut().find(|(r, _)| r == rank) {
+                Some((_, n)) => *n += blocks,
+                None => b.per_rank.push((rank.clone(), blocks)),
+            }
+        }
+    }
+
+    fn window_start_bucket(&self) -> u64 {
+        self.latest_bucket
+            .saturating_sub(BUCKETS_PER_HALF_LIFE * RECENT_HORIZON_HALF_LIVES)
+    }
+
+    fn prune_recent(&mut self) {
+        let start = self.window_start_bucket();
+        while self.recent.front().is_some_and(|b| b.bucket < start) {
+            self.recent.pop_front();
+        }
+        let width = self.bucket_width_us();
+        self.recent_finished.retain(|_, r| r.at_us / width >= start);
+    }
+
+    fn prefilled(&mut self, p: &RequestPrefilled) {
+        let Some(f) = self.inflight.get_mut(&p.request_id) else {
+            return;
+        };
+        if f.prefilled {
+            return;
+        }
+        f.prefilled = true;
+        for (leg, queued) in f.routed.legs.iter().zip(&f.queued_tokens) {
+            if let Some(load) = self.load.get_mut(&leg.worker) {
+                load.queued_prefill_tokens = load.queued_prefill_tokens.saturating_sub(*queued);
+            }
+        }
+    }
+
+    fn finished(&mut self, fin: &RequestFinished) {
+        let Some(f) = self.inflight.remove(&fin.request_id) else {
+            return;
+        };
+        for (leg, queued) in f.routed.legs.iter().zip(&f.queued_tokens) {
+            let Some(load) = self.load.get_mut(&leg.worker) else {
+                continue;
+            };
+            if !f.prefilled {
+                load.queued_prefill_tokens = load.queued_prefill_tokens.saturating_sub(*queued);
+            }
+            for b in &f.routed.blocks {
+                if let Some(n) = load.active.get_mut(b) {
+                    *n -= 1;
+                    if *n == 0 {
+                        load.active.remove(b);
+                    }
+                }
+            }
+        }
+        if f.routed.at_us / self.bucket_width_us() >= self.window_start_bucket() {
+            self.recent_finished.insert(f.order, f.routed);
+        }
+    }
+}
+
+fn rank_range(w: &WorkerRecord) -> std::ops::Range<u32> {
+    w.dp_rank..w.dp_rank + w.dp_size.max(1)
+}
+
+impl Projection for FleetState {
+    fn apply(&mut self, env: &Envelope) {
+        match &env.event {
+            Event::WorkerRegistered(r) => self.register(&r.record),
+            Event::WorkerDeregistered(d) => self.deregister(&d.worker),
+            Event::KvBlocksStored(_) | Event::KvBlocksRemoved(_) | Event::KvCacheCleared(_) => {
+                self.index.apply(env)
+            }
+            Event::RequestRouted(r) => self.routed(r),
+            Event::RequestPrefilled(p) => self.prefilled(p),
+            Event::RequestFinished(f) => self.finished(f),
+        }
+    }
+
+    /// Workers, then the index, then routed requests in pick order (each followed by its
+    /// `RequestPrefilled` / `RequestFinished` when it had them), so that rebuilding reproduces the
+    /// in-flight load and the recent-pick window exactly.
+    fn dump(&self) -> Vec<Event> {
+        let mut out: Vec<Event> = self
+            .workers
+            .values()
+            .map(|w| Event::WorkerRegistered(WorkerRegistered { record: w.clone() }))
+            .collect();
+        out.extend(self.index.dump());
+        let mut picks: Vec<(u64, &RequestRouted, bool, bool)> = self
+            .inflight
+            .values()
+            .map(|f| (f.order, &f.routed, f.prefilled, false))
+            .chain(
+                self.recent_finished
+                    .iter()
+                    .map(|(order, r)| (*order, r, true, true)),
+            )
+            .collect();
+        picks.sort_by_key(|p| p.0);
+        for (_, routed, prefilled, finished) in picks {
+            out.push(Event::RequestRouted(routed.clone()));
+            if prefilled {
+                out.push(Event::RequestPrefilled(RequestPrefilled {
+                    request_id: routed.request_id.clone(),
+                }));
+            }
+            if finished {
+                out.push(Event::RequestFinished(RequestFinished {
+                    request_id: routed.request_id.clone(),
+                    status: RequestStatus::Ok,
+                    ttft_us: None,
+                    tokens_in: 0,
+                    tokens_out: 0,
+                    cached_tokens: None,
+                }));
+            }
+        }
+        out
+    }
+}
+
+/// Logical equality: same workers, index content, in-flight load and recent window. Internal
+/// counters (pick numbers) may differ between a state and its rebuild.
+impl PartialEq for FleetState {
+    fn eq(&self, other: &Self) -> bool {
+        let recent = |s: &Self| -> Vec<(u64, Vec<(WorkerRank, u64)>)> {
+            s.recent
+                .iter()
+                .map(|b| {
+                    let mut per_rank = b.per_rank.clone();
+                    per_rank.sort();
+                    (b.bucket, per_rank)
+                })
+                .collect()
+        };
+        let inflight = |s: &Self| -> BTreeMap<RequestId, (RequestRouted, Vec<u64>, bool)> {
+            s.inflight
+                .iter()
+                .map(|(k, f)| {
+                    (
+                        k.clone(),
+                        (f.routed.clone(), f.queued_tokens.clone(), f.prefilled),
+                    )
+                })
+                .collect()
+        };
+        let load = |s: &Self| -> BTreeMap<WorkerRank, (Vec<(BlockHash, u32)>, u64)> {
+            s.load
+                .iter()
+                .filter(|(_, l)| !l.active.is_empty() || l.queued_prefill_tokens > 0)
+                .map(|(k, l)| {
+                    let mut a: Vec<(BlockHash, u32)> =
+                        l.active.iter().map(|(b, n)| (*b, *n)).collect();
+                    a.sort();
+                    (k.clone(), (a, l.queued_prefill_tokens))
+                })
+                .collect()
+        };
+        let finished =
+            |s: &Self| -> Vec<RequestRouted> { s.recent_finished.values().cloned().collect() };
+        self.config == other.config
+            && self.latest_bucket == other.latest_bucket
+            && finished(self) == finished(other)
+            && self.workers == other.workers
+            && self.index == other.index
+            && recent(self) == recent(other)
+            && inflight(self) == inflight(other)
+            && load(self) == load(other)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{
+        Engine, KvBlocksStored, RequestTransport, RoutedLeg, Tier, WorkerDeregistered,
+    };
+    use crate::ids::EngineHash;
+
+    pub(crate) fn record(id: &str, model: &str, role: Role, dp_size: u32) -> WorkerRecord {
+        WorkerRecord {
+            worker_id: WorkerId::new(id),
+            url: format!("http://{id}"),
+            model_name: model.to_owned(),
+            engine: Engine::Vllm,
+            disagg_mode: role,
+            disagg_meta: None,
+            kv_events_endpoint: None,
+            kv_block_size: 16,
+            dp_rank: 0,
+            dp_size,
+            request_transport: RequestTransport::Http,
+            kv: None,
+            extra: Default::default(),
+        }
+    }
+
+    fn env(seq: u64, event: Event) -> Envelope {
+        Envelope {
+            v: 1,
+            seq,
+            ts_us: seq,
+            source: None,
+            event,
+        }
+    }
+
+    fn routed(id: &str, rank: &WorkerRank, blocks: &[u64], at_us: u64) -> Event {
+        Event::RequestRouted(RequestRouted {
+            request_id: RequestId::new(id),
+            model: "m".into(),
+            legs: vec![RoutedLeg {
+                worker: rank.clone(),
+                role: Role::Mixed,
+                overlap_blocks: 1,
+            }],
+            blocks: blocks.iter().map(|b| BlockHash(*b)).collect(),
+            prompt_tokens: blocks.len() as u32 * 16,
+            policy: "kv-aware".into(),
+            weights: vec![],
+            top: vec![],
+            retention: None,
+            at_us,
+        })
+    }
+
+    fn fleet_with_two() -> (FleetState, WorkerRank, WorkerRank) {
+        let mut f = FleetState::new(FleetConfig::default());
+        for (i, id) in ["a:1", "b:1"].iter().enumerate() {
+            let ev = Event::WorkerRegistered(WorkerRegistered {
+                record: record(id, "m", Role::Mixed, 1),
+            });
+            f.apply(&env(i as u64 + 1, ev));
+        }
+        (f, WorkerRank::new("a:1", 0), WorkerRank::new("b:1", 0))
+    }
+
+    #[test]
+    fn candidates_follow_model_role_and_dp_ranks() {
+        let mut f = FleetState::new(FleetConfig::default());
+        let recs = [
+            record("a:1", "m", Role::Mixed, 2),
+            record("p:1", "m", Role::Prefill, 1),
+            record("d:1", "m", Role::Decode, 1),
+            record("x:1", "other", Role::Mixed, 1),
+        ];
+        for (i, r) in recs.iter().enumerate() {
+            let ev = Event::WorkerRegistered(WorkerRegistered { record: r.clone() });
+            f.apply(&env(i as u64 + 1, ev));
+        }
+        let mixed = f.candidates("m", Role::Mixed);
+        assert_eq!(mixed.len(), 2);
+        assert_eq!(mixed[1].rank, WorkerRank::new("a:1", 1));
+        assert_eq!(f.candidates("m", Role::Prefill).len(), 1);
+        assert!(f.is_disaggregated("m"));
+        assert!(!f.is_disaggregated("other"));
+        assert_eq!(f.models(), vec!["m".to_owned(), "other".to_owned()]);
+        let gone = Event::WorkerDeregistered(WorkerDeregistered {
+            worker: WorkerId::new("a:1"),
+            reason: "test".into(),
+        });
+        f.apply(&env(9, gone));
+        assert!(f.candidates("m", Role::Mixed).is_empty());
+    }
+
+    #[test]
+    fn active_blocks_count_shared_prefixes_once_and_drain_on_finish() {
+        let (mut f, a, _) = fleet_with_two();
+        f.apply(&env(3, routed("r1", &a, &[1, 2, 3], 10)));
+        f.apply(&env(4, routed("r2", &a, &[1, 2, 4], 20)));
+        assert_eq!(f.active_blocks(&a), 4);
+        assert_eq!(f.queued_prefill_tokens(&a), 2 * (48 - 16));
+        f.apply(&env(
+            5,
+            Event::RequestPrefilled(RequestPrefilled {
+                request_id: RequestId::new("r1"),
+            }),
+        ));
+        assert_eq!(f.queued_prefill_tokens(&a), 32);
+        let fin = |id: &str| {
+            Event::RequestFinished(RequestFinished {
+                request_id: RequestId::new(id),
+                status: RequestStatus::Ok,
+                ttft_us: None,
+                tokens_in: 0,
+                tokens_out: 0,
+                cached_tokens: None,
+            })
+        };
+        f.apply(&env(6, fin("r1")));
+        assert_eq!(f.active_blocks(&a), 3);
+        f.apply(&env(7, fin("r2")));
+        assert_eq!(f.active_blocks(&a), 0);
+        assert_eq!(f.queued_prefill_tokens(&a), 0);
+        assert_eq!(f.inflight_requests(), 0);
+    }
+
+    #[test]
+    fn recent_charge_decays_by_half_life() {
+        let (mut f, a, b) = fleet_with_two();
+        f.apply(&env(3, routed("r1", &a, &[1, 2, 3, 4], 0)));
+        assert!((f.recent_blocks(&a, 0) - 4.0).abs() < 1e-9);
+        assert!((f.recent_blocks(&a, 1_000_000) - 2.0).abs() < 1e-9);
+        assert_eq!(f.recent_blocks(&b, 0), 0.0);
+        let all = f.recent_by_rank(2_000_000);
+        assert!((all[&a] - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn dump_rebuilds_an_equal_state() {
+        let (mut f, a, b) = fleet_with_two();
+        let stored = Event::KvBlocksStored(KvBlocksStored {
+            worker: a.clone(),
+            tier: Tier::Gpu,
+            block_size: 16,
+            engine_hashes: vec![EngineHash(7), EngineHash(8)],
+            router_hashes: vec![BlockHash(1), BlockHash(2)],
+            parent: None,
+        });
+        f.apply(&env(3, stored));
+        f.apply(&env(4, routed("r1", &a, &[1, 2, 3], 10)));
+        f.apply(&env(5, routed("r2", &b, &[9], 20)));
+        f.apply(&env(
+            6,
+            Event::RequestPrefilled(RequestPrefilled {
+                request_id: RequestId::new("r2"),
+            }),
+        ));
+        f.apply(&env(
+            7,
+            Event::RequestFinished(RequestFinished {
+                request_id: RequestId::new("r1"),
+                status: RequestStatus::Ok,
+                ttft_us: Some(5),
+                tokens_in: 48,
+                tokens_out: 3,
+                cached_tokens: Some(16),
+            }),
+        ));
+        let mut g = FleetState::new(FleetConfig::default());
+        for (i, e) in f.dump().into_iter().enumerate() {
+            g.apply(&env(i as u64 + 1, e));
+        }
+        assert_eq!(f, g);
+        assert!((f.recent_blocks(&a, 50) - g.recent_blocks(&a, 50)).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,121 @@
+//! The kv-aware cost of each candidate, and the choice among them (argmin or softmax).
+
+use super::{RouteError, RouteRequest};
+use crate::event::Tier;
+use crate::fleet::{Candidate, FleetState};
+use crate::ids::BlockHash;
+use crate::index::WorkerSlot;
+use crate::rng::Rng;
+
+/// One candidate with its overlap, load and cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scored {
+    pub candidate: Candidate,
+    pub overlap: u32,
+    /// `active_blocks + recent_blocks`.
+    pub load: f64,
+    pub prefill_blocks: f64,
+    pub cost: f64,
+}
+
+/// Buffers reused across decisions.
+#[derive(Debug, Clone, Default)]
+pub struct Scratch {
+    slots: Vec<WorkerSlot>,
+    overlaps: Vec<u32>,
+}
+
+/// Scores every candidate for `req` with the given overlap `weight`.
+pub fn score_candidates(
+    fleet: &FleetState,
+    req: &RouteRequest,
+    cands: &[Candidate],
+    weight: f64,
+    now_us: u64,
+    scratch: &mut Scratch,
+) -> Result<Vec<Scored>, RouteError> {
+    let recent = fleet.recent_by_rank(now_us);
+    let mut out: Vec<Scored> = Vec::with_capacity(cands.len());
+    // Candidates usually share one block size; group them so the index walks each request once.
+    let mut sizes: Vec<u32> = cands.iter().map(|c| c.block_size).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let mut overlap_of = vec![0u32; cands.len()];
+    for bs in sizes {
+        let blocks: &[BlockHash] = req.blocks_at(bs).ok_or(RouteError::MissingBlockSize(bs))?;
+        scratch.slots.clear();
+        let members: Vec<usize> = (0..cands.len())
+            .filter(|i| cands[*i].block_size == bs)
+            .collect();
+        scratch.slots.extend(members.iter().map(|i| cands[*i].slot));
+        fleet
+            .index()
+            .overlap(Tier::Gpu, blocks, &scratch.slots, &mut scratch.overlaps);
+        for (k, i) in members.iter().enumerate() {
+            overlap_of[*i] = scratch.overlaps.get(k).copied().unwrap_or(0);
+        }
+    }
+    for (c, overlap) in cands.iter().zip(overlap_of) {
+        let request_blocks = req.blocks_at(c.block_size).map(|b| b.len()).unwrap_or(0) as f64;
+        let queued_blocks =
+            fleet.queued_prefill_tokens(&c.rank) as f64 / c.block_size.max(1) as f64;
+        let prefill_blocks = request_blocks - overlap as f64 + queued_blocks;
+        let load =
+            fleet.active_blocks(&c.rank) as f64 + recent.get(&c.rank).copied().unwrap_or(0.0);
+        let cost = weight * prefill_blocks + load;
+        out.push(Scored {
+            candidate: c.clone(),
+            overlap,
+            load,
+            prefill_blocks,
+            cost,
+        });
+    }
+    Ok(out)
+}
+
+/// Relative tolerance under which two costs are a tie.
+const TIE_EPS: f64 = 1e-9;
+
+/// Picks an index into `scored` (non-empty). Temperature 0: the cheapest, ties to the lower load,
+/// then uniformly at random. Above 0: softmax over costs normalised by the cost range.
+pub(super) fn choose(scored: &[Scored], temperature: f64, rng: &mut Rng) -> usize {
+    let min = scored.iter().map(|s| s.cost).fold(f64::INFINITY, f64::min);
+    let max = scored
+        .iter()
+        .map(|s| s.cost)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let range = max - min;
+    if temperature > 0.0 && range > 0.0 {
+        let weights: Vec<f64> = scored
+            .iter()
+            .map(|s| (-((s.cost - min) / range) / temperature).exp())
+            .collect();
+        let total: f64 = weights.iter().sum();
+        let mut x = rng.next_f64() * total;
+        for (i, w) in weights.iter().enumerate() {
+            if x < *w {
+                return i;
+            }
+            x -= w;
+        }
+        return scored.len() - 1;
+    }
+    let tol = TIE_EPS * min.abs().max(1.0);
+    let tied: Vec<usize> = (0..scored.len())
+        .filter(|i| scored[*i].cost <= min + tol)
+        .collect();
+    let min_load = tied
+        .iter()
+        .map(|i| scored[*i].load)
+        .fold(f64::INFINITY, f64::min);
+    let ltol = TIE_EPS * min_load.abs().max(1.0);
+    let least: Vec<usize> = tied
+        .into_iter()
+        .filter(|i| scored[*i].load <= min_load + ltol)
+        .collect();
+    match least.len() {
+        0 => 0, // only reachable with NaN costs, which validated weights cannot produce
+        n => least[rng.below(n as u64) as usize],
+    }
+}

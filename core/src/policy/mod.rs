@@ -1,0 +1,339 @@
+//! Routing policies: which worker rank serves a request.
+//!
+//! - `kv-aware`: for each candidate `w` (lower is better)
+//!   ```text
+//!   prefill_blocks(w) = request_blocks − overlap(w) + queued_prefill_blocks(w)
+//!   load(w)           = active_blocks(w) + recent_blocks(w)
+//!   cost(w)           = weight × prefill_blocks(w) + load(w)
+//!   ```
+//!   `weight` is `--kv-overlap-weight`, or the prefill / decode weight for PD roles, scaled by the
+//!   request's retention hint (`long` ×2, `none` ×0.1). With `--router-temperature 0` the cheapest
+//!   candidate wins; ties go to the lower load, then to a seeded random choice (never list order).
+//!   Above 0, a candidate is drawn with probability ∝ `exp(−ĉ / T)` where `ĉ` is its cost normalised
+//!   by the decision's cost range.
+//! - `round-robin`: rotates through each distinct candidate set independently.
+//! - direct mode ([`resolve_direct`]): the worker named by the request's headers, no failover.
+//!
+//! The [`Router`] is the only code that decides, live and in replay; it reads a [`FleetState`] and
+//! returns a [`RequestRouted`] event for the caller to append to the log. It never mutates state.
+
+mod cost;
+
+pub use cost::{Scored, Scratch, score_candidates};
+
+use crate::clock::Micros;
+use crate::event::{CandidateScore, RequestRouted, Retention, Role, RoutedLeg};
+use crate::fleet::{Candidate, FleetState};
+use crate::ids::{BlockHash, RequestId, WorkerId, WorkerRank};
+use crate::rng::Rng;
+use rustc_hash::FxHashMap;
+use serde::{Deserialize, Serialize};
+
+/// `--router-policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyKind {
+    #[default]
+    KvAware,
+    RoundRobin,
+}
+
+impl PolicyKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::KvAware => "kv-aware",
+            PolicyKind::RoundRobin => "round-robin",
+        }
+    }
+}
+
+/// Everything that shapes a decision (from `infera server`'s or `infera replay`'s flags).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RouterConfig {
+    pub policy: PolicyKind,
+    /// `--kv-overlap-weight`.
+    pub overlap_weight: f64,
+    /// `--kv-prefill-overlap-weight` (overrides the global weight for prefill legs).
+    pub prefill_overlap_weight: Option<f64>,
+    /// `--kv-decode-overlap-weight` (overrides the global weight for decode legs).
+    pub decode_overlap_weight: Option<f64>,
+    /// `--router-temperature`.
+    pub temperature: f64,
+    /// Seed of the tie-breaking / sampling random source.
+    pub seed: u64,
+    /// How many scored candidates a `RequestRouted` event keeps.
+    pub record_top: usize,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            policy: PolicyKind::KvAware,
+            overlap_weight: 1.0,
+            prefill_overlap_weight: None,
+            decode_overlap_weight: None,
+            temperature: 0.0,
+            seed: 0,
+            record_top: 4,
+        }
+    }
+}
+
+impl RouterConfig {
+    /// The overlap weight for a leg of `role`, before retention scaling.
+    pub fn weight_for(&self, role: Role) -> f64 {
+        match role {
+            Role::Mixed => self.overlap_weight,
+            Role::Prefill => self.prefill_overlap_weight.unwrap_or(self.overlap_weight),
+            Role::Decode => self.decode_overlap_weight.unwrap_or(self.overlap_weight),
+        }
+    }
+}
+
+/// Scales the overlap weight by the client's retention hint.
+pub fn retention_scale(hint: Option<Retention>) -> f64 {
+    match hint {
+        Some(Retention::Long) => 2.0,
+        Some(Retention::None) => 0.1,
+        Some(Retention::Short | Retention::Ephemeral) | None => 1.0,
+    }
+}
+
+/// A request as the router sees it: already tokenized and hashed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouteRequest {
+    pub request_id: RequestId,
+    pub model: String,
+    pub prompt_tokens: u32,
+    /// The prompt's router hashes at each block size used by the model's workers.
+    pub hashes: Vec<(u32, Vec<BlockHash>)>,
+    pub retention: Option<Retention>,
+    /// Ranks that already failed this request (retries go elsewhere).
+    pub exclude: Vec<WorkerRank>,
+}
+
+impl RouteRequest {
+    /// The hashes at `block_size`, if the caller computed them.
+    pub fn blocks_at(&self, block_size: u32) -> Option<&[BlockHash]> {
+        self.hashes
+            .iter()
+            .find(|(bs, _)| *bs == block_size)
+            .map(|(_, h)| h.as_slice())
+    }
+}
+
+/// One leg's outcome: the leg, the request's hashes at its block size, the top candidates and
+/// the overlap weight used.
+type LegDecision<'r> = (RoutedLeg, &'r [BlockHash], Vec<CandidateScore>, f64);
+
+/// Why no worker could be chosen. Each maps to one HTTP status at the edge.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RouteError {
+    /// No worker serves this model at all (→ 404).
+    #[error("model {0:?} is not served by any worker")]
+    UnknownModel(String),
+    /// The model exists but no worker of the needed role is available (→ 503, retry later).
+    #[error("no available {role} worker for model {model:?}")]
+    NoWorker { model: String, role: &'static str },
+    /// Direct mode named a worker that is not registered (→ 503, never failed over).
+    #[error("worker {0:?} named by the request is not registered")]
+    UnknownWorker(String),
+    /// Direct mode named a dp rank the worker does not have (→ 503).
+    #[error("worker {worker:?} has no dp rank {rank}")]
+    UnknownRank { worker: String, rank: u32 },
+    /// The request was hashed at none of the candidates' block sizes (a caller bug; → 500).
+    #[error("request was not hashed at block size {0}")]
+    MissingBlockSize(u32),
+}
+
+impl RouteError {
+    /// Whether the same request may succeed later without changes.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, RouteError::NoWorker { .. })
+    }
+}
+
+/// The decider. Holds only the policy's own state (seeded RNG, round-robin cursors).
+#[derive(Debug, Clone)]
+pub struct Router {
+    config: RouterConfig,
+    rng: Rng,
+    rr_cursors: FxHashMap<u64, u64>,
+    scratch: cost::Scratch,
+}
+
+impl Router {
+    pub fn new(config: RouterConfig) -> Self {
+        let rng = Rng::new(config.seed);
+        Self {
+            config,
+            rng,
+            rr_cursors: FxHashMap::default(),
+            scratch: cost::Scratch::default(),
+        }
+    }
+
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// Decides where `req` goes: one leg, or a prefill and a decode leg when the model runs
+    /// disaggregated. The returned event is what the caller appends to the log.
+    pub fn decide(
+        &mut self,
+        fleet: &FleetState,
+        req: &RouteRequest,
+        now_us: Micros,
+    ) -> Result<RequestRouted, RouteError> {
+        if !fleet.workers().any(|w| w.model_name == req.model) {
+            return Err(RouteError::UnknownModel(req.model.clone()));
+        }
+        let roles: &[Role] = if fleet.is_disaggregated(&req.model) {
+            &[Role::Prefill, Role::Decode]
+        } else {
+            &[Role::Mixed]
+        };
+        let mut legs = Vec::with_capacity(roles.len());
+        let mut weights = Vec::with_capacity(roles.len());
+        let mut top = Vec::new();
+        let mut blocks: Vec<BlockHash> = Vec::new();
+        for &role in roles {
+            let (leg, leg_blocks, leg_top, weight) = self.decide_leg(fleet, req, role, now_us)?;
+            if blocks.is_empty() {
+                blocks = leg_blocks.to_vec();
+            }
+            legs.push(leg);
+            weights.push((role, weight));
+            top.extend(leg_top);
+        }
+        Ok(RequestRouted {
+            request_id: req.request_id.clone(),
+            model: req.model.clone(),
+            legs,
+            blocks,
+            prompt_tokens: req.prompt_tokens,
+            policy: self.config.policy.as_str().to_owned(),
+            weights,
+            top,
+            retention: req.retention,
+            at_us: now_us,
+        })
+    }
+
+    fn decide_leg<'r>(
+        &mut self,
+        fleet: &FleetState,
+        req: &'r RouteRequest,
+        role: Role,
+        now_us: Micros,
+    ) -> Result<LegDecision<'r>, RouteError> {
+        let mut cands = fleet.candidates(&req.model, role);
+        cands.retain(|c| !req.exclude.contains(&c.rank));
+        if cands.is_empty() {
+            return Err(RouteError::NoWorker {
+                model: req.model.clone(),
+                role: role.as_str(),
+            });
+        }
+        let weight = self.config.weight_for(role) * retention_scale(req.retention);
+        match self.config.policy {
+            PolicyKind::RoundRobin => {
+                let key = candidate_set_key(&cands);
+                let cursor = self.rr_cursors.entry(key).or_default();
+                let c = &cands[(*cursor % cands.len() as u64) as usize];
+                *cursor = cursor.wrapping_add(1);
+                let blocks = req
+                    .blocks_at(c.block_size)
+                    .ok_or(RouteError::MissingBlockSize(c.block_size))?;
+                let mut ov = Vec::with_capacity(1);
+                fleet
+                    .index()
+                    .overlap(crate::event::Tier::Gpu, blocks, &[c.slot], &mut ov);
+                let overlap_blocks = ov.first().copied().unwrap_or(0);
+                let leg = RoutedLeg {
+                    worker: c.rank.clone(),
+                    role,
+                    overlap_blocks,
+                };
+                Ok((leg, blocks, Vec::new(), weight))
+            }
+            PolicyKind::KvAware => {
+                let scored =
+                    score_candidates(fleet, req, &cands, weight, now_us, &mut self.scratch)?;
+                let pick = cost::choose(&scored, self.config.temperature, &mut self.rng);
+                let chosen = &scored[pick];
+                let blocks = req
+                    .blocks_at(chosen.candidate.block_size)
+                    .ok_or(RouteError::MissingBlockSize(chosen.candidate.block_size))?;
+                let leg = RoutedLeg {
+                    worker: chosen.candidate.rank.clone(),
+                    role,
+                    overlap_blocks: chosen.overlap,
+                };
+                let mut order: Vec<usize> = (0..scored.len()).collect();
+                order.sort_by(|a, b| scored[*a].cost.total_cmp(&scored[*b].cost));
+                let top = order
+                    .into_iter()
+                    .take(self.config.record_top)
+                    .map(|i| CandidateScore {
+                        worker: scored[i].candidate.rank.clone(),
+                        overlap_blocks: scored[i].overlap,
+                        cost: scored[i].cost,
+                    })
+                    .collect();
+                Ok((leg, blocks, top, weight))
+            }
+        }
+    }
+}
+
+fn candidate_set_key(cands: &[Candidate]) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for c in cands {
+        h.update(c.rank.worker.as_str().as_bytes());
+        h.update(&c.rank.dp_rank.to_le_bytes());
+        h.update(&[0xff]);
+    }
+    h.digest()
+}
+
+/// Direct mode: the legs named by `x-worker-instance-id` (and `x-prefill-instance-id`,
+/// `x-dp-rank`). No policy, no failover: an unknown worker or rank is an error.
+pub fn resolve_direct(
+    fleet: &FleetState,
+    worker_id: &str,
+    prefill_id: Option<&str>,
+    dp_rank: Option<u32>,
+) -> Result<Vec<RoutedLeg>, RouteError> {
+    let leg = |id: &str, role_if_pd: Role| -> Result<RoutedLeg, RouteError> {
+        let rec = fleet
+            .worker(&WorkerId::new(id))
+            .ok_or_else(|| RouteError::UnknownWorker(id.to_owned()))?;
+        let rank = dp_rank.unwrap_or(rec.dp_rank);
+        if rank < rec.dp_rank || rank >= rec.dp_rank + rec.dp_size.max(1) {
+            return Err(RouteError::UnknownRank {
+                worker: id.to_owned(),
+                rank,
+            });
+        }
+        let role = if prefill_id.is_some() {
+            role_if_pd
+        } else {
+            rec.disagg_mode
+        };
+        Ok(RoutedLeg {
+            worker: WorkerRank::new(id, rank),
+            role,
+            overlap_blocks: 0,
+        })
+    };
+    let mut legs = Vec::with_capacity(2);
+    if let Some(p) = prefill_id {
+        legs.push(leg(p, Role::Prefill)?);
+    }
+    legs.push(leg(worker_id, Role::Decode)?);
+    Ok(legs)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,272 @@
+use super::*;
+use crate::event::{
+    Engine, Envelope, Event, KvBlocksStored, RequestTransport, Tier, WorkerRecord, WorkerRegistered,
+};
+use crate::fleet::FleetConfig;
+use crate::hashing::hash_blocks;
+use crate::ids::EngineHash;
+use crate::projection::Projection;
+
+fn record(id: &str, role: Role) -> WorkerRecord {
+    WorkerRecord {
+        worker_id: WorkerId::new(id),
+        url: format!("http://{id}"),
+        model_name: "m".into(),
+        engine: Engine::Vllm,
+        disagg_mode: role,
+        disagg_meta: None,
+        kv_events_endpoint: None,
+        kv_block_size: 4,
+        dp_rank: 0,
+        dp_size: 1,
+        request_transport: RequestTransport::Http,
+        kv: None,
+        extra: Default::default(),
+    }
+}
+
+struct World {
+    fleet: FleetState,
+    seq: u64,
+}
+
+impl World {
+    fn new(workers: &[(&str, Role)]) -> Self {
+        let mut w = World {
+            fleet: FleetState::new(FleetConfig::default()),
+            seq: 0,
+        };
+        for (id, role) in workers {
+            w.apply(Event::WorkerRegistered(WorkerRegistered {
+                record: record(id, *role),
+            }));
+        }
+        w
+    }
+
+    fn apply(&mut self, event: Event) {
+        self.seq += 1;
+        let env = Envelope {
+            v: 1,
+            seq: self.seq,
+            ts_us: 0,
+            source: None,
+            event,
+        };
+        self.fleet.apply(&env);
+    }
+
+    fn store(&mut self, id: &str, blocks: &[BlockHash]) {
+        self.apply(Event::KvBlocksStored(KvBlocksStored {
+            worker: WorkerRank::new(id, 0),
+            tier: Tier::Gpu,
+            block_size: 4,
+            engine_hashes: blocks.iter().map(|b| EngineHash(b.0 ^ 1)).collect(),
+            router_hashes: blocks.to_vec(),
+            parent: None,
+        }));
+    }
+}
+
+fn request(id: &str, tokens: &[u32]) -> RouteRequest {
+    RouteRequest {
+        request_id: RequestId::new(id),
+        model: "m".into(),
+        prompt_tokens: tokens.len() as u32,
+        hashes: vec![(4, hash_blocks(tokens, 4, None))],
+        retention: None,
+        exclude: vec![],
+    }
+}
+
+#[test]
+fn kv_aware_prefers_the_worker_holding_the_prefix() {
+    let mut w = World::new(&[
+        ("a:1", Role::Mixed),
+        ("b:1", Role::Mixed),
+        ("c:1", Role::Mixed),
+    ]);
+    let tokens: Vec<u32> = (0..64).collect();
+    let blocks = hash_blocks(&tokens, 4, None);
+    w.store("b:1", &blocks[..12]);
+    let mut r = Router::new(RouterConfig::default());
+    let d = r
+        .decide(&w.fleet, &request("r1", &tokens), 0)
+        .expect("decision");
+    assert_eq!(d.legs.len(), 1);
+    assert_eq!(d.legs[0].worker, WorkerRank::new("b:1", 0));
+    assert_eq!(d.legs[0].overlap_blocks, 12);
+    assert_eq!(d.top[0].worker, WorkerRank::new("b:1", 0));
+    assert_eq!(d.blocks.len(), 16);
+    assert_eq!(d.policy, "kv-aware");
+}
+
+#[test]
+fn load_outweighs_a_small_overlap_at_low_weight() {
+    let mut w = World::new(&[("a:1", Role::Mixed), ("b:1", Role::Mixed)]);
+    let tokens: Vec<u32> = (0..64).collect();
+    let blocks = hash_blocks(&tokens, 4, None);
+    w.store("a:1", &blocks[..2]);
+    let mut r = Router::new(RouterConfig {
+        overlap_weight: 0.5,
+        ..Default::default()
+    });
+    // Put 40 distinct in-flight blocks on a:1.
+    let busy = request("busy", &(1000..1160).collect::<Vec<u32>>());
+    let mut d = r.decide(&w.fleet, &busy, 0).expect("decision");
+    d.legs[0].worker = WorkerRank::new("a:1", 0);
+    w.apply(Event::RequestRouted(d));
+    let d = r
+        .decide(&w.fleet, &request("r", &tokens), 0)
+        .expect("decision");
+    assert_eq!(d.legs[0].worker, WorkerRank::new("b:1", 0));
+}
+
+#[test]
+fn unknown_model_and_no_role_are_distinct_errors() {
+    let w = World::new(&[("a:1", Role::Prefill)]);
+    let mut r = Router::new(RouterConfig::default());
+    let mut req = request("r", &[1, 2, 3, 4]);
+    req.model = "nope".into();
+    assert_eq!(
+        r.decide(&w.fleet, &req, 0),
+        Err(RouteError::UnknownModel("nope".into()))
+    );
+    // Only a prefill pool: not disaggregated, so mixed workers are needed and there are none.
+    let err = r
+        .decide(&w.fleet, &request("r", &[1, 2, 3, 4]), 0)
+        .expect_err("no mixed");
+    assert!(matches!(err, RouteError::NoWorker { role: "mixed", .. }));
+    assert!(err.is_retryable());
+}
+
+#[test]
+fn pd_fleet_gets_two_legs_with_role_weights() {
+    let w = World::new(&[("p:1", Role::Prefill), ("d:1", Role::Decode)]);
+    let cfg = RouterConfig {
+        prefill_overlap_weight: Some(20.0),
+        decode_overlap_weight: Some(2.0),
+        ..Default::default()
+    };
+    let mut r = Router::new(cfg);
+    let d = r
+        .decide(&w.fleet, &request("r", &[1, 2, 3, 4]), 0)
+        .expect("decision");
+    let roles: Vec<Role> = d.legs.iter().map(|l| l.role).collect();
+    assert_eq!(roles, vec![Role::Prefill, Role::Decode]);
+    assert_eq!(d.weights, vec![(Role::Prefill, 20.0), (Role::Decode, 2.0)]);
+}
+
+#[test]
+fn retention_hint_scales_the_weight() {
+    assert_eq!(retention_scale(Some(Retention::Long)), 2.0);
+    assert_eq!(retention_scale(Some(Retention::None)), 0.1);
+    assert_eq!(retention_scale(None), 1.0);
+    let w = World::new(&[("a:1", Role::Mixed)]);
+    let mut r = Router::new(RouterConfig {
+        overlap_weight: 3.0,
+        ..Default::default()
+    });
+    let mut req = request("r", &[1, 2, 3, 4]);
+    req.retention = Some(Retention::Long);
+    let d = r.decide(&w.fleet, &req, 0).expect("decision");
+    assert_eq!(d.weights, vec![(Role::Mixed, 6.0)]);
+    assert_eq!(d.retention, Some(Retention::Long));
+}
+
+#[test]
+fn excluded_ranks_are_never_picked() {
+    let w = World::new(&[("a:1", Role::Mixed), ("b:1", Role::Mixed)]);
+    let mut r = Router::new(RouterConfig::default());
+    let mut req = request("r", &[1, 2, 3, 4]);
+    req.exclude = vec![WorkerRank::new("a:1", 0)];
+    for _ in 0..20 {
+        let d = r.decide(&w.fleet, &req, 0).expect("decision");
+        assert_eq!(d.legs[0].worker.worker.as_str(), "b:1");
+    }
+    req.exclude.push(WorkerRank::new("b:1", 0));
+    assert!(matches!(
+        r.decide(&w.fleet, &req, 0),
+        Err(RouteError::NoWorker { .. })
+    ));
+}
+
+#[test]
+fn round_robin_rotates_per_candidate_set() {
+    let w = World::new(&[
+        ("a:1", Role::Mixed),
+        ("b:1", Role::Mixed),
+        ("c:1", Role::Mixed),
+    ]);
+    let mut r = Router::new(RouterConfig {
+        policy: PolicyKind::RoundRobin,
+        ..Default::default()
+    });
+    let picks: Vec<String> = (0..6)
+        .map(|i| {
+            let d = r
+                .decide(&w.fleet, &request(&format!("r{i}"), &[1, 2, 3, 4]), 0)
+                .expect("d");
+            d.legs[0].worker.worker.0.clone()
+        })
+        .collect();
+    assert_eq!(picks, ["a:1", "b:1", "c:1", "a:1", "b:1", "c:1"]);
+    // A different candidate set (one excluded) has its own cursor starting at its first member.
+    let mut req = request("x", &[1, 2, 3, 4]);
+    req.exclude = vec![WorkerRank::new("a:1", 0)];
+    let d = r.decide(&w.fleet, &req, 0).expect("d");
+    assert_eq!(d.legs[0].worker.worker.as_str(), "b:1");
+    assert_eq!(d.policy, "round-robin");
+}
+
+#[test]
+fn temperature_spreads_choices_but_prefers_cheap_ones() {
+    let mut w = World::new(&[("a:1", Role::Mixed), ("b:1", Role::Mixed)]);
+    let tokens: Vec<u32> = (0..64).collect();
+    w.store("a:1", &hash_blocks(&tokens, 4, None));
+    let mut r = Router::new(RouterConfig {
+        temperature: 0.5,
+        seed: 3,
+        ..Default::default()
+    });
+    let mut on_a = 0;
+    for i in 0..400 {
+        let d = r
+            .decide(&w.fleet, &request(&format!("r{i}"), &tokens), 0)
+            .expect("d");
+        on_a += usize::from(d.legs[0].worker.worker.as_str() == "a:1");
+    }
+    // p(a) = 1 / (1 + e^-2) ≈ 0.88
+    assert!((300..390).contains(&on_a), "on_a = {on_a}");
+}
+
+#[test]
+fn direct_mode_resolves_named_workers_without_failover() {
+    let w = World::new(&[
+        ("p:1", Role::Prefill),
+        ("d:1", Role::Decode),
+        ("m:1", Role::Mixed),
+    ]);
+    let legs = resolve_direct(&w.fleet, "m:1", None, None).expect("legs");
+    assert_eq!(
+        legs,
+        vec![RoutedLeg {
+            worker: WorkerRank::new("m:1", 0),
+            role: Role::Mixed,
+            overlap_blocks: 0
+        }]
+    );
+    let legs = resolve_direct(&w.fleet, "d:1", Some("p:1"), Some(0)).expect("legs");
+    assert_eq!(
+        legs.iter().map(|l| l.role).collect::<Vec<_>>(),
+        vec![Role::Prefill, Role::Decode]
+    );
+    assert_eq!(
+        resolve_direct(&w.fleet, "zz:1", None, None),
+        Err(RouteError::UnknownWorker("zz:1".into()))
+    );
+    assert!(matches!(
+        resolve_direct(&w.fleet, "m:1", None, Some(3)),
+        Err(RouteError::UnknownRank { rank: 3, .. })
+    ));
+}

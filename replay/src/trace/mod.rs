@@ -1,0 +1,291 @@
+//! Request traces: the versioned format `infera replay` reads, its Parquet encoding, and importers
+//! for public traces.
+//!
+//! A [`Trace`] is a list of [`TraceRequest`]s sorted by arrival, plus a source description and
+//! human-readable notes (what an importer did to the data). [`load`] picks the reader by path:
+//!
+//! | path | reader |
+//! |---|---|
+//! | `*.parquet` | [`parquet`]: the native format, schema in [`schema`] |
+//! | a directory | every `*.parquet` in it, in file-name order (recorded segments), concatenated |
+//! | `*.jsonl` | [`mooncake`]: Mooncake / FAST'25 traces (`timestamp`, `input_length`, `output_length`, `hash_ids`) |
+//! | `*.csv` | [`azure`]: Azure LLM inference traces (`TIMESTAMP,ContextTokens,GeneratedTokens`) |
+//!
+//! # Invariants (checked on every load and by [`write_parquet`])
+//! - at least one request (an empty trace is an error);
+//! - `arrival_us` never decreases from one request to the next (ties keep file order);
+//! - `block_size > 0` and `floor(input_length / block_size) <= block_hashes.len() <=
+//!   ceil(input_length / block_size)`: one hash per complete block, plus one for a trailing partial
+//!   block when the source hashed it (Mooncake does, the router does not);
+//! - `block_hashes[i]` identifies the whole prefix `0..=i` (chained), so two requests share block
+//!   `i` exactly when they share the value;
+//! - `token_ids`, when present, has exactly `input_length` entries.
+//!
+//! [`summarize`] computes the statistics an operator looks at first (rate, lengths, ideal hit rate).
+
+pub mod azure;
+mod error;
+pub mod mooncake;
+pub mod parquet;
+pub mod schema;
+pub mod spread;
+pub mod summary;
+
+pub use error::TraceError;
+pub use parquet::write_parquet;
+pub use schema::{from_record_batch, to_record_batch, trace_schema};
+pub use spread::{BucketSpread, spread_buckets};
+pub use summary::{LengthStats, TraceSummary, summarize};
+
+use infera_core::event::Retention;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// One request of a trace: when it arrived and what its prompt looked like to the KV cache.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceRequest {
+    /// Microseconds since the start of the trace.
+    pub arrival_us: u64,
+    pub request_id: String,
+    pub model: String,
+    /// Prompt tokens.
+    pub input_length: u32,
+    /// Generated tokens.
+    pub output_length: u32,
+    /// Tokens per block of `block_hashes`.
+    pub block_size: u32,
+    /// One chained prefix id per prompt block (see the module invariants).
+    pub block_hashes: Vec<u64>,
+    /// The prompt's token ids, when the recorder kept them.
+    pub token_ids: Option<Vec<u32>>,
+    pub session_id: Option<String>,
+    pub retention: Option<Retention>,
+    pub ttl_seconds: Option<u32>,
+}
+
+/// A whole trace, in arrival order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Trace {
+    pub requests: Vec<TraceRequest>,
+    /// Where the trace came from (file name and format, or the recorder's description).
+    pub source: String,
+    /// Facts worth printing alongside results, e.g. how bucketed timestamps were spread.
+    pub notes: Vec<String>,
+}
+
+/// How [`load`] imports a trace. Only the importers use these; Parquet traces are read as written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Seed for the deterministic spreading of bucketed timestamps.
+    pub seed: u64,
+    /// Spread requests that share a Mooncake timestamp over the gap to the next one
+    /// (see [`spread_buckets`]); off keeps the timestamps as recorded.
+    pub spread_buckets: bool,
+    /// Block size used to invent hash ids for Azure traces (which have none).
+    pub azure_block_size: u32,
+    /// Model name given to imported requests.
+    pub model: String,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            spread_buckets: true,
+            azure_block_size: 16,
+            model: "default".to_owned(),
+        }
+    }
+}
+
+/// Loads a trace, choosing the reader by extension (`.parquet`, `.jsonl`, `.csv`) or reading every
+/// `*.parquet` in a directory in name order.
+///
+/// # Errors
+/// [`TraceError`] naming the file and the line or column at fault: unreadable paths, malformed
+/// input, non-monotonic arrivals, inconsistent block counts, empty traces, unknown extensions.
+/// Never panics on any input.
+pub fn load(path: &Path, opts: &LoadOptions) -> Result<Trace, TraceError> {
+    let meta = std::fs::metadata(path).map_err(|e| TraceError::io(path, e))?;
+    if meta.is_dir() {
+        return parquet::read_dir(path);
+    }
+    let ext = path
+        .extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase())
+        .unwrap_or_default();
+    match ext.as_str() {
+        "parquet" => parquet::read_file(path),
+        "jsonl" => mooncake::import(path, opts),
+        "csv" => azure::import(path, opts),
+        _ => Err(TraceError::UnsupportedFormat {
+            path: path.to_path_buf(),
+            ext: if ext.is_empty() {
+                "(none)".to_owned()
+            } else {
+                format!(".{ext}")
+            },
+        }),
+    }
+}
+
+/// `ceil(input_length / block_size)`: the number of blocks a prompt spans, the partial one included.
+pub fn blocks_for(input_length: u32, block_size: u32) -> u64 {
+    if block_size == 0 {
+        return 0;
+    }
+    u64::from(input_length).div_ceil(u64::from(block_size))
+}
+
+/// Checks one request against the format invariants, given the previous request's arrival.
+///
+/// Returns the offending field and what is wrong with it.
+pub(crate) fn check_request(
+    req: &TraceRequest,
+    previous_arrival_us: Option<u64>,
+) -> Result<(), (&'static str, String)> {
+    if let Some(prev) = previous_arrival_us
+        && req.arrival_us < prev
+    {
+        return Err((
+            schema::col::ARRIVAL_US,
+            format!(
+                "arrival {} us is earlier than the previous request's {prev} us; rows must be \
+                 sorted by arrival",
+                req.arrival_us
+            ),
+        ));
+    }
+    if req.block_size == 0 {
+        return Err((
+            schema::col::BLOCK_SIZE,
+            "block size must be positive".to_owned(),
+        ));
+    }
+    let full = u64::from(req.input_length / req.block_size);
+    let all = blocks_for(req.input_length, req.block_size);
+    let n = req.block_hashes.len() as u64;
+    if n < full || n > all {
+        return Err((
+            schema::col::BLOCK_HASHES,
+            format!(
+                "{n} block hashes for input_length {} at block size {}: expected {}",
+                req.input_length,
+                req.block_size,
+                if full == all {
+                    format!("{full}")
+                } else {
+                    format!("{full} (complete blocks) or {all} (with the partial one)")
+                }
+            ),
+        ));
+    }
+    if let Some(tokens) = &req.token_ids
+        && tokens.len() as u64 != u64::from(req.input_length)
+    {
+        return Err((
+            schema::col::TOKEN_IDS,
+            format!(
+                "{} token ids but input_length is {}",
+                tokens.len(),
+                req.input_length
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Reads a whole text file, reporting invalid UTF-8 with the line it is on.
+pub(crate) fn read_text(path: &Path) -> Result<String, TraceError> {
+    let bytes = std::fs::read(path).map_err(|e| TraceError::io(path, e))?;
+    String::from_utf8(bytes).map_err(|e| {
+        let good = e.utf8_error().valid_up_to();
+        let line = 1 + e.as_bytes()[..good].iter().filter(|&&b| b == b'\n').count();
+        TraceError::line(path, line, "invalid UTF-8")
+    })
+}
+
+/// The non-blank lines of a text, with their 1-based line numbers and without a trailing `\r`.
+pub(crate) fn numbered_lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
+    text.split('\n')
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.strip_suffix('\r').unwrap_or(l)))
+        .filter(|(_, l)| !l.trim().is_empty())
+}
+
+/// The file name without its extension, for request ids (`conversation_trace-17`).
+pub(crate) fn file_stem(path: &Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "trace".to_owned())
+}
+
+/// The file name for source descriptions (no machine-specific directories).
+pub(crate) fn file_name(path: &Path) -> String {
+    path.file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(arrival_us: u64, input_length: u32, block_size: u32, n: usize) -> TraceRequest {
+        TraceRequest {
+            arrival_us,
+            request_id: "r".into(),
+            model: "m".into(),
+            input_length,
+            output_length: 1,
+            block_size,
+            block_hashes: (0..n as u64).collect(),
+            token_ids: None,
+            session_id: None,
+            retention: None,
+            ttl_seconds: None,
+        }
+    }
+
+    #[test]
+    fn blocks_for_rounds_up() {
+        assert_eq!(blocks_for(0, 512), 0);
+        assert_eq!(blocks_for(1, 512), 1);
+        assert_eq!(blocks_for(512, 512), 1);
+        assert_eq!(blocks_for(513, 512), 2);
+        assert_eq!(blocks_for(u32::MAX, 1), u64::from(u32::MAX));
+        assert_eq!(blocks_for(5, 0), 0);
+    }
+
+    #[test]
+    fn check_accepts_complete_or_partial_block_counts() {
+        assert!(check_request(&req(0, 1000, 512, 1), None).is_ok());
+        assert!(check_request(&req(0, 1000, 512, 2), None).is_ok());
+        assert!(check_request(&req(0, 1024, 512, 2), None).is_ok());
+        assert_eq!(
+            check_request(&req(0, 1024, 512, 3), None).map_err(|e| e.0),
+            Err("block_hashes")
+        );
+        assert_eq!(
+            check_request(&req(0, 1000, 512, 0), None).map_err(|e| e.0),
+            Err("block_hashes")
+        );
+        assert_eq!(
+            check_request(&req(0, 10, 0, 0), None).map_err(|e| e.0),
+            Err("block_size")
+        );
+        assert_eq!(
+            check_request(&req(5, 10, 16, 1), Some(6)).map_err(|e| e.0),
+            Err("arrival_us")
+        );
+        let mut r = req(5, 3, 16, 1);
+        r.token_ids = Some(vec![1, 2]);
+        assert_eq!(check_request(&r, None).map_err(|e| e.0), Err("token_ids"));
+    }
+
+    #[test]
+    fn numbered_lines_skip_blanks_and_strip_cr() {
+        let lines: Vec<_> = numbered_lines("a\r\n\n  \nb").collect();
+        assert_eq!(lines, vec![(1, "a"), (4, "b")]);
+    }
+}
