@@ -1,1 +1,179 @@
-fn main() {}
+//! A whole routing decision without tokenization, the router's per-request hot path.
+//!
+//! Scenario: 64 mixed workers (block size 16) registered through the event log; their KV caches hold
+//! about 1 M (block, worker) entries — 32 applications' 256-block system prompts, each cached on 8
+//! workers, plus private 256-block conversation tails (30 per worker); 4 requests in flight per
+//! worker. A request is an 8,192-token prompt (512 blocks): an application's system prompt followed
+//! by a conversation tail, so candidates overlap it by 0, 256 or 512 blocks.
+//!
+//! `decision/hash+route_8k_tokens_64_workers` measures hashing the prompt (chained XXH3 over 512
+//! blocks) plus `Router::decide` (overlap over 64 candidates, load, cost, choice).
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use infera_core::event::{
+    Engine, Envelope, Event, KvBlocksStored, RequestTransport, Role, Tier, WorkerRecord,
+    WorkerRegistered,
+};
+use infera_core::fleet::{FleetConfig, FleetState};
+use infera_core::hashing::{hash_blocks, synthetic_block_tokens};
+use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
+use infera_core::policy::{RouteRequest, Router, RouterConfig};
+use infera_core::projection::Projection;
+use std::hint::black_box;
+
+const WORKERS: usize = 64;
+const BS: usize = 16;
+const APPS: u64 = 32;
+const PREFIX_BLOCKS: usize = 256;
+const TAIL_BLOCKS: usize = 256;
+const TAILS_PER_WORKER: u64 = 30;
+
+fn tokens(ids: impl Iterator<Item = u64>) -> Vec<u32> {
+    let mut out = Vec::new();
+    for id in ids {
+        synthetic_block_tokens(id, BS, &mut out);
+    }
+    out
+}
+
+fn prompt(app: u64, tail: u64) -> Vec<u32> {
+    let prefix = (0..PREFIX_BLOCKS as u64).map(|b| app * 1_000 + b);
+    let tail = (0..TAIL_BLOCKS as u64).map(|b| 1_000_000 + tail * 1_000 + b);
+    tokens(prefix.chain(tail))
+}
+
+struct Setup {
+    fleet: FleetState,
+    seq: u64,
+}
+
+impl Setup {
+    fn apply(&mut self, event: Event) {
+        self.seq += 1;
+        self.fleet.apply(&Envelope {
+            v: 1,
+            seq: self.seq,
+            ts_us: 0,
+            source: None,
+            event,
+        });
+    }
+}
+
+fn setup() -> Setup {
+    let mut s = Setup {
+        fleet: FleetState::new(FleetConfig::default()),
+        seq: 0,
+    };
+    for w in 0..WORKERS {
+        let id = format!("10.0.{}.{}:8000", w / 256, w % 256);
+        let record = WorkerRecord {
+            worker_id: WorkerId::new(id.clone()),
+            url: format!("http://{id}"),
+            model_name: "m".into(),
+            engine: Engine::Vllm,
+            disagg_mode: Role::Mixed,
+            disagg_meta: None,
+            kv_events_endpoint: None,
+            kv_block_size: BS as u32,
+            dp_rank: 0,
+            dp_size: 1,
+            request_transport: RequestTransport::Http,
+            kv: None,
+            extra: Default::default(),
+        };
+        s.apply(Event::WorkerRegistered(WorkerRegistered { record }));
+    }
+    let store = |s: &mut Setup, w: usize, hashes: Vec<BlockHash>| {
+        let worker = WorkerRank::new(format!("10.0.{}.{}:8000", w / 256, w % 256), 0);
+        let engine_hashes = hashes
+            .iter()
+            .map(|h| EngineHash(h.0 ^ (w as u64 + 1) * 0x9E37))
+            .collect();
+        s.apply(Event::KvBlocksStored(KvBlocksStored {
+            worker,
+            tier: Tier::Gpu,
+            block_size: BS as u32,
+            engine_hashes,
+            router_hashes: hashes,
+            parent: None,
+        }));
+    };
+    for app in 0..APPS {
+        let h = hash_blocks(&prompt(app, 0)[..PREFIX_BLOCKS * BS], BS, None);
+        for k in 0..8 {
+            store(&mut s, ((app as usize) * 2 + k * 8) % WORKERS, h.clone());
+        }
+    }
+    for w in 0..WORKERS {
+        for t in 0..TAILS_PER_WORKER {
+            let tail = w as u64 * 100 + t;
+            let h = hash_blocks(&prompt(tail % APPS, tail), BS, None);
+            store(&mut s, w, h);
+        }
+    }
+    let mut router = Router::new(RouterConfig::default());
+    for i in 0..(WORKERS * 4) as u64 {
+        let toks = prompt(i % APPS, 9_000_000 + i);
+        let req = RouteRequest {
+            request_id: RequestId::new(format!("busy{i}")),
+            model: "m".into(),
+            prompt_tokens: toks.len() as u32,
+            hashes: vec![(BS as u32, hash_blocks(&toks, BS, None))],
+            retention: None,
+            exclude: vec![],
+        };
+        if let Ok(d) = router.decide(&s.fleet, &req, i * 1000) {
+            s.apply(Event::RequestRouted(d));
+        }
+    }
+    s
+}
+
+fn benches(c: &mut Criterion) {
+    let s = setup();
+    println!("index entries: {}", s.fleet.index().entries());
+    let requests: Vec<Vec<u32>> = (0..64u64)
+        .map(|i| prompt(i % APPS, 100 * (i % WORKERS as u64) + i % 30))
+        .collect();
+    let mut router = Router::new(RouterConfig::default());
+    let mut i = 0usize;
+    c.bench_function("decision/hash+route_8k_tokens_64_workers", |b| {
+        b.iter(|| {
+            let toks = &requests[i % requests.len()];
+            i += 1;
+            let req = RouteRequest {
+                request_id: RequestId::new("r"),
+                model: "m".into(),
+                prompt_tokens: toks.len() as u32,
+                hashes: vec![(BS as u32, hash_blocks(toks, BS, None))],
+                retention: None,
+                exclude: vec![],
+            };
+            black_box(router.decide(&s.fleet, &req, 1_000_000).is_ok())
+        })
+    });
+}
+
+fn parts(c: &mut Criterion) {
+    let s = setup();
+    let toks = prompt(3, 300);
+    c.bench_function("decision/hash_only_8k_tokens", |b| {
+        b.iter(|| black_box(hash_blocks(black_box(&toks), BS, None)))
+    });
+    let req = RouteRequest {
+        request_id: RequestId::new("r"),
+        model: "m".into(),
+        prompt_tokens: toks.len() as u32,
+        hashes: vec![(BS as u32, hash_blocks(&toks, BS, None))],
+        retention: None,
+        exclude: vec![],
+    };
+    let mut router = Router::new(RouterConfig::default());
+    c.bench_function("decision/route_only_512_blocks_64_workers", |b| {
+        b.iter(|| black_box(router.decide(&s.fleet, &req, 1_000_000).is_ok()))
+    });
+}
+
+criterion_group!(routing, benches, parts);
+criterion_main!(routing);

@@ -70,7 +70,7 @@ struct InFlight {
 #[derive(Debug, Clone, PartialEq)]
 struct RecentBucket {
     bucket: u64,
-    per_rank: Vec<(WorkerRank, u64)>,
+    per_slot: Vec<(WorkerSlot, u64)>,
 }
 
 /// Resolution of the recent-pick window.
@@ -82,7 +82,10 @@ pub struct FleetState {
     config: FleetConfig,
     workers: BTreeMap<WorkerId, WorkerRecord>,
     index: KvIndex,
-    load: FxHashMap<WorkerRank, RankLoad>,
+    /// Load per rank, indexed by the rank's index slot.
+    load: Vec<RankLoad>,
+    /// Routable ranks per (model, role), rebuilt when the worker set changes.
+    candidates: FxHashMap<(String, Role), Vec<Candidate>>,
     inflight: FxHashMap<RequestId, InFlight>,
     recent: VecDeque<RecentBucket>,
     /// Finished requests still inside the recent window, kept so a dump can reproduce `recent`.
@@ -145,61 +148,100 @@ impl FleetState {
     }
 
     /// The routable ranks of `model` with `role`, in a stable order (by worker id, then rank).
-    pub fn candidates(&self, model: &str, role: Role) -> Vec<Candidate> {
-        let mut out = Vec::new();
+    pub fn candidates(&self, model: &str, role: Role) -> &[Candidate] {
+        // One entry per (model, role): a scan avoids allocating an owned key per lookup.
+        self.candidates
+            .iter()
+            .find(|((m, r), _)| m == model && *r == role)
+            .map(|(_, c)| c.as_slice())
+            .unwrap_or(&[])
+    }
+
+    fn rebuild_candidates(&mut self) {
+        self.candidates.clear();
         for w in self.workers.values() {
-            if w.model_name != model || w.disagg_mode != role {
-                continue;
-            }
             for r in rank_range(w) {
                 let rank = WorkerRank::new(w.worker_id.clone(), r);
                 if let Some(slot) = self.index.slot(&rank) {
-                    out.push(Candidate {
+                    let role = w.disagg_mode;
+                    let c = Candidate {
                         rank,
                         slot,
                         role,
                         block_size: w.kv_block_size,
-                    });
+                    };
+                    let key = (w.model_name.clone(), role);
+                    self.candidates.entry(key).or_default().push(c);
                 }
             }
         }
-        out
+    }
+
+    fn load_at(&self, slot: WorkerSlot) -> Option<&RankLoad> {
+        self.load.get(slot.index())
+    }
+
+    fn load_mut(&mut self, slot: WorkerSlot) -> &mut RankLoad {
+        if self.load.len() <= slot.index() {
+            self.load.resize_with(slot.index() + 1, RankLoad::default);
+        }
+        &mut self.load[slot.index()]
+    }
+
+    /// Distinct blocks of in-flight requests on the rank at `slot`.
+    pub fn active_blocks_at(&self, slot: WorkerSlot) -> u64 {
+        self.load_at(slot)
+            .map(|l| l.active.len() as u64)
+            .unwrap_or(0)
+    }
+
+    /// Prompt tokens routed to the rank at `slot` and not yet prefilled.
+    pub fn queued_prefill_tokens_at(&self, slot: WorkerSlot) -> u64 {
+        self.load_at(slot)
+            .map(|l| l.queued_prefill_tokens)
+            .unwrap_or(0)
     }
 
     /// Distinct blocks of in-flight requests on `rank`.
     pub fn active_blocks(&self, rank: &WorkerRank) -> u64 {
-        self.load
-            .get(rank)
-            .map(|l| l.active.len() as u64)
+        self.index
+            .slot(rank)
+            .map(|s| self.active_blocks_at(s))
             .unwrap_or(0)
     }
 
     /// Prompt tokens routed to `rank` and not yet prefilled.
     pub fn queued_prefill_tokens(&self, rank: &WorkerRank) -> u64 {
-        self.load
-            .get(rank)
-            .map(|l| l.queued_prefill_tokens)
+        self.index
+            .slot(rank)
+            .map(|s| self.queued_prefill_tokens_at(s))
             .unwrap_or(0)
     }
 
     /// The decayed charge of recent picks of `rank`, evaluated at `now_us`.
     pub fn recent_blocks(&self, rank: &WorkerRank, now_us: u64) -> f64 {
-        self.recent_by_rank(now_us)
-            .get(rank)
+        let Some(slot) = self.index.slot(rank) else {
+            return 0.0;
+        };
+        self.recent_by_slot(now_us)
+            .get(slot.index())
             .copied()
             .unwrap_or(0.0)
     }
 
-    /// Recent charges of every rank at once (one pass; used by the policy per decision).
-    pub fn recent_by_rank(&self, now_us: u64) -> FxHashMap<&WorkerRank, f64> {
+    /// Recent charges of every rank at once, indexed by slot (one pass; used per decision).
+    pub fn recent_by_slot(&self, now_us: u64) -> Vec<f64> {
         let width = self.bucket_width_us();
         let hl = self.config.recent_half_life_us.max(1) as f64;
-        let mut out: FxHashMap<&WorkerRank, f64> = FxHashMap::default();
+        let mut out = vec![0.0; self.load.len()];
         for b in &self.recent {
             let age = now_us.saturating_sub(b.bucket * width) as f64;
             let factor = (-age / hl * std::f64::consts::LN_2).exp();
-            for (rank, blocks) in &b.per_rank {
-                *out.entry(rank).or_default() += *blocks as f64 * factor;
+            for (slot, blocks) in &b.per_slot {
+                if out.len() <= slot.index() {
+                    out.resize(slot.index() + 1, 0.0);
+                }
+                out[slot.index()] += *blocks as f64 * factor;
             }
         }
         out
@@ -237,19 +279,30 @@ impl FleetState {
         }
         self.workers
             .insert(record.worker_id.clone(), record.clone());
+        self.rebuild_candidates();
     }
 
     fn deregister(&mut self, worker: &WorkerId) {
         self.workers.remove(worker);
-        self.index.remove_worker(worker);
+        // Forget the load before the index frees the slots.
         self.drop_ranks(|r| &r.worker == worker);
+        self.index.remove_worker(worker);
+        self.rebuild_candidates();
     }
 
     /// Forgets the load on ranks that left routing. Decisions that involved them no longer load
     /// them: their legs are stripped from the stored decisions, so that a dump (which re-applies the
     /// stored decisions) reproduces exactly this state.
     fn drop_ranks(&mut self, gone: impl Fn(&WorkerRank) -> bool) {
-        self.load.retain(|rank, _| !gone(rank));
+        let gone_slots: Vec<WorkerSlot> = (0..self.load.len() as u32)
+            .map(WorkerSlot)
+            .filter(|s| self.index.worker_of(*s).is_some_and(&gone))
+            .collect();
+        for s in &gone_slots {
+            if let Some(l) = self.load.get_mut(s.index()) {
+                *l = RankLoad::default();
+            }
+        }
         for f in self.inflight.values_mut() {
             let keep: Vec<bool> = f.routed.legs.iter().map(|l| !gone(&l.worker)).collect();
             let mut k = keep.iter();
@@ -262,9 +315,9 @@ impl FleetState {
             r.legs.retain(|l| !gone(&l.worker));
         }
         for b in self.recent.iter_mut() {
-            b.per_rank.retain(|(rank, _)| !gone(rank));
+            b.per_slot.retain(|(slot, _)| !gone_slots.contains(slot));
         }
-        self.recent.retain(|b| !b.per_rank.is_empty());
+        self.recent.retain(|b| !b.per_slot.is_empty());
     }
 
     fn serves(&self, rank: &WorkerRank) -> bool {
@@ -291,8 +344,12 @@ impl FleetState {
                 .get(&leg.worker.worker)
                 .map(|w| w.kv_block_size)
                 .unwrap_or(0);
-            self.charge_recent(r.at_us, &leg.worker, r.blocks.len() as u64);
-            let load = self.load.entry(leg.worker.clone()).or_default();
+            let Some(slot) = self.index.slot(&leg.worker) else {
+                queued_tokens.push(0);
+                continue;
+            };
+            self.charge_recent(r.at_us, slot, r.blocks.len() as u64);
+            let load = self.load_mut(slot);
             for b in &r.blocks {
                 *load.active.entry(*b).or_default() += 1;
             }
@@ -315,23 +372,21 @@ impl FleetState {
         self.inflight.insert(r.request_id.clone(), entry);
     }
 
-    fn charge_recent(&mut self, at_us: u64, rank: &WorkerRank, blocks: u64) {
+    fn charge_recent(&mut self, at_us: u64, slot: WorkerSlot, blocks: u64) {
         let bucket = at_us / self.bucket_width_us();
         // Buckets stay sorted; a late pick (older timestamp) lands in its own bucket.
         let pos = self.recent.partition_point(|b| b.bucket < bucket);
         if self.recent.get(pos).is_none_or(|b| b.bucket != bucket) {
-            self.recent.insert(
-                pos,
-                RecentBucket {
-                    bucket,
-                    per_rank: Vec::new(),
-                },
-            );
+            let fresh = RecentBucket {
+                bucket,
+                per_slot: Vec::new(),
+            };
+            self.recent.insert(pos, fresh);
         }
         if let Some(b) = self.recent.get_mut(pos) {
-            match b.per_rank.iter_mut().find(|(r, _)| r == rank) {
+            match b.per_slot.iter_mut().find(|(s, _)| *s == slot) {
                 Some((_, n)) => *n += blocks,
-                None => b.per_rank.push((rank.clone(), blocks)),
+                None => b.per_slot.push((slot, blocks)),
             }
         }
     }
@@ -359,7 +414,11 @@ impl FleetState {
         }
         f.prefilled = true;
         for (leg, queued) in f.routed.legs.iter().zip(&f.queued_tokens) {
-            if let Some(load) = self.load.get_mut(&leg.worker) {
+            if let Some(load) = self
+                .index
+                .slot(&leg.worker)
+                .and_then(|s| self.load.get_mut(s.index()))
+            {
                 load.queued_prefill_tokens = load.queued_prefill_tokens.saturating_sub(*queued);
             }
         }
@@ -370,7 +429,11 @@ impl FleetState {
             return;
         };
         for (leg, queued) in f.routed.legs.iter().zip(&f.queued_tokens) {
-            let Some(load) = self.load.get_mut(&leg.worker) else {
+            let Some(load) = self
+                .index
+                .slot(&leg.worker)
+                .and_then(|s| self.load.get_mut(s.index()))
+            else {
                 continue;
             };
             if !f.prefilled {
@@ -456,11 +519,15 @@ impl Projection for FleetState {
 /// counters (pick numbers) may differ between a state and its rebuild.
 impl PartialEq for FleetState {
     fn eq(&self, other: &Self) -> bool {
-        let recent = |s: &Self| -> Vec<(u64, Vec<(WorkerRank, u64)>)> {
+        let recent = |s: &Self| -> Vec<(u64, Vec<(Option<WorkerRank>, u64)>)> {
             s.recent
                 .iter()
                 .map(|b| {
-                    let mut per_rank = b.per_rank.clone();
+                    let mut per_rank: Vec<(Option<WorkerRank>, u64)> = b
+                        .per_slot
+                        .iter()
+                        .map(|(slot, n)| (s.index.worker_of(*slot).cloned(), *n))
+                        .collect();
                     per_rank.sort();
                     (b.bucket, per_rank)
                 })
@@ -477,15 +544,17 @@ impl PartialEq for FleetState {
                 })
                 .collect()
         };
-        let load = |s: &Self| -> BTreeMap<WorkerRank, (Vec<(BlockHash, u32)>, u64)> {
+        let load = |s: &Self| -> BTreeMap<Option<WorkerRank>, (Vec<(BlockHash, u32)>, u64)> {
             s.load
                 .iter()
+                .enumerate()
                 .filter(|(_, l)| !l.active.is_empty() || l.queued_prefill_tokens > 0)
-                .map(|(k, l)| {
+                .map(|(slot, l)| {
                     let mut a: Vec<(BlockHash, u32)> =
                         l.active.iter().map(|(b, n)| (*b, *n)).collect();
                     a.sort();
-                    (k.clone(), (a, l.queued_prefill_tokens))
+                    let rank = s.index.worker_of(WorkerSlot(slot as u32)).cloned();
+                    (rank, (a, l.queued_prefill_tokens))
                 })
                 .collect()
         };
@@ -635,8 +704,9 @@ mod tests {
         assert!((f.recent_blocks(&a, 0) - 4.0).abs() < 1e-9);
         assert!((f.recent_blocks(&a, 1_000_000) - 2.0).abs() < 1e-9);
         assert_eq!(f.recent_blocks(&b, 0), 0.0);
-        let all = f.recent_by_rank(2_000_000);
-        assert!((all[&a] - 1.0).abs() < 1e-9);
+        let slot = f.index().slot(&a).expect("slot");
+        let all = f.recent_by_slot(2_000_000);
+        assert!((all[slot.index()] - 1.0).abs() < 1e-9);
     }
 
     #[test]

@@ -35,16 +35,21 @@ pub fn extend_block_hashes(
         return;
     }
     let mut prev = parent;
-    let mut buf: Vec<u8> = Vec::with_capacity(8 + 4 * block_size);
+    // Layout per block: [le_u64 parent (absent for the first block)] ++ [le_u32 token]*.
+    let mut buf = vec![0u8; 8 + 4 * block_size];
+    out.reserve(tokens.len() / block_size);
     for block in tokens.chunks_exact(block_size) {
-        buf.clear();
-        if let Some(p) = prev {
-            buf.extend_from_slice(&p.0.to_le_bytes());
+        for (dst, t) in buf[8..].chunks_exact_mut(4).zip(block) {
+            dst.copy_from_slice(&t.to_le_bytes());
         }
-        for t in block {
-            buf.extend_from_slice(&t.to_le_bytes());
-        }
-        let h = BlockHash(xxhash_rust::xxh3::xxh3_64(&buf));
+        let bytes = match prev {
+            Some(p) => {
+                buf[..8].copy_from_slice(&p.0.to_le_bytes());
+                &buf[..]
+            }
+            None => &buf[8..],
+        };
+        let h = BlockHash(xxhash_rust::xxh3::xxh3_64(bytes));
         out.push(h);
         prev = Some(h);
     }

@@ -131,7 +131,7 @@ fn query() -> impl Strategy<Value = Query> {
     ];
     let cand = prop_oneof![
         6 => (0..RANKS).prop_map(Cand::Rank),
-        1 => (0u32..200).prop_map(Cand::Raw),
+        1 => prop_oneof![4 => 0u32..200, 1 => Just(u32::MAX)].prop_map(Cand::Raw),
     ];
     (tier(), blocks, prop::collection::vec(cand, 0..10)).prop_map(|(tier, blocks, cands)| Query {
         tier,

@@ -151,7 +151,7 @@ proptest! {
         let have = have % len;
         w.store(target, &blocks[..have]);
         let r = req("q".into(), blocks.clone());
-        let cands = w.fleet.candidates("m", Role::Mixed);
+        let cands = w.fleet.candidates("m", Role::Mixed).to_vec();
         let mut scratch = Default::default();
         let before = score_candidates(&w.fleet, &r, &cands, weight, 0, &mut scratch).expect("score");
         w.store(target, &blocks[..have + 1]);
@@ -170,7 +170,7 @@ proptest! {
         let mut router = Router::new(RouterConfig { temperature: temp, seed, ..Default::default() });
         let mut r = req("q".into(), prompt(root, 24, 3, 10));
         r.exclude = excl.iter().map(|i| WorkerRank::new(format!("w{}:80", i % n), 0)).collect();
-        let allowed: Vec<WorkerRank> = w.fleet.candidates("m", Role::Mixed).into_iter().map(|c| c.rank).filter(|r2| !r.exclude.contains(r2)).collect();
+        let allowed: Vec<WorkerRank> = w.fleet.candidates("m", Role::Mixed).iter().map(|c| c.rank.clone()).filter(|r2| !r.exclude.contains(r2)).collect();
         match router.decide(&w.fleet, &r, 0) {
             Ok(d) => prop_assert!(allowed.contains(&d.legs[0].worker)),
             Err(_) => prop_assert!(allowed.is_empty()),

@@ -121,7 +121,7 @@ fn observe(f: &FleetState, now: u64) -> Vec<(WorkerRank, u64, u64, i64, Vec<u32>
     let probe: Vec<BlockHash> = (0..25).map(BlockHash).collect();
     let mut out = Vec::new();
     let cands = f.candidates("m", Role::Mixed);
-    for c in &cands {
+    for c in cands {
         let mut ov = Vec::new();
         f.index().overlap(Tier::Gpu, &probe, &[c.slot], &mut ov);
         let mut ov2 = Vec::new();

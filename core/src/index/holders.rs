@@ -1,7 +1,8 @@
 //! Holder sets of one tier: router block hash → the set of worker slots holding it, as bitsets.
 //!
 //! Layout:
-//! - `low`: router hash → one `u64` bitset of slots `0..64`. Every held router hash has an entry
+//! - `low` (a [`U64Map`], one cache line per lookup): router hash → one `u64` bitset of slots
+//!   `0..64`. Every held router hash has an entry
 //!   here, even when only slots ≥ 64 hold it (the word is then `0`), so a miss in `low` means
 //!   "nobody holds it" and a fleet of up to 64 worker ranks never touches anything else.
 //! - `high_rows`: router hash → a row of `high`, only for router hashes held by some slot ≥ 64.
@@ -13,6 +14,7 @@
 //! - it is a key of `high_rows` iff at least one slot ≥ 64 holds it, and its row is non-zero;
 //! - rows on the free list are all-zero and referenced by no key; no row is referenced twice.
 
+use super::table::U64Map;
 use rustc_hash::FxHashMap;
 use std::collections::hash_map::Entry;
 
@@ -22,7 +24,7 @@ pub(crate) const LOW_SLOTS: u32 = 64;
 /// Router hash → holder bitset, for one tier.
 #[derive(Clone, Default)]
 pub(crate) struct TierHolders {
-    low: FxHashMap<u64, u64>,
+    low: U64Map,
     high_rows: FxHashMap<u64, u32>,
     high: Rows,
 }
@@ -74,7 +76,7 @@ fn high_pos(slot: u32) -> (usize, u64) {
 impl TierHolders {
     /// Adds `slot` to the holders of `router`; returns whether it was absent.
     pub(crate) fn set(&mut self, router: u64, slot: u32) -> bool {
-        let low = self.low.entry(router).or_insert(0);
+        let low = self.low.get_or_zero(router);
         if slot < LOW_SLOTS {
             let bit = 1u64 << slot;
             let added = *low & bit == 0;
@@ -98,7 +100,7 @@ impl TierHolders {
     /// Removes `slot` from the holders of `router`; returns whether it was present.
     pub(crate) fn clear(&mut self, router: u64, slot: u32) -> bool {
         if slot < LOW_SLOTS {
-            let Some(low) = self.low.get_mut(&router) else {
+            let Some(low) = self.low.get_mut(router) else {
                 return false;
             };
             let bit = 1u64 << slot;
@@ -107,7 +109,7 @@ impl TierHolders {
             }
             *low &= !bit;
             if *low == 0 && !self.high_rows.contains_key(&router) {
-                self.low.remove(&router);
+                self.low.remove(router);
             }
             return true;
         }
@@ -127,8 +129,8 @@ impl TierHolders {
         if self.high.row(row).iter().all(|&w| w == 0) {
             self.high_rows.remove(&router);
             self.high.free.push(row);
-            if self.low.get(&router) == Some(&0) {
-                self.low.remove(&router);
+            if self.low.get(router) == Some(0) {
+                self.low.remove(router);
             }
         }
         true
@@ -137,7 +139,7 @@ impl TierHolders {
     /// The bitset of slots `0..64` holding `router`, or `None` if no slot holds it.
     #[inline]
     pub(crate) fn low_word(&self, router: u64) -> Option<u64> {
-        self.low.get(&router).copied()
+        self.low.get(router)
     }
 
     /// The words for slots ≥ 64 holding `router` (word `j` covers `64 * (j + 1)..`); empty when
@@ -184,12 +186,12 @@ impl TierHolders {
 
     /// Every held router hash (arbitrary order).
     pub(crate) fn routers(&self) -> impl Iterator<Item = u64> + '_ {
-        self.low.keys().copied()
+        self.low.keys()
     }
 
     /// Heap bytes of the tables, estimated from their capacities.
     pub(crate) fn heap_bytes(&self) -> usize {
-        map_bytes::<u64, u64>(self.low.capacity())
+        self.low.heap_bytes()
             + map_bytes::<u64, u32>(self.high_rows.capacity())
             + self.high.words.capacity() * 8
             + self.high.free.capacity() * 4
@@ -197,8 +199,9 @@ impl TierHolders {
 
     /// Verifies the invariants in the module docs; returns the number of (router, slot) pairs.
     pub(crate) fn check(&self) -> Result<usize, String> {
+        self.low.check()?;
         let mut pairs = 0usize;
-        for (&r, &w) in &self.low {
+        for (r, w) in self.low.iter() {
             let high = self.high_words(r);
             if w == 0 && high.iter().all(|&x| x == 0) {
                 return Err(format!("router {r:#x} is a key with no holder"));
@@ -208,7 +211,7 @@ impl TierHolders {
         }
         let mut used = vec![false; self.high.words.len() / self.high.stride.max(1)];
         for (&r, &row) in &self.high_rows {
-            if !self.low.contains_key(&r) {
+            if self.low.get(r).is_none() {
                 return Err(format!("router {r:#x} has a high row but no low entry"));
             }
             if self.high.row(row).iter().all(|&x| x == 0) {

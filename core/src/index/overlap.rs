@@ -4,8 +4,8 @@
 //! holder set is AND-ed in, the candidates that fall out record the block position where they
 //! stopped, and the walk ends as soon as no candidate is left. Cost: one hash lookup per block up to
 //! the deepest candidate's overlap + 1, plus a few word operations; no allocation when every
-//! candidate slot is below 64 (the common fleet size); above that, one small scratch allocation
-//! and, per block, a second lookup for the high slots.
+//! candidate slot is below 64 (the common fleet size); above that, two small scratch vectors and,
+//! per block held by some slot ≥ 64, a second lookup for the high slots.
 
 use super::WorkerSlot;
 use super::holders::{LOW_SLOTS, TierHolders};

@@ -34,7 +34,7 @@ pub fn score_candidates(
     now_us: u64,
     scratch: &mut Scratch,
 ) -> Result<Vec<Scored>, RouteError> {
-    let recent = fleet.recent_by_rank(now_us);
+    let recent = fleet.recent_by_slot(now_us);
     let mut out: Vec<Scored> = Vec::with_capacity(cands.len());
     // Candidates usually share one block size; group them so the index walks each request once.
     let mut sizes: Vec<u32> = cands.iter().map(|c| c.block_size).collect();
@@ -58,10 +58,10 @@ pub fn score_candidates(
     for (c, overlap) in cands.iter().zip(overlap_of) {
         let request_blocks = req.blocks_at(c.block_size).map(|b| b.len()).unwrap_or(0) as f64;
         let queued_blocks =
-            fleet.queued_prefill_tokens(&c.rank) as f64 / c.block_size.max(1) as f64;
+            fleet.queued_prefill_tokens_at(c.slot) as f64 / c.block_size.max(1) as f64;
         let prefill_blocks = request_blocks - overlap as f64 + queued_blocks;
-        let load =
-            fleet.active_blocks(&c.rank) as f64 + recent.get(&c.rank).copied().unwrap_or(0.0);
+        let load = fleet.active_blocks_at(c.slot) as f64
+            + recent.get(c.slot.index()).copied().unwrap_or(0.0);
         let cost = weight * prefill_blocks + load;
         out.push(Scored {
             candidate: c.clone(),

@@ -227,8 +227,18 @@ impl Router {
         role: Role,
         now_us: Micros,
     ) -> Result<LegDecision<'r>, RouteError> {
-        let mut cands = fleet.candidates(&req.model, role);
-        cands.retain(|c| !req.exclude.contains(&c.rank));
+        let all = fleet.candidates(&req.model, role);
+        let filtered: Vec<Candidate>;
+        let cands: &[Candidate] = if req.exclude.is_empty() {
+            all
+        } else {
+            filtered = all
+                .iter()
+                .filter(|c| !req.exclude.contains(&c.rank))
+                .cloned()
+                .collect();
+            &filtered
+        };
         if cands.is_empty() {
             return Err(RouteError::NoWorker {
                 model: req.model.clone(),
@@ -259,7 +269,7 @@ impl Router {
             }
             PolicyKind::KvAware => {
                 let scored =
-                    score_candidates(fleet, req, &cands, weight, now_us, &mut self.scratch)?;
+                    score_candidates(fleet, req, cands, weight, now_us, &mut self.scratch)?;
                 let pick = cost::choose(&scored, self.config.temperature, &mut self.rng);
                 let chosen = &scored[pick];
                 let blocks = req
