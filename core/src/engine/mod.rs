@@ -154,8 +154,9 @@ pub struct Prefilled {
     pub gpu_hit_blocks: u32,
     /// Blocks after those loaded from lower tiers at admission.
     pub lower_hit_blocks: u32,
-    /// `(gpu_hit_blocks + lower_hit_blocks) * block_size`, capped at `prompt_tokens - 1` (the last
-    /// prompt token is always recomputed), as vLLM reports `cached_tokens`.
+    /// `(gpu_hit_blocks + lower_hit_blocks) * block_size`, capped at the whole blocks of
+    /// `prompt_tokens - 1` (the last prompt token is always recomputed, and vLLM's prefix cache
+    /// hits whole blocks), as vLLM reports `cached_tokens`.
     pub cached_tokens: u32,
 }
 

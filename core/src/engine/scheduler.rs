@@ -13,7 +13,7 @@
 //!    nothing was preempted in this step. Admission looks up the longest resident prefix of the
 //!    prompt (`k` GPU hit blocks, referenced and refreshed), then asks the lower-tier hook for the
 //!    next blocks (`m` loaded blocks, stored into the GPU and costed as loads, not compute);
-//!    `cached = min((k + m)·block_size, prefill_len − 1)` tokens are skipped and the first chunk is
+//!    `cached = min((k + m)·block_size, ⌊(prefill_len − 1) / block_size⌋·block_size)` tokens are skipped and the first chunk is
 //!    scheduled. If its blocks do not fit, the head waits and nothing behind it is admitted.
 //! 3. The step's duration comes from [`super::TimingModel`]; sequences whose prefill completed
 //!    produce their first token ([`super::Prefilled`] the first time), decoding sequences one more;
@@ -406,7 +406,7 @@ impl EngineModel {
                 lower(seq.id, rest).min(rest.len())
             };
             let prefill_len = seq.prefill_len();
-            let cached = ((gpu_hits + lower_hits) as u64 * bs).min(prefill_len - 1);
+            let cached = ((gpu_hits + lower_hits) as u64 * bs).min((prefill_len - 1) / bs * bs);
             let tokens = (prefill_len - cached).min(*budget);
             if !grow(
                 &mut self.cache,

@@ -248,7 +248,7 @@ impl Router {
         let weight = self.config.weight_for(role) * retention_scale(req.retention);
         match self.config.policy {
             PolicyKind::RoundRobin => {
-                let key = candidate_set_key(&cands);
+                let key = candidate_set_key(cands);
                 let cursor = self.rr_cursors.entry(key).or_default();
                 let c = &cands[(*cursor % cands.len() as u64) as usize];
                 *cursor = cursor.wrapping_add(1);

@@ -1,0 +1,423 @@
+//! The mock's HTTP surface (axum): OpenAI completions and chat (streaming and not), models,
+//! health and metrics.
+//!
+//! A generation request is parsed, tokenized off the async threads (`spawn_blocking`), hashed
+//! into router block hashes, checked against the cache size, and submitted to the engine loop;
+//! the handler then follows the request's [`Progress`] watch. Streaming answers are SSE:
+//! one `data: {chunk}` per generated token (the last one with `finish_reason`), an optional
+//! usage chunk (`stream_options.include_usage`), then `data: [DONE]`. Dropping the response
+//! (the client went away) drops the watch receiver, which the engine loop notices.
+
+use super::engine::{Outcome, Progress, Submission};
+use super::metrics::{MockMetrics, StaticInfo};
+use super::openai::{
+    ApiError, ChatRequest, CompletionRequest, Endpoint, Prompt, ResponseMeta, filler,
+    output_tokens, parse_prompt, usage,
+};
+use crate::tokenize::{ChatContent, ChatMessage, Tokenizer};
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use infera_core::hashing::hash_blocks;
+use serde_json::{Value, json};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc, watch};
+
+/// What every handler shares.
+#[derive(Debug)]
+pub(crate) struct AppState {
+    pub model_name: String,
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    pub engine: mpsc::Sender<Submission>,
+    pub metrics: Arc<MockMetrics>,
+    pub info: StaticInfo,
+    pub id_prefix: u64,
+    pub next_id: AtomicU64,
+}
+
+/// The routes, with the body limit applied to every one.
+pub(crate) fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+async fn health() -> Response {
+    axum::Json(json!({ "status": "ok" })).into_response()
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let text = st.metrics.render(&st.model_name, &st.info);
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    let max_model_len = st.info.gpu_blocks as u64 * u64::from(st.info.block_size);
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": st.model_name,
+            "object": "model",
+            "created": unix_now(),
+            "owned_by": "infera-mock",
+            "root": st.model_name,
+            "parent": null,
+            "max_model_len": max_model_len,
+        }],
+    }))
+    .into_response()
+}
+
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let result = async {
+        let req: CompletionRequest = parse_body(body)?;
+        check_model(&st, req.model.as_deref())?;
+        let out = output_tokens(req.max_tokens, req.n)?;
+        let tokens = match parse_prompt(&req.prompt)? {
+            Prompt::Tokens(ids) => ids,
+            Prompt::Text(text) => tokenize_text(&st, text).await?,
+        };
+        let include_usage = req.stream_options.and_then(|o| o.include_usage);
+        generate(
+            &st,
+            Endpoint::Completions,
+            tokens,
+            out,
+            req.stream.unwrap_or(false),
+            include_usage.unwrap_or(false),
+        )
+        .await
+    }
+    .await;
+    respond(&st, result)
+}
+
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let result = async {
+        let req: ChatRequest = parse_body(body)?;
+        check_model(&st, req.model.as_deref())?;
+        let out = output_tokens(req.max_completion_tokens.or(req.max_tokens), req.n)?;
+        if req.messages.is_empty() {
+            return Err(ApiError::bad_request("`messages` must not be empty"));
+        }
+        let tokens = tokenize_chat(&st, req.messages).await?;
+        let include_usage = req.stream_options.and_then(|o| o.include_usage);
+        generate(
+            &st,
+            Endpoint::Chat,
+            tokens,
+            out,
+            req.stream.unwrap_or(false),
+            include_usage.unwrap_or(false),
+        )
+        .await
+    }
+    .await;
+    respond(&st, result)
+}
+
+fn respond(st: &AppState, result: Result<Response, ApiError>) -> Response {
+    result.unwrap_or_else(|e| {
+        st.metrics.http_errors.fetch_add(1, Ordering::Relaxed);
+        e.into_response()
+    })
+}
+
+fn parse_body<T: serde::de::DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    let bytes = body.map_err(|rejection| {
+        let status = rejection.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            format!("request body is too large: {}", rejection.body_text())
+        } else {
+            format!("cannot read the request body: {}", rejection.body_text())
+        };
+        ApiError::new(status, message)
+    })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON request body: {e}")))
+}
+
+fn check_model(st: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != st.model_name => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "The model `{m}` does not exist; this mock engine serves `{}`",
+                st.model_name
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+async fn tokenize_text(st: &AppState, text: String) -> Result<Vec<u32>, ApiError> {
+    let Some(tokenizer) = st.tokenizer.clone() else {
+        return Ok(byte_tokens(&text));
+    };
+    tokio::task::spawn_blocking(move || tokenizer.encode(&text))
+        .await
+        .map_err(|e| internal(format!("tokenizer task failed: {e}")))?
+        .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))
+}
+
+async fn tokenize_chat(st: &AppState, messages: Vec<ChatMessage>) -> Result<Vec<u32>, ApiError> {
+    let Some(tokenizer) = st.tokenizer.clone() else {
+        return Ok(byte_tokens(&plain_chat(&messages)));
+    };
+    tokio::task::spawn_blocking(move || tokenizer.encode_chat(&messages, None))
+        .await
+        .map_err(|e| internal(format!("tokenizer task failed: {e}")))?
+        .map_err(|e| ApiError::bad_request(format!("cannot render or tokenize the messages: {e}")))
+}
+
+/// Without a tokenizer: one token per UTF-8 byte (prefixes stay prefixes, so caching works).
+fn byte_tokens(text: &str) -> Vec<u32> {
+    text.bytes().map(u32::from).collect()
+}
+
+/// Without a tokenizer: `role: content` lines and an open assistant turn.
+fn plain_chat(messages: &[ChatMessage]) -> String {
+    let mut out = String::new();
+    for m in messages {
+        out.push_str(&m.role);
+        out.push_str(": ");
+        match &m.content {
+            Some(ChatContent::Text(t)) => out.push_str(t),
+            Some(ChatContent::Parts(parts)) => {
+                for p in parts {
+                    out.push_str(p.text.as_deref().unwrap_or_default());
+                }
+            }
+            None => {}
+        }
+        out.push('\n');
+    }
+    out.push_str("assistant:");
+    out
+}
+
+fn internal(message: String) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)
+}
+
+/// Submits the request to the engine and answers it.
+async fn generate(
+    st: &AppState,
+    endpoint: Endpoint,
+    tokens: Vec<u32>,
+    out: u32,
+    stream: bool,
+    include_usage: bool,
+) -> Result<Response, ApiError> {
+    if tokens.is_empty() {
+        return Err(ApiError::bad_request("the prompt is empty (0 tokens)"));
+    }
+    let prompt_tokens = u32::try_from(tokens.len())
+        .map_err(|_| ApiError::bad_request("the prompt has more than 2^32 tokens"))?;
+    let bs = u64::from(st.info.block_size);
+    let footprint = (u64::from(prompt_tokens) + u64::from(out) - 1).div_ceil(bs);
+    if footprint > st.info.gpu_blocks as u64 {
+        return Err(ApiError::bad_request(format!(
+            "this request needs {footprint} KV blocks ({prompt_tokens} prompt tokens + {out} \
+             output tokens, {bs} tokens per block) but the engine has {}; shorten the prompt \
+             or max_tokens",
+            st.info.gpu_blocks
+        )));
+    }
+    let blocks = hash_blocks(&tokens, st.info.block_size as usize, None);
+    let seq = st.next_id.fetch_add(1, Ordering::Relaxed);
+    let (progress, rx) = watch::channel(Progress::default());
+    st.engine
+        .send(Submission {
+            id: seq,
+            blocks,
+            tokens,
+            prompt_tokens,
+            output_tokens: out,
+            progress,
+        })
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the mock engine is shutting down",
+            )
+        })?;
+    st.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    st.metrics
+        .prompt_tokens
+        .fetch_add(u64::from(prompt_tokens), Ordering::Relaxed);
+    let prefix = match endpoint {
+        Endpoint::Completions => "cmpl",
+        Endpoint::Chat => "chatcmpl",
+    };
+    let meta = ResponseMeta {
+        endpoint,
+        id: format!("{prefix}-{:016x}{seq:08x}", st.id_prefix),
+        created: unix_now(),
+        model: st.model_name.clone(),
+    };
+    if stream {
+        Ok(sse_response(StreamState {
+            rx,
+            meta,
+            prompt_tokens,
+            include_usage,
+            sent: 0,
+            queue: VecDeque::new(),
+            done: false,
+        }))
+    } else {
+        let p = wait_outcome(rx).await?;
+        let text = filler(0, p.tokens);
+        let body = meta.full(text, usage(prompt_tokens, p.tokens, p.cached_tokens));
+        Ok(axum::Json(body).into_response())
+    }
+}
+
+/// Waits until the request leaves the engine.
+async fn wait_outcome(mut rx: watch::Receiver<Progress>) -> Result<Progress, ApiError> {
+    loop {
+        let closed = rx.changed().await.is_err();
+        let p = *rx.borrow_and_update();
+        match p.outcome {
+            Some(Outcome::Finished) => return Ok(p),
+            Some(Outcome::Rejected) => return Err(rejected()),
+            None if closed => return Err(engine_stopped()),
+            None => {}
+        }
+    }
+}
+
+fn rejected() -> ApiError {
+    ApiError::bad_request("the request can never fit in this engine's KV cache")
+}
+
+fn engine_stopped() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the mock engine stopped before the request finished",
+    )
+}
+
+/// The state of one SSE answer.
+struct StreamState {
+    rx: watch::Receiver<Progress>,
+    meta: ResponseMeta,
+    prompt_tokens: u32,
+    include_usage: bool,
+    /// Tokens already turned into chunks.
+    sent: u32,
+    queue: VecDeque<Bytes>,
+    done: bool,
+}
+
+impl StreamState {
+    fn push_json(&mut self, value: &Value) {
+        self.queue
+            .push_back(Bytes::from(format!("data: {value}\n\n")));
+    }
+
+    fn push_done(&mut self) {
+        self.queue
+            .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+        self.done = true;
+    }
+
+    /// Turns new progress into chunks; `closed`: the engine dropped the request's channel.
+    fn advance(&mut self, p: Progress, closed: bool) {
+        let finished = p.outcome == Some(Outcome::Finished);
+        for i in self.sent..p.tokens {
+            let last = finished && i + 1 == p.tokens;
+            let chunk = self.meta.chunk(&filler(i, i + 1), i == 0, last);
+            self.push_json(&chunk);
+        }
+        let had_tokens = p.tokens > self.sent;
+        self.sent = self.sent.max(p.tokens);
+        match p.outcome {
+            Some(Outcome::Finished) => {
+                if !had_tokens {
+                    let chunk = self.meta.chunk("", self.sent == 0, true);
+                    self.push_json(&chunk);
+                }
+                if self.include_usage {
+                    let chunk =
+                        self.meta
+                            .usage_chunk(usage(self.prompt_tokens, p.tokens, p.cached_tokens));
+                    self.push_json(&chunk);
+                }
+                self.push_done();
+            }
+            Some(Outcome::Rejected) => {
+                self.push_json(&rejected().body());
+                self.push_done();
+            }
+            None if closed => {
+                self.push_json(&engine_stopped().body());
+                self.push_done();
+            }
+            None => {}
+        }
+    }
+}
+
+fn sse_response(state: StreamState) -> Response {
+    let stream = futures::stream::unfold(state, |mut s| async move {
+        loop {
+            if let Some(bytes) = s.queue.pop_front() {
+                return Some((Ok::<_, Infallible>(bytes), s));
+            }
+            if s.done {
+                return None;
+            }
+            let closed = s.rx.changed().await.is_err();
+            let p = *s.rx.borrow_and_update();
+            s.advance(p, closed);
+        }
+    });
+    (
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream"),
+            ),
+            (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}

@@ -1,0 +1,290 @@
+//! HF chat templates rendered with minijinja.
+//!
+//! A [`ChatTemplate`] owns one compiled Jinja template plus the `bos_token`/`eos_token` strings
+//! from tokenizer_config.json. It renders OpenAI `messages` the way HF `apply_chat_template`
+//! does: `trim_blocks` and `lstrip_blocks` on, `add_generation_prompt=true`, `raise_exception`
+//! available, Python string methods (`strip`, `split`, `startswith`, …) via minijinja-contrib's
+//! pycompat. Array content is flattened to its text parts joined with `"\n"` (what vLLM does for
+//! string-format templates); a non-text part is an error, since the router cannot count its
+//! tokens.
+
+use std::path::Path;
+
+use minijinja::{Environment, ErrorKind};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// Why a chat template could not be loaded or rendered. None of these is retryable: the
+/// template or the request must change.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    /// Neither tokenizer_config.json nor an override provided a template.
+    #[error(
+        "no chat template: {origin} has no `chat_template`; add one or pass --chat-template FILE"
+    )]
+    Missing { origin: String },
+    /// `chat_template` is present but has the wrong shape.
+    #[error("chat_template in {origin} is malformed: {message}")]
+    Malformed { origin: String, message: String },
+    /// The template file could not be read.
+    #[error("cannot read chat template file {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The template does not compile.
+    #[error("chat template from {origin} does not compile: {message}")]
+    Syntax { origin: String, message: String },
+    /// Rendering failed (including `raise_exception` from the template).
+    #[error("chat template from {origin} failed to render: {message}")]
+    Render { origin: String, message: String },
+    /// A message part the router cannot tokenize (image, audio, …).
+    #[error("message {index} has a content part of type {kind:?}; only text parts are supported")]
+    UnsupportedContent { index: usize, kind: String },
+}
+
+/// One OpenAI chat message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<ChatContent>,
+}
+
+impl ChatMessage {
+    /// A message with string content.
+    pub fn text(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: Some(ChatContent::Text(content.into())),
+        }
+    }
+}
+
+/// OpenAI message content: a string or an array of typed parts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ChatContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+/// One element of array content; only `type: "text"` is rendered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// A compiled chat template with its special-token strings.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    origin: String,
+}
+
+impl ChatTemplate {
+    /// Compiles `source`. `origin` names where it came from, for error messages.
+    pub fn new(
+        source: String,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+        origin: impl Into<String>,
+    ) -> Result<Self, TemplateError> {
+        let origin = origin.into();
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| TemplateError::Syntax {
+                origin: origin.clone(),
+                message: describe(&e),
+            })?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |message: String| -> Result<String, _> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+        });
+        env.add_template_owned(TEMPLATE_NAME, source)
+            .map_err(|e| TemplateError::Syntax {
+                origin: origin.clone(),
+                message: describe(&e),
+            })?;
+        Ok(Self {
+            env,
+            bos_token,
+            eos_token,
+            origin,
+        })
+    }
+
+    /// Reads and compiles a `--chat-template FILE`, with the tokenizer's special tokens.
+    pub fn from_file(
+        path: &Path,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self, TemplateError> {
+        let source = std::fs::read_to_string(path).map_err(|source| TemplateError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::new(source, bos_token, eos_token, path.display().to_string())
+    }
+
+    /// Where this template came from (a file path).
+    pub fn origin(&self) -> &str {
+        &self.origin
+    }
+
+    /// Renders `messages` with `add_generation_prompt=true`.
+    pub fn render(&self, messages: &[ChatMessage]) -> Result<String, TemplateError> {
+        let mut flat = Vec::with_capacity(messages.len());
+        for (index, message) in messages.iter().enumerate() {
+            flat.push(minijinja::Value::from_pairs([
+                ("role", minijinja::Value::from(message.role.as_str())),
+                (
+                    "content",
+                    minijinja::Value::from(flatten(index, message.content.as_ref())?),
+                ),
+            ]));
+        }
+        let render_err = |e: minijinja::Error| TemplateError::Render {
+            origin: self.origin.clone(),
+            message: describe(&e),
+        };
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(render_err)?;
+        template
+            .render(minijinja::context! {
+                messages => minijinja::Value::from(flat),
+                add_generation_prompt => true,
+                bos_token => self.bos_token.as_deref().unwrap_or(""),
+                eos_token => self.eos_token.as_deref().unwrap_or(""),
+            })
+            .map_err(render_err)
+    }
+}
+
+fn flatten(index: usize, content: Option<&ChatContent>) -> Result<String, TemplateError> {
+    match content {
+        None => Ok(String::new()),
+        Some(ChatContent::Text(text)) => Ok(text.clone()),
+        Some(ChatContent::Parts(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for part in parts {
+                match (part.kind.as_str(), &part.text) {
+                    ("text", Some(text)) => texts.push(text.as_str()),
+                    (kind, _) => {
+                        return Err(TemplateError::UnsupportedContent {
+                            index,
+                            kind: kind.to_string(),
+                        });
+                    }
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+    }
+}
+
+fn describe(e: &minijinja::Error) -> String {
+    let mut message = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(inner) = source {
+        message.push_str(": ");
+        message.push_str(&inner.to_string());
+        source = inner.source();
+    }
+    message
+}
+
+/// Reads a special token from tokenizer_config.json: a string or an `AddedToken` object.
+pub(crate) fn special_token(config: &Value, key: &str) -> Option<String> {
+    match config.get(key)? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(map) => map.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// Extracts the template source from tokenizer_config.json: `chat_template` as a string, or as a
+/// list of `{name, template}` of which `"default"` is used. `Ok(None)` when absent.
+pub(crate) fn template_source(
+    config: &Value,
+    origin: &str,
+) -> Result<Option<String>, TemplateError> {
+    let malformed = |message: &str| TemplateError::Malformed {
+        origin: origin.to_string(),
+        message: message.to_string(),
+    };
+    match config.get("chat_template") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Array(list)) => {
+            for entry in list {
+                if entry.get("name").and_then(Value::as_str) == Some("default") {
+                    return entry
+                        .get("template")
+                        .and_then(Value::as_str)
+                        .map(|s| Some(s.to_string()))
+                        .ok_or_else(|| {
+                            malformed("the \"default\" entry has no string `template`")
+                        });
+                }
+            }
+            Err(malformed(
+                "a list of templates without one named \"default\"",
+            ))
+        }
+        Some(_) => Err(malformed("expected a string or a list of {name, template}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn list_form_uses_default() {
+        let config = serde_json::json!({"chat_template": [
+            {"name": "tool_use", "template": "T"},
+            {"name": "default", "template": "D"},
+        ]});
+        assert_eq!(
+            template_source(&config, "x").ok().flatten().as_deref(),
+            Some("D")
+        );
+        let config = serde_json::json!({"chat_template": [{"name": "rag", "template": "R"}]});
+        assert!(matches!(
+            template_source(&config, "x"),
+            Err(TemplateError::Malformed { .. })
+        ));
+    }
+
+    #[test]
+    fn special_tokens_from_string_or_object() {
+        let config = serde_json::json!({"bos_token": "<s>", "eos_token": {"content": "</s>"}});
+        assert_eq!(special_token(&config, "bos_token").as_deref(), Some("<s>"));
+        assert_eq!(special_token(&config, "eos_token").as_deref(), Some("</s>"));
+    }
+
+    #[test]
+    fn raise_exception_is_a_render_error() {
+        let template = ChatTemplate::new(
+            "{{ raise_exception('no system role') }}".into(),
+            None,
+            None,
+            "inline",
+        )
+        .expect("compiles");
+        let err = template.render(&[]).err();
+        assert!(matches!(err, Some(TemplateError::Render { .. })), "{err:?}");
+    }
+}

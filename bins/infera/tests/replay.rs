@@ -1,0 +1,228 @@
+//! `infera replay` and `infera trace` end to end, through the real binary on the bundled traces:
+//! the table is printed, results are readable Parquet (checked with an independent reader,
+//! pyarrow), runs are deterministic, and bad input fails clearly without writing anything.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fixture(name: &str) -> PathBuf {
+    root().join("fixtures/traces").join(name)
+}
+
+fn infera(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_infera"))
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run infera")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn mooncake() -> String {
+    fixture("mooncake_trace_1000.parquet").display().to_string()
+}
+
+#[test]
+fn replay_prints_a_ranked_table_for_a_sweep() {
+    let out = infera(&[
+        "replay",
+        &mooncake(),
+        "--sweep",
+        "router-policy=round-robin,kv-aware",
+        "--gpu-blocks",
+        "256",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}\n{}", stdout, text(&out.stderr));
+    assert!(stdout.contains("1000 requests"), "{stdout}");
+    assert!(stdout.contains("ideal"), "{stdout}");
+    assert!(
+        stdout.contains("38.0%"),
+        "the unlimited-cache bound of the fixture: {stdout}"
+    );
+    assert!(
+        stdout.contains("router-policy=round-robin") && stdout.contains("router-policy=kv-aware")
+    );
+    assert!(
+        stdout.contains("note: bucketed timestamps spread"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("best: "), "{stdout}");
+}
+
+#[test]
+fn replay_is_deterministic_for_a_seed() {
+    let run = || {
+        let out = infera(&[
+            "replay",
+            &mooncake(),
+            "--router-temperature",
+            "0.5",
+            "--seed",
+            "7",
+            "--limit",
+            "300",
+        ]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        // The last line reports wall time; everything before it must be identical.
+        let s = text(&out.stdout);
+        s.lines()
+            .filter(|l| !l.starts_with("simulated "))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert_eq!(run(), run());
+}
+
+#[test]
+fn out_writes_parquet_that_pyarrow_reads() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("results.parquet");
+    let res = infera(&[
+        "replay",
+        &mooncake(),
+        "--limit",
+        "200",
+        "--sweep",
+        "kv-overlap-weight=0,2",
+        "--out",
+        out.to_str().expect("utf8"),
+    ]);
+    assert!(res.status.success(), "{}", text(&res.stderr));
+    let summary = dir.path().join("results.summary.parquet");
+    let script = format!(
+        "import pyarrow.parquet as pq\n\
+         t = pq.read_table({:?})\n\
+         s = pq.read_table({:?})\n\
+         print(t.num_rows, s.num_rows, sorted(set(t.column('config').to_pylist())))\n\
+         assert 'ttft_us' in t.column_names and 'hit_rate' in s.column_names\n",
+        out.display().to_string(),
+        summary.display().to_string()
+    );
+    let py = Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .expect(
+            "python3 is required for this test (an independent Parquet reader); install python3",
+        );
+    assert!(
+        py.status.success(),
+        "pyarrow failed to read the results (install it with `pip install pyarrow`): {}",
+        text(&py.stderr)
+    );
+    let line = text(&py.stdout);
+    assert!(line.starts_with("400 2 "), "{line}");
+    assert!(
+        line.contains("kv-overlap-weight=0") && line.contains("kv-overlap-weight=2"),
+        "{line}"
+    );
+}
+
+#[test]
+fn malformed_trace_fails_naming_the_line_and_writes_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = dir.path().join("bad.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [1, 2]}\n\
+         {\"timestamp\": 1, \"input_length\": \"many\", \"output_length\": 5, \"hash_ids\": [1]}\n",
+    )
+    .expect("write");
+    let out = dir.path().join("r.parquet");
+    let res = infera(&[
+        "replay",
+        trace.to_str().expect("utf8"),
+        "--out",
+        out.to_str().expect("utf8"),
+    ]);
+    assert_eq!(res.status.code(), Some(1));
+    let err = text(&res.stderr);
+    assert!(err.contains("bad.jsonl:2"), "{err}");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).expect("dir").count(),
+        1,
+        "nothing but the trace"
+    );
+}
+
+#[test]
+fn non_monotonic_and_empty_traces_are_rejected() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let back = dir.path().join("back.jsonl");
+    std::fs::write(
+        &back,
+        "{\"timestamp\": 5, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [1]}\n\
+         {\"timestamp\": 1, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [2]}\n",
+    )
+    .expect("write");
+    let res = infera(&["replay", back.to_str().expect("utf8")]);
+    assert_eq!(res.status.code(), Some(1));
+    assert!(
+        text(&res.stderr).contains("back.jsonl"),
+        "{}",
+        text(&res.stderr)
+    );
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "").expect("write");
+    let res = infera(&["replay", empty.to_str().expect("utf8")]);
+    assert_eq!(res.status.code(), Some(1));
+    assert!(text(&res.stderr).contains("empty"), "{}", text(&res.stderr));
+}
+
+#[test]
+fn bad_flags_exit_2_before_reading_anything() {
+    for (args, needle) in [
+        (vec!["--sweep", "warp-factor=1,2"], "cannot vary"),
+        (vec!["--sweep", "workers=0"], "workers"),
+        (vec!["--kv-overlap-weight=-1"], "--kv-overlap-weight"),
+        (vec!["--out", "results.csv"], "--out"),
+        (
+            vec!["--retention-rule", "input_length<2048"],
+            "retention rule",
+        ),
+        (vec!["--workers", "0"], "--workers"),
+    ] {
+        // A trace path that does not exist proves validation happens before reading it.
+        let mut all = vec!["replay", "/nonexistent/trace.parquet"];
+        all.extend(args.iter().copied());
+        let res = infera(&all);
+        let err = text(&res.stderr);
+        assert_eq!(res.status.code(), Some(2), "{all:?}: {err}");
+        assert!(err.contains(needle), "{all:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    }
+}
+
+#[test]
+fn trace_inspect_reports_the_ideal_hit_rate_and_import_round_trips() {
+    let res = infera(&[
+        "trace",
+        "inspect",
+        fixture("conversation_trace.jsonl").to_str().expect("utf8"),
+    ]);
+    let s = text(&res.stdout);
+    assert!(res.status.success(), "{}", text(&res.stderr));
+    assert!(s.contains("12,031") && s.contains("36.6 %"), "{s}");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("m.parquet");
+    let res = infera(&[
+        "trace",
+        "import",
+        fixture("mooncake_trace_1000.jsonl").to_str().expect("utf8"),
+        out.to_str().expect("utf8"),
+    ]);
+    assert!(res.status.success(), "{}", text(&res.stderr));
+    let res = infera(&["trace", "inspect", out.to_str().expect("utf8")]);
+    assert!(
+        text(&res.stdout).contains("38.0 %"),
+        "{}",
+        text(&res.stdout)
+    );
+}
