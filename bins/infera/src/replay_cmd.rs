@@ -452,7 +452,8 @@ fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
         points[best.0].label
     );
     let classes = report::class_table(&best.2);
-    if classes.lines().count() > 2 {
+    // Only worth a table when some request has a retention class.
+    if best.2.by_class[..4].iter().any(|c| c.requests > 0) {
         println!("hits by retention class:");
         print!("{classes}");
     }
