@@ -651,6 +651,14 @@ async fn a_client_that_disconnects_mid_stream_does_not_wedge_the_server() {
     .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["usage"]["completion_tokens"], 3);
+    // The abandoned request was aborted in the engine (not left decoding 2000 tokens).
+    let (_, metrics) = get(mock.addr, "/metrics").await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("infera_mock_requests_detached_total{") && l.ends_with(" 1")),
+        "{metrics}"
+    );
     mock.stop().await;
 }
 

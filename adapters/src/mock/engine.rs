@@ -176,6 +176,7 @@ impl EngineLoop {
                 self.publish(batch, &cancel).await;
             }
             self.deliver(&report.prefilled, &report.finished);
+            self.cancel_abandoned();
             self.metrics.observe_engine(&self.model);
         }
         tracing::debug!(live = self.live.len(), "mock engine loop stopped");
@@ -319,7 +320,7 @@ impl EngineLoop {
                 live.prefilled_step = step;
                 live.tokens = 1;
                 let cached = p.cached_tokens;
-                publish_progress(live, &self.metrics, |pr| {
+                publish_progress(live, |pr| {
                     pr.tokens = 1;
                     pr.cached_tokens = cached;
                 });
@@ -349,7 +350,7 @@ impl EngineLoop {
                 f.output_tokens.max(1)
             };
             live.tokens = total;
-            publish_progress(&mut live, &self.metrics, |pr| {
+            publish_progress(&mut live, |pr| {
                 pr.tokens = total;
                 pr.outcome = Some(outcome);
             });
@@ -370,21 +371,49 @@ impl EngineLoop {
             if live.decoding && live.prefilled_step != step && live.tokens + 1 < live.target {
                 live.tokens += 1;
                 let tokens = live.tokens;
-                publish_progress(live, &self.metrics, |pr| pr.tokens = tokens);
+                publish_progress(live, |pr| pr.tokens = tokens);
             }
+        }
+    }
+}
+
+impl EngineLoop {
+    /// Aborts, in the engine, every request whose client went away: its batch slot and blocks
+    /// are freed for the others (its published blocks stay cached, as in vLLM's abort).
+    fn cancel_abandoned(&mut self) {
+        let gone: Vec<u64> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.progress.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            let Some(live) = self.live.remove(&id) else {
+                continue;
+            };
+            self.model.abort(id);
+            for hash in &live.blocks {
+                if let Some(b) = self.block_tokens.get_mut(hash) {
+                    b.refs -= 1;
+                    if b.refs == 0 {
+                        self.block_tokens.remove(hash);
+                    }
+                }
+            }
+            self.metrics.detached.fetch_add(1, Ordering::Relaxed);
         }
     }
 }
 
 /// Publishes a change to a request's progress, unless its client is gone (then marks it
 /// detached, once).
-fn publish_progress(live: &mut Live, metrics: &MockMetrics, change: impl FnOnce(&mut Progress)) {
+fn publish_progress(live: &mut Live, change: impl FnOnce(&mut Progress)) {
     if live.detached {
         return;
     }
     if live.progress.is_closed() {
+        // Counted and aborted by `cancel_abandoned` at the end of the step.
         live.detached = true;
-        metrics.detached.fetch_add(1, Ordering::Relaxed);
         return;
     }
     live.progress.send_modify(change);

@@ -17,7 +17,7 @@ pub(crate) struct MockMetrics {
     pub requests: AtomicU64,
     /// Requests that left the engine (finished or rejected).
     pub finished: AtomicU64,
-    /// Requests whose client went away before they finished.
+    /// Requests whose client went away before they finished (aborted in the engine).
     pub detached: AtomicU64,
     /// Requests answered with an error status (4xx/5xx).
     pub http_errors: AtomicU64,
@@ -128,7 +128,7 @@ impl MockMetrics {
             (
                 "infera_mock_requests_detached_total",
                 "counter",
-                "Requests whose client disconnected before the end.",
+                "Requests whose client disconnected before the end (aborted in the engine).",
                 get(&self.detached).to_string(),
             ),
             (

@@ -29,9 +29,9 @@
 //! requests finish for up to [`MockConfig::drain_timeout`], then stops the engine loop (streams
 //! still open end with an error event). Nothing is detached: the engine task is joined.
 //!
-//! # Limits
-//! The core model cannot abort a sequence: a request whose client disconnects keeps running in
-//! the engine (holding its blocks) until it finishes; only its streaming stops.
+//! # Cancellation
+//! A request whose client disconnects is aborted in the engine at the end of the step in which
+//! that is noticed: its batch slot and blocks are freed (its published blocks stay cached).
 
 mod engine;
 mod http;

@@ -196,6 +196,8 @@ pub struct EngineStats {
     pub requests_finished: u64,
     /// Included in `requests_finished`.
     pub requests_rejected: u64,
+    /// Dropped by [`EngineModel::abort`]; never finished.
+    pub requests_aborted: u64,
     /// Running sequences evicted to make room for an earlier one's growth (recomputed later).
     pub preemptions: u64,
     /// Published blocks allocated (hashed prompt blocks computed or loaded).

@@ -278,6 +278,30 @@ impl EngineModel {
         Some(report)
     }
 
+    /// Drops request `id` because its client went away: out of the queue, or out of the running
+    /// batch with its blocks released (its published blocks stay cached, unreferenced, as in an
+    /// engine that aborts a request). It is never reported as finished. Returns whether it was
+    /// found (a request already finished, or unknown, is not).
+    pub fn abort(&mut self, id: u64) -> bool {
+        let seq = if let Some(pos) = self.waiting.iter().position(|s| s.id == id) {
+            self.waiting.remove(pos)
+        } else if let Some(pos) = self.running.iter().position(|s| s.id == id) {
+            Some(self.running.remove(pos))
+        } else if let Some(pos) = self.rejected.iter().position(|f| f.id == id) {
+            self.rejected.remove(pos);
+            self.stats.requests_aborted += 1;
+            return true;
+        } else {
+            None
+        };
+        let Some(mut seq) = seq else {
+            return false;
+        };
+        release(&mut self.cache, &mut seq);
+        self.stats.requests_aborted += 1;
+        true
+    }
+
     /// How many of the upcoming steps are *quiet* — pure decode steps in which nothing is admitted,
     /// allocated, published, evicted or finished, only token counts move — and the duration of
     /// each (they are all equal: utilisation cannot change without an allocation). `None` when the

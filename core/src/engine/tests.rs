@@ -600,3 +600,31 @@ fn max_seqs_limits_the_batch() {
     assert_eq!((e.running(), e.waiting()), (2, 3));
     drain(&mut e);
 }
+
+#[test]
+fn abort_frees_a_running_request_and_drops_a_queued_one() {
+    let mut e = engine(64);
+    e.submit(request(1, &[1, 2, 3], 0, 50));
+    e.submit(request(2, &[7, 8], 0, 50));
+    let first = e.step(&mut no_lower_tiers).expect("step");
+    assert_eq!(first.admitted, vec![1, 2]);
+    let busy = e.utilisation();
+    assert!(e.abort(1), "running request found");
+    assert!(e.utilisation() < busy, "its blocks were released");
+    assert_eq!(e.resident_blocks(), 5, "published blocks stay cached");
+    e.submit(request(3, &[9], 0, 5));
+    assert!(e.abort(3), "queued request found");
+    assert!(!e.abort(3) && !e.abort(42));
+    let rest = drain(&mut e);
+    let finished: Vec<u64> = rest
+        .iter()
+        .flat_map(|r| &r.finished)
+        .map(|f| f.id)
+        .collect();
+    assert_eq!(finished, vec![2], "aborted requests never finish");
+    assert_eq!(e.stats().requests_aborted, 2);
+    // The cache is still usable: the aborted prompt's blocks are hits for the next request.
+    e.submit(request(4, &[1, 2, 3], 1, 1));
+    let r = drain(&mut e);
+    assert_eq!(prefilled(&r)[0].gpu_hit_blocks, 3);
+}
