@@ -132,6 +132,9 @@ pub struct WorkerRecord {
     pub disagg_meta: Option<serde_json::Value>,
     #[serde(default)]
     pub kv_events_endpoint: Option<String>,
+    /// Tokens per KV block; 0 when the worker does not say (the Python SGLang worker writes
+    /// `null` with KV events off): such a worker is routed by load only.
+    #[serde(default, deserialize_with = "null_as_zero")]
     pub kv_block_size: u32,
     #[serde(default)]
     pub dp_rank: u32,
@@ -148,6 +151,10 @@ pub struct WorkerRecord {
 
 fn one() -> u32 {
     1
+}
+
+fn null_as_zero<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+    Ok(Option::<u32>::deserialize(d)?.unwrap_or(0))
 }
 
 fn null_as_mixed<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Role, D::Error> {
@@ -368,6 +375,14 @@ mod tests {
         assert_eq!(r.extra["capacity_blocks"], 4096);
         let back = serde_json::to_value(&r).expect("ser");
         assert_eq!(back["capacity_blocks"], 4096);
+    }
+
+    #[test]
+    fn a_null_block_size_means_unknown() {
+        let json = r#"{"worker_id":"a:1","url":"http://a:1","model_name":"m","engine":"sglang",
+            "kv_block_size":null,"kv_events_endpoint":null}"#;
+        let r: WorkerRecord = serde_json::from_str(json).expect("parse");
+        assert_eq!(r.kv_block_size, 0);
     }
 
     #[test]

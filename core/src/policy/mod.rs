@@ -115,6 +115,10 @@ pub struct RouteRequest {
 impl RouteRequest {
     /// The hashes at `block_size`, if the caller computed them.
     pub fn blocks_at(&self, block_size: u32) -> Option<&[BlockHash]> {
+        if block_size == 0 {
+            // A worker of unknown block size cannot hold a known prefix: load only.
+            return Some(&[]);
+        }
         self.hashes
             .iter()
             .find(|(bs, _)| *bs == block_size)

@@ -270,3 +270,25 @@ fn direct_mode_resolves_named_workers_without_failover() {
         Err(RouteError::UnknownRank { rank: 3, .. })
     ));
 }
+
+#[test]
+fn a_worker_of_unknown_block_size_is_routed_by_load() {
+    let mut w = World::new(&[("a:1", Role::Mixed)]);
+    let mut rec = record("b:1", Role::Mixed);
+    rec.kv_block_size = 0;
+    w.apply(Event::WorkerRegistered(WorkerRegistered { record: rec }));
+    let mut r = Router::new(RouterConfig::default());
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..8 {
+        let d = r
+            .decide(
+                &w.fleet,
+                &request(&format!("r{i}"), &[1, 2, 3, 4, 5, 6, 7, 8]),
+                0,
+            )
+            .expect("decision");
+        seen.insert(d.legs[0].worker.worker.0.clone());
+        w.apply(Event::RequestRouted(d));
+    }
+    assert_eq!(seen.len(), 2, "both workers take load: {seen:?}");
+}
