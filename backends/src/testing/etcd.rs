@@ -1,14 +1,11 @@
 //! A real single-member etcd on free loopback ports.
 
 use super::{
-    HarnessError, PROBE_INTERVAL, READY_TIMEOUT, find_on_path, free_port, kill, log_tail,
-    port_was_taken,
+    HarnessError, find_on_path, free_port, kill, log_tail, port_was_taken, spawn_logged, wait_ready,
 };
-use std::fs::File;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
+use std::process::{Child, Command};
 use tempfile::TempDir;
-use tokio::time::Instant;
 
 const INSTALL: &str = "`apt-get install -y etcd-server` (or `cargo xtask tools`)";
 const ATTEMPTS: usize = 3;
@@ -114,18 +111,10 @@ impl EtcdServer {
     }
 
     async fn launch(&mut self) -> Result<(), HarnessError> {
-        let log_path = self.log_path();
-        let log = File::options()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(|e| HarnessError::io(format!("opening {}", log_path.display()), e))?;
-        let log_err = log
-            .try_clone()
-            .map_err(|e| HarnessError::io("duplicating the etcd log handle", e))?;
         let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        command
             .arg("--name=infera-test")
             .arg(format!("--data-dir={}", self.data_dir().display()))
             .arg(format!("--listen-client-urls={client}"))
@@ -133,55 +122,25 @@ impl EtcdServer {
             .arg(format!("--listen-peer-urls={peer}"))
             .arg(format!("--initial-advertise-peer-urls={peer}"))
             .arg(format!("--initial-cluster=infera-test={peer}"))
-            .arg("--initial-cluster-state=new")
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            .spawn()
-            .map_err(|e| HarnessError::io(format!("spawning {}", self.binary.display()), e))?;
-        self.child = Some(child);
-        self.wait_ready().await
+            .arg("--initial-cluster-state=new");
+        let log = self.log_path();
+        self.child = Some(spawn_logged(&mut command, &self.binary, &log)?);
+        wait_ready(&mut self.child, "etcd", &log, || probe(client.clone())).await
     }
+}
 
-    /// Polls etcd's status call until it answers, the process exits, or the deadline passes.
-    async fn wait_ready(&mut self) -> Result<(), HarnessError> {
-        let deadline = Instant::now() + READY_TIMEOUT;
-        let not_ready = |reason: String, log: &Path| HarnessError::NotReady {
-            binary: "etcd",
-            reason,
-            log_tail: log_tail(log, 20),
-        };
-        loop {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                self.child = None;
-                return Err(not_ready(format!("exited with {status}"), &self.log_path()));
-            }
-            let last_error = match tokio::time::timeout(PROBE_INTERVAL * 20, self.probe()).await {
-                Ok(Ok(())) => return Ok(()),
-                Ok(Err(e)) => e.to_string(),
-                Err(_) => "status call timed out".to_owned(),
-            };
-            if Instant::now() >= deadline {
-                self.stop();
-                return Err(not_ready(
-                    format!("no answer within {READY_TIMEOUT:?}: {last_error}"),
-                    &self.log_path(),
-                ));
-            }
-            tokio::time::sleep(PROBE_INTERVAL).await;
-        }
-    }
-
-    async fn probe(&self) -> Result<(), etcd_client::Error> {
-        let mut client = self.client().await?;
-        client.status().await?;
-        // A leader is needed before puts and watches work.
-        let mut kv = client.kv_client();
-        kv.get("/infera-harness-probe", None).await?;
-        Ok(())
-    }
+/// Whether etcd at `endpoint` answers a status call and a read (a leader is needed before puts
+/// and watches work).
+async fn probe(endpoint: String) -> Result<(), String> {
+    let mut client = etcd_client::Client::connect([endpoint], None)
+        .await
+        .map_err(|e| e.to_string())?;
+    client.status().await.map_err(|e| e.to_string())?;
+    let mut kv = client.kv_client();
+    kv.get("/infera-harness-probe", None)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(())
 }
 
 impl Drop for EtcdServer {

@@ -24,7 +24,7 @@ pub use nats::NatsServer;
 pub use proxy::TcpProxy;
 
 use std::path::{Path, PathBuf};
-use std::process::Child;
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 /// How long a server may take to answer after it was started.
@@ -105,6 +105,66 @@ fn log_tail(path: &Path, lines: usize) -> String {
             all[all.len().saturating_sub(lines)..].join("\n")
         }
         Err(e) => format!("(cannot read {}: {e})", path.display()),
+    }
+}
+
+/// Spawns `command` (the server binary `binary`) with stdout and stderr appended to `log`.
+fn spawn_logged(command: &mut Command, binary: &Path, log: &Path) -> Result<Child, HarnessError> {
+    let out = std::fs::File::options()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| HarnessError::io(format!("opening {}", log.display()), e))?;
+    let err = out
+        .try_clone()
+        .map_err(|e| HarnessError::io(format!("duplicating the handle of {}", log.display()), e))?;
+    command
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .spawn()
+        .map_err(|e| HarnessError::io(format!("spawning {}", binary.display()), e))
+}
+
+/// Polls `probe` (bounded per attempt) until it succeeds, the process exits, or
+/// [`READY_TIMEOUT`] passes — then kills the process and reports the end of its log.
+async fn wait_ready<F, Fut>(
+    child: &mut Option<Child>,
+    name: &'static str,
+    log: &Path,
+    mut probe: F,
+) -> Result<(), HarnessError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let deadline = tokio::time::Instant::now() + READY_TIMEOUT;
+    let not_ready = |reason: String| HarnessError::NotReady {
+        binary: name,
+        reason,
+        log_tail: log_tail(log, 20),
+    };
+    loop {
+        if let Some(c) = child.as_mut()
+            && let Ok(Some(status)) = c.try_wait()
+        {
+            *child = None;
+            return Err(not_ready(format!("exited with {status}")));
+        }
+        let last_error = match tokio::time::timeout(PROBE_INTERVAL * 20, probe()).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => e,
+            Err(_) => "the readiness probe timed out".to_owned(),
+        };
+        if tokio::time::Instant::now() >= deadline {
+            if let Some(mut c) = child.take() {
+                kill(&mut c);
+            }
+            return Err(not_ready(format!(
+                "not ready within {READY_TIMEOUT:?}: {last_error}"
+            )));
+        }
+        tokio::time::sleep(PROBE_INTERVAL).await;
     }
 }
 

@@ -1,15 +1,12 @@
 //! A real `nats-server` (≥ 2.10, JetStream on) on a free loopback port.
 
 use super::{
-    HarnessError, PROBE_INTERVAL, READY_TIMEOUT, find_on_path, free_port, kill, log_tail,
-    port_was_taken,
+    HarnessError, find_on_path, free_port, kill, log_tail, port_was_taken, spawn_logged, wait_ready,
 };
-use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use tempfile::TempDir;
 use tokio::io::AsyncReadExt;
-use tokio::time::Instant;
 
 /// The variable through which `cargo xtask` passes the binary to use.
 pub const NATS_SERVER_ENV: &str = "INFERA_NATS_SERVER_BIN";
@@ -95,16 +92,8 @@ impl NatsServer {
     }
 
     async fn launch(&mut self) -> Result<(), HarnessError> {
-        let log_path = self.log_path();
-        let log = File::options()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(|e| HarnessError::io(format!("opening {}", log_path.display()), e))?;
-        let log_err = log
-            .try_clone()
-            .map_err(|e| HarnessError::io("duplicating the nats log handle", e))?;
-        let child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        command
             .args([
                 "-a",
                 "127.0.0.1",
@@ -113,43 +102,18 @@ impl NatsServer {
                 "-js",
                 "-sd",
             ])
-            .arg(self.dir.path().join("jetstream"))
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            .spawn()
-            .map_err(|e| HarnessError::io(format!("spawning {}", self.binary.display()), e))?;
-        self.child = Some(child);
-        self.wait_ready().await
-    }
-
-    /// Polls until the server sends its `INFO` greeting, the process exits, or the deadline.
-    async fn wait_ready(&mut self) -> Result<(), HarnessError> {
-        let deadline = Instant::now() + READY_TIMEOUT;
-        let not_ready = |reason: String, log: &Path| HarnessError::NotReady {
-            binary: "nats-server",
-            reason,
-            log_tail: log_tail(log, 20),
-        };
-        loop {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                self.child = None;
-                return Err(not_ready(format!("exited with {status}"), &self.log_path()));
+            .arg(self.dir.path().join("jetstream"));
+        let log = self.log_path();
+        self.child = Some(spawn_logged(&mut command, &self.binary, &log)?);
+        let addr = self.addr();
+        wait_ready(&mut self.child, "nats-server", &log, || async move {
+            if greets(addr).await {
+                Ok(())
+            } else {
+                Err("no INFO greeting".to_owned())
             }
-            if let Ok(true) = tokio::time::timeout(PROBE_INTERVAL * 20, greets(self.addr())).await {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                self.stop();
-                return Err(not_ready(
-                    format!("no INFO greeting within {READY_TIMEOUT:?}"),
-                    &self.log_path(),
-                ));
-            }
-            tokio::time::sleep(PROBE_INTERVAL).await;
-        }
+        })
+        .await
     }
 }
 
