@@ -3,4 +3,5 @@
 //! and drain probes) and the mock engine. Adapters do not know which backend is in use.
 pub mod kv_events;
 pub mod mock;
+pub mod server;
 pub mod tokenize;

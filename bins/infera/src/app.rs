@@ -80,7 +80,15 @@ pub fn run(cli: Cli) -> Result<(), AppError> {
     match cli.command {
         Command::Server(args) => {
             let check = args.check_config;
-            finish("server", check, ServerConfig::try_from(args))
+            match ServerConfig::try_from(args) {
+                Ok(config) if !check => {
+                    crate::server_cmd::run(config).map_err(|error| AppError::Failed {
+                        command: "server",
+                        error,
+                    })
+                }
+                config => finish("server", check, config),
+            }
         }
         Command::Worker(worker) => {
             let check = worker.check_config();

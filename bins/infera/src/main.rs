@@ -8,6 +8,7 @@ mod cli;
 mod config;
 mod mock_cmd;
 mod replay_cmd;
+mod server_cmd;
 
 use std::process::ExitCode;
 

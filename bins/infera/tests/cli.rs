@@ -556,11 +556,13 @@ fn malformed_durations_sizes_and_unknown_flags_are_usage_errors() {
 fn a_valid_configuration_without_a_runtime_exits_1_with_one_line() {
     let tokenizer = tokenizer_dir();
     let tok = path_str(tokenizer.path());
+    // The server runs on etcd + http + zmq; the seed's defaults (kubernetes, nats) are refused
+    // at startup with one line, not silently replaced.
     let output = infera(&["server", "--router-tokenizer-path", tok]);
     assert_eq!(output.status.code(), Some(1));
     assert_eq!(
         stderr(&output).trim(),
-        "infera server: configuration is valid, but the server runtime is not part of this build yet"
+        "infera server: error: --discovery-backend kubernetes (use etcd) is not available in this build yet"
     );
     let output = infera(&["worker", "vllm", "--model", "m", "--port", "8001"]);
     assert_eq!(output.status.code(), Some(1));

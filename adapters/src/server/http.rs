@@ -1,0 +1,417 @@
+//! The server's axum routes: request parsing and validation, retention stamping (PROTOCOLS §5),
+//! tokenization on the blocking pool, hashing, and the status pages (`/v1/models`, `/health`,
+//! `/v1/workers`, `/metrics`). Errors use the OpenAI shape `{"error": {"message", "type",
+//! "code"}}` with one status per cause (400, 404, 413, 500, 502, 503).
+
+use super::{ServerState, relay};
+use crate::tokenize::{ChatMessage, TokenizeError};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use infera_core::event::Retention;
+use infera_core::hashing::hash_blocks;
+use infera_core::ids::{RequestId, WorkerRank};
+use infera_core::policy::{RouteError, RouteRequest};
+use serde_json::{Map, Value, json};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The request-id header, echoed or generated.
+pub(crate) const REQUEST_ID: &str = "x-infera-request-id";
+
+/// An error answered to the client.
+#[derive(Debug, Clone)]
+pub(crate) struct ApiError {
+    pub(crate) status: StatusCode,
+    pub(crate) message: String,
+}
+
+impl ApiError {
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::PAYLOAD_TOO_LARGE => "RequestTooLargeError",
+            StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
+            StatusCode::BAD_GATEWAY => "BadGatewayError",
+            s if s.is_client_error() => "BadRequestError",
+            _ => "InternalServerError",
+        }
+    }
+
+    pub(crate) fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind(), "code": self.status.as_u16()}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// The one mapping from a routing error to an HTTP status.
+pub(crate) fn route_error(e: &RouteError) -> ApiError {
+    let status = match e {
+        RouteError::UnknownModel(_) => StatusCode::NOT_FOUND,
+        RouteError::NoWorker { .. }
+        | RouteError::UnknownWorker(_)
+        | RouteError::UnknownRank { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        RouteError::MissingBlockSize(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    ApiError::new(status, e.to_string())
+}
+
+pub(crate) fn router(state: ServerState) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/v1/workers", get(workers))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+async fn completions(State(st): State<ServerState>, headers: HeaderMap, body: Body) -> Response {
+    handle(st, Endpoint::Completions, headers, body).await
+}
+
+async fn chat_completions(
+    State(st): State<ServerState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(st, Endpoint::Chat, headers, body).await
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+fn request_id(st: &ServerState, headers: &HeaderMap) -> String {
+    headers
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 256)
+        .map(str::to_owned)
+        .unwrap_or_else(|| {
+            let n = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+            format!("infera-{:016x}-{n}", st.inner.id_prefix)
+        })
+}
+
+async fn handle(st: ServerState, ep: Endpoint, headers: HeaderMap, body: Body) -> Response {
+    let id = request_id(&st, &headers);
+    let mut resp = match pipeline(&st, ep, &headers, body, &id).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(request_id = %id, status = %e.status, error = %e.message, "request rejected");
+            e.into_response()
+        }
+    };
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        resp.headers_mut().insert(REQUEST_ID, v);
+    }
+    resp
+}
+
+/// What to tokenize.
+enum Input {
+    Text(String),
+    Tokens(Vec<u32>),
+    Chat(Vec<ChatMessage>),
+}
+
+async fn pipeline(
+    st: &ServerState,
+    ep: Endpoint,
+    headers: &HeaderMap,
+    body: Body,
+    id: &str,
+) -> Result<Response, ApiError> {
+    let max = st.inner.options.max_body_bytes;
+    let bytes = read_body(body, headers, max).await?;
+    let mut json: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
+    let obj = json
+        .as_object_mut()
+        .ok_or_else(|| ApiError::bad_request("request body must be a JSON object"))?;
+    let model = match obj.get("model") {
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err(ApiError::bad_request("`model` must be a string")),
+        None => return Err(ApiError::bad_request("`model` is required")),
+    };
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::bad_request("`stream` must be a boolean")),
+    };
+    let input = match ep {
+        Endpoint::Completions => parse_prompt(obj.get("prompt"))?,
+        Endpoint::Chat => parse_messages(obj.get("messages"))?,
+    };
+    let retention = stamp_retention(obj)?;
+    let forward_body = Bytes::from(serde_json::to_vec(&json).map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("re-encoding the body: {e}"),
+        )
+    })?);
+
+    let block_sizes: Vec<u32> = st.with_fleet(|f| {
+        let mut v: Vec<u32> = f
+            .workers()
+            .filter(|w| w.model_name == model)
+            .map(|w| w.kv_block_size)
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    });
+    if block_sizes.is_empty() {
+        super::metrics::inc(&st.inner.metrics.decisions_unknown_model, 1);
+        return Err(route_error(&RouteError::UnknownModel(model)));
+    }
+    let tokens = tokenize(st, input).await?;
+    let hashes = block_sizes
+        .into_iter()
+        .map(|bs| (bs, hash_blocks(&tokens, bs.max(1) as usize, None)))
+        .collect();
+    let req = RouteRequest {
+        request_id: RequestId::new(id),
+        model,
+        prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+        hashes,
+        retention,
+        exclude: Vec::<WorkerRank>::new(),
+    };
+    relay::forward(st, req, ep.path(), forward_body, stream).await
+}
+
+async fn read_body(body: Body, headers: &HeaderMap, max: usize) -> Result<Bytes, ApiError> {
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body is larger than the server's limit of {max} bytes"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, max).await.map_err(|e| {
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+        while let Some(s) = source {
+            if s.is::<http_body_util::LengthLimitError>() {
+                return too_large();
+            }
+            source = s.source();
+        }
+        ApiError::bad_request(format!("cannot read the request body: {e}"))
+    })
+}
+
+fn parse_prompt(value: Option<&Value>) -> Result<Input, ApiError> {
+    const SHAPE: &str =
+        "`prompt` must be a string, a list of token ids, or a list holding one of those";
+    let ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| {
+                        ApiError::bad_request(format!("`prompt[{i}]` must be a token id, got {v}"))
+                    })
+            })
+            .collect()
+    };
+    match value {
+        None => Err(ApiError::bad_request("`prompt` is required")),
+        Some(Value::String(s)) => Ok(Input::Text(s.clone())),
+        Some(Value::Array(items)) if items.is_empty() => {
+            Err(ApiError::bad_request("`prompt` must not be empty"))
+        }
+        Some(Value::Array(items)) if items.iter().all(Value::is_number) => {
+            ids(items).map(Input::Tokens)
+        }
+        Some(Value::Array(items)) if items.len() == 1 => match &items[0] {
+            Value::String(s) => Ok(Input::Text(s.clone())),
+            Value::Array(inner) => ids(inner).map(Input::Tokens),
+            _ => Err(ApiError::bad_request(SHAPE)),
+        },
+        Some(Value::Array(_)) => Err(ApiError::bad_request(
+            "`prompt` holds several prompts; send one prompt per request",
+        )),
+        Some(_) => Err(ApiError::bad_request(SHAPE)),
+    }
+}
+
+fn parse_messages(value: Option<&Value>) -> Result<Input, ApiError> {
+    let value = value.ok_or_else(|| ApiError::bad_request("`messages` is required"))?;
+    if !value.is_array() {
+        return Err(ApiError::bad_request("`messages` must be an array"));
+    }
+    let messages: Vec<ChatMessage> = serde_json::from_value(value.clone())
+        .map_err(|e| ApiError::bad_request(format!("`messages` is malformed: {e}")))?;
+    if messages.is_empty() {
+        return Err(ApiError::bad_request("`messages` must not be empty"));
+    }
+    Ok(Input::Chat(messages))
+}
+
+/// Reads the client's retention hint (PROTOCOLS §5) and stamps
+/// `kv_transfer_params.infera_retention` into the body (client value kept, else derived from
+/// `prompt_cache_retention`, else `long`). Returns the hint the router scales with.
+fn stamp_retention(obj: &mut Map<String, Value>) -> Result<Option<Retention>, ApiError> {
+    let mut hint = None;
+    match obj.get("kv_transfer_params") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(p)) => match p.get("infera_retention") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) => {
+                hint = Some(Retention::parse(s).ok_or_else(|| {
+                    ApiError::bad_request(format!(
+                        "`kv_transfer_params.infera_retention` must be none, short or long, got {s:?}"
+                    ))
+                })?);
+            }
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "`kv_transfer_params.infera_retention` must be a string",
+                ));
+            }
+        },
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "`kv_transfer_params` must be an object",
+            ));
+        }
+    }
+    if hint.is_none() {
+        hint = match obj.get("prompt_cache_retention").and_then(Value::as_str) {
+            Some("24h" | "1h" | "long") => Some(Retention::Long),
+            Some("5m" | "short") => Some(Retention::Short),
+            Some("none" | "off") => Some(Retention::None),
+            _ => None,
+        };
+    }
+    let stamp = hint.unwrap_or(Retention::Long).as_str();
+    let params = obj
+        .entry("kv_transfer_params")
+        .or_insert_with(|| Value::Object(Map::new()));
+    if params.is_null() {
+        *params = Value::Object(Map::new());
+    }
+    if let Value::Object(p) = params {
+        let slot = p.entry("infera_retention").or_insert(Value::Null);
+        if slot.is_null() {
+            *slot = Value::String(stamp.to_owned());
+        }
+    }
+    Ok(hint)
+}
+
+async fn tokenize(st: &ServerState, input: Input) -> Result<Vec<u32>, ApiError> {
+    let tokenizer = st.inner.tokenizer.clone();
+    let template = st.inner.options.chat_template.clone();
+    let joined = tokio::task::spawn_blocking(move || match input {
+        Input::Tokens(ids) => Ok(ids),
+        Input::Text(text) => tokenizer.encode(&text),
+        Input::Chat(messages) => tokenizer.encode_chat(&messages, template.as_deref()),
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("tokenizer task failed: {e}"),
+        )
+    })?;
+    joined.map_err(|e| match e {
+        TokenizeError::Template(t) => ApiError::bad_request(format!("chat template: {t}")),
+        other => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, other.to_string()),
+    })
+}
+
+async fn models(State(st): State<ServerState>) -> Response {
+    let data: Vec<Value> = st.with_fleet(|f| {
+        f.models()
+            .into_iter()
+            .map(|m| json!({"id": m, "object": "model", "owned_by": "infera"}))
+            .collect()
+    });
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn health(State(st): State<ServerState>) -> Response {
+    let n = st.worker_count();
+    axum::Json(json!({"status": "ok", "active_workers": n})).into_response()
+}
+
+async fn workers(State(st): State<ServerState>) -> Response {
+    let data: Vec<Value> = st.with_fleet(|f| {
+        f.workers()
+            .map(|w| {
+                let ranks: Vec<Value> = (w.dp_rank..w.dp_rank + w.dp_size.max(1))
+                    .map(|r| {
+                        let rank = WorkerRank::new(w.worker_id.clone(), r);
+                        json!({
+                            "dp_rank": r,
+                            "inflight": f.inflight_on(&rank),
+                            "active_blocks": f.active_blocks(&rank),
+                            "queued_prefill_tokens": f.queued_prefill_tokens(&rank),
+                            "cached_blocks": f.index().blocks_of(&rank, infera_core::event::Tier::Gpu),
+                        })
+                    })
+                    .collect();
+                json!({"record": w, "load": ranks})
+            })
+            .collect()
+    });
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn metrics(State(st): State<ServerState>) -> Response {
+    let (inflight, workers, active) = st.with_fleet(|f| {
+        let active: u64 = f
+            .workers()
+            .flat_map(|w| {
+                (w.dp_rank..w.dp_rank + w.dp_size.max(1))
+                    .map(|r| WorkerRank::new(w.worker_id.clone(), r))
+            })
+            .map(|r| f.active_blocks(&r))
+            .sum();
+        (f.inflight_requests(), f.worker_count(), active)
+    });
+    let text = st.inner.metrics.render(inflight, workers, active);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}

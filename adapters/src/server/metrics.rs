@@ -1,0 +1,184 @@
+//! The server's Prometheus metrics: plain atomics as struct fields, rendered as text by
+//! `GET /metrics`. Label sets are bounded (outcomes and statuses, never worker ids); gauges that
+//! the fleet already knows (in-flight requests, workers) are read from it at render time.
+
+use crate::kv_events::IngestStats;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Counters of the request pipeline and the event intake.
+#[derive(Debug, Default)]
+pub struct ServerMetrics {
+    pub(crate) picks: AtomicU64,
+    pub(crate) pick_cache_hits: AtomicU64,
+    pub(crate) pick_request_blocks: AtomicU64,
+    pub(crate) decisions_unknown_model: AtomicU64,
+    pub(crate) decisions_no_worker: AtomicU64,
+    pub(crate) retries: AtomicU64,
+    pub(crate) requests_ok: AtomicU64,
+    pub(crate) requests_client_error: AtomicU64,
+    pub(crate) requests_worker_error: AtomicU64,
+    pub(crate) requests_cancelled: AtomicU64,
+    pub(crate) request_duration_us_sum: AtomicU64,
+    pub(crate) request_duration_count: AtomicU64,
+    pub(crate) events_applied: AtomicU64,
+    pub(crate) kv_stored_blocks: AtomicU64,
+    pub(crate) kv_removed_blocks: AtomicU64,
+    pub(crate) kv_dropped_events: AtomicU64,
+}
+
+fn get(c: &AtomicU64) -> u64 {
+    c.load(Ordering::Relaxed)
+}
+
+pub(crate) fn inc(c: &AtomicU64, by: u64) {
+    c.fetch_add(by, Ordering::Relaxed);
+}
+
+impl ServerMetrics {
+    pub(crate) fn events_applied(&self, n: u64) {
+        inc(&self.events_applied, n);
+    }
+
+    pub(crate) fn kv_ingested(&self, s: &IngestStats) {
+        inc(&self.kv_stored_blocks, u64::from(s.stored_blocks));
+        inc(&self.kv_removed_blocks, u64::from(s.removed_blocks));
+        inc(&self.kv_dropped_events, u64::from(s.dropped()));
+    }
+
+    /// Total routing picks so far.
+    pub fn picks_total(&self) -> u64 {
+        get(&self.picks)
+    }
+
+    /// Total attempts retried on another worker.
+    pub fn retries_total(&self) -> u64 {
+        get(&self.retries)
+    }
+
+    /// Events appended and applied so far.
+    pub fn events_applied_total(&self) -> u64 {
+        get(&self.events_applied)
+    }
+
+    /// Renders the Prometheus text format.
+    pub(crate) fn render(&self, inflight: usize, workers: usize, active_blocks: u64) -> String {
+        let mut out = String::with_capacity(2048);
+        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, u64)]| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (labels, v) in samples {
+                if labels.is_empty() {
+                    let _ = writeln!(out, "{name} {v}");
+                } else {
+                    let _ = writeln!(out, "{name}{{{labels}}} {v}");
+                }
+            }
+        };
+        metric(
+            "infera_router_picks_total",
+            "counter",
+            "Routing decisions that picked a worker.",
+            &[("", get(&self.picks))],
+        );
+        metric(
+            "infera_router_pick_cache_hits",
+            "counter",
+            "Picks whose worker already held part of the prompt.",
+            &[("", get(&self.pick_cache_hits))],
+        );
+        metric(
+            "infera_router_pick_request_blocks",
+            "counter",
+            "Prompt blocks of picked requests.",
+            &[("", get(&self.pick_request_blocks))],
+        );
+        metric(
+            "infera_router_decisions_total",
+            "counter",
+            "Routing decisions by outcome.",
+            &[
+                ("outcome=\"routed\"", get(&self.picks)),
+                (
+                    "outcome=\"unknown_model\"",
+                    get(&self.decisions_unknown_model),
+                ),
+                ("outcome=\"no_worker\"", get(&self.decisions_no_worker)),
+            ],
+        );
+        metric(
+            "infera_router_retries_total",
+            "counter",
+            "Attempts retried on another worker before the first response byte.",
+            &[("", get(&self.retries))],
+        );
+        metric(
+            "infera_requests_total",
+            "counter",
+            "Finished requests by status.",
+            &[
+                ("status=\"ok\"", get(&self.requests_ok)),
+                ("status=\"client_error\"", get(&self.requests_client_error)),
+                ("status=\"worker_error\"", get(&self.requests_worker_error)),
+                ("status=\"cancelled\"", get(&self.requests_cancelled)),
+            ],
+        );
+        let sum = get(&self.request_duration_us_sum) as f64 / 1e6;
+        let _ = writeln!(
+            out,
+            "# HELP infera_request_duration_seconds Time from routing to the last response byte.\n\
+             # TYPE infera_request_duration_seconds summary\n\
+             infera_request_duration_seconds_sum {sum}\n\
+             infera_request_duration_seconds_count {}",
+            get(&self.request_duration_count)
+        );
+        let mut metric = |name: &str, kind: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+            );
+        };
+        metric(
+            "infera_request_inflight",
+            "gauge",
+            "Requests routed and not finished.",
+            inflight as u64,
+        );
+        metric(
+            "infera_active_workers",
+            "gauge",
+            "Registered workers.",
+            workers as u64,
+        );
+        metric(
+            "infera_policy_active_blocks",
+            "gauge",
+            "Distinct blocks of in-flight requests, summed over worker ranks.",
+            active_blocks,
+        );
+        metric(
+            "infera_events_applied_total",
+            "counter",
+            "Events appended to the log and applied to the fleet.",
+            get(&self.events_applied),
+        );
+        metric(
+            "infera_kv_stored_blocks_total",
+            "counter",
+            "Blocks reported stored by engines.",
+            get(&self.kv_stored_blocks),
+        );
+        metric(
+            "infera_kv_removed_blocks_total",
+            "counter",
+            "Blocks reported removed by engines.",
+            get(&self.kv_removed_blocks),
+        );
+        metric(
+            "infera_kv_dropped_events_total",
+            "counter",
+            "Engine KV events dropped at ingest (block-size mismatch, unknown parent...).",
+            get(&self.kv_dropped_events),
+        );
+        out
+    }
+}

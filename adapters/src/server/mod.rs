@@ -1,0 +1,227 @@
+//! The `infera server` front: the OpenAI-compatible HTTP API, the request pipeline (parse →
+//! tokenize → hash → decide → forward → relay) and the router state it decides with.
+//!
+//! # State
+//! [`ServerState`] owns one [`FleetState`], one [`Router`] and one [`MemoryLog`] behind a
+//! `std::sync::Mutex` that is only ever held for synchronous sections (never across `.await`).
+//! Every change is an event: it is appended to the log and then applied to the fleet under the
+//! same lock, so the fleet is always the fold of the log in sequence order. Discovery and the
+//! KV-event transport feed events through [`ServerState::apply`],
+//! [`ServerState::register_worker`], [`ServerState::deregister_worker`] and
+//! [`ServerState::ingest_kv_batch`]; this crate does not know those transports.
+//!
+//! # Requests (HTTP transport, PROTOCOLS §2 and §4)
+//! A request is tokenized on the blocking pool, hashed at every block size the model's workers
+//! use, and decided by the [`Router`]; the `RequestRouted` event is appended before the request
+//! is forwarded to `worker.url + path`. A connection failure or a 5xx before the first response
+//! byte finishes that attempt (`RequestFinished` with `worker_error`) and re-decides with the
+//! failed rank excluded, up to `request_max_retries` more times; each attempt has its own request
+//! id (`<id>` then `<id>#<n>`) so the fleet's in-flight accounting never mixes attempts.
+//! `RequestPrefilled` is appended at the first response byte and `RequestFinished` at the end
+//! (or when the client goes away: `cancelled`). A stream that fails midway ends with an SSE
+//! `data: {"error": ...}` event and `data: [DONE]`.
+//!
+//! # Limits of this step
+//! PD-disaggregated models are forwarded to the first leg only (no two-leg protocol yet); direct
+//! mode, `/v1/messages`, prewarm and profiling are not served here.
+
+mod http;
+mod metrics;
+mod relay;
+
+pub use metrics::ServerMetrics;
+
+use crate::kv_events::{EngineBatch, IngestStats, to_core_events};
+use crate::tokenize::{ChatTemplate, Tokenizer};
+use infera_core::clock::{Clock, SystemClock};
+use infera_core::event::{Event, Source, WorkerDeregistered, WorkerRecord, WorkerRegistered};
+use infera_core::fleet::{FleetConfig, FleetState};
+use infera_core::ids::{WorkerId, WorkerRank};
+use infera_core::log::{MemoryLog, NewEvent};
+use infera_core::policy::{Router, RouterConfig};
+use infera_core::projection::Projection as _;
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use tokio::net::TcpListener;
+
+/// Everything the front needs besides the tokenizer.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Larger request bodies are answered 413 (`--max-body-bytes`).
+    pub max_body_bytes: usize,
+    /// Extra attempts on another worker before the first response byte (`--request-max-retries`).
+    pub request_max_retries: u32,
+    /// The routing policy and its weights.
+    pub router: RouterConfig,
+    /// Load accounting.
+    pub fleet: FleetConfig,
+    /// A chat template that overrides the tokenizer's (`--chat-template`).
+    pub chat_template: Option<Arc<ChatTemplate>>,
+}
+
+/// The router's state: fleet projection, decider and log, changed only under one short lock.
+#[derive(Debug)]
+pub(crate) struct Core {
+    pub(crate) fleet: FleetState,
+    pub(crate) router: Router,
+    pub(crate) log: MemoryLog,
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) core: Mutex<Core>,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) tokenizer: Arc<Tokenizer>,
+    pub(crate) options: ServerOptions,
+    pub(crate) metrics: ServerMetrics,
+    pub(crate) client: relay::HttpClient,
+    pub(crate) id_prefix: u64,
+}
+
+/// A cheap, cloneable handle on the server's state. See the module docs.
+#[derive(Debug, Clone)]
+pub struct ServerState {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl ServerState {
+    /// A server with an empty fleet, on the system clock.
+    pub fn new(options: ServerOptions, tokenizer: Arc<Tokenizer>) -> Self {
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let core = Core {
+            fleet: FleetState::new(options.fleet),
+            router: Router::new(options.router.clone()),
+            log: MemoryLog::new(Arc::clone(&clock)),
+        };
+        let id_prefix = clock.now_us() ^ u64::from(std::process::id()).rotate_left(40);
+        Self {
+            inner: Arc::new(Inner {
+                core: Mutex::new(core),
+                clock,
+                tokenizer,
+                options,
+                metrics: ServerMetrics::default(),
+                client: relay::client(),
+                id_prefix,
+            }),
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Core> {
+        self.inner
+            .core
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Appends `events` to the log and applies them to the fleet, in order. Returns how many
+    /// were applied.
+    pub fn apply(&self, events: Vec<NewEvent>) -> usize {
+        if events.is_empty() {
+            return 0;
+        }
+        let mut core = self.lock();
+        let envs = core.log.append_sync(events);
+        for env in &envs {
+            core.fleet.apply(env);
+        }
+        drop(core);
+        self.inner.metrics.events_applied(envs.len() as u64);
+        envs.len()
+    }
+
+    /// A worker appeared (or its record changed).
+    pub fn register_worker(&self, record: WorkerRecord) {
+        tracing::info!(worker = %record.worker_id.as_str(), url = %record.url,
+            model = %record.model_name, "worker registered");
+        self.apply(vec![NewEvent::new(Event::WorkerRegistered(
+            WorkerRegistered { record },
+        ))]);
+    }
+
+    /// A worker left routing.
+    pub fn deregister_worker(&self, worker: WorkerId, reason: String) {
+        tracing::info!(worker = %worker.as_str(), %reason, "worker deregistered");
+        self.apply(vec![NewEvent::new(Event::WorkerDeregistered(
+            WorkerDeregistered { worker, reason },
+        ))]);
+    }
+
+    /// The registered record of `worker`, if any.
+    pub fn worker(&self, worker: &WorkerId) -> Option<WorkerRecord> {
+        self.lock().fleet.worker(worker).cloned()
+    }
+
+    /// Number of registered workers.
+    pub fn worker_count(&self) -> usize {
+        self.lock().fleet.worker_count()
+    }
+
+    /// Runs `f` on the fleet under the lock (keep it short; for tests and status pages).
+    pub fn with_fleet<T>(&self, f: impl FnOnce(&FleetState) -> T) -> T {
+        f(&self.lock().fleet)
+    }
+
+    /// Converts one engine batch of `rank` into core events (parents resolved through the
+    /// fleet's index) and applies them. An unregistered worker's batch is dropped (`None`).
+    pub fn ingest_kv_batch(
+        &self,
+        rank: &WorkerRank,
+        seq: Option<u64>,
+        batch: &EngineBatch,
+    ) -> Option<IngestStats> {
+        let mut core = self.lock();
+        let block_size = core.fleet.worker(&rank.worker)?.kv_block_size;
+        let out = {
+            let index = core.fleet.index();
+            to_core_events(batch, rank, block_size, &|tier, h| {
+                index.router_hash(rank, tier, h)
+            })
+        };
+        let source = Source {
+            worker: rank.worker.clone(),
+            dp_rank: rank.dp_rank,
+            seq,
+        };
+        let events: Vec<NewEvent> = out
+            .events
+            .into_iter()
+            .map(|e| NewEvent::from_source(source.clone(), e))
+            .collect();
+        let envs = core.log.append_sync(events);
+        for env in &envs {
+            core.fleet.apply(env);
+        }
+        drop(core);
+        self.inner.metrics.events_applied(envs.len() as u64);
+        self.inner.metrics.kv_ingested(&out.stats);
+        if out.stats.dropped() > 0 {
+            tracing::warn!(worker = %rank.worker.as_str(), dp_rank = rank.dp_rank,
+                dropped = out.stats.dropped(), stats = ?out.stats, "kv events dropped");
+        }
+        Some(out.stats)
+    }
+
+    /// The server's metrics.
+    pub fn metrics(&self) -> &ServerMetrics {
+        &self.inner.metrics
+    }
+
+    /// The axum routes of the server API.
+    pub fn router(&self) -> axum::Router {
+        http::router(self.clone())
+    }
+}
+
+/// Serves the API on `listener` until `shutdown` completes, then lets in-flight requests finish.
+///
+/// # Errors
+/// The listener's I/O error when serving fails.
+pub async fn serve<F>(listener: TcpListener, state: ServerState, shutdown: F) -> std::io::Result<()>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    axum::serve(listener, state.router())
+        .with_graceful_shutdown(shutdown)
+        .await
+}

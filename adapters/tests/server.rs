@@ -1,0 +1,538 @@
+//! The server front over real sockets on 127.0.0.1, in front of mock engines: completions
+//! (streaming and not) relayed through the router, KV-aware routing fed by the mocks' KV events,
+//! failover before the first byte, and the error statuses a client relies on.
+//!
+//! Workers are registered directly as `WorkerRegistered` events (no discovery backend). Nothing
+//! sleeps to synchronise: a mock puts a request's KV events in its sink before the response ends.
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use infera_adapters::kv_events::EngineBatch;
+use infera_adapters::mock::{MockConfig, MockError, MockServer};
+use infera_adapters::server::{ServerOptions, ServerState, serve};
+use infera_adapters::tokenize::Tokenizer;
+use infera_core::engine::EngineConfig;
+use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
+use infera_core::fleet::FleetConfig;
+use infera_core::ids::{WorkerId, WorkerRank};
+use infera_core::policy::{PolicyKind, RouterConfig};
+use serde_json::{Value, json};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+const MODEL: &str = "mock-model";
+const BLOCK: u32 = 16;
+/// A guard against a hung test, never a synchronisation.
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+fn tokenizer() -> Arc<Tokenizer> {
+    static TOK: OnceLock<Arc<Tokenizer>> = OnceLock::new();
+    TOK.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/deepseek-v4");
+        Arc::new(Tokenizer::from_path(&dir).expect("fixture tokenizer loads"))
+    })
+    .clone()
+}
+
+struct Mock {
+    addr: SocketAddr,
+    events: mpsc::Receiver<EngineBatch>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), MockError>>,
+}
+
+impl Mock {
+    async fn start() -> Self {
+        let engine = EngineConfig {
+            gpu_blocks: 4096,
+            block_size: BLOCK,
+            speedup: 1000.0,
+            ..EngineConfig::default()
+        };
+        let mut config = MockConfig::new(MODEL, engine);
+        config.tokenizer = Some(tokenizer());
+        config.drain_timeout = Duration::from_secs(5);
+        let (sink, events) = mpsc::channel(4096);
+        let server = MockServer::bind("127.0.0.1:0", config, Some(sink))
+            .await
+            .expect("mock binds");
+        let addr = server.local_addr();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(server.serve(async move {
+            let _ = stopped.await;
+        }));
+        Self {
+            addr,
+            events,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    fn id(&self) -> WorkerId {
+        WorkerId::new(self.addr.to_string())
+    }
+
+    /// Feeds every batch the sink holds now into the server; returns how many there were.
+    fn feed(&mut self, server: &ServerState) -> usize {
+        let rank = WorkerRank::new(self.id(), 0);
+        let mut n = 0;
+        while let Ok(batch) = self.events.try_recv() {
+            let stats = server
+                .ingest_kv_batch(&rank, None, &batch)
+                .expect("worker registered");
+            assert_eq!(stats.dropped(), 0, "{stats:?}");
+            n += 1;
+        }
+        n
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(TIMEOUT, &mut self.task)
+            .await
+            .expect("mock stops in time")
+            .expect("mock task did not panic")
+            .expect("mock served without error");
+    }
+}
+
+fn record(addr: SocketAddr) -> WorkerRecord {
+    WorkerRecord {
+        worker_id: WorkerId::new(addr.to_string()),
+        url: format!("http://{addr}"),
+        model_name: MODEL.to_owned(),
+        engine: Engine::Vllm,
+        disagg_mode: Role::Mixed,
+        disagg_meta: None,
+        kv_events_endpoint: None,
+        kv_block_size: BLOCK,
+        dp_rank: 0,
+        dp_size: 1,
+        request_transport: RequestTransport::Http,
+        kv: None,
+        extra: serde_json::Map::new(),
+    }
+}
+
+struct Front {
+    addr: SocketAddr,
+    state: ServerState,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl Front {
+    async fn start(policy: PolicyKind, max_retries: u32) -> Self {
+        let options = ServerOptions {
+            max_body_bytes: 64 << 10,
+            request_max_retries: max_retries,
+            router: RouterConfig {
+                policy,
+                overlap_weight: 10.0,
+                ..RouterConfig::default()
+            },
+            fleet: FleetConfig::default(),
+            chat_template: None,
+        };
+        let state = ServerState::new(options, tokenizer());
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(serve(listener, state.clone(), async move {
+            let _ = stopped.await;
+        }));
+        Self {
+            addr,
+            state,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(TIMEOUT, &mut self.task)
+            .await
+            .expect("server stops in time")
+            .expect("server task did not panic")
+            .expect("server ended without error");
+    }
+}
+
+/// One HTTP/1.1 exchange on a fresh connection.
+async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Vec<u8>,
+) -> (Response<Incoming>, JoinHandle<()>) {
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    let conn = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .expect("request");
+    let response = tokio::time::timeout(TIMEOUT, sender.send_request(req))
+        .await
+        .expect("response in time")
+        .expect("response");
+    (response, conn)
+}
+
+async fn exchange(addr: SocketAddr, method: &str, path: &str, body: Vec<u8>) -> (u16, String) {
+    let (response, conn) = request(addr, method, path, body).await;
+    let status = response.status().as_u16();
+    let bytes = tokio::time::timeout(TIMEOUT, response.into_body().collect())
+        .await
+        .expect("body in time")
+        .expect("body")
+        .to_bytes();
+    conn.abort();
+    (status, String::from_utf8(bytes.to_vec()).expect("utf-8"))
+}
+
+async fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
+    post_raw(addr, path, body.to_string().into_bytes()).await
+}
+
+async fn post_raw(addr: SocketAddr, path: &str, body: Vec<u8>) -> (u16, Value) {
+    let (status, text) = exchange(addr, "POST", path, body).await;
+    let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("json body ({e}): {text}"));
+    (status, v)
+}
+
+fn long_prompt(seed: &str, words: usize) -> String {
+    let mut s = format!("{seed}:");
+    for i in 0..words {
+        s.push_str(&format!(" word{}", i % 97));
+    }
+    s
+}
+
+fn cached(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("cached_tokens in {v}"))
+}
+
+fn error_status(v: &Value) -> u64 {
+    assert!(v["error"]["message"].is_string(), "OpenAI error shape: {v}");
+    assert!(v["error"]["type"].is_string(), "OpenAI error shape: {v}");
+    v["error"]["code"].as_u64().expect("error code")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_are_relayed_streaming_and_not() {
+    let mock = Mock::start().await;
+    let front = Front::start(PolicyKind::KvAware, 1).await;
+    front.state.register_worker(record(mock.addr));
+
+    let (status, body) = post(
+        front.addr,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "hello there", "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 4, "{body}");
+
+    let (status, body) = post(
+        front.addr,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "max_tokens": 3,
+            "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 3, "{body}");
+
+    let req = json!({"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 5, "stream": true});
+    let (response, conn) = request(
+        front.addr,
+        "POST",
+        "/v1/completions",
+        req.to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!(response.status(), 200);
+    assert!(response.headers().contains_key("x-infera-request-id"));
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    conn.abort();
+    let text = String::from_utf8(bytes.to_vec()).expect("utf-8");
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.last(), Some(&"data: [DONE]"), "{text}");
+    assert!(events.len() >= 2, "{text}");
+
+    // Every attempt finished: nothing is left in flight, and the echo header works.
+    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+    let (status, health) = exchange(front.addr, "GET", "/health", Vec::new()).await;
+    assert_eq!(status, 200);
+    let health: Value = serde_json::from_str(&health).expect("json");
+    assert_eq!(health, json!({"status": "ok", "active_workers": 1}));
+    let (_, models) = exchange(front.addr, "GET", "/v1/models", Vec::new()).await;
+    assert!(models.contains(MODEL), "{models}");
+    let (_, workers) = exchange(front.addr, "GET", "/v1/workers", Vec::new()).await;
+    assert!(workers.contains(&mock.addr.to_string()), "{workers}");
+    let (_, metrics) = exchange(front.addr, "GET", "/metrics", Vec::new()).await;
+    assert!(metrics.contains("infera_router_picks_total 3"), "{metrics}");
+    assert!(metrics.contains("infera_request_inflight 0"), "{metrics}");
+    assert!(metrics.contains("infera_active_workers 1"), "{metrics}");
+
+    front.stop().await;
+    mock.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_prompt_goes_to_the_worker_holding_its_kv() {
+    let mut mocks = vec![
+        Mock::start().await,
+        Mock::start().await,
+        Mock::start().await,
+    ];
+    let front = Front::start(PolicyKind::KvAware, 1).await;
+    for m in &mocks {
+        front.state.register_worker(record(m.addr));
+    }
+    let req = json!({"model": MODEL, "prompt": long_prompt("shared", 400), "max_tokens": 2});
+
+    let (status, first) = post(front.addr, "/v1/completions", &req).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(cached(&first), 0, "{first}");
+    let fed: Vec<usize> = mocks.iter_mut().map(|m| m.feed(&front.state)).collect();
+    let holder = fed
+        .iter()
+        .position(|n| *n > 0)
+        .expect("one mock stored the prompt");
+    assert_eq!(fed.iter().filter(|n| **n > 0).count(), 1, "{fed:?}");
+    let holder_rank = WorkerRank::new(mocks[holder].id(), 0);
+    let held = front.state.with_fleet(|f| {
+        f.index()
+            .blocks_of(&holder_rank, infera_core::event::Tier::Gpu)
+    });
+    assert!(held > 10, "index holds the prompt's blocks: {held}");
+
+    for round in 0..3 {
+        let (status, again) = post(front.addr, "/v1/completions", &req).await;
+        assert_eq!(status, 200, "{again}");
+        assert!(cached(&again) > 0, "round {round}: {again}");
+        for (i, m) in mocks.iter_mut().enumerate() {
+            let n = m.feed(&front.state);
+            if i != holder {
+                assert_eq!(n, 0, "round {round}: mock {i} got the request");
+            }
+        }
+    }
+    assert!(front.state.metrics().picks_total() >= 4);
+
+    front.stop().await;
+    for m in mocks {
+        m.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_worker_is_retried_on_another() {
+    let mock = Mock::start().await;
+    // A port that refuses connections: bound, then closed.
+    let dead = {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        l.local_addr().expect("addr")
+    };
+    let front = Front::start(PolicyKind::RoundRobin, 2).await;
+    front.state.register_worker(record(dead));
+    front.state.register_worker(record(mock.addr));
+
+    for i in 0..4 {
+        let (status, body) = post(
+            front.addr,
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": format!("request {i}"), "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(status, 200, "request {i}: {body}");
+    }
+    assert!(front.state.metrics().retries_total() >= 1);
+    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+
+    // With only the dead worker left, the failure is an honest 502 after the retries.
+    front.state.deregister_worker(mock.id(), "test".to_owned());
+    let (status, body) = post(
+        front.addr,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "x", "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(error_status(&body), 502);
+
+    front.stop().await;
+    mock.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_honest_statuses() {
+    let mock = Mock::start().await;
+    let front = Front::start(PolicyKind::KvAware, 1).await;
+    front.state.register_worker(record(mock.addr));
+
+    let (status, body) = post_raw(front.addr, "/v1/completions", b"{not json".to_vec()).await;
+    assert_eq!((status, error_status(&body)), (400, 400), "{body}");
+    let (status, body) = post(
+        front.addr,
+        "/v1/completions",
+        &json!({"model": 7, "prompt": "x"}),
+    )
+    .await;
+    assert_eq!((status, error_status(&body)), (400, 400), "{body}");
+    let (status, body) = post(
+        front.addr,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": "hi"}),
+    )
+    .await;
+    assert_eq!((status, error_status(&body)), (400, 400), "{body}");
+    let (status, body) = post(
+        front.addr,
+        "/v1/completions",
+        &json!({"model": "nope", "prompt": "x"}),
+    )
+    .await;
+    assert_eq!((status, error_status(&body)), (404, 404), "{body}");
+    let huge = json!({"model": MODEL, "prompt": "y".repeat(100 << 10)});
+    let (status, body) = post(front.addr, "/v1/completions", &huge).await;
+    assert_eq!((status, error_status(&body)), (413, 413), "{body}");
+    // Nothing was routed for any of them.
+    assert_eq!(front.state.metrics().picks_total(), 0);
+
+    front.stop().await;
+    mock.stop().await;
+}
+
+/// A scripted worker: answers each of `n` connections with `reply` (raw HTTP bytes) after
+/// reading the request head and body, then closes the socket (mid-body if `reply` is cut).
+async fn scripted_worker(reply: &'static [u8], n: usize) -> (SocketAddr, JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(async move {
+        for _ in 0..n {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 4096];
+            // Read the head, then the body by its content-length.
+            let body_start = loop {
+                let k = s.read(&mut chunk).await.expect("read");
+                assert!(k > 0, "client closed early");
+                buf.extend_from_slice(&chunk[..k]);
+                if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    break i + 4;
+                }
+            };
+            let head = String::from_utf8_lossy(&buf[..body_start]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map(|v| v.trim().parse().expect("length"))
+                .unwrap_or(0);
+            while buf.len() < body_start + len {
+                let k = s.read(&mut chunk).await.expect("read");
+                assert!(k > 0, "client closed early");
+                buf.extend_from_slice(&chunk[..k]);
+            }
+            s.write_all(reply).await.expect("write");
+            s.flush().await.expect("flush");
+            drop(s);
+        }
+    });
+    (addr, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_5xx_before_the_first_byte_fails_over_and_a_broken_stream_ends_with_an_error() {
+    let mock = Mock::start().await;
+    let (failing, failing_task) = scripted_worker(
+        b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
+        1,
+    )
+    .await;
+    let front = Front::start(PolicyKind::RoundRobin, 1).await;
+    front.state.register_worker(record(failing));
+    front.state.register_worker(record(mock.addr));
+    // Round robin over [failing, mock] (by worker id) sends one of the two first requests to
+    // the failing worker first; both succeed.
+    for i in 0..2 {
+        let (status, body) = post(
+            front.addr,
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": format!("r{i}"), "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!(front.state.metrics().retries_total(), 1);
+    tokio::time::timeout(TIMEOUT, failing_task)
+        .await
+        .expect("scripted worker done")
+        .expect("scripted worker ok");
+    front.stop().await;
+    mock.stop().await;
+
+    // A stream that breaks after its first event.
+    let (broken, broken_task) = scripted_worker(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n\
+          f\r\ndata: {\"a\":1}\n\n\r\n",
+        1,
+    )
+    .await;
+    let front = Front::start(PolicyKind::RoundRobin, 1).await;
+    front.state.register_worker(record(broken));
+    let req = json!({"model": MODEL, "prompt": "s", "max_tokens": 3, "stream": true});
+    let (status, text) = exchange(
+        front.addr,
+        "POST",
+        "/v1/completions",
+        req.to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 3, "{text}");
+    assert_eq!(events[0], "data: {\"a\":1}");
+    let err: Value = serde_json::from_str(events[1].strip_prefix("data: ").expect("data"))
+        .expect("error event is JSON");
+    assert!(err["error"]["message"].is_string(), "{err}");
+    assert_eq!(events[2], "data: [DONE]");
+    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+    tokio::time::timeout(TIMEOUT, broken_task)
+        .await
+        .expect("scripted worker done")
+        .expect("scripted worker ok");
+    front.stop().await;
+}

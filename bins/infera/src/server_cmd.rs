@@ -1,0 +1,373 @@
+//! `infera server`: wires the HTTP front ([`infera_adapters::server`]) to etcd discovery and to
+//! the workers' ZeroMQ KV-event publishers.
+//!
+//! # Tasks
+//! - the HTTP server, which stops accepting on SIGTERM/Ctrl-C and lets in-flight requests end;
+//! - one discovery task: etcd watch → `WorkerRegistered` / `WorkerDeregistered` events;
+//! - per registered worker with a `kv_events_endpoint`, one subscriber task per dp rank (rank
+//!   `r` of a record starting at `dp_rank` d subscribes to port P + (r − d) of the endpoint; a
+//!   wildcard host is replaced by the worker URL's host): batches → `to_core_events` (parents
+//!   resolved through the fleet's index) → events; an engine restart clears the rank's cache.
+//!
+//! Every task is owned: the discovery task by the shutdown token and a join at exit, the
+//! subscriber tasks by the discovery task, which cancels and joins them when their worker
+//! deregisters, re-registers with another endpoint, or at shutdown.
+//!
+//! # This build
+//! Only `--discovery-backend etcd`, `--request-transport http`, `--kv-event-transport zmq`,
+//! `--router-mode auto` and `--event-log memory` run; other values stop startup with one line.
+
+use crate::config::server::{EventLogConfig, RouterMode, RouterPolicy};
+use crate::config::{DiscoveryConfig, KvEventTransport, RequestTransport, ServerConfig};
+use anyhow::{Context as _, bail};
+use infera_adapters::server::{ServerOptions, ServerState, serve};
+use infera_adapters::tokenize::Tokenizer;
+use infera_backends::discovery::{
+    Discovery as _, DiscoveryChange, DiscoveryStream, EtcdConfig, EtcdDiscovery,
+};
+use infera_backends::zmq::{KvEventSubscriber, SubscriberConfig, SubscriberItem};
+use infera_core::event::{Event, KvCacheCleared, Source, WorkerRecord};
+use infera_core::fleet::FleetConfig;
+use infera_core::ids::{WorkerId, WorkerRank};
+use infera_core::log::NewEvent;
+use infera_core::policy::{PolicyKind, RouterConfig};
+use std::collections::HashMap;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Refuses, in one line, what this build cannot run yet.
+fn check_supported(config: &ServerConfig) -> anyhow::Result<()> {
+    let not_yet =
+        |what: String| -> anyhow::Result<()> { bail!("{what} is not available in this build yet") };
+    if let DiscoveryConfig::Kubernetes { .. } = config.discovery {
+        return not_yet("--discovery-backend kubernetes (use etcd)".to_owned());
+    }
+    if config.request_transport != RequestTransport::Http {
+        return not_yet("--request-transport nats (use http)".to_owned());
+    }
+    if config.kv_event_transport != KvEventTransport::Zmq {
+        return not_yet("--kv-event-transport nats (use zmq)".to_owned());
+    }
+    if config.router.mode != RouterMode::Auto {
+        return not_yet("--router-mode direct (use auto)".to_owned());
+    }
+    if config.event_log != EventLogConfig::Memory {
+        return not_yet(format!("--event-log {:?} (use memory)", config.event_log));
+    }
+    if config.record_trace.is_some() {
+        return not_yet("trace recording (--record-trace)".to_owned());
+    }
+    Ok(())
+}
+
+/// Runs the server until SIGTERM or Ctrl-C.
+///
+/// # Errors
+/// An unsupported option, a tokenizer or chat template that does not load, an address that
+/// cannot be bound, or etcd unreachable at startup.
+pub fn run(config: ServerConfig) -> anyhow::Result<()> {
+    check_supported(&config)?;
+    let tokenizer = Tokenizer::from_path(&config.router.tokenizer_path).with_context(|| {
+        format!(
+            "cannot load the router tokenizer from {}",
+            config.router.tokenizer_path.display()
+        )
+    })?;
+    tracing::info!(path = %config.router.tokenizer_path.display(),
+        fast_path = ?tokenizer.fast_path(), "router tokenizer loaded");
+    let chat_template = match &config.router.chat_template {
+        Some(path) => Some(Arc::new(tokenizer.load_chat_template(path).with_context(
+            || format!("cannot load the chat template {}", path.display()),
+        )?)),
+        None => None,
+    };
+    if config.kvd_socket_path.is_some() {
+        tracing::warn!("--kvd-socket-path is set, but prewarm is not served by this build yet");
+    }
+    let options = ServerOptions {
+        max_body_bytes: usize::try_from(config.http.max_body_bytes.bytes()).unwrap_or(usize::MAX),
+        request_max_retries: config.router.request_max_retries,
+        router: RouterConfig {
+            policy: match config.router.policy {
+                RouterPolicy::KvAware => PolicyKind::KvAware,
+                RouterPolicy::RoundRobin => PolicyKind::RoundRobin,
+            },
+            overlap_weight: config.router.kv_overlap_weight,
+            prefill_overlap_weight: config.router.kv_prefill_overlap_weight,
+            decode_overlap_weight: config.router.kv_decode_overlap_weight,
+            temperature: config.router.temperature,
+            ..RouterConfig::default()
+        },
+        fleet: FleetConfig::default(),
+        chat_template,
+    };
+    let state = ServerState::new(options, Arc::new(tokenizer));
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("infera-server")
+        .build()
+        .context("cannot start the tokio runtime")?
+        .block_on(serve_all(config, state))
+}
+
+async fn serve_all(config: ServerConfig, state: ServerState) -> anyhow::Result<()> {
+    let DiscoveryConfig::Etcd { endpoint, prefix } = &config.discovery else {
+        bail!("--discovery-backend kubernetes is not available in this build yet");
+    };
+    let addr = format!("{}:{}", config.http.host, config.http.port);
+    let listener = TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("cannot bind {addr}"))?;
+    let etcd = EtcdDiscovery::connect(EtcdConfig {
+        prefix: prefix.clone(),
+        ..EtcdConfig::new([endpoint.clone()])
+    })
+    .await
+    .with_context(|| format!("cannot connect to etcd at {endpoint}"))?;
+    let stream = etcd
+        .watch()
+        .await
+        .with_context(|| format!("cannot watch etcd prefix {prefix} at {endpoint}"))?;
+    let shutdown = CancellationToken::new();
+    let discovery = tokio::spawn(run_discovery(stream, state.clone(), shutdown.clone()));
+    tracing::info!(%addr, etcd = %endpoint, %prefix, "infera server listening");
+
+    let stop = shutdown.clone();
+    let served = serve(listener, state, async move {
+        tokio::select! {
+            () = shutdown_signal() => {}
+            () = stop.cancelled() => {}
+        }
+    })
+    .await;
+    shutdown.cancel();
+    if let Err(e) = discovery.await {
+        tracing::error!(error = %e, "discovery task failed");
+    }
+    served.context("http server failed")?;
+    tracing::info!("infera server stopped");
+    Ok(())
+}
+
+/// The subscriber tasks of one worker, and what they were started for.
+struct WorkerSubs {
+    key: (Option<String>, u32, u32),
+    cancel: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl WorkerSubs {
+    async fn stop(self) {
+        self.cancel.cancel();
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+fn subs_key(r: &WorkerRecord) -> (Option<String>, u32, u32) {
+    (r.kv_events_endpoint.clone(), r.dp_rank, r.dp_size)
+}
+
+async fn run_discovery(
+    mut stream: DiscoveryStream,
+    state: ServerState,
+    shutdown: CancellationToken,
+) {
+    let mut subs: HashMap<WorkerId, WorkerSubs> = HashMap::new();
+    loop {
+        let change = tokio::select! {
+            () = shutdown.cancelled() => break,
+            change = stream.recv() => change,
+        };
+        match change {
+            None => {
+                tracing::error!("etcd discovery stream ended; the worker set is frozen");
+                break;
+            }
+            Some(DiscoveryChange::Registered(record)) => {
+                if record.request_transport != infera_core::event::RequestTransport::Http {
+                    tracing::warn!(worker = %record.worker_id.as_str(),
+                        "worker registered with request_transport nats; this server sends http");
+                }
+                let id = record.worker_id.clone();
+                let key = subs_key(&record);
+                let unchanged = subs.get(&id).is_some_and(|s| s.key == key);
+                if !unchanged && let Some(old) = subs.remove(&id) {
+                    old.stop().await;
+                }
+                state.register_worker(record.clone());
+                if !unchanged && let Some(new) = start_subscribers(&record, &state, &shutdown) {
+                    subs.insert(id, new);
+                }
+            }
+            Some(DiscoveryChange::Deregistered { worker, reason }) => {
+                if let Some(old) = subs.remove(&worker) {
+                    old.stop().await;
+                }
+                state.deregister_worker(worker, reason);
+            }
+        }
+    }
+    for (_, s) in subs.drain() {
+        s.stop().await;
+    }
+}
+
+fn start_subscribers(
+    record: &WorkerRecord,
+    state: &ServerState,
+    shutdown: &CancellationToken,
+) -> Option<WorkerSubs> {
+    let Some(endpoint) = record.kv_events_endpoint.as_deref() else {
+        tracing::warn!(worker = %record.worker_id.as_str(),
+            "worker has no kv_events_endpoint: routing to it ignores its cache");
+        return None;
+    };
+    let cancel = shutdown.child_token();
+    let mut tasks = Vec::new();
+    for offset in 0..record.dp_size.max(1) {
+        let rank = WorkerRank::new(record.worker_id.clone(), record.dp_rank + offset);
+        match rank_endpoint(endpoint, &record.url, offset) {
+            Some(ep) => {
+                tracing::info!(worker = %record.worker_id.as_str(), dp_rank = rank.dp_rank,
+                    endpoint = %ep, "subscribing to kv events");
+                tasks.push(tokio::spawn(run_subscriber(
+                    ep,
+                    rank,
+                    state.clone(),
+                    cancel.clone(),
+                )));
+            }
+            None => tracing::error!(worker = %record.worker_id.as_str(), %endpoint,
+                "kv_events_endpoint is not tcp://HOST:PORT; kv events of this worker are ignored"),
+        }
+    }
+    Some(WorkerSubs {
+        key: subs_key(record),
+        cancel,
+        tasks,
+    })
+}
+
+/// `tcp://HOST:P` → `tcp://HOST':P+offset`, where a wildcard host becomes the worker URL's host.
+fn rank_endpoint(endpoint: &str, worker_url: &str, offset: u32) -> Option<String> {
+    let rest = endpoint.strip_prefix("tcp://")?;
+    let (host, port) = rest.rsplit_once(':')?;
+    let port: u32 = port.parse().ok()?;
+    let port = u16::try_from(port + offset).ok()?;
+    let host = if matches!(host, "*" | "0.0.0.0" | "") {
+        let after = worker_url.split_once("://").map_or(worker_url, |(_, r)| r);
+        let authority = after.split('/').next().unwrap_or(after);
+        authority
+            .rsplit_once(':')
+            .map_or(authority, |(h, _)| h)
+            .to_owned()
+    } else {
+        host.to_owned()
+    };
+    Some(format!("tcp://{host}:{port}"))
+}
+
+async fn run_subscriber(
+    endpoint: String,
+    rank: WorkerRank,
+    state: ServerState,
+    cancel: CancellationToken,
+) {
+    let mut sub = KvEventSubscriber::spawn(SubscriberConfig::new(endpoint));
+    loop {
+        let item = tokio::select! {
+            () = cancel.cancelled() => break,
+            item = sub.recv() => item,
+        };
+        let Some(item) = item else { break };
+        let worker = rank.worker.as_str();
+        match item {
+            SubscriberItem::Batch { seq, batch, .. } => {
+                if state.ingest_kv_batch(&rank, seq, &batch).is_none() {
+                    tracing::debug!(worker, "kv batch of an unregistered worker dropped");
+                }
+            }
+            SubscriberItem::Gap { missing } => {
+                tracing::warn!(
+                    worker,
+                    dp_rank = rank.dp_rank,
+                    ?missing,
+                    "kv events lost; the index may hold stale blocks for this rank"
+                );
+            }
+            SubscriberItem::Restart { expected, got } => {
+                tracing::warn!(
+                    worker,
+                    dp_rank = rank.dp_rank,
+                    expected,
+                    got,
+                    "engine restarted; clearing its cached blocks"
+                );
+                let source = Source {
+                    worker: rank.worker.clone(),
+                    dp_rank: rank.dp_rank,
+                    seq: Some(got),
+                };
+                state.apply(vec![NewEvent::from_source(
+                    source,
+                    Event::KvCacheCleared(KvCacheCleared {
+                        worker: rank.clone(),
+                        tier: None,
+                    }),
+                )]);
+            }
+            SubscriberItem::Malformed { reason } => {
+                tracing::warn!(worker, dp_rank = rank.dp_rank, %reason, "malformed kv event message");
+            }
+        }
+    }
+    sub.shutdown().await;
+}
+
+/// Completes on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    let interrupt = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        () = terminate => {}
+        () = interrupt => {}
+    }
+    tracing::info!("shutdown signal received");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rank_endpoint;
+
+    #[test]
+    fn rank_endpoints_offset_the_port_and_resolve_wildcards() {
+        assert_eq!(
+            rank_endpoint("tcp://10.0.0.5:5557", "http://10.0.0.5:8000", 0).as_deref(),
+            Some("tcp://10.0.0.5:5557")
+        );
+        assert_eq!(
+            rank_endpoint("tcp://*:5557", "http://node7:8000", 2).as_deref(),
+            Some("tcp://node7:5559")
+        );
+        assert_eq!(rank_endpoint("ipc:///tmp/x", "http://a:1", 0), None);
+    }
+}

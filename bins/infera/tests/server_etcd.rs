@@ -1,0 +1,179 @@
+//! `infera server` end to end with the real binaries: a real etcd (the backends harness), an
+//! `infera worker mock` process publishing ZeroMQ KV events, and the server discovering it
+//! through etcd, subscribing to its events, routing to it, and leaving it when its key goes.
+//!
+//! The server is a separate process, so readiness and convergence are observed through its own
+//! status pages, polled under a deadline (there is no in-process handle to wait on).
+#![allow(clippy::unwrap_used)]
+
+use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _};
+use infera_backends::testing::EtcdServer;
+use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
+use infera_core::ids::WorkerId;
+use serde_json::{Value, json};
+use std::io::{Read as _, Write as _};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Kills the child (by its own pid) when dropped, so a failed assertion leaves nothing behind.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One HTTP/1.1 exchange with `Connection: close`; `None` while nothing listens.
+fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(DEADLINE)).ok()?;
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).ok()?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    let status = head.split(' ').nth(1)?.parse().ok()?;
+    Some((status, body.to_owned()))
+}
+
+fn get_json(port: u16, path: &str) -> Option<Value> {
+    let (status, body) = http(port, "GET", path, "")?;
+    (status == 200).then(|| serde_json::from_str(&body).ok())?
+}
+
+/// Polls `probe` until it holds (the server is another process; see the module docs).
+fn eventually(what: &str, mut probe: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !probe() {
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tokenizers/deepseek-v4");
+    let tok = tok.to_str().unwrap();
+    let bin = env!("CARGO_BIN_EXE_infera");
+
+    let worker_port = free_port();
+    let _worker = Proc(
+        Command::new(bin)
+            .args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
+            .args(["--port", &worker_port.to_string(), "--block-size", "16"])
+            .args(["--speedup", "1000"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let server_port = free_port();
+    let mut server = Proc(
+        Command::new(bin)
+            .args([
+                "server",
+                "--router-tokenizer-path",
+                tok,
+                "--host",
+                "127.0.0.1",
+            ])
+            .args(["--port", &server_port.to_string()])
+            .args([
+                "--discovery-backend",
+                "etcd",
+                "--etcd-endpoint",
+                &etcd.endpoint(),
+            ])
+            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("the mock to serve", || {
+        get_json(worker_port, "/v1/models").is_some()
+    });
+    eventually("the server to serve", || {
+        get_json(server_port, "/health").is_some()
+    });
+
+    // The model name the mock serves is its --model-path.
+    let record = WorkerRecord {
+        worker_id: WorkerId::new(format!("127.0.0.1:{worker_port}")),
+        url: format!("http://127.0.0.1:{worker_port}"),
+        model_name: tok.to_owned(),
+        engine: Engine::Vllm,
+        disagg_mode: Role::Mixed,
+        disagg_meta: None,
+        kv_events_endpoint: Some(format!("tcp://127.0.0.1:{}", worker_port + 10_000)),
+        kv_block_size: 16,
+        dp_rank: 0,
+        dp_size: 1,
+        request_transport: RequestTransport::Http,
+        kv: None,
+        extra: serde_json::Map::new(),
+    };
+    let registrar = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
+        .await
+        .unwrap();
+    let registration = registrar.register(&record).await.unwrap();
+    eventually("the worker to be discovered", || {
+        get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 1)
+    });
+
+    let mut prompt = String::from("e2e:");
+    for i in 0..300 {
+        prompt.push_str(&format!(" word{}", i % 89));
+    }
+    let req = json!({"model": tok, "prompt": prompt, "max_tokens": 2}).to_string();
+    let (status, body) = http(server_port, "POST", "/v1/completions", &req).unwrap();
+    assert_eq!(status, 200, "{body}");
+    // The mock's KV events reach the server's index over ZeroMQ.
+    eventually("the worker's blocks in the server's index", || {
+        get_json(server_port, "/v1/workers")
+            .is_some_and(|w| w["data"][0]["load"][0]["cached_blocks"].as_u64() > Some(10))
+    });
+    let (status, body) = http(server_port, "POST", "/v1/completions", &req).unwrap();
+    assert_eq!(status, 200, "{body}");
+    let again: Value = serde_json::from_str(&body).unwrap();
+    assert!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0),
+        "{again}"
+    );
+    let (_, metrics) = http(server_port, "GET", "/metrics", "").unwrap();
+    assert!(metrics.contains("infera_router_picks_total 2"), "{metrics}");
+
+    // Deregistration removes the worker from routing.
+    registration.deregister().await.unwrap();
+    eventually("the worker to leave", || {
+        get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 0)
+    });
+    let (status, _) = http(server_port, "POST", "/v1/completions", &req).unwrap();
+    assert_eq!(status, 404);
+
+    // SIGTERM stops the server cleanly.
+    let pid = server.0.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let status = server.0.wait().unwrap();
+    assert!(status.success(), "server exit: {status:?}");
+}
