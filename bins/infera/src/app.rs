@@ -7,7 +7,7 @@
 
 use crate::cli::{Cli, Command};
 use crate::config::{ConfigError, KvdConfig, ServerConfig, WorkerConfig};
-use crate::{mock_cmd, replay_cmd};
+use crate::{mock_cmd, replay_cmd, up_cmd};
 use serde::Serialize;
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -119,6 +119,16 @@ pub fn run(cli: Cli) -> Result<(), AppError> {
             replay_cmd::run_replay(args).map_err(|e| replay_error("replay", e))
         }
         Command::Trace(args) => replay_cmd::run_trace(args).map_err(|e| replay_error("trace", e)),
+        Command::Up(args) => up_cmd::run(args).map_err(|e| match e {
+            up_cmd::UpFailure::Invalid(error) => AppError::Invalid {
+                command: "up",
+                error,
+            },
+            up_cmd::UpFailure::Failed(error) => AppError::Failed {
+                command: "up",
+                error,
+            },
+        }),
     }
 }
 

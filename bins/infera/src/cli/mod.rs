@@ -11,7 +11,7 @@ pub mod passthrough;
 pub mod server;
 pub mod worker;
 
-use crate::replay_cmd;
+use crate::{replay_cmd, up_cmd};
 use clap::{CommandFactory, Parser, Subcommand};
 use std::ffi::OsString;
 
@@ -38,6 +38,8 @@ pub enum Command {
     Replay(replay_cmd::ReplayArgs),
     /// Convert or inspect traces.
     Trace(replay_cmd::TraceArgs),
+    /// Start a local fleet in one process: the server and N mock engines on loopback ports.
+    Up(up_cmd::UpArgs),
 }
 
 /// Parses a full command line (program name first).

@@ -1,0 +1,378 @@
+//! `infera up`: a local fleet in one process, for the quickstart and demos.
+//!
+//! One tokio runtime runs the OpenAI-compatible server ([`infera_adapters::server`]) and N mock
+//! engines ([`infera_adapters::mock::MockServer`]) on loopback ports, without etcd or ZeroMQ:
+//!
+//! - discovery is embedded: each mock's record is registered directly as a `WorkerRegistered`
+//!   event ([`ServerState::register_worker`]);
+//! - KV events take an in-process path: each mock's [`KvEventSink`] channel is drained by one
+//!   forwarder task into [`ServerState::ingest_kv_batch`] (`to_core_events`, parents resolved
+//!   through the fleet's index), as the adapters server tests do.
+//!
+//! Mocks and the router share one tokenizer, so their block hashes match. With `--port 0` every
+//! port is chosen by the system; the bound ports are printed in the `server:` line on stdout.
+//!
+//! # Shutdown
+//! SIGTERM or Ctrl-C stops the server (in-flight requests finish), then the mocks (their engine
+//! loops are joined, which drops their sinks), then the forwarders end. Nothing is detached.
+
+use crate::config::server::RouterPolicy;
+use anyhow::{Context as _, bail};
+use clap::Args;
+use infera_adapters::mock::{KvEventSink, MockConfig, MockError, MockServer};
+use infera_adapters::server::{ServerOptions, ServerState, serve};
+use infera_adapters::tokenize::Tokenizer;
+use infera_core::engine::EngineConfig;
+use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
+use infera_core::fleet::FleetConfig;
+use infera_core::ids::{WorkerId, WorkerRank};
+use infera_core::policy::{PolicyKind, RouterConfig};
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::signal::unix::{Signal, SignalKind, signal};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// The router tokenizer used when `--router-tokenizer-path` is not given (relative to the
+/// current directory: the repository root).
+pub const DEFAULT_TOKENIZER: &str = "fixtures/tokenizers/deepseek-v4";
+
+/// Offset of the first mock's port from `--port` (8000 → 8101, 8102, …).
+pub const WORKER_PORT_OFFSET: u16 = 101;
+
+/// Arguments of `infera up`.
+#[derive(Debug, Args)]
+#[command(after_help = "Example: infera up --workers 3, then:\n  \
+    curl -s http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
+    -d '{\"model\": \"mock\", \"prompt\": \"Hello\", \"max_tokens\": 16}'")]
+pub struct UpArgs {
+    /// Number of mock engines.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub workers: u16,
+
+    /// Server HTTP port; 0 lets the system choose. The mocks listen on 127.0.0.1 at
+    /// --port + 101, + 102, … (system-chosen ports when --port is 0).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+
+    /// Server HTTP bind address.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+
+    /// Model name served by the mocks (the `model` of requests).
+    #[arg(long, default_value = "mock", value_name = "NAME")]
+    pub model_name: String,
+
+    /// Tokenizer shared by the router and the mocks: a directory containing tokenizer.json, or
+    /// a tokenizer.json file. [default: fixtures/tokenizers/deepseek-v4 in the current
+    /// directory]
+    #[arg(long, value_name = "PATH")]
+    pub router_tokenizer_path: Option<PathBuf>,
+
+    /// KV-aware: cache locality vs load balance, as `infera server`.
+    #[arg(
+        long,
+        default_value = "1.0",
+        value_name = "WEIGHT",
+        allow_negative_numbers = true
+    )]
+    pub kv_overlap_weight: f64,
+
+    /// Routing policy, as `infera server`.
+    #[arg(long, value_enum, default_value = "kv-aware")]
+    pub router_policy: RouterPolicy,
+
+    /// KV blocks of simulated GPU memory per mock.
+    #[arg(long, default_value_t = 16384, value_name = "N")]
+    pub gpu_blocks: u32,
+
+    /// Tokens per KV block (mocks and router).
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    pub block_size: u32,
+
+    /// Run the mocks' simulated time this many times faster than the timing model.
+    #[arg(long, default_value = "1.0", value_name = "X")]
+    pub speedup: f64,
+}
+
+/// Why `infera up` did not run: invalid flags (exit 2) or a failure while running (exit 1).
+#[derive(Debug)]
+pub enum UpFailure {
+    /// The flags are invalid.
+    Invalid(anyhow::Error),
+    /// Startup or serving failed.
+    Failed(anyhow::Error),
+}
+
+/// Runs the fleet until SIGTERM or Ctrl-C.
+///
+/// # Errors
+/// [`UpFailure::Invalid`] for invalid flags or a missing tokenizer; [`UpFailure::Failed`] for a
+/// tokenizer that does not load, a port that cannot be bound or a server that fails.
+pub fn run(args: UpArgs) -> Result<(), UpFailure> {
+    let tokenizer_path = validate(&args).map_err(UpFailure::Invalid)?;
+    let tokenizer = Tokenizer::from_path(&tokenizer_path)
+        .with_context(|| {
+            format!(
+                "cannot load the router tokenizer from {}",
+                tokenizer_path.display()
+            )
+        })
+        .map_err(UpFailure::Failed)?;
+    tracing::info!(path = %tokenizer_path.display(), "router tokenizer loaded");
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("infera-up")
+        .build()
+        .context("cannot start the tokio runtime")
+        .and_then(|rt| rt.block_on(up(args, Arc::new(tokenizer))))
+        .map_err(UpFailure::Failed)
+}
+
+/// Checks the flags and resolves the tokenizer path.
+fn validate(args: &UpArgs) -> anyhow::Result<PathBuf> {
+    if args.workers == 0 {
+        bail!("--workers must be at least 1");
+    }
+    if args.gpu_blocks == 0 || args.block_size == 0 {
+        bail!("--gpu-blocks and --block-size must be at least 1");
+    }
+    if !(args.speedup.is_finite() && args.speedup > 0.0) {
+        bail!("--speedup must be a positive number, got {}", args.speedup);
+    }
+    if !args.kv_overlap_weight.is_finite() {
+        bail!("--kv-overlap-weight must be finite");
+    }
+    if args.port != 0
+        && args
+            .port
+            .checked_add(WORKER_PORT_OFFSET + args.workers)
+            .is_none()
+    {
+        bail!(
+            "the mocks listen on --port + {WORKER_PORT_OFFSET}..; --port {} is too high for {} \
+             workers (or use --port 0)",
+            args.port,
+            args.workers
+        );
+    }
+    match &args.router_tokenizer_path {
+        Some(path) if path.exists() => Ok(path.clone()),
+        Some(path) => bail!("--router-tokenizer-path {} does not exist", path.display()),
+        None if std::path::Path::new(DEFAULT_TOKENIZER).exists() => {
+            Ok(PathBuf::from(DEFAULT_TOKENIZER))
+        }
+        None => bail!(
+            "no tokenizer at {DEFAULT_TOKENIZER} in the current directory: run from the \
+             repository root or pass --router-tokenizer-path PATH"
+        ),
+    }
+}
+
+/// One running mock engine and the task that forwards its KV events to the server.
+struct Worker {
+    url: String,
+    serve: JoinHandle<Result<(), MockError>>,
+    forward: JoinHandle<()>,
+}
+
+async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
+    let options = ServerOptions {
+        max_body_bytes: 32 << 20,
+        request_max_retries: 1,
+        router: RouterConfig {
+            policy: match args.router_policy {
+                RouterPolicy::KvAware => PolicyKind::KvAware,
+                RouterPolicy::RoundRobin => PolicyKind::RoundRobin,
+            },
+            overlap_weight: args.kv_overlap_weight,
+            ..RouterConfig::default()
+        },
+        fleet: FleetConfig::default(),
+        chat_template: None,
+    };
+    let state = ServerState::new(options, Arc::clone(&tokenizer));
+    let signals = Signals::register()?;
+    let addr = socket_addr(&args.host, args.port);
+    let listener = TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("cannot bind the server on {addr}"))?;
+    let server_addr = listener.local_addr().context("server address")?;
+
+    let stop_workers = CancellationToken::new();
+    let mut workers = Vec::with_capacity(usize::from(args.workers));
+    let mut started = Ok(());
+    for i in 0..args.workers {
+        match start_worker(&args, i, &tokenizer, &state, &stop_workers).await {
+            Ok(w) => workers.push(w),
+            Err(e) => {
+                started = Err(e);
+                break;
+            }
+        }
+    }
+    if started.is_ok() {
+        let urls: Vec<&str> = workers.iter().map(|w| w.url.as_str()).collect();
+        if let Err(e) = announce(server_addr, &args.model_name, &urls) {
+            tracing::warn!(error = %e, "cannot print the fleet's addresses");
+        }
+        tracing::info!(addr = %server_addr, workers = workers.len(), "infera up: fleet serving");
+    }
+
+    let served = match started {
+        Ok(()) => serve(listener, state, signals.recv())
+            .await
+            .context("http server failed"),
+        Err(e) => Err(e),
+    };
+    stop_workers.cancel();
+    let mut result = served;
+    for w in workers {
+        match w.serve.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                if result.is_ok() {
+                    result = Err(anyhow::Error::new(e).context(format!("mock {}", w.url)));
+                }
+            }
+            Err(e) => tracing::error!(error = %e, url = %w.url, "mock task failed"),
+        }
+        // Ends once the mock's engine loop dropped the sink (it has: `serve` joined it).
+        if let Err(e) = w.forward.await {
+            tracing::error!(error = %e, url = %w.url, "kv-event forwarder failed");
+        }
+    }
+    tracing::info!("infera up: stopped");
+    result
+}
+
+/// Binds mock `i`, registers it and starts its server and KV-event forwarder.
+async fn start_worker(
+    args: &UpArgs,
+    i: u16,
+    tokenizer: &Arc<Tokenizer>,
+    state: &ServerState,
+    stop: &CancellationToken,
+) -> anyhow::Result<Worker> {
+    let port = if args.port == 0 {
+        0
+    } else {
+        // Checked in `validate`.
+        args.port.saturating_add(WORKER_PORT_OFFSET + i)
+    };
+    let engine = EngineConfig {
+        gpu_blocks: args.gpu_blocks as usize,
+        block_size: args.block_size,
+        speedup: args.speedup,
+        ..EngineConfig::default()
+    };
+    let mut config = MockConfig::new(args.model_name.clone(), engine);
+    config.tokenizer = Some(Arc::clone(tokenizer));
+    config.drain_timeout = Duration::from_secs(5);
+    let (sink, mut batches): (KvEventSink, _) = mpsc::channel(1024);
+    let server = MockServer::bind(&socket_addr("127.0.0.1", port), config, Some(sink))
+        .await
+        .with_context(|| format!("cannot start mock worker {i}"))?;
+    let addr = server.local_addr();
+    let url = format!("http://{addr}");
+    let record = WorkerRecord {
+        worker_id: WorkerId::new(addr.to_string()),
+        url: url.clone(),
+        model_name: args.model_name.clone(),
+        engine: Engine::Vllm,
+        disagg_mode: Role::Mixed,
+        disagg_meta: None,
+        kv_events_endpoint: None,
+        kv_block_size: args.block_size,
+        dp_rank: 0,
+        dp_size: 1,
+        request_transport: RequestTransport::Http,
+        kv: None,
+        extra: server.registration_extra(),
+    };
+    let rank = WorkerRank::new(record.worker_id.clone(), 0);
+    state.register_worker(record);
+    let forward = {
+        let state = state.clone();
+        tokio::spawn(async move {
+            while let Some(batch) = batches.recv().await {
+                if state.ingest_kv_batch(&rank, None, &batch).is_none() {
+                    tracing::debug!(worker = %rank.worker.as_str(),
+                        "kv batch of an unregistered worker dropped");
+                }
+            }
+        })
+    };
+    let serve = tokio::spawn(server.serve(stop.clone().cancelled_owned()));
+    Ok(Worker {
+        url,
+        serve,
+        forward,
+    })
+}
+
+/// Prints one line per component and a curl example on stdout.
+fn announce(server: SocketAddr, model: &str, workers: &[&str]) -> std::io::Result<()> {
+    let host = match server.ip() {
+        ip if ip.is_unspecified() => "127.0.0.1".to_owned(),
+        ip => ip.to_string(),
+    };
+    let base = format!("http://{}", socket_addr(&host, server.port()));
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "server: {base}/v1 ({} mock workers: {})",
+        workers.len(),
+        workers.join(", ")
+    )?;
+    for (i, url) in workers.iter().enumerate() {
+        writeln!(out, "worker {i}: {url} (mock, model {model})")?;
+    }
+    writeln!(out, "try:")?;
+    writeln!(
+        out,
+        "  curl -s {base}/v1/chat/completions -H 'content-type: application/json' \
+         -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \
+         \"Hello!\"}}], \"max_tokens\": 16}}'"
+    )?;
+    writeln!(out, "stop with Ctrl-C")?;
+    out.flush()
+}
+
+fn socket_addr(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// SIGTERM and SIGINT (Ctrl-C), registered before the fleet is announced so that a signal sent
+/// right after the ready line is never lost to the default action.
+struct Signals {
+    terminate: Signal,
+    interrupt: Signal,
+}
+
+impl Signals {
+    fn register() -> anyhow::Result<Self> {
+        Ok(Self {
+            terminate: signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?,
+            interrupt: signal(SignalKind::interrupt()).context("cannot listen for Ctrl-C")?,
+        })
+    }
+
+    /// Completes on SIGTERM or Ctrl-C.
+    async fn recv(mut self) {
+        tokio::select! {
+            _ = self.terminate.recv() => {}
+            _ = self.interrupt.recv() => {}
+        }
+        tracing::info!("shutdown signal received");
+    }
+}
