@@ -9,6 +9,7 @@ mod config;
 mod mock_cmd;
 mod replay_cmd;
 mod server_cmd;
+mod signals;
 mod up_cmd;
 
 use std::process::ExitCode;

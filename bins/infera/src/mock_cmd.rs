@@ -17,6 +17,7 @@
 
 use crate::config::WorkerConfig;
 use crate::config::worker::{LaunchConfig, MockEngineConfig};
+use crate::signals::Signals;
 use anyhow::{Context, bail};
 use infera_adapters::kv_events::EngineBatch;
 use infera_adapters::mock::{MockConfig, MockServer};
@@ -68,6 +69,7 @@ async fn serve(config: WorkerConfig, mock_config: MockConfig) -> anyhow::Result<
         (None, None)
     };
     let addr = socket_addr(&config.host, config.port);
+    let signals = Signals::register()?;
     let server = MockServer::bind(&addr, mock_config, sink).await?;
     tracing::info!(
         addr = %server.local_addr(),
@@ -75,7 +77,7 @@ async fn serve(config: WorkerConfig, mock_config: MockConfig) -> anyhow::Result<
         registration = %serde_json::Value::Object(server.registration_extra()),
         "mock engine serving"
     );
-    server.serve(shutdown_signal()).await?;
+    server.serve(signals.recv()).await?;
     if let Some(forwarder) = forwarder {
         // Ends once the engine loop dropped the sink (it has: `serve` joined it).
         if let Err(e) = forwarder.await {
@@ -169,30 +171,4 @@ fn socket_addr(host: &str, port: u16) -> String {
     } else {
         format!("{host}:{port}")
     }
-}
-
-/// Completes on SIGTERM or Ctrl-C.
-async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the mock");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::error!(error = %e, "cannot listen for Ctrl-C; only SIGTERM stops the mock");
-            std::future::pending::<()>().await;
-        }
-    };
-    tokio::select! {
-        () = ctrl_c => {}
-        () = terminate => {}
-    }
-    tracing::info!("shutdown signal received");
 }

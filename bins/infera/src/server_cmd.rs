@@ -19,6 +19,7 @@
 
 use crate::config::server::{EventLogConfig, RouterMode, RouterPolicy};
 use crate::config::{DiscoveryConfig, KvEventTransport, RequestTransport, ServerConfig};
+use crate::signals::Signals;
 use anyhow::{Context as _, bail};
 use infera_adapters::server::{ServerOptions, ServerState, serve};
 use infera_adapters::tokenize::Tokenizer;
@@ -130,6 +131,7 @@ async fn serve_all(config: ServerConfig, state: ServerState) -> anyhow::Result<(
         .watch()
         .await
         .with_context(|| format!("cannot watch etcd prefix {prefix} at {endpoint}"))?;
+    let signals = Signals::register()?;
     let shutdown = CancellationToken::new();
     let discovery = tokio::spawn(run_discovery(stream, state.clone(), shutdown.clone()));
     tracing::info!(%addr, etcd = %endpoint, %prefix, "infera server listening");
@@ -137,7 +139,7 @@ async fn serve_all(config: ServerConfig, state: ServerState) -> anyhow::Result<(
     let stop = shutdown.clone();
     let served = serve(listener, state, async move {
         tokio::select! {
-            () = shutdown_signal() => {}
+            () = signals.recv() => {}
             () = stop.cancelled() => {}
         }
     })
@@ -326,32 +328,6 @@ async fn run_subscriber(
         }
     }
     sub.shutdown().await;
-}
-
-/// Completes on SIGTERM or Ctrl-C.
-async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    let interrupt = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::error!(error = %e, "cannot listen for Ctrl-C");
-            std::future::pending::<()>().await;
-        }
-    };
-    tokio::select! {
-        () = terminate => {}
-        () = interrupt => {}
-    }
-    tracing::info!("shutdown signal received");
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@
 //! loops are joined, which drops their sinks), then the forwarders end. Nothing is detached.
 
 use crate::config::server::RouterPolicy;
+use crate::signals::Signals;
 use anyhow::{Context as _, bail};
 use clap::Args;
 use infera_adapters::mock::{KvEventSink, MockConfig, MockError, MockServer};
@@ -33,7 +34,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -349,30 +349,5 @@ fn socket_addr(host: &str, port: u16) -> String {
         format!("[{host}]:{port}")
     } else {
         format!("{host}:{port}")
-    }
-}
-
-/// SIGTERM and SIGINT (Ctrl-C), registered before the fleet is announced so that a signal sent
-/// right after the ready line is never lost to the default action.
-struct Signals {
-    terminate: Signal,
-    interrupt: Signal,
-}
-
-impl Signals {
-    fn register() -> anyhow::Result<Self> {
-        Ok(Self {
-            terminate: signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?,
-            interrupt: signal(SignalKind::interrupt()).context("cannot listen for Ctrl-C")?,
-        })
-    }
-
-    /// Completes on SIGTERM or Ctrl-C.
-    async fn recv(mut self) {
-        tokio::select! {
-            _ = self.terminate.recv() => {}
-            _ = self.interrupt.recv() => {}
-        }
-        tracing::info!("shutdown signal received");
     }
 }
