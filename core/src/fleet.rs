@@ -23,7 +23,7 @@ use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, VecDeque};
 
 /// Tunables of the load accounting.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct FleetConfig {
     /// Half-life of the charge a pick leaves on its worker rank.
     pub recent_half_life_us: u64,

@@ -108,7 +108,7 @@ pub async fn rebuild<P: Projection + ?Sized>(
 ) -> Result<Seq, LogError> {
     let mut next = 1;
     if let Some(snap) = log.snapshot().await? {
-        for (i, event) in snap.events.into_iter().enumerate() {
+        for event in snap.events {
             let env = Envelope {
                 v: EVENT_FORMAT_VERSION,
                 seq: snap.upto,
@@ -116,7 +116,6 @@ pub async fn rebuild<P: Projection + ?Sized>(
                 source: None,
                 event,
             };
-            let _ = i;
             projection.apply(&env);
         }
         next = snap.upto + 1;

@@ -354,14 +354,7 @@ impl EngineLoop {
                 pr.tokens = total;
                 pr.outcome = Some(outcome);
             });
-            for hash in &live.blocks {
-                if let Some(b) = self.block_tokens.get_mut(hash) {
-                    b.refs -= 1;
-                    if b.refs == 0 {
-                        self.block_tokens.remove(hash);
-                    }
-                }
-            }
+            self.release_block_tokens(&live.blocks);
             self.metrics.finished.fetch_add(1, Ordering::Relaxed);
             self.metrics
                 .generation_tokens
@@ -378,6 +371,18 @@ impl EngineLoop {
 }
 
 impl EngineLoop {
+    /// Drops a leaving request's references to its blocks' token ids.
+    fn release_block_tokens(&mut self, blocks: &[BlockHash]) {
+        for hash in blocks {
+            if let Some(b) = self.block_tokens.get_mut(hash) {
+                b.refs -= 1;
+                if b.refs == 0 {
+                    self.block_tokens.remove(hash);
+                }
+            }
+        }
+    }
+
     /// Aborts, in the engine, every request whose client went away: its batch slot and blocks
     /// are freed for the others (its published blocks stay cached, as in vLLM's abort).
     fn cancel_abandoned(&mut self) {
@@ -392,14 +397,7 @@ impl EngineLoop {
                 continue;
             };
             self.model.abort(id);
-            for hash in &live.blocks {
-                if let Some(b) = self.block_tokens.get_mut(hash) {
-                    b.refs -= 1;
-                    if b.refs == 0 {
-                        self.block_tokens.remove(hash);
-                    }
-                }
-            }
+            self.release_block_tokens(&live.blocks);
             self.metrics.detached.fetch_add(1, Ordering::Relaxed);
         }
     }

@@ -60,16 +60,10 @@ pub struct SimConfig {
     pub speedup: f64,
     /// Delay between an engine step storing blocks and the router seeing the event.
     pub kv_event_delay_us: u64,
-    pub fleet: FleetConfigSer,
+    pub fleet: FleetConfig,
     /// Simulate quiet decode steps one by one instead of as one event (same results, slower;
     /// the tests use it to prove that).
     pub step_by_step: bool,
-}
-
-/// Serializable mirror of [`FleetConfig`].
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct FleetConfigSer {
-    pub recent_half_life_us: u64,
 }
 
 impl Default for SimConfig {
@@ -86,9 +80,7 @@ impl Default for SimConfig {
             rules: Vec::new(),
             speedup: 1.0,
             kv_event_delay_us: 1_000,
-            fleet: FleetConfigSer {
-                recent_half_life_us: FleetConfig::default().recent_half_life_us,
-            },
+            fleet: FleetConfig::default(),
             step_by_step: false,
         }
     }
@@ -241,9 +233,7 @@ pub fn run(trace: &Trace, cfg: &SimConfig) -> Result<SimResult, SimError> {
     }
     let clock = Arc::new(VirtualClock::new(0));
     let log = MemoryLog::new(clock.clone());
-    let fleet = FleetState::new(FleetConfig {
-        recent_half_life_us: cfg.fleet.recent_half_life_us,
-    });
+    let fleet = FleetState::new(cfg.fleet);
     let n = trace.requests.len();
     let mut sim = Sim {
         cfg,
