@@ -6,11 +6,10 @@
 //! synchronise: KV events of a request are in the sink before its response ends (the engine
 //! publishes a step's events before handing out its tokens).
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
-use hyper::{Request, Response};
-use hyper_util::rt::TokioIo;
+mod common;
+
+use common::{TIMEOUT, body_of, get, post, post_raw, request};
+use http_body_util::BodyExt;
 use infera_adapters::kv_events::{EngineBatch, EngineEvent, decode_batch, encode_batch_vllm};
 use infera_adapters::mock::{MockConfig, MockError, MockServer, filler};
 use infera_adapters::tokenize::{ChatMessage, Tokenizer};
@@ -23,15 +22,11 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 const MODEL: &str = "mock-model";
 const SALT: u64 = 0x5eed_0000_dead_beef;
-/// A guard against a hung test, never a synchronisation.
-const TIMEOUT: Duration = Duration::from_secs(20);
-
 fn tokenizer() -> Arc<Tokenizer> {
     static TOK: OnceLock<Arc<Tokenizer>> = OnceLock::new();
     TOK.get_or_init(|| {
@@ -109,77 +104,6 @@ impl Mock {
         }
         out
     }
-}
-
-/// One HTTP/1.1 exchange on a fresh connection; the connection lives as long as this.
-struct Exchange {
-    response: Response<Incoming>,
-    _conn: AbortOnDrop,
-}
-
-/// Closes the connection (aborts its task) when dropped.
-struct AbortOnDrop(JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-async fn request(addr: SocketAddr, method: &str, path: &str, body: Vec<u8>) -> Exchange {
-    let stream = TcpStream::connect(addr).await.expect("connect");
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .expect("handshake");
-    let conn = tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", addr.to_string())
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .expect("request");
-    let response = tokio::time::timeout(TIMEOUT, sender.send_request(req))
-        .await
-        .expect("response in time")
-        .expect("response");
-    Exchange {
-        response,
-        _conn: AbortOnDrop(conn),
-    }
-}
-
-async fn body_of(ex: Exchange) -> (u16, String) {
-    let Exchange { response, _conn } = ex;
-    let status = response.status().as_u16();
-    let bytes = tokio::time::timeout(TIMEOUT, response.into_body().collect())
-        .await
-        .expect("body in time")
-        .expect("body")
-        .to_bytes();
-    (
-        status,
-        String::from_utf8(bytes.to_vec()).expect("utf-8 body"),
-    )
-}
-
-async fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
-    let (status, text) =
-        body_of(request(addr, "POST", path, body.to_string().into_bytes()).await).await;
-    let value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("json body ({e}): {text}"));
-    (status, value)
-}
-
-async fn post_raw(addr: SocketAddr, path: &str, body: Vec<u8>) -> (u16, Value) {
-    let (status, text) = body_of(request(addr, "POST", path, body).await).await;
-    let value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("json body ({e}): {text}"));
-    (status, value)
-}
-
-async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    body_of(request(addr, "GET", path, Vec::new()).await).await
 }
 
 /// The `data:` payloads of an SSE answer, in order.

@@ -5,11 +5,9 @@
 //! Workers are registered directly as `WorkerRegistered` events (no discovery backend). Nothing
 //! sleeps to synchronise: a mock puts a request's KV events in its sink before the response ends.
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
-use hyper::{Request, Response};
-use hyper_util::rt::TokioIo;
+mod common;
+
+use common::{TIMEOUT, body_of, exchange, post, post_raw, request};
 use infera_adapters::kv_events::EngineBatch;
 use infera_adapters::mock::{MockConfig, MockError, MockServer};
 use infera_adapters::server::{ServerOptions, ServerState, serve};
@@ -24,15 +22,12 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 const MODEL: &str = "mock-model";
 const BLOCK: u32 = 16;
-/// A guard against a hung test, never a synchronisation.
-const TIMEOUT: Duration = Duration::from_secs(20);
-
 fn tokenizer() -> Arc<Tokenizer> {
     static TOK: OnceLock<Arc<Tokenizer>> = OnceLock::new();
     TOK.get_or_init(|| {
@@ -172,56 +167,6 @@ impl Front {
     }
 }
 
-/// One HTTP/1.1 exchange on a fresh connection.
-async fn request(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    body: Vec<u8>,
-) -> (Response<Incoming>, JoinHandle<()>) {
-    let stream = TcpStream::connect(addr).await.expect("connect");
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .expect("handshake");
-    let conn = tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", addr.to_string())
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .expect("request");
-    let response = tokio::time::timeout(TIMEOUT, sender.send_request(req))
-        .await
-        .expect("response in time")
-        .expect("response");
-    (response, conn)
-}
-
-async fn exchange(addr: SocketAddr, method: &str, path: &str, body: Vec<u8>) -> (u16, String) {
-    let (response, conn) = request(addr, method, path, body).await;
-    let status = response.status().as_u16();
-    let bytes = tokio::time::timeout(TIMEOUT, response.into_body().collect())
-        .await
-        .expect("body in time")
-        .expect("body")
-        .to_bytes();
-    conn.abort();
-    (status, String::from_utf8(bytes.to_vec()).expect("utf-8"))
-}
-
-async fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
-    post_raw(addr, path, body.to_string().into_bytes()).await
-}
-
-async fn post_raw(addr: SocketAddr, path: &str, body: Vec<u8>) -> (u16, Value) {
-    let (status, text) = exchange(addr, "POST", path, body).await;
-    let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("json body ({e}): {text}"));
-    (status, v)
-}
-
 fn long_prompt(seed: &str, words: usize) -> String {
     let mut s = format!("{seed}:");
     for i in 0..words {
@@ -268,24 +213,17 @@ async fn completions_are_relayed_streaming_and_not() {
     assert_eq!(body["usage"]["completion_tokens"], 3, "{body}");
 
     let req = json!({"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 5, "stream": true});
-    let (response, conn) = request(
+    let ex = request(
         front.addr,
         "POST",
         "/v1/completions",
         req.to_string().into_bytes(),
     )
     .await;
-    assert_eq!(response.status(), 200);
-    assert!(response.headers().contains_key("x-infera-request-id"));
-    assert_eq!(response.headers()["content-type"], "text/event-stream");
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    conn.abort();
-    let text = String::from_utf8(bytes.to_vec()).expect("utf-8");
+    assert_eq!(ex.response.status(), 200);
+    assert!(ex.response.headers().contains_key("x-infera-request-id"));
+    assert_eq!(ex.response.headers()["content-type"], "text/event-stream");
+    let (_, text) = body_of(ex).await;
     let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
     assert_eq!(events.last(), Some(&"data: [DONE]"), "{text}");
     assert!(events.len() >= 2, "{text}");
