@@ -587,14 +587,15 @@ async fn a_client_that_disconnects_mid_stream_does_not_wedge_the_server() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn registration_names_the_mock_as_vllm() {
+async fn registration_names_the_mock_and_its_capacity() {
     let server = MockServer::bind("127.0.0.1:0", config(engine(64, 16, 1.0), false), None)
         .await
         .expect("binds");
     let extra = server.registration_extra();
-    assert_eq!(extra["engine"], "vllm");
     assert_eq!(extra["mock"], true);
-    assert_eq!(extra["kv_block_size"], 16);
+    assert_eq!(extra["kv_capacity_blocks"], 64);
+    // The record's own fields are not repeated in its extra map.
+    assert!(!extra.contains_key("engine") && !extra.contains_key("kv_block_size"));
     // Shutting down with nothing in flight returns at once.
     server.serve(async {}).await.expect("stops cleanly");
 

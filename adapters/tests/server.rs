@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{TIMEOUT, body_of, exchange, post, post_raw, request};
+use common::{TIMEOUT, body_of, exchange, get, post, post_raw, request, request_with};
 use infera_adapters::kv_events::EngineBatch;
 use infera_adapters::mock::{MockConfig, MockError, MockServer};
 use infera_adapters::server::{ServerOptions, ServerState, serve};
@@ -129,6 +129,10 @@ struct Front {
 
 impl Front {
     async fn start(policy: PolicyKind, max_retries: u32) -> Self {
+        Self::start_with(policy, max_retries, false).await
+    }
+
+    async fn start_with(policy: PolicyKind, max_retries: u32, direct: bool) -> Self {
         let options = ServerOptions {
             max_body_bytes: 64 << 10,
             request_max_retries: max_retries,
@@ -139,6 +143,7 @@ impl Front {
             },
             fleet: FleetConfig::default(),
             chat_template: None,
+            direct,
         };
         let state = ServerState::new(options, tokenizer());
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -473,4 +478,55 @@ async fn a_5xx_before_the_first_byte_fails_over_and_a_broken_stream_ends_with_an
         .expect("scripted worker done")
         .expect("scripted worker ok");
     front.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_mode_routes_to_the_worker_the_picker_named() {
+    let a = Mock::start().await;
+    let b = Mock::start().await;
+    let front = Front::start_with(PolicyKind::KvAware, 1, true).await;
+    front.state.register_worker(record(a.addr));
+    front.state.register_worker(record(b.addr));
+    let body = json!({"model": MODEL, "prompt": long_prompt("direct", 200), "max_tokens": 2});
+    let send = |headers: Vec<(&'static str, String)>| {
+        let body = body.to_string().into_bytes();
+        async move {
+            let headers: Vec<(&str, &str)> =
+                headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let ex = request_with(front.addr, "POST", "/v1/completions", &headers, body).await;
+            body_of(ex).await
+        }
+    };
+    // Every request goes where the header says, whatever the cache would suggest.
+    for target in [a.addr, b.addr, a.addr] {
+        let (status, text) = send(vec![("x-worker-instance-id", target.to_string())]).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    let (_, metrics_a) = get(a.addr, "/metrics").await;
+    let (_, metrics_b) = get(b.addr, "/metrics").await;
+    assert!(
+        metrics_a.contains("vllm:request_success_total{model_name=\"mock-model\"} 2"),
+        "{metrics_a}"
+    );
+    assert!(
+        metrics_b.contains("vllm:request_success_total{model_name=\"mock-model\"} 1"),
+        "{metrics_b}"
+    );
+
+    // No header, a bad rank, an unknown worker: clear errors, nothing forwarded.
+    let (status, text) = send(vec![]).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("x-worker-instance-id"), "{text}");
+    let (status, _) = send(vec![
+        ("x-worker-instance-id", a.addr.to_string()),
+        ("x-dp-rank", "x".to_owned()),
+    ])
+    .await;
+    assert_eq!(status, 400);
+    let (status, text) = send(vec![("x-worker-instance-id", "10.9.9.9:1".to_owned())]).await;
+    assert_eq!(status, 503, "{text}");
+    assert!(text.contains("not registered"), "{text}");
+    front.stop().await;
+    a.stop().await;
+    b.stop().await;
 }

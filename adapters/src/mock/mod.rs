@@ -116,13 +116,12 @@ impl MockError {
     }
 }
 
-/// The extra registration fields of a mock worker (PROTOCOLS §1): it registers as `vllm`, whose
-/// formats it speaks, and names itself with `"mock": true`.
+/// The fields a mock worker adds to its registration record (PROTOCOLS §1): it registers with
+/// `engine: "vllm"`, whose formats it speaks, and names itself with `"mock": true`; it also
+/// states its capacity in blocks. The record's own fields (engine, block size) are not repeated.
 pub fn registration_extra(engine: &EngineConfig) -> serde_json::Map<String, serde_json::Value> {
     let mut m = serde_json::Map::new();
-    m.insert("engine".into(), "vllm".into());
     m.insert("mock".into(), true.into());
-    m.insert("kv_block_size".into(), engine.block_size.into());
     m.insert("kv_capacity_blocks".into(), engine.gpu_blocks.into());
     m
 }

@@ -13,12 +13,18 @@ use axum::routing::{get, post};
 use infera_core::event::Retention;
 use infera_core::hashing::hash_blocks;
 use infera_core::ids::{RequestId, WorkerRank};
-use infera_core::policy::{RouteError, RouteRequest};
+use infera_core::policy::{DirectPick, RouteError, RouteRequest};
 use serde_json::{Map, Value, json};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The request-id header, echoed or generated.
 pub(crate) const REQUEST_ID: &str = "x-infera-request-id";
+/// Direct mode: the worker an external endpoint picker chose.
+const WORKER_INSTANCE_ID: &str = "x-worker-instance-id";
+/// Direct mode: the prefill worker of a disaggregated pair.
+const PREFILL_INSTANCE_ID: &str = "x-prefill-instance-id";
+/// Direct mode: the dp rank on the named worker.
+const DP_RANK: &str = "x-dp-rank";
 
 /// An error answered to the client.
 #[derive(Debug, Clone)]
@@ -68,6 +74,7 @@ pub(crate) fn route_error(e: &RouteError) -> ApiError {
         RouteError::NoWorker { .. }
         | RouteError::UnknownWorker(_)
         | RouteError::UnknownRank { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        RouteError::WrongModel { .. } => StatusCode::BAD_REQUEST,
         RouteError::MissingBlockSize(_) => StatusCode::INTERNAL_SERVER_ERROR,
     };
     ApiError::new(status, e.to_string())
@@ -176,6 +183,11 @@ async fn pipeline(
         Endpoint::Chat => parse_messages(obj.get("messages"))?,
     };
     let retention = stamp_retention(obj)?;
+    let direct = if st.inner.options.direct {
+        Some(direct_pick(headers)?)
+    } else {
+        None
+    };
     let forward_body = Bytes::from(serde_json::to_vec(&json).map_err(|e| {
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -210,7 +222,43 @@ async fn pipeline(
         retention,
         exclude: Vec::<WorkerRank>::new(),
     };
-    relay::forward(st, req, ep.path(), forward_body, stream).await
+    relay::forward(st, req, direct, ep.path(), forward_body, stream).await
+}
+
+/// The worker(s) named by the request's headers in direct mode.
+fn direct_pick(headers: &HeaderMap) -> Result<DirectPick, ApiError> {
+    let text = |name: &str| -> Result<Option<String>, ApiError> {
+        match headers.get(name) {
+            None => Ok(None),
+            Some(v) => v
+                .to_str()
+                .ok()
+                .map(str::trim)
+                .filter(|v| !v.is_empty())
+                .map(|v| Some(v.to_owned()))
+                .ok_or_else(|| {
+                    ApiError::bad_request(format!("header {name} must be visible ASCII"))
+                }),
+        }
+    };
+    let worker = text(WORKER_INSTANCE_ID)?.ok_or_else(|| {
+        ApiError::bad_request(format!(
+            "--router-mode direct: the {WORKER_INSTANCE_ID} header (the endpoint picker's choice) \
+             is required"
+        ))
+    })?;
+    let dp_rank = text(DP_RANK)?
+        .map(|v| {
+            v.parse::<u32>().map_err(|_| {
+                ApiError::bad_request(format!("header {DP_RANK} must be a non-negative integer"))
+            })
+        })
+        .transpose()?;
+    Ok(DirectPick {
+        worker,
+        prefill: text(PREFILL_INSTANCE_ID)?,
+        dp_rank,
+    })
 }
 
 async fn read_body(body: Body, headers: &HeaderMap, max: usize) -> Result<Bytes, ApiError> {

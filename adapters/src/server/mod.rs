@@ -21,9 +21,15 @@
 //! (or when the client goes away: `cancelled`). A stream that fails midway ends with an SSE
 //! `data: {"error": ...}` event and `data: [DONE]`.
 //!
+//! # Direct mode
+//! With [`ServerOptions::direct`], the pipeline is the same (tokenize, hash, record), but the
+//! decision is [`Router::decide_direct`] on the worker named by `x-worker-instance-id` (and
+//! `x-prefill-instance-id`, `x-dp-rank`): a missing header is a 400, a worker that is not
+//! registered a 503, a worker of another model a 400. The named worker is not failed over.
+//!
 //! # Limits of this step
-//! PD-disaggregated models are forwarded to the first leg only (no two-leg protocol yet); direct
-//! mode, `/v1/messages`, prewarm and profiling are not served here.
+//! PD-disaggregated models are forwarded to the first leg only (no two-leg protocol yet);
+//! `/v1/messages`, prewarm and profiling are not served here.
 
 mod http;
 mod metrics;
@@ -57,6 +63,10 @@ pub struct ServerOptions {
     pub fleet: FleetConfig,
     /// A chat template that overrides the tokenizer's (`--chat-template`).
     pub chat_template: Option<Arc<ChatTemplate>>,
+    /// `--router-mode direct`: route each request to the worker its `x-worker-instance-id`
+    /// header names (and `x-prefill-instance-id`, `x-dp-rank`), picked by an external endpoint
+    /// picker; no policy, no failover.
+    pub direct: bool,
 }
 
 /// The router's state: fleet projection, decider and log, changed only under one short lock.

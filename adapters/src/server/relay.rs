@@ -23,7 +23,7 @@ use hyper_util::rt::TokioExecutor;
 use infera_core::event::{Event, RequestFinished, RequestPrefilled, RequestStatus};
 use infera_core::ids::{RequestId, WorkerRank};
 use infera_core::log::NewEvent;
-use infera_core::policy::{RouteError, RouteRequest};
+use infera_core::policy::{DirectPick, RouteError, RouteRequest};
 use infera_core::projection::Projection as _;
 use serde_json::{Value, json};
 use std::convert::Infallible;
@@ -36,12 +36,20 @@ pub(crate) fn client() -> HttpClient {
 }
 
 /// Decides, appends `RequestRouted` and applies it; returns the chosen rank and its URL.
-fn decide(st: &ServerState, req: &RouteRequest) -> Result<(WorkerRank, String), RouteError> {
+fn decide(
+    st: &ServerState,
+    req: &RouteRequest,
+    direct: Option<&DirectPick>,
+) -> Result<(WorkerRank, String), RouteError> {
     let now = st.inner.clock.now_us();
     let metrics = &st.inner.metrics;
     let mut core = st.lock();
     let Core { fleet, router, log } = &mut *core;
-    let routed = match router.decide(fleet, req, now) {
+    let decision = match direct {
+        Some(pick) => router.decide_direct(fleet, req, pick, now),
+        None => router.decide(fleet, req, now),
+    };
+    let routed = match decision {
         Ok(r) => r,
         Err(e) => {
             match &e {
@@ -172,19 +180,25 @@ fn status_of(code: StatusCode) -> RequestStatus {
 pub(crate) async fn forward(
     st: &ServerState,
     mut req: RouteRequest,
+    direct: Option<DirectPick>,
     path: &'static str,
     body: Bytes,
     stream: bool,
 ) -> Result<Response, ApiError> {
     let base_id = req.request_id.0.clone();
-    let attempts = st.inner.options.request_max_retries.saturating_add(1);
+    // The worker an endpoint picker named is not replaced by another.
+    let attempts = if direct.is_some() {
+        1
+    } else {
+        st.inner.options.request_max_retries.saturating_add(1)
+    };
     let mut last_error: Option<String> = None;
     for attempt in 0..attempts {
         if attempt > 0 {
             req.request_id = RequestId::new(format!("{base_id}#{attempt}"));
             inc(&st.inner.metrics.retries, 1);
         }
-        let (rank, url) = match decide(st, &req) {
+        let (rank, url) = match decide(st, &req, direct.as_ref()) {
             Ok(x) => x,
             Err(RouteError::NoWorker { .. }) if last_error.is_some() => break,
             Err(e) => return Err(route_error(&e)),

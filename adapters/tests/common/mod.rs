@@ -33,6 +33,17 @@ impl Drop for AbortOnDrop {
 }
 
 pub async fn request(addr: SocketAddr, method: &str, path: &str, body: Vec<u8>) -> Exchange {
+    request_with(addr, method, path, &[], body).await
+}
+
+/// [`request`] with extra headers.
+pub async fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> Exchange {
     let stream = TcpStream::connect(addr).await.expect("connect");
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
@@ -40,13 +51,15 @@ pub async fn request(addr: SocketAddr, method: &str, path: &str, body: Vec<u8>) 
     let conn = tokio::spawn(async move {
         let _ = conn.await;
     });
-    let req = Request::builder()
+    let mut builder = Request::builder()
         .method(method)
         .uri(path)
         .header("host", addr.to_string())
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .expect("request");
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        builder = builder.header(*name, *value);
+    }
+    let req = builder.body(Full::new(Bytes::from(body))).expect("request");
     let response = tokio::time::timeout(TIMEOUT, sender.send_request(req))
         .await
         .expect("response in time")

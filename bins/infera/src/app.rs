@@ -1,13 +1,13 @@
 //! Dispatch of a parsed command line: validation, `--check-config`, and the exit code of each
 //! outcome.
 //!
-//! Exit codes: 0 success (including `--check-config`); 1 a command that failed while running,
-//! or whose runtime is not part of this build yet; 2 an invalid configuration (and, from clap,
-//! a usage error). Every failure is reported as one line on stderr.
+//! Exit codes: 0 success (including `--check-config`); 1 a command that failed while running
+//! (including an option this build refuses at startup); 2 an invalid configuration (and, from
+//! clap, a usage error). Every failure is reported as one line on stderr.
 
 use crate::cli::{Cli, Command};
 use crate::config::{ConfigError, KvdConfig, ServerConfig, WorkerConfig};
-use crate::{mock_cmd, replay_cmd, up_cmd};
+use crate::{replay_cmd, up_cmd, worker};
 use serde::Serialize;
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -23,15 +23,6 @@ pub enum AppError {
         command: &'static str,
         /// What is wrong.
         error: ConfigError,
-    },
-    /// The configuration is valid, but this build cannot run the command yet.
-    #[error(
-        "infera {command}: configuration is valid, but the {command} runtime is not part of this \
-         build yet"
-    )]
-    NotInThisBuild {
-        /// The command.
-        command: &'static str,
     },
     /// The flags are invalid (commands validated outside `config`, e.g. `replay`).
     #[error("infera {command}: error: {error:#}")]
@@ -56,7 +47,7 @@ impl AppError {
     pub fn exit_code(&self) -> ExitCode {
         match self {
             Self::Config { .. } | Self::Invalid { .. } => ExitCode::from(2),
-            Self::NotInThisBuild { .. } | Self::Failed { .. } => ExitCode::FAILURE,
+            Self::Failed { .. } => ExitCode::FAILURE,
         }
     }
 }
@@ -87,18 +78,17 @@ pub fn run(cli: Cli) -> Result<(), AppError> {
                         error,
                     })
                 }
-                config => finish("server", check, config),
+                config => finish("server", config),
             }
         }
         Command::Worker(worker) => {
             let check = worker.check_config();
             match WorkerConfig::try_from(worker) {
-                Ok(config) if !check && mock_cmd::is_mock(&config) => mock_cmd::run(config)
-                    .map_err(|error| AppError::Failed {
-                        command: "worker",
-                        error,
-                    }),
-                config => finish("worker", check, config),
+                Ok(config) if !check => worker::run(config).map_err(|error| AppError::Failed {
+                    command: "worker",
+                    error,
+                }),
+                config => finish("worker", config),
             }
         }
         Command::Kvd(args) => {
@@ -108,7 +98,7 @@ pub fn run(cli: Cli) -> Result<(), AppError> {
                 error,
             })?;
             if check {
-                return finish("kvd", true, Ok(config));
+                return finish("kvd", Ok(config));
             }
             infera_kvd::run_blocking(kvd_options(config)).map_err(|error| AppError::Failed {
                 command: "kvd",
@@ -119,6 +109,12 @@ pub fn run(cli: Cli) -> Result<(), AppError> {
             replay_cmd::run_replay(args).map_err(|e| replay_error("replay", e))
         }
         Command::Trace(args) => replay_cmd::run_trace(args).map_err(|e| replay_error("trace", e)),
+        Command::MockEngine(args) => {
+            worker::mock::run_engine(args).map_err(|error| AppError::Failed {
+                command: "mock-engine",
+                error,
+            })
+        }
         Command::Up(args) => up_cmd::run(args).map_err(|e| match e {
             up_cmd::UpFailure::Invalid(error) => AppError::Invalid {
                 command: "up",
@@ -148,16 +144,12 @@ fn kvd_options(config: KvdConfig) -> infera_kvd::KvdOptions {
     options
 }
 
-/// Reports a validated configuration (`--check-config`) or stops: no runtime is built in yet.
+/// Prints a validated configuration (`--check-config`), or reports why it is invalid.
 fn finish<T: Serialize>(
     command: &'static str,
-    check_config: bool,
     config: Result<T, ConfigError>,
 ) -> Result<(), AppError> {
     let config = config.map_err(|error| AppError::Config { command, error })?;
-    if !check_config {
-        return Err(AppError::NotInThisBuild { command });
-    }
     print_json(&config).map_err(|error| AppError::Failed { command, error })
 }
 

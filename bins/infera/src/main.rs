@@ -6,11 +6,12 @@
 mod app;
 mod cli;
 mod config;
-mod mock_cmd;
+mod discovery;
 mod replay_cmd;
 mod server_cmd;
 mod signals;
 mod up_cmd;
+mod worker;
 
 use std::process::ExitCode;
 

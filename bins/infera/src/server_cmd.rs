@@ -23,9 +23,7 @@ use crate::signals::Signals;
 use anyhow::{Context as _, bail};
 use infera_adapters::server::{ServerOptions, ServerState, serve};
 use infera_adapters::tokenize::Tokenizer;
-use infera_backends::discovery::{
-    Discovery as _, DiscoveryChange, DiscoveryStream, EtcdConfig, EtcdDiscovery,
-};
+use infera_backends::discovery::{DiscoveryChange, DiscoveryStream};
 use infera_backends::zmq::{KvEventSubscriber, SubscriberConfig, SubscriberItem};
 use infera_core::event::{Event, KvCacheCleared, Source, WorkerRecord};
 use infera_core::fleet::FleetConfig;
@@ -50,9 +48,6 @@ fn check_supported(config: &ServerConfig) -> anyhow::Result<()> {
     }
     if config.kv_event_transport != KvEventTransport::Zmq {
         return not_yet("--kv-event-transport nats (use zmq)".to_owned());
-    }
-    if config.router.mode != RouterMode::Auto {
-        return not_yet("--router-mode direct (use auto)".to_owned());
     }
     if config.event_log != EventLogConfig::Memory {
         return not_yet(format!("--event-log {:?} (use memory)", config.event_log));
@@ -103,6 +98,7 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         },
         fleet: FleetConfig::default(),
         chat_template,
+        direct: config.router.mode == RouterMode::Direct,
     };
     let state = ServerState::new(options, Arc::new(tokenizer));
     tokio::runtime::Builder::new_multi_thread()
@@ -114,27 +110,16 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
 }
 
 async fn serve_all(config: ServerConfig, state: ServerState) -> anyhow::Result<()> {
-    let DiscoveryConfig::Etcd { endpoint, prefix } = &config.discovery else {
-        bail!("--discovery-backend kubernetes is not available in this build yet");
-    };
     let addr = format!("{}:{}", config.http.host, config.http.port);
     let listener = TcpListener::bind(&addr)
         .await
         .with_context(|| format!("cannot bind {addr}"))?;
-    let etcd = EtcdDiscovery::connect(EtcdConfig {
-        prefix: prefix.clone(),
-        ..EtcdConfig::new([endpoint.clone()])
-    })
-    .await
-    .with_context(|| format!("cannot connect to etcd at {endpoint}"))?;
-    let stream = etcd
-        .watch()
-        .await
-        .with_context(|| format!("cannot watch etcd prefix {prefix} at {endpoint}"))?;
-    let signals = Signals::register()?;
+    let stream = crate::discovery::watch(&config.discovery).await?;
+    let mut signals = Signals::register()?;
     let shutdown = CancellationToken::new();
     let discovery = tokio::spawn(run_discovery(stream, state.clone(), shutdown.clone()));
-    tracing::info!(%addr, etcd = %endpoint, %prefix, "infera server listening");
+    tracing::info!(%addr, discovery = %crate::discovery::describe(&config.discovery),
+        "infera server listening");
 
     let stop = shutdown.clone();
     let served = serve(listener, state, async move {
@@ -186,7 +171,7 @@ async fn run_discovery(
         };
         match change {
             None => {
-                tracing::error!("etcd discovery stream ended; the worker set is frozen");
+                tracing::error!("discovery stream ended; the worker set is frozen");
                 break;
             }
             Some(DiscoveryChange::Registered(record)) => {

@@ -27,7 +27,7 @@ impl Signals {
     }
 
     /// Completes on SIGTERM or Ctrl-C.
-    pub async fn recv(mut self) {
+    pub async fn recv(&mut self) {
         tokio::select! {
             _ = self.terminate.recv() => {}
             _ = self.interrupt.recv() => {}

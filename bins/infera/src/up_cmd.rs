@@ -195,6 +195,7 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
         },
         fleet: FleetConfig::default(),
         chat_template: None,
+        direct: false,
     };
     let state = ServerState::new(options, Arc::clone(&tokenizer));
     let signals = Signals::register()?;
@@ -225,9 +226,12 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
     }
 
     let served = match started {
-        Ok(()) => serve(listener, state, signals.recv())
-            .await
-            .context("http server failed"),
+        Ok(()) => serve(listener, state, async move {
+            let mut signals = signals;
+            signals.recv().await;
+        })
+        .await
+        .context("http server failed"),
         Err(e) => Err(e),
     };
     stop_workers.cancel();

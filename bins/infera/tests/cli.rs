@@ -553,7 +553,7 @@ fn malformed_durations_sizes_and_unknown_flags_are_usage_errors() {
 }
 
 #[test]
-fn a_valid_configuration_without_a_runtime_exits_1_with_one_line() {
+fn options_this_build_refuses_exit_1_with_one_line() {
     let tokenizer = tokenizer_dir();
     let tok = path_str(tokenizer.path());
     // The server runs on etcd + http + zmq; the seed's defaults (kubernetes, nats) are refused
@@ -566,7 +566,10 @@ fn a_valid_configuration_without_a_runtime_exits_1_with_one_line() {
     );
     let output = infera(&["worker", "vllm", "--model", "m", "--port", "8001"]);
     assert_eq!(output.status.code(), Some(1));
-    assert!(stderr(&output).contains("the worker runtime is not part of this build yet"));
+    assert_eq!(
+        stderr(&output).trim(),
+        "infera worker: error: --request-transport nats is not available in this build yet (use http)"
+    );
 }
 
 #[test]

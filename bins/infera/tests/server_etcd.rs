@@ -1,15 +1,13 @@
 //! `infera server` end to end with the real binaries: a real etcd (the backends harness), an
-//! `infera worker mock` process publishing ZeroMQ KV events, and the server discovering it
-//! through etcd, subscribing to its events, routing to it, and leaving it when its key goes.
+//! `infera worker mock` process that registers itself in etcd and publishes ZeroMQ KV events,
+//! and the server discovering it, subscribing to its events, routing to it, and leaving it when
+//! the worker shuts down.
 //!
 //! The server is a separate process, so readiness and convergence are observed through its own
 //! status pages, polled under a deadline (there is no in-process handle to wait on).
 #![allow(clippy::unwrap_used)]
 
-use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _};
 use infera_backends::testing::EtcdServer;
-use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
-use infera_core::ids::WorkerId;
 use serde_json::{Value, json};
 use std::io::{Read as _, Write as _};
 use std::net::{TcpListener, TcpStream};
@@ -76,11 +74,18 @@ async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
     let bin = env!("CARGO_BIN_EXE_infera");
 
     let worker_port = free_port();
-    let _worker = Proc(
+    let mut worker = Proc(
         Command::new(bin)
             .args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
             .args(["--port", &worker_port.to_string(), "--block-size", "16"])
             .args(["--speedup", "1000"])
+            .args([
+                "--discovery-backend",
+                "etcd",
+                "--etcd-endpoint",
+                &etcd.endpoint(),
+            ])
+            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -116,26 +121,7 @@ async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
         get_json(server_port, "/health").is_some()
     });
 
-    // The model name the mock serves is its --model-path.
-    let record = WorkerRecord {
-        worker_id: WorkerId::new(format!("127.0.0.1:{worker_port}")),
-        url: format!("http://127.0.0.1:{worker_port}"),
-        model_name: tok.to_owned(),
-        engine: Engine::Vllm,
-        disagg_mode: Role::Mixed,
-        disagg_meta: None,
-        kv_events_endpoint: Some(format!("tcp://127.0.0.1:{}", worker_port + 10_000)),
-        kv_block_size: 16,
-        dp_rank: 0,
-        dp_size: 1,
-        request_transport: RequestTransport::Http,
-        kv: None,
-        extra: serde_json::Map::new(),
-    };
-    let registrar = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
-        .await
-        .unwrap();
-    let registration = registrar.register(&record).await.unwrap();
+    // The mock registers itself; the model name it serves is its --model-path.
     eventually("the worker to be discovered", || {
         get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 1)
     });
@@ -162,8 +148,12 @@ async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
     let (_, metrics) = http(server_port, "GET", "/metrics", "").unwrap();
     assert!(metrics.contains("infera_router_picks_total 2"), "{metrics}");
 
-    // Deregistration removes the worker from routing.
-    registration.deregister().await.unwrap();
+    // A worker that shuts down deregisters first, so it leaves routing at once.
+    let pid = worker.0.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let status = worker.0.wait().unwrap();
+    assert!(status.success(), "worker exit: {status:?}");
     eventually("the worker to leave", || {
         get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 0)
     });

@@ -145,6 +145,9 @@ pub enum RouteError {
     /// Direct mode named a dp rank the worker does not have (→ 503).
     #[error("worker {worker:?} has no dp rank {rank}")]
     UnknownRank { worker: String, rank: u32 },
+    /// Direct mode named a worker that serves another model (→ 400).
+    #[error("worker {worker:?} named by the request does not serve model {model:?}")]
+    WrongModel { worker: String, model: String },
     /// The request was hashed at none of the candidates' block sizes (a caller bug; → 500).
     #[error("request was not hashed at block size {0}")]
     MissingBlockSize(u32),
@@ -219,6 +222,59 @@ impl Router {
             policy: self.config.policy.as_str().to_owned(),
             weights,
             top,
+            retention: req.retention,
+            at_us: now_us,
+        })
+    }
+
+    /// Direct mode: records the legs an external picker named (see [`resolve_direct`]) as a
+    /// `RequestRouted` with policy `direct`, with each leg's cached overlap for accounting.
+    ///
+    /// # Errors
+    /// [`RouteError::UnknownWorker`] / [`RouteError::UnknownRank`] for a name or rank the fleet
+    /// does not have, [`RouteError::WrongModel`] for a worker of another model.
+    pub fn decide_direct(
+        &self,
+        fleet: &FleetState,
+        req: &RouteRequest,
+        pick: &DirectPick,
+        now_us: Micros,
+    ) -> Result<RequestRouted, RouteError> {
+        let mut legs = resolve_direct(fleet, &pick.worker, pick.prefill.as_deref(), pick.dp_rank)?;
+        let mut blocks: Vec<BlockHash> = Vec::new();
+        for leg in &mut legs {
+            let record = fleet
+                .worker(&leg.worker.worker)
+                .ok_or_else(|| RouteError::UnknownWorker(leg.worker.worker.to_string()))?;
+            if record.model_name != req.model {
+                return Err(RouteError::WrongModel {
+                    worker: leg.worker.worker.to_string(),
+                    model: req.model.clone(),
+                });
+            }
+            let Some(leg_blocks) = req.blocks_at(record.kv_block_size) else {
+                continue;
+            };
+            if let Some(slot) = fleet.index().slot(&leg.worker) {
+                let mut overlap = Vec::with_capacity(1);
+                fleet
+                    .index()
+                    .overlap(crate::event::Tier::Gpu, leg_blocks, &[slot], &mut overlap);
+                leg.overlap_blocks = overlap.first().copied().unwrap_or(0);
+            }
+            if blocks.is_empty() {
+                blocks = leg_blocks.to_vec();
+            }
+        }
+        Ok(RequestRouted {
+            request_id: req.request_id.clone(),
+            model: req.model.clone(),
+            legs,
+            blocks,
+            prompt_tokens: req.prompt_tokens,
+            policy: "direct".to_owned(),
+            weights: Vec::new(),
+            top: Vec::new(),
             retention: req.retention,
             at_us: now_us,
         })
@@ -309,6 +365,18 @@ fn candidate_set_key(cands: &[Candidate]) -> u64 {
         h.update(&[0xff]);
     }
     h.digest()
+}
+
+/// The workers an external picker (a Gateway API Inference Extension EPP) named for a request:
+/// `x-worker-instance-id`, `x-prefill-instance-id` and `x-dp-rank`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirectPick {
+    /// The (decode, or only) worker.
+    pub worker: String,
+    /// The prefill worker of a disaggregated pair.
+    pub prefill: Option<String>,
+    /// The dp rank on the named worker(s).
+    pub dp_rank: Option<u32>,
 }
 
 /// Direct mode: the legs named by `x-worker-instance-id` (and `x-prefill-instance-id`,

@@ -272,6 +272,43 @@ fn direct_mode_resolves_named_workers_without_failover() {
 }
 
 #[test]
+fn a_direct_decision_records_the_named_worker_and_its_cached_overlap() {
+    let mut w = World::new(&[("a:1", Role::Mixed), ("b:1", Role::Mixed)]);
+    let tokens: Vec<u32> = (0..16).collect();
+    let req = request("r", &tokens);
+    w.store("b:1", &req.hashes[0].1[..3]);
+    let router = Router::new(RouterConfig::default());
+    let pick = |worker: &str| DirectPick {
+        worker: worker.to_owned(),
+        prefill: None,
+        dp_rank: None,
+    };
+    let routed = router
+        .decide_direct(&w.fleet, &req, &pick("b:1"), 7)
+        .expect("direct");
+    assert_eq!(routed.policy, "direct");
+    assert_eq!(routed.legs.len(), 1);
+    assert_eq!(routed.legs[0].worker, WorkerRank::new("b:1", 0));
+    assert_eq!(routed.legs[0].overlap_blocks, 3);
+    assert_eq!(routed.blocks, req.hashes[0].1);
+    // The named worker wins even where the policy would pick another.
+    let routed = router
+        .decide_direct(&w.fleet, &req, &pick("a:1"), 7)
+        .expect("direct");
+    assert_eq!(routed.legs[0].worker, WorkerRank::new("a:1", 0));
+    assert_eq!(routed.legs[0].overlap_blocks, 0);
+    let mut other = request("r2", &tokens);
+    other.model = "other".into();
+    assert_eq!(
+        router.decide_direct(&w.fleet, &other, &pick("a:1"), 7),
+        Err(RouteError::WrongModel {
+            worker: "a:1".into(),
+            model: "other".into()
+        })
+    );
+}
+
+#[test]
 fn a_worker_of_unknown_block_size_is_routed_by_load() {
     let mut w = World::new(&[("a:1", Role::Mixed)]);
     let mut rec = record("b:1", Role::Mixed);

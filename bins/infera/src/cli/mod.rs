@@ -40,6 +40,9 @@ pub enum Command {
     Trace(replay_cmd::TraceArgs),
     /// Start a local fleet in one process: the server and N mock engines on loopback ports.
     Up(up_cmd::UpArgs),
+    /// The GPU-free mock engine alone, taking a vLLM / SGLang / ATOM command line (a stand-in
+    /// engine for `infera worker … --engine-cmd "infera mock-engine"`).
+    MockEngine(crate::worker::mock::MockEngineArgs),
 }
 
 /// Parses a full command line (program name first).

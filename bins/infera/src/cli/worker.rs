@@ -208,6 +208,17 @@ pub struct EngineWorkerArgs {
     #[arg(long, env = "INFERA_ENGINE_CMD", value_name = "COMMAND", help_heading = EXTENSIONS)]
     pub engine_cmd: Option<String>,
 
+    /// Infera extension: how long the engine may take to answer `GET /health` after it was
+    /// started (model download and load, kernel compilation).
+    #[arg(
+        long,
+        env = "INFERA_ENGINE_READY_TIMEOUT",
+        default_value = "30m",
+        value_name = "DURATION",
+        help_heading = EXTENSIONS
+    )]
+    pub engine_ready_timeout: HumanDuration,
+
     /// The arguments forwarded to the engine, filled in by the argument splitter.
     #[arg(skip)]
     pub engine_args: Vec<String>,

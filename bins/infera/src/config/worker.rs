@@ -217,6 +217,8 @@ pub struct EngineProcessConfig {
     pub tensor_parallel_size: Option<u32>,
     /// The engine's data-parallel size, if given.
     pub data_parallel_size: Option<u32>,
+    /// How long the engine may take to become healthy (`--engine-ready-timeout`).
+    pub ready_timeout: HumanDuration,
 }
 
 /// Quadratic timing coefficients `A,B,C`: `A·x² + B·x + C` milliseconds.
@@ -343,6 +345,7 @@ fn from_engine(engine: EngineKind, args: EngineWorkerArgs) -> Result<WorkerConfi
         kv_block_size: peek(&passthrough, engine.block_size_flags())?,
         tensor_parallel_size: peek(&passthrough, engine.tensor_parallel_flags())?,
         data_parallel_size: peek(&passthrough, engine.data_parallel_flags())?,
+        ready_timeout: args.engine_ready_timeout,
         passthrough,
     });
     Ok(shared.into_config(engine, launch))

@@ -1,0 +1,746 @@
+//! The launch plan of a real engine: its command line and environment, the KV-event endpoint it
+//! publishes on, and what the worker record says about it (served model, PD role and metadata,
+//! block size, data parallelism). PROTOCOLS §3 and §7 are the contract.
+//!
+//! Pure: built from the validated [`WorkerConfig`], the launcher's environment and the free ports
+//! the caller picked, so tests assert it exactly.
+//!
+//! Per engine (only what the user did not set already is added):
+//!
+//! | engine | KV events | other settings |
+//! |--------|-----------|----------------|
+//! | vLLM   | `--kv-events-config {"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:P","replay_endpoint":"tcp://*:R","topic":"kv-events"}` | `PYTHONHASHSEED=0` (set if absent, refused if set to anything else), `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1` |
+//! | SGLang | `--kv-events-config {"publisher":"zmq","endpoint":"tcp://*:P","topic":"kv-events"}` | |
+//! | ATOM   | `ATOM_KV_EVENTS_ENABLE=1`, `ATOM_KV_EVENTS_ENDPOINT=tcp://*:P`, `ATOM_KV_EVENTS_TOPIC=kv-events` | `--port <free>` (ATOM's internal torch-distributed port) when absent |
+//!
+//! A `--kv-events-config` (or `ATOM_KV_EVENTS_ENDPOINT`) given by the user is kept, and its
+//! endpoint is the one advertised. PD: SGLang's `--disaggregation-mode` and vLLM/ATOM's
+//! `--kv-transfer-config` `kv_role` give the role; the connector gives the protocol the server's
+//! two-leg dispatch speaks (`sglang-bootstrap`, `vllm-mooncake`, `vllm-mori-read|write`,
+//! `vllm-nixl`, `atom-mooncake`). A vLLM PD worker's `engine_id` is pinned into the forwarded
+//! `--kv-transfer-config`, so the id registered is the one the engine uses.
+
+use crate::config::worker::{EngineKind, EngineProcessConfig, WorkerConfig};
+use infera_core::event::Role;
+use serde_json::{Map, Value, json};
+
+/// The topic the launcher asks engines to publish KV events on.
+pub const KV_EVENTS_TOPIC: &str = "kv-events";
+/// SGLang's default PD bootstrap port.
+const SGLANG_BOOTSTRAP_PORT: u16 = 8998;
+/// vLLM Mooncake connector's default bootstrap port (`VLLM_MOONCAKE_BOOTSTRAP_PORT`).
+const VLLM_MOONCAKE_BOOTSTRAP_PORT: u16 = 8998;
+/// ATOM Mooncake connector's default handshake port.
+const ATOM_HANDSHAKE_PORT: u16 = 6301;
+
+/// Ports the caller reserved for the engine (free when picked).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FreePorts {
+    /// KV-event PUB socket (rank r publishes on `events + r`).
+    pub events: u16,
+    /// vLLM's KV-event replay ROUTER socket.
+    pub replay: u16,
+    /// ATOM's internal torch-distributed port.
+    pub atom_internal: u16,
+}
+
+/// How to start the engine and what to register for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchPlan {
+    /// The executable.
+    pub program: String,
+    /// Its arguments, in order.
+    pub args: Vec<String>,
+    /// Variables set on top of the inherited environment.
+    pub env: Vec<(String, String)>,
+    /// The KV-event endpoint to advertise (`tcp://ADVERTISE_HOST:P`), if events are on.
+    pub kv_events_endpoint: Option<String>,
+    /// The model name requests use (`--served-model-name`, else the model).
+    pub served_model: String,
+    /// The PD role.
+    pub role: Role,
+    /// PD metadata (`{protocol, params}`) for prefill/decode workers.
+    pub disagg_meta: Option<Value>,
+    /// The engine's KV block size from its command line, or the engine's default.
+    pub kv_block_size: Option<u32>,
+    /// First data-parallel rank served by this worker.
+    pub dp_rank: u32,
+    /// Data-parallel ranks behind this worker's one HTTP port.
+    pub dp_size: u32,
+}
+
+/// A configuration the launcher refuses, naming what to change.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct LaunchError(String);
+
+/// Builds the plan. `env` reads the launcher's environment.
+///
+/// # Errors
+/// `PYTHONHASHSEED` set to something other than 0 for vLLM; a `--kv-events-config` or
+/// `--kv-transfer-config` that is not a JSON object.
+pub fn plan(
+    config: &WorkerConfig,
+    process: &EngineProcessConfig,
+    env: &dyn Fn(&str) -> Option<String>,
+    ports: FreePorts,
+) -> Result<LaunchPlan, LaunchError> {
+    let engine = config.engine;
+    let (program, command_args) = process
+        .command
+        .split_first()
+        .ok_or_else(|| LaunchError("--engine-cmd is empty".to_owned()))?;
+    let mut args: Vec<String> = command_args.to_vec();
+    args.extend(process.args.iter().cloned());
+    let mut env_out = Vec::new();
+    let passthrough = &process.passthrough;
+
+    if engine == EngineKind::Vllm {
+        match env("PYTHONHASHSEED").as_deref() {
+            None | Some("") => env_out.push(("PYTHONHASHSEED".to_owned(), "0".to_owned())),
+            Some("0") => {}
+            Some(other) => {
+                return Err(LaunchError(format!(
+                    "PYTHONHASHSEED={other}: vLLM workers need PYTHONHASHSEED=0 so that block \
+                     hashes agree across processes and restarts; unset it or set it to 0"
+                )));
+            }
+        }
+        if env("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES").is_none() {
+            env_out.push((
+                "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES".to_owned(),
+                "1".to_owned(),
+            ));
+        }
+    }
+    if engine == EngineKind::Atom && flag_value(passthrough, &["--port"]).is_none() {
+        args.push("--port".to_owned());
+        args.push(ports.atom_internal.to_string());
+    }
+
+    let data_parallel_rank = match engine {
+        EngineKind::Vllm => flag_value(passthrough, &["--data-parallel-rank", "-dpr"])
+            .map(|v| parse_u32("--data-parallel-rank", v))
+            .transpose()?,
+        _ => None,
+    };
+    let (dp_rank, dp_size) = match data_parallel_rank {
+        // External load balancing: this process is one rank of the group.
+        Some(rank) => (rank, 1),
+        None => (0, process.data_parallel_size.unwrap_or(1).max(1)),
+    };
+    let kv_events_endpoint = if config.kv_events.enabled {
+        let port = kv_events(
+            engine,
+            passthrough,
+            env,
+            ports,
+            &mut args,
+            &mut env_out,
+            dp_rank,
+        )?;
+        port.map(|p| format!("tcp://{}:{p}", url_host(&config.advertise_host)))
+    } else {
+        None
+    };
+
+    let served_model = flag_value(passthrough, &["--served-model-name"])
+        .map_or_else(|| config.model.clone(), str::to_owned);
+    let mori_read = env("VLLM_MORIIO_CONNECTOR_READ_MODE").is_some();
+    let (role, disagg_meta) = disaggregation(config, process, mori_read, &mut args)?;
+    let kv_block_size = process.kv_block_size.or(match engine {
+        // vLLM and ATOM page 16 tokens unless told otherwise; SGLang's page size is resolved
+        // from the running server (see `worker::process`).
+        EngineKind::Vllm | EngineKind::Atom => Some(16),
+        EngineKind::Sglang | EngineKind::Mock => None,
+    });
+    Ok(LaunchPlan {
+        program: program.clone(),
+        args,
+        env: env_out,
+        kv_events_endpoint,
+        served_model,
+        role,
+        disagg_meta,
+        kv_block_size,
+        dp_rank,
+        dp_size,
+    })
+}
+
+/// Adds the KV-event settings the engine needs and returns the port it publishes rank
+/// `dp_rank` on.
+fn kv_events(
+    engine: EngineKind,
+    passthrough: &[String],
+    env: &dyn Fn(&str) -> Option<String>,
+    ports: FreePorts,
+    args: &mut Vec<String>,
+    env_out: &mut Vec<(String, String)>,
+    dp_rank: u32,
+) -> Result<Option<u32>, LaunchError> {
+    let offset = |port: u32| port + dp_rank;
+    match engine {
+        EngineKind::Vllm | EngineKind::Sglang => {
+            if let Some(given) = flag_value(passthrough, &["--kv-events-config"]) {
+                let object = json_object("--kv-events-config", given)?;
+                let endpoint = object.get("endpoint").and_then(Value::as_str);
+                return Ok(endpoint.and_then(endpoint_port).map(offset));
+            }
+            let mut config = Map::new();
+            if engine == EngineKind::Vllm {
+                config.insert("enable_kv_cache_events".into(), true.into());
+            }
+            config.insert("publisher".into(), "zmq".into());
+            config.insert(
+                "endpoint".into(),
+                format!("tcp://*:{}", ports.events).into(),
+            );
+            if engine == EngineKind::Vllm {
+                config.insert(
+                    "replay_endpoint".into(),
+                    format!("tcp://*:{}", ports.replay).into(),
+                );
+            }
+            config.insert("topic".into(), KV_EVENTS_TOPIC.into());
+            args.push("--kv-events-config".to_owned());
+            args.push(Value::Object(config).to_string());
+            Ok(Some(offset(u32::from(ports.events))))
+        }
+        EngineKind::Atom => {
+            if let Some(given) = env("ATOM_KV_EVENTS_ENDPOINT") {
+                return Ok(endpoint_port(&given).map(offset));
+            }
+            let endpoint = format!("tcp://*:{}", ports.events);
+            env_out.push(("ATOM_KV_EVENTS_ENABLE".to_owned(), "1".to_owned()));
+            env_out.push(("ATOM_KV_EVENTS_ENDPOINT".to_owned(), endpoint));
+            env_out.push((
+                "ATOM_KV_EVENTS_TOPIC".to_owned(),
+                KV_EVENTS_TOPIC.to_owned(),
+            ));
+            Ok(Some(offset(u32::from(ports.events))))
+        }
+        EngineKind::Mock => Ok(None),
+    }
+}
+
+/// The PD role and metadata; pins a vLLM PD worker's `engine_id` into `args`.
+fn disaggregation(
+    config: &WorkerConfig,
+    process: &EngineProcessConfig,
+    mori_read: bool,
+    args: &mut [String],
+) -> Result<(Role, Option<Value>), LaunchError> {
+    let passthrough = &process.passthrough;
+    let host = config.advertise_host.as_str();
+    match config.engine {
+        EngineKind::Sglang => {
+            let role = match flag_value(passthrough, &["--disaggregation-mode"]) {
+                Some("prefill") => Role::Prefill,
+                Some("decode") => Role::Decode,
+                None | Some("null") => Role::Mixed,
+                Some(other) => {
+                    return Err(LaunchError(format!(
+                        "--disaggregation-mode {other}: expected prefill, decode or null"
+                    )));
+                }
+            };
+            if role == Role::Mixed {
+                return Ok((role, None));
+            }
+            let port = flag_value(passthrough, &["--disaggregation-bootstrap-port"])
+                .map(|v| parse_u32("--disaggregation-bootstrap-port", v))
+                .transpose()?
+                .unwrap_or(u32::from(SGLANG_BOOTSTRAP_PORT));
+            let backend = flag_value(passthrough, &["--disaggregation-transfer-backend"])
+                .unwrap_or("mooncake");
+            let meta = json!({
+                "protocol": "sglang-bootstrap",
+                "params": {
+                    "bootstrap_host": host,
+                    "bootstrap_port": port,
+                    "transfer_backend": backend,
+                },
+            });
+            Ok((role, Some(meta)))
+        }
+        EngineKind::Vllm | EngineKind::Atom => {
+            let Some(given) = flag_value(passthrough, &["--kv-transfer-config"]) else {
+                return Ok((Role::Mixed, None));
+            };
+            let mut transfer = json_object("--kv-transfer-config", given)?;
+            let role = match transfer.get("kv_role").and_then(Value::as_str) {
+                Some("kv_producer") => Role::Prefill,
+                Some("kv_consumer") => Role::Decode,
+                None | Some("kv_both") => Role::Mixed,
+                Some(other) => {
+                    tracing::warn!(kv_role = other, "unknown kv_role; registering as mixed");
+                    Role::Mixed
+                }
+            };
+            if role == Role::Mixed {
+                return Ok((role, None));
+            }
+            let meta = if config.engine == EngineKind::Atom {
+                atom_meta(config, process, &transfer)
+            } else {
+                let engine_id = transfer
+                    .get("engine_id")
+                    .and_then(Value::as_str)
+                    .map_or_else(
+                        || format!("infera-{}-{}", config.advertise_host, config.port),
+                        str::to_owned,
+                    );
+                if transfer.get("engine_id").is_none() {
+                    transfer.insert("engine_id".into(), engine_id.clone().into());
+                    replace_flag_value(
+                        args,
+                        "--kv-transfer-config",
+                        &Value::Object(transfer.clone()).to_string(),
+                    );
+                }
+                vllm_meta(host, &transfer, mori_read)
+            };
+            Ok((role, meta))
+        }
+        EngineKind::Mock => Ok((Role::Mixed, None)),
+    }
+}
+
+fn vllm_meta(host: &str, transfer: &Map<String, Value>, mori_read: bool) -> Option<Value> {
+    let extra_of = |object: &Map<String, Value>| {
+        object
+            .get("kv_connector_extra_config")
+            .cloned()
+            .unwrap_or_else(|| json!({}))
+    };
+    let connector = transfer.get("kv_connector").and_then(Value::as_str);
+    // MultiConnector nests the PD transport among its children.
+    let found = if connector == Some("MultiConnector") {
+        transfer
+            .get("kv_connector_extra_config")
+            .and_then(|extra| extra.get("connectors"))
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_object)
+            .find_map(|child| {
+                let protocol = child.get("kv_connector").and_then(Value::as_str);
+                Some((vllm_protocol(protocol?, mori_read)?, extra_of(child)))
+            })
+    } else {
+        connector
+            .and_then(|name| vllm_protocol(name, mori_read))
+            .map(|protocol| (protocol, extra_of(transfer)))
+    };
+    let Some((protocol, extra)) = found else {
+        tracing::warn!(
+            connector = ?transfer.get("kv_connector"),
+            "PD worker's kv_connector has no known protocol; registering without disagg_meta"
+        );
+        return None;
+    };
+    let mut params = json!({
+        "engine_id": transfer.get("engine_id"),
+        "kv_ip": transfer.get("kv_ip"),
+        "kv_port": transfer.get("kv_port"),
+        "kv_connector_extra_config": extra,
+    });
+    if protocol == "vllm-mooncake" {
+        params["bootstrap_addr"] =
+            format!("http://{}:{VLLM_MOONCAKE_BOOTSTRAP_PORT}", url_host(host)).into();
+    }
+    Some(json!({ "protocol": protocol, "params": params }))
+}
+
+/// The PD protocol of a vLLM connector; MoRIIO reads instead of writing when vLLM's
+/// `VLLM_MORIIO_CONNECTOR_READ_MODE` is set.
+fn vllm_protocol(connector: &str, mori_read: bool) -> Option<&'static str> {
+    match connector {
+        "MooncakeConnector" | "MooncakeStoreConnector" => Some("vllm-mooncake"),
+        "MoRIIOConnector" if mori_read => Some("vllm-mori-read"),
+        "MoRIIOConnector" => Some("vllm-mori-write"),
+        "NixlConnector" => Some("vllm-nixl"),
+        _ => None,
+    }
+}
+
+fn atom_meta(
+    config: &WorkerConfig,
+    process: &EngineProcessConfig,
+    transfer: &Map<String, Value>,
+) -> Option<Value> {
+    let connector = transfer
+        .get("kv_connector")
+        .and_then(Value::as_str)
+        .unwrap_or("mooncake");
+    if connector != "mooncake" {
+        tracing::warn!(
+            connector,
+            "ATOM PD is driven over the mooncake connector; registering without disagg_meta"
+        );
+        return None;
+    }
+    let handshake = transfer
+        .get("handshake_port")
+        .and_then(Value::as_u64)
+        .unwrap_or(u64::from(ATOM_HANDSHAKE_PORT));
+    let dp_size = transfer.get("dp_size").and_then(Value::as_u64).unwrap_or(1);
+    Some(json!({
+        "protocol": "atom-mooncake",
+        "params": {
+            "host": config.advertise_host,
+            "http_port": config.port,
+            "handshake_port": handshake,
+            "tp_size": process.tensor_parallel_size.unwrap_or(1),
+            "dp_size": dp_size,
+        },
+    }))
+}
+
+/// The last value of any spelling in `flags` (`--flag V` or `--flag=V`).
+pub fn flag_value<'a>(args: &'a [String], flags: &[&str]) -> Option<&'a str> {
+    let mut found = None;
+    let mut tokens = args.iter().peekable();
+    while let Some(token) = tokens.next() {
+        for flag in flags {
+            if token == flag {
+                found = tokens.peek().map(|v| v.as_str());
+            } else if let Some(value) = token
+                .strip_prefix(flag)
+                .and_then(|rest| rest.strip_prefix('='))
+            {
+                found = Some(value);
+            }
+        }
+    }
+    found
+}
+
+/// Rewrites every value of `flag` in `args` to `value`.
+fn replace_flag_value(args: &mut [String], flag: &str, value: &str) {
+    let mut index = 0;
+    while index < args.len() {
+        if args[index] == flag && index + 1 < args.len() {
+            args[index + 1] = value.to_owned();
+            index += 2;
+            continue;
+        }
+        if args[index].starts_with(flag) && args[index][flag.len()..].starts_with('=') {
+            args[index] = format!("{flag}={value}");
+        }
+        index += 1;
+    }
+}
+
+fn json_object(flag: &str, text: &str) -> Result<Map<String, Value>, LaunchError> {
+    match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(object)) => Ok(object),
+        Ok(_) => Err(LaunchError(format!(
+            "{flag} must be a JSON object (got {text})"
+        ))),
+        Err(e) => Err(LaunchError(format!("{flag} is not valid JSON: {e}"))),
+    }
+}
+
+fn parse_u32(flag: &str, value: &str) -> Result<u32, LaunchError> {
+    value.parse().map_err(|_| {
+        LaunchError(format!(
+            "{flag} must be a non-negative integer (got '{value}')"
+        ))
+    })
+}
+
+/// The port of `tcp://HOST:PORT`.
+fn endpoint_port(endpoint: &str) -> Option<u32> {
+    endpoint.rsplit_once(':')?.1.parse().ok()
+}
+
+/// `host` as it appears in a URL (IPv6 literals bracketed).
+pub fn url_host(host: &str) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::{Command, parse_from};
+    use crate::config::worker::LaunchConfig;
+
+    const PORTS: FreePorts = FreePorts {
+        events: 5557,
+        replay: 5558,
+        atom_internal: 29500,
+    };
+
+    fn plan_for(argv: &[&str], env: &[(&str, &str)]) -> Result<LaunchPlan, LaunchError> {
+        let mut full = vec!["infera", "worker"];
+        full.extend_from_slice(argv);
+        let Command::Worker(command) = parse_from(full).unwrap().command else {
+            panic!("not a worker command");
+        };
+        let config = WorkerConfig::try_from(command).unwrap();
+        let LaunchConfig::Process(process) = &config.launch else {
+            panic!("not a process engine");
+        };
+        let lookup = |key: &str| {
+            env.iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, v)| (*v).to_owned())
+        };
+        plan(&config, process, &lookup, PORTS)
+    }
+
+    fn strings(args: &[&str]) -> Vec<String> {
+        args.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn vllm_gets_kv_events_and_a_fixed_hash_seed() {
+        let plan = plan_for(
+            &[
+                "vllm",
+                "--model",
+                "m",
+                "--port",
+                "8001",
+                "--advertise-host",
+                "10.0.0.5",
+                "--tensor-parallel-size",
+                "2",
+                "--served-model-name",
+                "chat",
+            ],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(plan.program, "vllm");
+        assert_eq!(
+            &strings(&[
+                "serve",
+                "--model",
+                "m",
+                "--host",
+                "0.0.0.0",
+                "--port",
+                "8001",
+                "--tensor-parallel-size",
+                "2",
+                "--served-model-name",
+                "chat",
+                "--kv-events-config",
+            ])[..],
+            &plan.args[..plan.args.len() - 1]
+        );
+        let kv: Value = serde_json::from_str(plan.args.last().unwrap()).unwrap();
+        assert_eq!(
+            kv,
+            json!({"enable_kv_cache_events": true, "publisher": "zmq",
+                "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+                "topic": "kv-events"})
+        );
+        assert_eq!(
+            plan.env,
+            vec![
+                ("PYTHONHASHSEED".to_owned(), "0".to_owned()),
+                (
+                    "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES".to_owned(),
+                    "1".to_owned()
+                ),
+            ]
+        );
+        assert_eq!(
+            plan.kv_events_endpoint.as_deref(),
+            Some("tcp://10.0.0.5:5557")
+        );
+        assert_eq!(plan.served_model, "chat");
+        assert_eq!((plan.role, plan.kv_block_size), (Role::Mixed, Some(16)));
+    }
+
+    #[test]
+    fn vllm_refuses_another_hash_seed_and_keeps_zero() {
+        let error = plan_for(&["vllm", "--model", "m"], &[("PYTHONHASHSEED", "42")]).unwrap_err();
+        assert!(error.to_string().contains("PYTHONHASHSEED=42"), "{error}");
+        let plan = plan_for(&["vllm", "--model", "m"], &[("PYTHONHASHSEED", "0")]).unwrap();
+        assert!(plan.env.iter().all(|(k, _)| k != "PYTHONHASHSEED"));
+    }
+
+    #[test]
+    fn a_users_kv_events_config_is_kept_and_advertised() {
+        let given = r#"{"publisher":"zmq","endpoint":"tcp://*:7000","topic":"kv-events"}"#;
+        let plan = plan_for(
+            &[
+                "sglang",
+                "--model-path",
+                "m",
+                "--host",
+                "127.0.0.1",
+                "--kv-events-config",
+                given,
+            ],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            plan.args
+                .iter()
+                .filter(|a| *a == "--kv-events-config")
+                .count(),
+            1
+        );
+        assert_eq!(
+            plan.kv_events_endpoint.as_deref(),
+            Some("tcp://127.0.0.1:7000")
+        );
+        let error = plan_for(
+            &["sglang", "--model-path", "m", "--kv-events-config", "{"],
+            &[],
+        )
+        .unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("--kv-events-config is not valid JSON")
+        );
+    }
+
+    #[test]
+    fn sglang_pd_registers_its_bootstrap() {
+        let plan = plan_for(
+            &[
+                "sglang",
+                "--model-path",
+                "m",
+                "--advertise-host",
+                "node1",
+                "--page-size",
+                "32",
+                "--dp-size",
+                "4",
+                "--disaggregation-mode",
+                "prefill",
+                "--disaggregation-bootstrap-port",
+                "9000",
+            ],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(plan.program, "python3");
+        assert_eq!(
+            &plan.args[..2],
+            &strings(&["-m", "sglang.launch_server"])[..]
+        );
+        let kv: Value = serde_json::from_str(plan.args.last().unwrap()).unwrap();
+        assert_eq!(
+            kv,
+            json!({"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"})
+        );
+        assert!(plan.env.is_empty());
+        assert_eq!(plan.role, Role::Prefill);
+        assert_eq!(
+            (plan.dp_rank, plan.dp_size, plan.kv_block_size),
+            (0, 4, Some(32))
+        );
+        assert_eq!(
+            plan.disagg_meta,
+            Some(json!({"protocol": "sglang-bootstrap", "params": {
+                "bootstrap_host": "node1", "bootstrap_port": 9000, "transfer_backend": "mooncake"}}))
+        );
+        assert_eq!(
+            plan_for(&["sglang", "--model-path", "m"], &[])
+                .unwrap()
+                .kv_block_size,
+            None
+        );
+    }
+
+    #[test]
+    fn atom_gets_events_by_environment_and_an_internal_port() {
+        let plan = plan_for(
+            &[
+                "atom",
+                "--model",
+                "m",
+                "--server-port",
+                "8002",
+                "-tp",
+                "8",
+                "--kv-transfer-config",
+                r#"{"kv_role":"kv_consumer","kv_connector":"mooncake"}"#,
+            ],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            plan.args,
+            strings(&[
+                "-m",
+                "atom.entrypoints.openai_server",
+                "--model",
+                "m",
+                "--host",
+                "0.0.0.0",
+                "--server-port",
+                "8002",
+                "-tp",
+                "8",
+                "--kv-transfer-config",
+                r#"{"kv_role":"kv_consumer","kv_connector":"mooncake"}"#,
+                "--port",
+                "29500",
+            ])
+        );
+        assert_eq!(
+            plan.env,
+            vec![
+                ("ATOM_KV_EVENTS_ENABLE".to_owned(), "1".to_owned()),
+                (
+                    "ATOM_KV_EVENTS_ENDPOINT".to_owned(),
+                    "tcp://*:5557".to_owned()
+                ),
+                ("ATOM_KV_EVENTS_TOPIC".to_owned(), "kv-events".to_owned()),
+            ]
+        );
+        assert_eq!(plan.role, Role::Decode);
+        assert_eq!(plan.disagg_meta.unwrap()["params"]["tp_size"], 8);
+    }
+
+    #[test]
+    fn vllm_pd_pins_the_engine_id_it_registers() {
+        let transfer = r#"{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}"#;
+        let plan = plan_for(
+            &[
+                "vllm",
+                "--model",
+                "m",
+                "--port",
+                "8003",
+                "--advertise-host",
+                "h1",
+                "--kv-transfer-config",
+                transfer,
+            ],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(plan.role, Role::Prefill);
+        let meta = plan.disagg_meta.unwrap();
+        assert_eq!(meta["protocol"], "vllm-mooncake");
+        assert_eq!(meta["params"]["engine_id"], "infera-h1-8003");
+        assert_eq!(meta["params"]["bootstrap_addr"], "http://h1:8998");
+        let forwarded = flag_value(&plan.args, &["--kv-transfer-config"]).unwrap();
+        let forwarded: Value = serde_json::from_str(forwarded).unwrap();
+        assert_eq!(forwarded["engine_id"], "infera-h1-8003");
+    }
+
+    #[test]
+    fn disabled_kv_events_add_nothing() {
+        let plan = plan_for(&["vllm", "--model", "m", "--no-enable-kv-events"], &[]).unwrap();
+        assert!(!plan.args.iter().any(|a| a == "--kv-events-config"));
+        assert_eq!(plan.kv_events_endpoint, None);
+    }
+}

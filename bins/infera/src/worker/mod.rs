@@ -1,0 +1,254 @@
+//! `infera worker {vllm,sglang,atom,mock}`: start one engine and join it to the fleet
+//! (PROTOCOLS §1 and §7).
+//!
+//! The lifecycle, the same for every engine:
+//!
+//! 1. connect to discovery first (a GPU engine is not started for a worker that cannot register);
+//! 2. start the engine: the mock in process ([`mock`]), a real engine as a child process in its
+//!    own process group ([`process`]) with the command line and environment of its
+//!    [`launch::LaunchPlan`];
+//! 3. wait until it answers `GET /health` (`--engine-ready-timeout`), read the block size it
+//!    resolved, and register the worker record: `worker_id` `ADVERTISE_HOST:PORT`, the served
+//!    model, the engine (the mock registers as `vllm`, whose formats it speaks), PD role and
+//!    metadata, `kv_events_endpoint`, block size, data-parallel ranks, request transport;
+//! 4. serve until SIGTERM / Ctrl-C or until the engine exits;
+//! 5. deregister first (no new work arrives), drain in-flight work bounded by
+//!    `--drain-timeout`, then stop the engine (SIGTERM, SIGKILL to its group after
+//!    [`process::STOP_GRACE`]).
+//!
+//! An engine that exits on its own is deregistered at once and the worker exits non-zero.
+
+pub mod launch;
+pub mod mock;
+pub mod probe;
+pub mod process;
+
+use crate::config::worker::{EngineKind, LaunchConfig};
+use crate::config::{KvEventTransport, RequestTransport, WorkerConfig};
+use crate::signals::Signals;
+use anyhow::{Context as _, bail};
+use infera_backends::discovery::{Registrar, Registration};
+use infera_core::event::{self, Engine, Role, WorkerRecord};
+use infera_core::ids::WorkerId;
+use launch::{FreePorts, LaunchPlan};
+use std::net::TcpListener;
+use std::sync::Arc;
+
+/// Runs the worker until SIGTERM or Ctrl-C.
+///
+/// # Errors
+/// An unsupported option, discovery unreachable, an engine that does not start or become
+/// healthy, or an engine that exits while serving.
+pub fn run(config: WorkerConfig) -> anyhow::Result<()> {
+    check_supported(&config)?;
+    mock::runtime()?.block_on(async move {
+        let mut signals = Signals::register()?;
+        let registrar = crate::discovery::registrar(&config.discovery).await?;
+        match &config.launch {
+            LaunchConfig::Mock(engine) => {
+                let engine = engine.clone();
+                run_mock(&config, &engine, registrar, &mut signals).await
+            }
+            LaunchConfig::Process(process) => {
+                let ports = free_ports()?;
+                let plan = launch::plan(&config, process, &|k| std::env::var(k).ok(), ports)?;
+                run_process(
+                    &config,
+                    &plan,
+                    process.ready_timeout.0,
+                    registrar,
+                    &mut signals,
+                )
+                .await
+            }
+        }
+    })
+}
+
+/// Refuses, in one line, what this build cannot run yet.
+fn check_supported(config: &WorkerConfig) -> anyhow::Result<()> {
+    if config.request_transport != RequestTransport::Http {
+        bail!("--request-transport nats is not available in this build yet (use http)");
+    }
+    if config.kv_events.enabled && config.kv_events.transport != KvEventTransport::Zmq {
+        bail!("--kv-event-transport nats is not available in this build yet (use zmq)");
+    }
+    Ok(())
+}
+
+async fn run_mock(
+    config: &WorkerConfig,
+    engine: &crate::config::worker::MockEngineConfig,
+    registrar: Arc<dyn Registrar>,
+    signals: &mut Signals,
+) -> anyhow::Result<()> {
+    let kv = if config.kv_events.enabled {
+        Some(mock::KvBind::from_port(&config.host, config.port)?)
+    } else {
+        tracing::info!("kv events disabled (--no-enable-kv-events)");
+        None
+    };
+    let kv_events_endpoint = kv.as_ref().map(|_| {
+        format!(
+            "tcp://{}",
+            mock::socket_addr(
+                &config.advertise_host,
+                config.port + mock::KV_EVENTS_PORT_OFFSET
+            )
+        )
+    });
+    let mut running = mock::RunningMock::start(config, engine, &config.model, kv).await?;
+    let mut record = base_record(config, &config.model, Engine::Vllm);
+    record.kv_events_endpoint = kv_events_endpoint;
+    record.kv_block_size = engine.block_size;
+    record.extra = running.registration_extra();
+    let registration = match register(&registrar, &record).await {
+        Ok(registration) => registration,
+        Err(e) => {
+            running.stop().await.ok();
+            return Err(e);
+        }
+    };
+    tokio::select! {
+        () = signals.recv() => {
+            deregister(registration).await;
+            running.stop().await
+        }
+        failed = running.failed() => {
+            deregister(registration).await;
+            failed
+        }
+    }
+}
+
+async fn run_process(
+    config: &WorkerConfig,
+    plan: &LaunchPlan,
+    ready_timeout: std::time::Duration,
+    registrar: Arc<dyn Registrar>,
+    signals: &mut Signals,
+) -> anyhow::Result<()> {
+    let mut engine = process::EngineProcess::spawn(config.engine, plan, &config.host, config.port)?;
+    let ready = tokio::select! {
+        ready = engine.wait_ready(ready_timeout) => ready,
+        () = signals.recv() => {
+            tracing::info!("stopping before the engine became ready");
+            engine.stop(process::STOP_GRACE).await;
+            return Ok(());
+        }
+    };
+    if let Err(e) = ready {
+        engine.stop(process::STOP_GRACE).await;
+        return Err(e);
+    }
+    let block_size = engine.resolve_block_size(plan.kv_block_size).await;
+    let record = process_record(config, plan, block_size);
+    let registration = match register(&registrar, &record).await {
+        Ok(registration) => registration,
+        Err(e) => {
+            engine.stop(process::STOP_GRACE).await;
+            return Err(e);
+        }
+    };
+    let exited = tokio::select! {
+        () = signals.recv() => None,
+        status = engine.exited() => Some(status),
+    };
+    deregister(registration).await;
+    match exited {
+        None => {
+            engine.drain(config.drain_timeout.0).await;
+            engine.stop(process::STOP_GRACE).await;
+            Ok(())
+        }
+        Some(status) => {
+            engine.stop(process::STOP_GRACE).await;
+            let status = status.context("cannot wait for the engine")?;
+            bail!(
+                "the {} engine exited while serving ({status}); worker deregistered",
+                config.engine
+            )
+        }
+    }
+}
+
+/// The record fields every engine shares.
+fn base_record(config: &WorkerConfig, served_model: &str, engine: Engine) -> WorkerRecord {
+    let host = launch::url_host(&config.advertise_host);
+    WorkerRecord {
+        worker_id: WorkerId::new(format!("{}:{}", config.advertise_host, config.port)),
+        url: format!("http://{host}:{}", config.port),
+        model_name: served_model.to_owned(),
+        engine,
+        disagg_mode: Role::Mixed,
+        disagg_meta: None,
+        kv_events_endpoint: None,
+        kv_block_size: 0,
+        dp_rank: 0,
+        dp_size: 1,
+        request_transport: match config.request_transport {
+            RequestTransport::Http => event::RequestTransport::Http,
+            RequestTransport::Nats => event::RequestTransport::Nats,
+        },
+        kv: None,
+        extra: serde_json::Map::new(),
+    }
+}
+
+/// The record of a real engine.
+pub fn process_record(
+    config: &WorkerConfig,
+    plan: &LaunchPlan,
+    block_size: Option<u32>,
+) -> WorkerRecord {
+    let engine = match config.engine {
+        EngineKind::Sglang => Engine::Sglang,
+        EngineKind::Atom => Engine::Atom,
+        EngineKind::Vllm | EngineKind::Mock => Engine::Vllm,
+    };
+    let mut record = base_record(config, &plan.served_model, engine);
+    record.disagg_mode = plan.role;
+    record.disagg_meta = plan.disagg_meta.clone();
+    record.kv_events_endpoint = plan.kv_events_endpoint.clone();
+    record.kv_block_size = block_size.unwrap_or(0);
+    record.dp_rank = plan.dp_rank;
+    record.dp_size = plan.dp_size;
+    record
+}
+
+async fn register(
+    registrar: &Arc<dyn Registrar>,
+    record: &WorkerRecord,
+) -> anyhow::Result<Registration> {
+    let registration = registrar
+        .register(record)
+        .await
+        .with_context(|| format!("cannot register worker {}", record.worker_id.as_str()))?;
+    tracing::info!(worker = record.worker_id.as_str(), model = %record.model_name,
+        record = %serde_json::to_string(record).unwrap_or_default(), "worker registered");
+    Ok(registration)
+}
+
+async fn deregister(registration: Registration) {
+    let worker = registration.worker().clone();
+    match registration.deregister().await {
+        Ok(()) => tracing::info!(worker = worker.as_str(), "worker deregistered"),
+        Err(e) => tracing::warn!(worker = worker.as_str(), error = %e,
+            "cannot deregister; the record expires with its lease"),
+    }
+}
+
+/// Free loopback-checked ports for the engine's KV-event and internal sockets.
+fn free_ports() -> anyhow::Result<FreePorts> {
+    // Hold all three until chosen so they differ.
+    let listeners = (0..3)
+        .map(|_| TcpListener::bind("0.0.0.0:0"))
+        .collect::<Result<Vec<_>, _>>()
+        .context("cannot find free ports for the engine's sockets")?;
+    let port = |i: usize| -> anyhow::Result<u16> { Ok(listeners[i].local_addr()?.port()) };
+    Ok(FreePorts {
+        events: port(0)?,
+        replay: port(1)?,
+        atom_internal: port(2)?,
+    })
+}

@@ -1,0 +1,421 @@
+//! `infera worker {vllm,sglang,atom,mock}` end to end with the real binary and a real etcd.
+//!
+//! The real engines are replaced by a stand-in executable (`tests/peers/engine_standin.sh`)
+//! that records its argv, environment and pid, then execs `infera mock-engine` with the same
+//! arguments: the launcher's exact command line and injected settings are asserted from the
+//! record, and the engine it started really serves, publishes KV events and gets stopped.
+//!
+//! The worker is another process; its registration is observed through an etcd watch (a
+//! stream: no polling), its HTTP readiness by probing under a deadline.
+#![allow(clippy::unwrap_used)]
+
+use infera_backends::discovery::{
+    Discovery as _, DiscoveryChange, DiscoveryStream, EtcdConfig, EtcdDiscovery,
+};
+use infera_backends::testing::EtcdServer;
+use infera_core::event::{Engine, Role, WorkerRecord};
+use serde_json::Value;
+use std::io::{Read as _, Write as _};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Kills the child when dropped, so a failed assertion leaves nothing behind.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn tokenizer() -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/tokenizers/deepseek-v4")
+        .to_str()
+        .unwrap()
+        .to_owned()
+}
+
+fn standin() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/peers/engine_standin.sh")
+}
+
+/// One HTTP/1.1 exchange with `Connection: close`.
+fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(DEADLINE)).ok()?;
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).ok()?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    Some((head.split(' ').nth(1)?.parse().ok()?, body.to_owned()))
+}
+
+async fn next_change(stream: &mut DiscoveryStream) -> DiscoveryChange {
+    tokio::time::timeout(DEADLINE, stream.recv())
+        .await
+        .expect("a discovery change in time")
+        .expect("the stream stays open")
+}
+
+async fn registered(stream: &mut DiscoveryStream) -> WorkerRecord {
+    match next_change(stream).await {
+        DiscoveryChange::Registered(record) => record,
+        other => panic!("expected a registration, got {other:?}"),
+    }
+}
+
+fn sigterm(child: &Child) {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+fn pid_alive(pid: &str) -> bool {
+    Path::new("/proc").join(pid).exists()
+        && !std::fs::read_to_string(Path::new("/proc").join(pid).join("stat"))
+            .is_ok_and(|stat| stat.split(' ').nth(2) == Some("Z"))
+}
+
+/// What the stand-in recorded: argv (one per line), environment (`K=V` lines) and pid.
+struct Recorded {
+    argv: Vec<String>,
+    env: Vec<String>,
+    pid: String,
+}
+
+fn recorded(dir: &Path) -> Recorded {
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
+    Recorded {
+        argv: read("argv").lines().map(str::to_owned).collect(),
+        env: read("env").lines().map(str::to_owned).collect(),
+        pid: read("pid").trim().to_owned(),
+    }
+}
+
+struct Launched {
+    worker: Proc,
+    record: WorkerRecord,
+    seen: Recorded,
+    port: u16,
+}
+
+/// Starts `infera worker <engine> … --engine-cmd <stand-in>` and waits for its registration.
+async fn launch(
+    etcd: &EtcdServer,
+    stream: &mut DiscoveryStream,
+    dir: &Path,
+    engine: &str,
+    flags: &[&str],
+) -> Launched {
+    let port = free_port();
+    let port_flag = if engine == "atom" {
+        "--server-port"
+    } else {
+        "--port"
+    };
+    let model_flag = if engine == "sglang" {
+        "--model-path"
+    } else {
+        "--model"
+    };
+    let tok = tokenizer();
+    let worker = Proc(
+        Command::new(env!("CARGO_BIN_EXE_infera"))
+            .args(["worker", engine, model_flag, &tok, "--host", "127.0.0.1"])
+            .args([port_flag, &port.to_string()])
+            .args([
+                "--discovery-backend",
+                "etcd",
+                "--etcd-endpoint",
+                &etcd.endpoint(),
+            ])
+            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
+            .args(["--drain-timeout", "10s"])
+            .arg("--engine-cmd")
+            .arg(standin())
+            .args(flags)
+            .env("STANDIN_DIR", dir)
+            .env("INFERA_BIN", env!("CARGO_BIN_EXE_infera"))
+            .env_remove("PYTHONHASHSEED")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let record = registered(stream).await;
+    Launched {
+        worker,
+        record,
+        seen: recorded(dir),
+        port,
+    }
+}
+
+/// SIGTERM: the record goes first, then the worker and its engine exit cleanly.
+async fn stop(mut launched: Launched, stream: &mut DiscoveryStream) {
+    sigterm(&launched.worker.0);
+    match next_change(stream).await {
+        DiscoveryChange::Deregistered { worker, .. } => {
+            assert_eq!(worker, launched.record.worker_id);
+        }
+        other => panic!("expected the worker to leave, got {other:?}"),
+    }
+    let status = launched.worker.0.wait().unwrap();
+    assert!(status.success(), "worker exit: {status:?}");
+    assert!(
+        !pid_alive(&launched.seen.pid),
+        "the engine outlived its worker"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_launcher_runs_registers_serves_and_stops_its_engine() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let discovery = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
+        .await
+        .unwrap();
+    let mut stream = discovery.watch().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let launched = launch(
+        &etcd,
+        &mut stream,
+        dir.path(),
+        "vllm",
+        &[
+            "--block-size",
+            "16",
+            "--served-model-name",
+            "chat",
+            "--enforce-eager",
+        ],
+    )
+    .await;
+    let tok = tokenizer();
+    let port = launched.port.to_string();
+    let seen = &launched.seen;
+    // The exact command line (after --engine-cmd, which replaces `vllm serve`): model, host and
+    // port in vLLM's spelling, the forwarded flags in order (an unknown flag such as
+    // --enforce-eager too), then the injected KV-events config.
+    assert_eq!(
+        &seen.argv[..8],
+        &[
+            "--model",
+            &tok,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port,
+            "--block-size",
+            "16",
+        ]
+    );
+    assert_eq!(
+        &seen.argv[8..11],
+        &["--served-model-name", "chat", "--enforce-eager"]
+    );
+    assert_eq!(seen.argv[11], "--kv-events-config");
+    let kv: Value = serde_json::from_str(&seen.argv[12]).unwrap();
+    assert_eq!(kv["publisher"], "zmq");
+    assert_eq!(kv["topic"], "kv-events");
+    assert_eq!(kv["enable_kv_cache_events"], true);
+    assert_eq!(seen.argv.len(), 13);
+    assert!(seen.env.iter().any(|l| l == "PYTHONHASHSEED=0"));
+    assert!(
+        seen.env
+            .iter()
+            .any(|l| l == "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1")
+    );
+
+    // The record: identity, served model, block size resolved from the engine's metrics.
+    let record = &launched.record;
+    assert_eq!(record.worker_id.as_str(), format!("127.0.0.1:{port}"));
+    assert_eq!(record.url, format!("http://127.0.0.1:{port}"));
+    assert_eq!(record.model_name, "chat");
+    assert_eq!(record.engine, Engine::Vllm);
+    assert_eq!(record.disagg_mode, Role::Mixed);
+    assert_eq!(record.kv_block_size, 16);
+    let events_port = kv["endpoint"].as_str().unwrap().rsplit_once(':').unwrap().1;
+    assert_eq!(
+        record.kv_events_endpoint.as_deref(),
+        Some(format!("tcp://127.0.0.1:{events_port}").as_str())
+    );
+
+    // The engine it started serves the served model name.
+    let body = r#"{"model": "chat", "prompt": "hello there", "max_tokens": 2}"#;
+    let (status, reply) = http(launched.port, "POST", "/v1/completions", body).unwrap();
+    assert_eq!(status, 200, "{reply}");
+    stop(launched, &mut stream).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_and_atom_launchers_inject_their_own_settings() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let discovery = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
+        .await
+        .unwrap();
+    let mut stream = discovery.watch().await.unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let sglang = launch(
+        &etcd,
+        &mut stream,
+        dir.path(),
+        "sglang",
+        &["--page-size", "32"],
+    )
+    .await;
+    let tok = tokenizer();
+    let port = sglang.port.to_string();
+    assert_eq!(
+        &sglang.seen.argv[..8],
+        &[
+            "--model-path",
+            &tok,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port,
+            "--page-size",
+            "32",
+        ]
+    );
+    let kv: Value = serde_json::from_str(&sglang.seen.argv[9]).unwrap();
+    assert_eq!(kv.get("enable_kv_cache_events"), None);
+    assert!(
+        !sglang
+            .seen
+            .env
+            .iter()
+            .any(|l| l.starts_with("PYTHONHASHSEED="))
+    );
+    assert_eq!(sglang.record.engine, Engine::Sglang);
+    assert_eq!(sglang.record.kv_block_size, 32);
+    stop(sglang, &mut stream).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let atom = launch(&etcd, &mut stream, dir.path(), "atom", &["-tp", "1"]).await;
+    let port = atom.port.to_string();
+    assert_eq!(
+        &atom.seen.argv[..8],
+        &[
+            "--model",
+            &tok,
+            "--host",
+            "127.0.0.1",
+            "--server-port",
+            &port,
+            "-tp",
+            "1",
+        ]
+    );
+    // ATOM's own --port is its internal distributed port, chosen by the launcher.
+    assert_eq!(atom.seen.argv[8], "--port");
+    assert_ne!(atom.seen.argv[9], port);
+    assert!(atom.seen.env.iter().any(|l| l == "ATOM_KV_EVENTS_ENABLE=1"));
+    assert!(
+        atom.seen
+            .env
+            .iter()
+            .any(|l| l == "ATOM_KV_EVENTS_TOPIC=kv-events")
+    );
+    assert_eq!(atom.record.engine, Engine::Atom);
+    assert_eq!(atom.record.kv_block_size, 16);
+    stop(atom, &mut stream).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_dies_is_deregistered_and_the_worker_fails() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let discovery = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
+        .await
+        .unwrap();
+    let mut stream = discovery.watch().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut launched = launch(&etcd, &mut stream, dir.path(), "vllm", &[]).await;
+    let killed = Command::new("kill")
+        .args(["-KILL", &launched.seen.pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    assert!(matches!(
+        next_change(&mut stream).await,
+        DiscoveryChange::Deregistered { .. }
+    ));
+    let status = launched.worker.0.wait().unwrap();
+    assert_eq!(status.code(), Some(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_never_becomes_healthy_is_stopped_and_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let output = Command::new(env!("CARGO_BIN_EXE_infera"))
+        .args(["worker", "vllm", "--model", "m", "--host", "127.0.0.1"])
+        .args(["--port", &free_port().to_string()])
+        .args([
+            "--discovery-backend",
+            "etcd",
+            "--etcd-endpoint",
+            &etcd.endpoint(),
+        ])
+        .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
+        .args(["--engine-ready-timeout", "1s", "--engine-cmd"])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/peers/engine_silent.sh"))
+        .env("STANDIN_DIR", dir.path())
+        .env_remove("PYTHONHASHSEED")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("did not answer GET"), "{stderr}");
+    assert!(stderr.contains("--engine-ready-timeout"), "{stderr}");
+    // The silent engine was stopped with its worker.
+    let pid = std::fs::read_to_string(dir.path().join("pid")).unwrap();
+    assert!(!pid_alive(pid.trim()), "the engine outlived its worker");
+
+    // An engine that exits at once is reported as such.
+    let output = Command::new(env!("CARGO_BIN_EXE_infera"))
+        .args([
+            "worker",
+            "sglang",
+            "--model-path",
+            "m",
+            "--host",
+            "127.0.0.1",
+        ])
+        .args(["--port", &free_port().to_string()])
+        .args([
+            "--discovery-backend",
+            "etcd",
+            "--etcd-endpoint",
+            &etcd.endpoint(),
+        ])
+        .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
+        .args(["--engine-cmd", "false"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("exited before it was ready"), "{stderr}");
+}
