@@ -8,14 +8,20 @@ use infera_backends::discovery::{
     Discovery, DiscoveryStream, EtcdConfig, EtcdDiscovery, Registrar,
 };
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Connects the worker side of the configured backend.
 ///
 /// # Errors
 /// The backend cannot be reached, or is not part of this build.
-pub async fn registrar(config: &DiscoveryConfig) -> anyhow::Result<Arc<dyn Registrar>> {
+pub async fn registrar(
+    config: &DiscoveryConfig,
+    lease_ttl: Duration,
+) -> anyhow::Result<Arc<dyn Registrar>> {
     match config {
-        DiscoveryConfig::Etcd { endpoint, prefix } => Ok(Arc::new(etcd(endpoint, prefix).await?)),
+        DiscoveryConfig::Etcd { endpoint, prefix } => {
+            Ok(Arc::new(etcd(endpoint, prefix, lease_ttl).await?))
+        }
         DiscoveryConfig::Kubernetes { .. } => {
             bail!("--discovery-backend kubernetes is not available in this build yet (use etcd)")
         }
@@ -28,7 +34,9 @@ pub async fn registrar(config: &DiscoveryConfig) -> anyhow::Result<Arc<dyn Regis
 /// The backend cannot be reached, or is not part of this build.
 pub async fn watch(config: &DiscoveryConfig) -> anyhow::Result<DiscoveryStream> {
     let discovery: Arc<dyn Discovery> = match config {
-        DiscoveryConfig::Etcd { endpoint, prefix } => Arc::new(etcd(endpoint, prefix).await?),
+        DiscoveryConfig::Etcd { endpoint, prefix } => {
+            Arc::new(etcd(endpoint, prefix, EtcdConfig::default().lease_ttl).await?)
+        }
         DiscoveryConfig::Kubernetes { .. } => {
             bail!("--discovery-backend kubernetes is not available in this build yet (use etcd)")
         }
@@ -54,9 +62,10 @@ pub fn describe(config: &DiscoveryConfig) -> String {
     }
 }
 
-async fn etcd(endpoint: &str, prefix: &str) -> anyhow::Result<EtcdDiscovery> {
+async fn etcd(endpoint: &str, prefix: &str, lease_ttl: Duration) -> anyhow::Result<EtcdDiscovery> {
     EtcdDiscovery::connect(EtcdConfig {
         prefix: prefix.to_owned(),
+        lease_ttl,
         ..EtcdConfig::new([endpoint.to_owned()])
     })
     .await

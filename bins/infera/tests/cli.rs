@@ -471,6 +471,18 @@ fn worker_validation_failures_name_the_flag() {
         "--page-size",
         "positive integer",
     );
+    assert_invalid(
+        &[
+            "worker",
+            "mock",
+            "--model-path",
+            "m",
+            "--etcd-lease-ttl",
+            "500ms",
+        ],
+        "--etcd-lease-ttl",
+        "at least 1s",
+    );
 }
 
 #[test]

@@ -25,6 +25,18 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// A free port for `infera worker mock`, whose KV-event sockets take the port + 10000 and
+/// + 20000, which must be free (and below 65536) too.
+fn free_mock_port() -> u16 {
+    loop {
+        let port = free_port();
+        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if port < 45_000 && free(port + 10_000) && free(port + 20_000) {
+            return port;
+        }
+    }
+}
+
 /// Kills the child (by its own pid) when dropped, so a failed assertion leaves nothing behind.
 struct Proc(Child);
 
@@ -73,7 +85,7 @@ async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
     let tok = tok.to_str().unwrap();
     let bin = env!("CARGO_BIN_EXE_infera");
 
-    let worker_port = free_port();
+    let worker_port = free_mock_port();
     let mut worker = Proc(
         Command::new(bin)
             .args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
@@ -166,4 +178,130 @@ async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
     assert!(killed.success());
     let status = server.0.wait().unwrap();
     assert!(status.success(), "server exit: {status:?}");
+}
+
+/// Starts `infera worker mock` registering in etcd with a short lease.
+fn mock_worker(bin: &str, tok: &str, etcd: &str, port: u16, lease: &str) -> Proc {
+    Proc(
+        Command::new(bin)
+            .args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
+            .args(["--port", &port.to_string(), "--block-size", "16"])
+            .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
+            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
+            .args(["--etcd-lease-ttl", lease])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_ends_its_stream_with_an_error_fails_over_and_leaves_within_its_lease() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tokenizers/deepseek-v4");
+    let tok = tok.to_str().unwrap();
+    let bin = env!("CARGO_BIN_EXE_infera");
+    let ports = [free_mock_port(), free_mock_port()];
+    let mut workers: Vec<Proc> = ports
+        .iter()
+        .map(|p| mock_worker(bin, tok, &etcd.endpoint(), *p, "2s"))
+        .collect();
+    let server_port = free_port();
+    let _server = Proc(
+        Command::new(bin)
+            .args([
+                "server",
+                "--router-tokenizer-path",
+                tok,
+                "--host",
+                "127.0.0.1",
+            ])
+            .args(["--port", &server_port.to_string()])
+            .args([
+                "--discovery-backend",
+                "etcd",
+                "--etcd-endpoint",
+                &etcd.endpoint(),
+            ])
+            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
+            .args(["--request-max-retries", "1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    eventually("both workers to be routed to", || {
+        get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 2)
+    });
+
+    // A long stream (the mock runs at real speed: ~6 ms per decode step).
+    let body = json!({"model": tok, "prompt": "tell me a long story", "max_tokens": 2000,
+        "stream": true})
+    .to_string();
+    let mut stream = TcpStream::connect(("127.0.0.1", server_port)).unwrap();
+    stream.set_read_timeout(Some(DEADLINE)).unwrap();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let n = stream.read(&mut buf).unwrap();
+        assert!(n > 0, "stream closed before its first event");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    // Kill the worker that serves it.
+    let workers_json = get_json(server_port, "/v1/workers").unwrap();
+    let serving = workers_json["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["load"][0]["inflight"] == 1)
+        .expect("one worker has the stream in flight")["record"]["worker_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let victim = ports
+        .iter()
+        .position(|p| serving.ends_with(&format!(":{p}")))
+        .unwrap();
+    workers[victim].0.kill().unwrap();
+    workers[victim].0.wait().unwrap();
+    let killed_at = Instant::now();
+
+    // The stream ends, with an error event and [DONE], instead of hanging.
+    stream.read_to_end(&mut seen).unwrap();
+    let text = String::from_utf8_lossy(&seen);
+    let events: Vec<&str> = text.split("\n\n").filter(|e| e.contains("data:")).collect();
+    assert!(
+        events.iter().any(|e| e.contains("\"error\"")),
+        "no error event in {text}"
+    );
+    // (The body is chunked; the last chunk holds the error event and [DONE].)
+    let error_at = text.find("data: {\"error\"").unwrap();
+    let done_at = text.find("data: [DONE]").expect("[DONE] ends the stream");
+    assert!(error_at < done_at, "{text}");
+
+    // Until its lease expires the dead worker is still a candidate: requests routed to it fail
+    // to connect and are retried on the survivor, so every one succeeds.
+    for i in 0..6 {
+        let req = json!({"model": tok, "prompt": format!("after the kill {i}"), "max_tokens": 2})
+            .to_string();
+        let (status, body) = http(server_port, "POST", "/v1/completions", &req).unwrap();
+        assert_eq!(status, 200, "{body}");
+    }
+    eventually("the killed worker to leave routing", || {
+        get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 1)
+    });
+    // Lease TTL 2 s; etcd expires leases with up to a second of slack.
+    let left_after = killed_at.elapsed();
+    assert!(
+        left_after < Duration::from_secs(4),
+        "left after {left_after:?}"
+    );
 }

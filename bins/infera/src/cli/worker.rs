@@ -160,6 +160,11 @@ pub struct WorkerArgs {
     #[arg(long, default_value = "30s", value_name = "DURATION", help_heading = EXTENSIONS)]
     pub drain_timeout: HumanDuration,
 
+    /// Infera extension: TTL of the worker's etcd lease (renewed every third of it). A worker
+    /// that dies without deregistering leaves routing within this time.
+    #[arg(long, default_value = "30s", value_name = "DURATION", help_heading = EXTENSIONS)]
+    pub etcd_lease_ttl: HumanDuration,
+
     /// Infera extension: etcd key prefix the worker registers under.
     #[arg(
         long,

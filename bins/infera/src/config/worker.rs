@@ -299,6 +299,8 @@ pub struct WorkerConfig {
     pub nats_server: String,
     /// How long in-flight requests may finish on shutdown; 0 = do not wait.
     pub drain_timeout: HumanDuration,
+    /// TTL of the etcd lease the registration is attached to.
+    pub etcd_lease_ttl: HumanDuration,
     /// How the engine is run.
     pub launch: LaunchConfig,
 }
@@ -377,6 +379,7 @@ struct Shared {
     kv_events: KvEventsConfig,
     nats_server: String,
     drain_timeout: HumanDuration,
+    etcd_lease_ttl: HumanDuration,
 }
 
 impl Shared {
@@ -418,6 +421,7 @@ impl Shared {
             },
             nats_server: args.nats_server,
             drain_timeout: args.drain_timeout,
+            etcd_lease_ttl: positive_duration("--etcd-lease-ttl", args.etcd_lease_ttl, 1)?,
         })
     }
 
@@ -433,9 +437,25 @@ impl Shared {
             kv_events: self.kv_events,
             nats_server: self.nats_server,
             drain_timeout: self.drain_timeout,
+            etcd_lease_ttl: self.etcd_lease_ttl,
             launch,
         }
     }
+}
+
+/// A duration of at least `min_secs` whole seconds (etcd leases have a granularity of 1 s).
+fn positive_duration(
+    flag: &'static str,
+    value: HumanDuration,
+    min_secs: u64,
+) -> Result<HumanDuration, ConfigError> {
+    if value.0.as_secs() < min_secs {
+        return Err(ConfigError::new(
+            flag,
+            format!("must be at least {min_secs}s (got {value})"),
+        ));
+    }
+    Ok(value)
 }
 
 /// Reads the last value given to any spelling in `flags` (`--flag V` or `--flag=V`) from the

@@ -43,7 +43,8 @@ pub fn run(config: WorkerConfig) -> anyhow::Result<()> {
     check_supported(&config)?;
     mock::runtime()?.block_on(async move {
         let mut signals = Signals::register()?;
-        let registrar = crate::discovery::registrar(&config.discovery).await?;
+        let registrar =
+            crate::discovery::registrar(&config.discovery, config.etcd_lease_ttl.0).await?;
         match &config.launch {
             LaunchConfig::Mock(engine) => {
                 let engine = engine.clone();
