@@ -1,17 +1,20 @@
 //! Plain `tokenizers` encode vs `infera_adapters::tokenize::Tokenizer` on the DeepSeek fixture.
 //!
-//! * `cold/{plain,ours}/{1k,8k,32k}`: realistic mixed prompts; our segment cache is cleared
-//!   before every iteration (outside the timing). Both sides share the crate's internal BPE
-//!   word cache, which stays warm, as it does in a running router.
+//! * `cold/{plain,ours,ours-1t}/{1k,8k,32k}`: realistic mixed prompts; our chunk cache is
+//!   cleared before every iteration (outside the timing). `plain` is the crate call, whose
+//!   internal BPE word cache stays warm, as it does in a running router. `ours` is the router's
+//!   tokenizer (native encoder; its word table is built at load, so nothing carries over
+//!   between iterations but the chunk cache, which is cleared); `ours-1t` is the same with the
+//!   rayon fan-out disabled, i.e. one core.
 //! * `warm32k/{plain,ours}`: a ~32k-token prompt whose first ~30k tokens were encoded before;
 //!   every iteration gets a fresh, never-seen ~2k-token tail.
 
 use std::hint::black_box;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use criterion::{BatchSize, BenchmarkId, Criterion, criterion_group, criterion_main};
-use infera_adapters::tokenize::Tokenizer;
+use infera_adapters::tokenize::{Tokenizer, TokenizerOptions};
 
 const PARAGRAPHS: &[&str] = &[
     "The router tokenizes every request itself, so the cost of tokenization sits on the critical \
@@ -62,7 +65,25 @@ fn cut_to_tokens(tok: &Tokenizer, text: &str, tokens: usize) -> String {
 
 fn benches(c: &mut Criterion) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/deepseek-v4");
+    let started = Instant::now();
+    let _plain_only = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).expect("loads");
+    let crate_load = started.elapsed();
+    let started = Instant::now();
     let tok = Tokenizer::from_path(&dir).expect("fixture loads");
+    let ours_load = started.elapsed();
+    eprintln!(
+        "load: tokenizers::Tokenizer::from_file {crate_load:.1?}, Tokenizer::from_path {ours_load:.1?} \
+         (fast path: {})",
+        tok.fast_path()
+    );
+    let single = Tokenizer::from_path_with(
+        &dir,
+        TokenizerOptions {
+            parallel_min_bytes: usize::MAX,
+            ..TokenizerOptions::default()
+        },
+    )
+    .expect("fixture loads");
     let chat_prefix = "<｜begin▁of▁sentence｜>You are a careful assistant.<｜User｜>";
     let big = format!("{chat_prefix}{}", paragraph_text(900, "base"));
 
@@ -76,13 +97,15 @@ fn benches(c: &mut Criterion) {
         cold.bench_with_input(BenchmarkId::new("plain", label), &text, |b, text| {
             b.iter(|| tok.encode_plain(black_box(text)).map(|v| v.len()))
         });
-        cold.bench_with_input(BenchmarkId::new("ours", label), &text, |b, text| {
-            b.iter_batched(
-                || tok.clear_cache(),
-                |()| tok.encode(black_box(text)).map(|v| v.len()),
-                BatchSize::PerIteration,
-            )
-        });
+        for (name, tok) in [("ours", &tok), ("ours-1t", &single)] {
+            cold.bench_with_input(BenchmarkId::new(name, label), &text, |b, text| {
+                b.iter_batched(
+                    || tok.clear_cache(),
+                    |()| tok.encode(black_box(text)).map(|v| v.len()),
+                    BatchSize::PerIteration,
+                )
+            });
+        }
     }
     cold.finish();
 

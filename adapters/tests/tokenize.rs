@@ -255,7 +255,7 @@ fn long_prompt(paragraphs: usize) -> String {
 
 #[test]
 fn fixture_uses_the_full_fast_path() {
-    assert_eq!(fine().fast_path(), &FastPath::Enabled);
+    assert_eq!(fine().fast_path(), &FastPath::Native);
 }
 
 #[test]
@@ -432,4 +432,260 @@ fn load_errors_name_the_file() {
     assert!(matches!(err, TokenizeError::Invalid { .. }));
     assert!(err.to_string().contains("tokenizer.json"), "{err}");
     assert!(!err.is_retryable());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The native encoder (own pre-tokenizer + BPE) against the plain crate call.
+// ---------------------------------------------------------------------------------------------
+
+/// The router's defaults: large chunks, parallel only above 8 KiB of misses.
+fn router() -> &'static Tokenizer {
+    static TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();
+    TOKENIZER.get_or_init(|| Tokenizer::from_path(&fixture_dir()).expect("fixture loads"))
+}
+
+/// Checks `text` with the fine-grained tokenizer and the router's defaults.
+fn assert_exact_everywhere(text: &str) {
+    let reference = plain(router(), text);
+    for tok in [fine(), router()] {
+        let ours = tok.encode(text).expect("fast encode");
+        assert_eq!(ours, reference, "mismatch for {text:?}");
+    }
+}
+
+/// One fragment of trouble for the pre-tokenizer or BPE.
+fn fragment() -> impl Strategy<Value = String> {
+    let chars = |set: Vec<char>, max: usize| {
+        prop::collection::vec(prop::sample::select(set), 1..max)
+            .prop_map(|v| v.into_iter().collect::<String>())
+    };
+    prop_oneof![
+        // Words with contractions, in any case.
+        (
+            "[A-Za-z]{1,12}",
+            prop::sample::select(vec![
+                "", "", "'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "n't", "'S", "'LL", "’s"
+            ])
+        )
+            .prop_map(|(w, c)| format!("{w}{c}")),
+        // Whitespace runs of every kind, including lone \r and Unicode spaces.
+        chars(
+            vec![
+                ' ', ' ', ' ', '\t', '\n', '\n', '\r', '\u{a0}', '\u{3000}', '\u{2028}',
+                '\u{2029}', '\u{b}', '\u{c}', '\u{85}', '\u{2009}'
+            ],
+            14
+        ),
+        // Digit runs, ASCII and not.
+        chars(
+            vec![
+                '0', '1', '2', '5', '9', '9', '²', '①', 'Ⅻ', '٣', '৪', '〇', '½'
+            ],
+            12
+        ),
+        // CJK, kana (incl. the block's marks, symbols and unassigned points) and hangul.
+        chars(
+            vec![
+                '中', '文', '一', '龥', '龦', '㐀', 'あ', 'ア', 'ヿ', '゠', '・', 'ー', '゛',
+                '\u{3099}', '\u{3040}', '\u{3097}', '한', '国', '，', '。'
+            ],
+            10
+        ),
+        // ASCII punctuation and symbol runs.
+        "[!-/:-@\\[-`{-~]{1,6}",
+        prop::sample::select(vec![
+            "、", "。", "「」", "！？", "«»", "—", "…", "€", "→", "©", "¿", "§", "¶", "‰"
+        ])
+        .prop_map(String::from),
+        // Emoji: modifiers, ZWJ sequences, flags, keycaps, variation selectors.
+        prop::sample::select(vec!["😀", "👍🏽", "👨‍👩‍👧", "🇺🇸", "1️⃣", "❤️", "🤖", "🏳️‍🌈", "✨✨"])
+            .prop_map(String::from),
+        // Combining marks and format characters, around letters.
+        chars(
+            vec![
+                'e', 'a', '\u{301}', '\u{308}', '\u{20dd}', '\u{200b}', '\u{200d}', '\u{ad}',
+                '\u{feff}', '\u{e000}', '\u{1}', '\u{7f}'
+            ],
+            8
+        ),
+        // Random bytes, read as Latin-1 chars and decoded lossily as UTF-8.
+        prop::collection::vec(any::<u8>(), 1..16)
+            .prop_map(|b| b.into_iter().map(char::from).collect::<String>()),
+        prop::collection::vec(any::<u8>(), 1..16)
+            .prop_map(|b| String::from_utf8_lossy(&b).into_owned()),
+        // Special tokens and their fragments.
+        prop::sample::select(ATOMS).prop_map(String::from),
+        any::<char>().prop_map(String::from),
+    ]
+}
+
+fn mixed_text() -> impl Strategy<Value = String> {
+    prop::collection::vec(fragment(), 0..40).prop_map(|v| v.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1500))]
+
+    #[test]
+    fn mixed_text_matches_plain(text in mixed_text()) {
+        assert_exact_everywhere(&text);
+    }
+}
+
+/// Text files of this repository: prose, licences, JSON and Rust source.
+fn repo_texts() -> Vec<(PathBuf, String)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut paths: Vec<PathBuf> = [
+        "README.md",
+        "fixtures/traces/README.md",
+        "fixtures/traces/LICENSE-Apache-2.0",
+        "fixtures/kv-events/README.md",
+        "fixtures/hashing/golden.json",
+        "fixtures/tokenizers/deepseek-v4/tokenizer_config.json",
+        "Cargo.toml",
+    ]
+    .iter()
+    .map(|p| root.join(p))
+    .collect();
+    let mut dirs = vec![root.join("adapters/src")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read source dir").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                paths.push(path);
+            }
+        }
+    }
+    paths.sort();
+    paths
+        .into_iter()
+        .filter_map(|p| std::fs::read_to_string(&p).ok().map(|text| (p, text)))
+        .collect()
+}
+
+#[test]
+fn repository_text_files_match_plain() {
+    let texts = repo_texts();
+    assert!(texts.len() > 10, "found only {} text files", texts.len());
+    for (path, text) in &texts {
+        let ours = router().encode(text).expect("encodes");
+        assert_eq!(
+            ours,
+            plain(router(), text),
+            "mismatch for {}",
+            path.display()
+        );
+    }
+}
+
+/// Every vocabulary token decoded to text, in id order: real subwords of every script the
+/// tokenizer was trained on, glued together as in running text.
+#[test]
+fn decoded_vocabulary_matches_plain() {
+    let inner = router().inner();
+    let size = inner.get_vocab_size(false) as u32;
+    let mut checked = 0;
+    for start in (0..size).step_by(256) {
+        let ids: Vec<u32> = (start..(start + 256).min(size)).collect();
+        let text = inner.decode(&ids, false).expect("decodes");
+        assert_exact(router(), &text);
+        checked += text.len();
+    }
+    assert!(checked > 500_000, "decoded only {checked} bytes");
+}
+
+#[test]
+fn prompt_of_32k_tokens_matches_plain() {
+    // Prose, code, JSON and CJK paragraphs, as in the bench; 1250 of them are ~34k tokens.
+    let text = format!("<｜begin▁of▁sentence｜>{}", long_prompt(1250));
+    let tok = Tokenizer::from_path(&fixture_dir()).expect("fixture loads");
+    let reference = plain(&tok, &text);
+    assert!(reference.len() >= 32_000, "{} tokens", reference.len());
+    assert_eq!(tok.encode(&text).expect("encodes"), reference);
+    assert_eq!(fine().encode(&text).expect("encodes"), reference);
+    // Warm: the same text plus a new tail reuses the cached chunks.
+    let longer = format!("{text}\nOne more question about the above?");
+    assert_eq!(tok.encode(&longer).expect("encodes"), plain(&tok, &longer));
+    assert!(tok.cache_stats().hits > 0);
+}
+
+/// Deterministic pseudo-random text from a seed (no RNG dependency).
+fn lcg_text(seed: u64, len: usize, alphabet: &[char]) -> String {
+    let mut x = seed;
+    (0..len)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            alphabet[(x >> 33) as usize % alphabet.len()]
+        })
+        .collect()
+}
+
+#[test]
+fn long_pre_tokens_match_plain() {
+    let base64: Vec<char> = ('A'..='Z')
+        .chain('a'..='z')
+        .chain('0'..='9')
+        .chain(['+', '/'])
+        .collect();
+    let cjk: Vec<char> = "的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年"
+        .chars()
+        .collect();
+    let spaces = [' ', ' ', ' ', '\t', '\n', '\u{a0}'];
+    for text in [
+        "=".repeat(3_000),
+        "a".repeat(1_000),
+        "ab".repeat(1_000),
+        format!("data:image/png;base64,{}", lcg_text(1, 3_000, &base64)),
+        lcg_text(2, 1_500, &cjk),
+        lcg_text(3, 2_000, &spaces),
+        "😀".repeat(500),
+        format!("x{}y", " ".repeat(2_000)),
+        "\u{301}".repeat(1_000),
+        "-_".repeat(800),
+    ] {
+        assert_exact_everywhere(&text);
+    }
+}
+
+/// Runs long enough to approach `fancy-regex`'s backtrack and stack limits are handed to the
+/// crate whole, so even its give-up behaviour is reproduced.
+#[test]
+fn pathological_runs_fall_back_to_the_crate() {
+    let tok = Tokenizer::from_path(&fixture_dir()).expect("fixture loads");
+    let tail = " and then ordinary words follow, with safe split points.\n".repeat(60);
+    for text in [
+        format!("{}{tail}", "\u{1}".repeat(120_000)),
+        format!("{}x{tail}", " ".repeat(120_000)),
+    ] {
+        assert_eq!(tok.encode(&text).expect("encodes"), plain(&tok, &text));
+    }
+    assert_eq!(tok.cache_stats().plain_fallbacks, 2);
+    // Just below the limits the native encoder handles them itself.
+    let below = format!("{}x{tail}", "\u{1}".repeat(90_000));
+    assert_eq!(tok.encode(&below).expect("encodes"), plain(&tok, &below));
+    assert_eq!(tok.cache_stats().plain_fallbacks, 2);
+}
+
+/// A model the native encoder does not cover (here `ignore_merges`, which changes BPE) keeps
+/// the cuts and the cache but encodes chunks with the crate, and says why.
+#[test]
+fn unproven_model_falls_back_to_crate_chunks() {
+    let raw = std::fs::read(fixture_dir().join("tokenizer.json")).expect("fixture");
+    let mut json: serde_json::Value = serde_json::from_slice(&raw).expect("json");
+    json["model"]["ignore_merges"] = serde_json::Value::Bool(true);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tokenizer.json");
+    std::fs::write(&path, serde_json::to_vec(&json).expect("serializes")).expect("write");
+    let tok = Tokenizer::from_path(&path).expect("loads");
+    match tok.fast_path() {
+        FastPath::Enabled { reason } => assert!(reason.contains("ignore_merges"), "{reason}"),
+        other => panic!("expected the crate-chunk mode, got {other:?}"),
+    }
+    for text in [FRAGMENTS.concat(), long_prompt(30)] {
+        assert_exact(&tok, &text);
+    }
 }

@@ -2,6 +2,7 @@
 //! kubernetes), request transport (http, nats), KV-event transport (zmq, nats), durable event
 //! stores (JetStream, SQL) and remote L4 cache stores. Backends contain no routing policy.
 pub mod discovery;
+pub mod log;
 #[doc(hidden)]
 pub mod testing;
 pub mod zmq;

@@ -258,6 +258,9 @@ fn apply(fleet: &mut HashMap<String, WorkerRecord>, change: DiscoveryChange) {
         DiscoveryChange::Deregistered { worker, .. } => {
             fleet.remove(worker.as_str());
         }
+        DiscoveryChange::Draining { worker, .. } => {
+            panic!("etcd discovery never drains a worker, got Draining for {worker}")
+        }
     }
 }
 

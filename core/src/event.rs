@@ -3,15 +3,24 @@
 //! Every fact the router acts on is one [`Event`] wrapped in an [`Envelope`] and appended to the
 //! [`crate::log::EventLog`]; projections ([`crate::fleet::FleetState`], the KV index) fold the log in
 //! sequence order. Persisted form is JSON (`serde`), versioned by [`EVENT_FORMAT_VERSION`]; new fields
-//! are `#[serde(default)]` so old logs keep parsing, and `fixtures/events/v1.jsonl` is the golden file
-//! that must always decode.
+//! are `#[serde(default)]` so old logs keep parsing. A new kind of event is a new version, because a
+//! build that does not know it cannot fold it: readers refuse envelopes newer than the version they
+//! were built with (and say to upgrade) instead of failing on an unknown `type`.
+//!
+//! Each version has a golden file in `fixtures/events/` that must always decode, covering every
+//! event kind of that version:
+//!
+//! | version | golden file | adds |
+//! |---|---|---|
+//! | 1 | `v1.jsonl` | the first eight kinds |
+//! | 2 | `v2.jsonl` | [`Event::WorkerDraining`] |
 
 use crate::clock::Micros;
 use crate::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
 use serde::{Deserialize, Serialize};
 
-/// The version written into every envelope.
-pub const EVENT_FORMAT_VERSION: u16 = 1;
+/// The version written into every envelope (see the module docs for what each version added).
+pub const EVENT_FORMAT_VERSION: u16 = 2;
 
 /// Position of an event in one log. Starts at 1; 0 means "before the first event".
 pub type Seq = u64;
@@ -52,6 +61,8 @@ fn default_version() -> u16 {
 pub enum Event {
     WorkerRegistered(WorkerRegistered),
     WorkerDeregistered(WorkerDeregistered),
+    /// Since v2.
+    WorkerDraining(WorkerDraining),
     KvBlocksStored(KvBlocksStored),
     KvBlocksRemoved(KvBlocksRemoved),
     KvCacheCleared(KvCacheCleared),
@@ -66,6 +77,7 @@ impl Event {
         match self {
             Event::WorkerRegistered(_) => "worker_registered",
             Event::WorkerDeregistered(_) => "worker_deregistered",
+            Event::WorkerDraining(_) => "worker_draining",
             Event::KvBlocksStored(_) => "kv_blocks_stored",
             Event::KvBlocksRemoved(_) => "kv_blocks_removed",
             Event::KvCacheCleared(_) => "kv_cache_cleared",
@@ -170,6 +182,18 @@ pub struct WorkerRegistered {
 pub struct WorkerDeregistered {
     pub worker: WorkerId,
     /// Why it left (lease expired, pod deleted, shutdown…), for operators.
+    #[serde(default)]
+    pub reason: String,
+}
+
+/// A registered worker is shutting down (a Kubernetes Pod with a `deletionTimestamp`): it stays
+/// listed and finishes its in-flight work, but takes no new requests. A later `WorkerRegistered`
+/// for it cancels the drain; a `WorkerDeregistered` ends it. Ignored for a worker that is not
+/// registered. Since format v2.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerDraining {
+    pub worker: WorkerId,
+    /// Why it drains, for operators.
     #[serde(default)]
     pub reason: String,
 }
@@ -392,19 +416,58 @@ mod tests {
         assert!(serde_json::from_str::<WorkerRecord>(json).is_err());
     }
 
-    #[test]
-    fn golden_event_log_still_parses() {
-        let text = include_str!("../../fixtures/events/v1.jsonl");
+    /// The kinds of a golden file, checking that every line is an envelope of `version` and
+    /// survives a round trip unchanged.
+    fn golden_kinds(text: &str, version: u16) -> std::collections::BTreeSet<&'static str> {
         let mut kinds = std::collections::BTreeSet::new();
         for line in text.lines().filter(|l| !l.trim().is_empty()) {
             let env: Envelope = serde_json::from_str(line).expect("golden event");
-            assert_eq!(env.v, 1);
+            assert_eq!(env.v, version, "{line}");
+            let again: Envelope =
+                serde_json::from_str(&serde_json::to_string(&env).expect("encode"))
+                    .expect("decode");
+            assert_eq!(again, env);
             kinds.insert(env.event.kind());
         }
+        kinds
+    }
+
+    #[test]
+    fn golden_v1_event_log_still_parses() {
+        let kinds = golden_kinds(include_str!("../../fixtures/events/v1.jsonl"), 1);
         assert_eq!(
             kinds.len(),
             8,
-            "golden file covers every event kind: {kinds:?}"
+            "v1 golden file covers v1's kinds: {kinds:?}"
         );
+        assert!(!kinds.contains("worker_draining"));
+    }
+
+    #[test]
+    fn golden_v2_event_log_covers_every_kind() {
+        let kinds = golden_kinds(include_str!("../../fixtures/events/v2.jsonl"), 2);
+        assert_eq!(
+            EVENT_FORMAT_VERSION, 2,
+            "a new version needs its own golden file"
+        );
+        assert_eq!(
+            kinds.len(),
+            9,
+            "v2 golden file covers every kind: {kinds:?}"
+        );
+    }
+
+    #[test]
+    fn a_draining_event_without_a_reason_reads_as_empty() {
+        let json = r#"{"type":"WorkerDraining","worker":"a:1"}"#;
+        let event: Event = serde_json::from_str(json).expect("parse");
+        assert_eq!(
+            event,
+            Event::WorkerDraining(WorkerDraining {
+                worker: WorkerId::new("a:1"),
+                reason: String::new(),
+            })
+        );
+        assert_eq!(event.kind(), "worker_draining");
     }
 }

@@ -8,13 +8,22 @@
 //!   so that a burst decided before any KV event arrives still spreads;
 //! - `queued_prefill_tokens`: prompt tokens routed to a rank and not yet prefilled.
 //!
-//! Invariants: only [`Projection::apply`] mutates it; decay is evaluated from event timestamps
-//! carried in the events themselves (`RequestRouted::at_us`), never from a wall clock, so a rebuild
-//! from a dump is identical and replay is deterministic.
+//! # Draining
+//! A `WorkerDraining` marks a registered worker as shutting down: it stays listed
+//! ([`FleetState::workers`], [`FleetState::worker`]), keeps its index entries and the load of its
+//! in-flight requests (they finish there), but leaves the routing candidates and is not counted by
+//! [`FleetState::worker_count`]. A later `WorkerRegistered` for it un-drains it; a
+//! `WorkerDeregistered` forgets it. A `WorkerDraining` for a worker that is not registered changes
+//! nothing.
+//!
+//! Invariants: only [`Projection::apply`] mutates it; the draining workers are a subset of the
+//! registered ones; decay is evaluated from event timestamps carried in the events themselves
+//! (`RequestRouted::at_us`), never from a wall clock, so a rebuild from a dump is identical and
+//! replay is deterministic.
 
 use crate::event::{
     Envelope, Event, RequestFinished, RequestPrefilled, RequestRouted, RequestStatus, Role,
-    WorkerRecord, WorkerRegistered,
+    WorkerDraining, WorkerRecord, WorkerRegistered,
 };
 use crate::ids::{BlockHash, RequestId, WorkerId, WorkerRank};
 use crate::index::{KvIndex, WorkerSlot};
@@ -81,6 +90,8 @@ const BUCKETS_PER_HALF_LIFE: u64 = 8;
 pub struct FleetState {
     config: FleetConfig,
     workers: BTreeMap<WorkerId, WorkerRecord>,
+    /// Registered workers that take no new requests, with the reason they drain.
+    draining: BTreeMap<WorkerId, String>,
     index: KvIndex,
     /// Load per rank, indexed by the rank's index slot.
     load: Vec<RankLoad>,
@@ -88,8 +99,10 @@ pub struct FleetState {
     candidates: FxHashMap<(String, Role), Vec<Candidate>>,
     inflight: FxHashMap<RequestId, InFlight>,
     recent: VecDeque<RecentBucket>,
-    /// Finished requests still inside the recent window, kept so a dump can reproduce `recent`.
-    recent_finished: BTreeMap<u64, RequestRouted>,
+    /// Finished requests still inside the recent window, kept so a dump can reproduce `recent`;
+    /// keyed by (bucket, pick order) so that pruning the window pops from the front in
+    /// O(pruned), whatever the request rate.
+    recent_finished: BTreeMap<(u64, u64), RequestRouted>,
     latest_bucket: u64,
     picks: u64,
 }
@@ -115,13 +128,30 @@ impl FleetState {
         self.workers.get(id)
     }
 
-    /// Every registered worker, by id.
+    /// Every registered worker, by id, draining ones included.
     pub fn workers(&self) -> impl Iterator<Item = &WorkerRecord> {
         self.workers.values()
     }
 
+    /// Workers that take new requests: registered and not draining.
     pub fn worker_count(&self) -> usize {
-        self.workers.len()
+        // `draining` is a subset of `workers`.
+        self.workers.len().saturating_sub(self.draining.len())
+    }
+
+    /// Registered workers that are draining.
+    pub fn draining_count(&self) -> usize {
+        self.draining.len()
+    }
+
+    /// Whether `worker` is registered and draining.
+    pub fn is_draining(&self, worker: &WorkerId) -> bool {
+        self.draining.contains_key(worker)
+    }
+
+    /// Why `worker` drains, if it does.
+    pub fn drain_reason(&self, worker: &WorkerId) -> Option<&str> {
+        self.draining.get(worker).map(String::as_str)
     }
 
     /// Models served by at least one worker, sorted.
@@ -148,6 +178,7 @@ impl FleetState {
     }
 
     /// The routable ranks of `model` with `role`, in a stable order (by worker id, then rank).
+    /// Draining workers are not among them.
     pub fn candidates(&self, model: &str, role: Role) -> &[Candidate] {
         // One entry per (model, role): a scan avoids allocating an owned key per lookup.
         self.candidates
@@ -159,7 +190,11 @@ impl FleetState {
 
     fn rebuild_candidates(&mut self) {
         self.candidates.clear();
-        for w in self.workers.values() {
+        let routable = self
+            .workers
+            .values()
+            .filter(|w| !self.draining.contains_key(&w.worker_id));
+        for w in routable {
             for r in rank_range(w) {
                 let rank = WorkerRank::new(w.worker_id.clone(), r);
                 if let Some(slot) = self.index.slot(&rank) {
@@ -279,11 +314,27 @@ impl FleetState {
         }
         self.workers
             .insert(record.worker_id.clone(), record.clone());
+        // A registration cancels a drain.
+        self.draining.remove(&record.worker_id);
         self.rebuild_candidates();
+    }
+
+    fn drain(&mut self, d: &WorkerDraining) {
+        if !self.workers.contains_key(&d.worker) {
+            return;
+        }
+        let was_routable = self
+            .draining
+            .insert(d.worker.clone(), d.reason.clone())
+            .is_none();
+        if was_routable {
+            self.rebuild_candidates();
+        }
     }
 
     fn deregister(&mut self, worker: &WorkerId) {
         self.workers.remove(worker);
+        self.draining.remove(worker);
         // Forget the load before the index frees the slots.
         self.drop_ranks(|r| &r.worker == worker);
         self.index.remove_worker(worker);
@@ -401,8 +452,11 @@ impl FleetState {
         while self.recent.front().is_some_and(|b| b.bucket < start) {
             self.recent.pop_front();
         }
-        let width = self.bucket_width_us();
-        self.recent_finished.retain(|_, r| r.at_us / width >= start);
+        while let Some(entry) = self.recent_finished.first_entry()
+            && entry.key().0 < start
+        {
+            entry.remove();
+        }
     }
 
     fn prefilled(&mut self, p: &RequestPrefilled) {
@@ -448,8 +502,9 @@ impl FleetState {
                 }
             }
         }
-        if f.routed.at_us / self.bucket_width_us() >= self.window_start_bucket() {
-            self.recent_finished.insert(f.order, f.routed);
+        let bucket = f.routed.at_us / self.bucket_width_us();
+        if bucket >= self.window_start_bucket() {
+            self.recent_finished.insert((bucket, f.order), f.routed);
         }
     }
 }
@@ -463,6 +518,7 @@ impl Projection for FleetState {
         match &env.event {
             Event::WorkerRegistered(r) => self.register(&r.record),
             Event::WorkerDeregistered(d) => self.deregister(&d.worker),
+            Event::WorkerDraining(d) => self.drain(d),
             Event::KvBlocksStored(_) | Event::KvBlocksRemoved(_) | Event::KvCacheCleared(_) => {
                 self.index.apply(env)
             }
@@ -472,15 +528,23 @@ impl Projection for FleetState {
         }
     }
 
-    /// Workers, then the index, then routed requests in pick order (each followed by its
-    /// `RequestPrefilled` / `RequestFinished` when it had them), so that rebuilding reproduces the
-    /// in-flight load and the recent-pick window exactly.
+    /// Workers (each draining one followed by its `WorkerDraining`), then the index, then routed
+    /// requests in pick order (each followed by its `RequestPrefilled` / `RequestFinished` when it
+    /// had them), so that rebuilding reproduces the drains, the in-flight load and the recent-pick
+    /// window exactly.
     fn dump(&self) -> Vec<Event> {
-        let mut out: Vec<Event> = self
-            .workers
-            .values()
-            .map(|w| Event::WorkerRegistered(WorkerRegistered { record: w.clone() }))
-            .collect();
+        let mut out: Vec<Event> = Vec::with_capacity(self.workers.len() + self.draining.len());
+        for w in self.workers.values() {
+            out.push(Event::WorkerRegistered(WorkerRegistered {
+                record: w.clone(),
+            }));
+            if let Some(reason) = self.draining.get(&w.worker_id) {
+                out.push(Event::WorkerDraining(WorkerDraining {
+                    worker: w.worker_id.clone(),
+                    reason: reason.clone(),
+                }));
+            }
+        }
         out.extend(self.index.dump());
         let mut picks: Vec<(u64, &RequestRouted, bool, bool)> = self
             .inflight
@@ -489,7 +553,7 @@ impl Projection for FleetState {
             .chain(
                 self.recent_finished
                     .iter()
-                    .map(|(order, r)| (*order, r, true, true)),
+                    .map(|((_, order), r)| (*order, r, true, true)),
             )
             .collect();
         picks.sort_by_key(|p| p.0);
@@ -520,7 +584,7 @@ type RecentView = (u64, Vec<(Option<WorkerRank>, u64)>);
 /// A rank's load as compared by [`PartialEq`]: sorted active blocks and queued prefill tokens.
 type LoadView = (Vec<(BlockHash, u32)>, u64);
 
-/// Logical equality: same workers, index content, in-flight load and recent window. Internal
+/// Logical equality: same workers (and drains), index content, in-flight load and recent window. Internal
 /// counters (pick numbers) may differ between a state and its rebuild.
 impl PartialEq for FleetState {
     fn eq(&self, other: &Self) -> bool {
@@ -569,6 +633,7 @@ impl PartialEq for FleetState {
             && self.latest_bucket == other.latest_bucket
             && finished(self) == finished(other)
             && self.workers == other.workers
+            && self.draining == other.draining
             && self.index == other.index
             && recent(self) == recent(other)
             && inflight(self) == inflight(other)
@@ -745,11 +810,139 @@ mod tests {
                 cached_tokens: Some(16),
             }),
         ));
+        f.apply(&env(8, drain("b:1", "pod deleted")));
         let mut g = FleetState::new(FleetConfig::default());
         for (i, e) in f.dump().into_iter().enumerate() {
             g.apply(&env(i as u64 + 1, e));
         }
         assert_eq!(f, g);
         assert!((f.recent_blocks(&a, 50) - g.recent_blocks(&a, 50)).abs() < 1e-12);
+        assert_eq!(g.drain_reason(&WorkerId::new("b:1")), Some("pod deleted"));
+        assert_eq!(
+            g.candidates("m", Role::Mixed),
+            f.candidates("m", Role::Mixed)
+        );
+    }
+
+    fn drain(id: &str, reason: &str) -> Event {
+        Event::WorkerDraining(WorkerDraining {
+            worker: WorkerId::new(id),
+            reason: reason.into(),
+        })
+    }
+
+    fn candidate_workers(f: &FleetState) -> Vec<&str> {
+        f.candidates("m", Role::Mixed)
+            .iter()
+            .map(|c| c.rank.worker.as_str())
+            .collect()
+    }
+
+    fn listed(f: &FleetState) -> Vec<&str> {
+        f.workers().map(|w| w.worker_id.as_str()).collect()
+    }
+
+    #[test]
+    fn a_draining_worker_stays_listed_and_loaded_but_is_no_candidate() {
+        let (mut f, a, _) = fleet_with_two();
+        f.apply(&env(3, routed("r1", &a, &[1, 2, 3], 10)));
+        f.apply(&env(4, drain("a:1", "pod deleted")));
+        assert_eq!(candidate_workers(&f), ["b:1"]);
+        assert_eq!(listed(&f), ["a:1", "b:1"]);
+        assert!(f.worker(&WorkerId::new("a:1")).is_some());
+        assert!(f.is_draining(&WorkerId::new("a:1")));
+        assert!(!f.is_draining(&WorkerId::new("b:1")));
+        assert_eq!((f.worker_count(), f.draining_count()), (1, 1));
+        // Its in-flight request still loads it, and finishes there.
+        assert_eq!(f.active_blocks(&a), 3);
+        assert_eq!(f.inflight_on(&a), 1);
+        f.apply(&env(
+            5,
+            Event::RequestFinished(RequestFinished {
+                request_id: RequestId::new("r1"),
+                status: RequestStatus::Ok,
+                ttft_us: None,
+                tokens_in: 0,
+                tokens_out: 0,
+                cached_tokens: None,
+            }),
+        ));
+        assert_eq!(f.active_blocks(&a), 0);
+        // A second drain only updates the reason.
+        f.apply(&env(6, drain("a:1", "again")));
+        assert_eq!(f.drain_reason(&WorkerId::new("a:1")), Some("again"));
+        assert_eq!(f.worker_count(), 1);
+    }
+
+    #[test]
+    fn a_draining_worker_keeps_its_cached_blocks() {
+        let (mut f, a, _) = fleet_with_two();
+        let stored = Event::KvBlocksStored(KvBlocksStored {
+            worker: a.clone(),
+            tier: Tier::Gpu,
+            block_size: 16,
+            engine_hashes: vec![EngineHash(7)],
+            router_hashes: vec![BlockHash(1)],
+            parent: None,
+        });
+        f.apply(&env(3, stored));
+        f.apply(&env(4, drain("a:1", "pod deleted")));
+        assert_eq!(f.index().blocks_of(&a, Tier::Gpu), 1);
+    }
+
+    #[test]
+    fn a_registration_cancels_a_drain() {
+        let (mut f, _, _) = fleet_with_two();
+        f.apply(&env(3, drain("a:1", "pod deleted")));
+        let again = Event::WorkerRegistered(WorkerRegistered {
+            record: record("a:1", "m", Role::Mixed, 1),
+        });
+        f.apply(&env(4, again));
+        assert!(!f.is_draining(&WorkerId::new("a:1")));
+        assert_eq!(candidate_workers(&f), ["a:1", "b:1"]);
+        assert_eq!(f.worker_count(), 2);
+    }
+
+    #[test]
+    fn deregistering_a_draining_worker_forgets_the_drain() {
+        let (mut f, _, _) = fleet_with_two();
+        f.apply(&env(3, drain("a:1", "pod deleted")));
+        let gone = Event::WorkerDeregistered(WorkerDeregistered {
+            worker: WorkerId::new("a:1"),
+            reason: "pod deleted".into(),
+        });
+        f.apply(&env(4, gone));
+        assert_eq!(listed(&f), ["b:1"]);
+        assert_eq!((f.worker_count(), f.draining_count()), (1, 0));
+        // Back under the same id, it is routable.
+        let back = Event::WorkerRegistered(WorkerRegistered {
+            record: record("a:1", "m", Role::Mixed, 1),
+        });
+        f.apply(&env(5, back));
+        assert_eq!(candidate_workers(&f), ["a:1", "b:1"]);
+    }
+
+    #[test]
+    fn draining_an_unknown_worker_changes_nothing() {
+        let (mut f, _, _) = fleet_with_two();
+        let before = f.clone();
+        f.apply(&env(3, drain("z:1", "pod deleted")));
+        assert_eq!(f, before);
+        assert_eq!(f.draining_count(), 0);
+        // It does not pre-drain a worker that registers later.
+        let z = Event::WorkerRegistered(WorkerRegistered {
+            record: record("z:1", "m", Role::Mixed, 1),
+        });
+        f.apply(&env(4, z));
+        assert!(!f.is_draining(&WorkerId::new("z:1")));
+        assert_eq!(candidate_workers(&f), ["a:1", "b:1", "z:1"]);
+    }
+
+    #[test]
+    fn states_that_differ_only_in_a_drain_are_not_equal() {
+        let (f, _, _) = fleet_with_two();
+        let mut g = f.clone();
+        g.apply(&env(3, drain("a:1", "pod deleted")));
+        assert_ne!(f, g);
     }
 }

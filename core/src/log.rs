@@ -187,6 +187,27 @@ impl MemoryLog {
         out
     }
 
+    /// [`EventLog::compact`] without awaiting.
+    ///
+    /// # Errors
+    /// [`LogError::SnapshotAhead`] when the snapshot claims events the log does not hold.
+    pub fn compact_sync(&self, snapshot: Snapshot) -> Result<(), LogError> {
+        let mut inner = self.inner.write().unwrap_or_else(|p| p.into_inner());
+        let last = inner.base + inner.entries.len() as Seq - 1;
+        if snapshot.upto > last {
+            return Err(LogError::SnapshotAhead {
+                upto: snapshot.upto,
+                last,
+            });
+        }
+        let drop_n = (snapshot.upto + 1).saturating_sub(inner.base) as usize;
+        let len = inner.entries.len();
+        inner.entries.drain(..drop_n.min(len));
+        inner.base = snapshot.upto + 1;
+        inner.snapshot = Some(snapshot);
+        Ok(())
+    }
+
     /// Number of envelopes held (after compaction).
     pub fn len(&self) -> usize {
         self.inner.read().map(|i| i.entries.len()).unwrap_or(0)
@@ -247,20 +268,7 @@ impl EventLog for MemoryLog {
     }
 
     async fn compact(&self, snapshot: Snapshot) -> Result<(), LogError> {
-        let mut inner = self.inner.write().unwrap_or_else(|p| p.into_inner());
-        let last = inner.base + inner.entries.len() as Seq - 1;
-        if snapshot.upto > last {
-            return Err(LogError::SnapshotAhead {
-                upto: snapshot.upto,
-                last,
-            });
-        }
-        let drop_n = (snapshot.upto + 1).saturating_sub(inner.base) as usize;
-        let len = inner.entries.len();
-        inner.entries.drain(..drop_n.min(len));
-        inner.base = snapshot.upto + 1;
-        inner.snapshot = Some(snapshot);
-        Ok(())
+        self.compact_sync(snapshot)
     }
 
     fn subscribe(&self, from: Seq) -> BoxStream<'static, Result<Envelope, LogError>> {

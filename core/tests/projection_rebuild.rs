@@ -1,11 +1,12 @@
-//! Replaying a projection's dump rebuilds it exactly (1,000 random event histories), including
-//! through the event log's snapshot + tail path.
+//! Replaying a projection's dump rebuilds it exactly (1,000 random event histories, with workers
+//! registering, draining, un-draining and leaving), including through the event log's snapshot +
+//! tail path.
 
 use infera_core::clock::VirtualClock;
 use infera_core::event::{
     Engine, Event, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, RequestFinished,
     RequestPrefilled, RequestRouted, RequestStatus, RequestTransport, Role, RoutedLeg, Tier,
-    WorkerDeregistered, WorkerRecord, WorkerRegistered,
+    WorkerDeregistered, WorkerDraining, WorkerRecord, WorkerRegistered,
 };
 use infera_core::fleet::{FleetConfig, FleetState};
 use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
@@ -18,6 +19,7 @@ use std::sync::Arc;
 enum Op {
     Register(u8, u8),
     Deregister(u8),
+    Drain(u8, u8),
     Store(u8, u8, bool, Vec<u8>),
     Remove(u8, u8, bool, Vec<u8>),
     Clear(u8, u8),
@@ -31,6 +33,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         (0u8..6, 1u8..3).prop_map(|(w, dp)| Op::Register(w, dp)),
         (0u8..6).prop_map(Op::Deregister),
+        (0u8..6, 0u8..3).prop_map(|(w, reason)| Op::Drain(w, reason)),
         (0u8..6, 0u8..2, any::<bool>(), hashes()).prop_map(|(w, r, t, h)| Op::Store(w, r, t, h)),
         (0u8..6, 0u8..2, any::<bool>(), hashes()).prop_map(|(w, r, t, h)| Op::Remove(w, r, t, h)),
         (0u8..6, 0u8..2).prop_map(|(w, r)| Op::Clear(w, r)),
@@ -70,6 +73,10 @@ fn to_event(op: &Op) -> Event {
         Op::Deregister(w) => Event::WorkerDeregistered(WorkerDeregistered {
             worker: WorkerId::new(format!("w{w}:1")),
             reason: "gone".into(),
+        }),
+        Op::Drain(w, reason) => Event::WorkerDraining(WorkerDraining {
+            worker: WorkerId::new(format!("w{w}:1")),
+            reason: format!("reason {reason}"),
         }),
         Op::Store(w, r, t, h) => Event::KvBlocksStored(KvBlocksStored {
             worker: rank(w, r),
@@ -115,6 +122,23 @@ fn to_event(op: &Op) -> Event {
             cached_tokens: None,
         }),
     }
+}
+
+/// What a reader sees of the worker set: every listed worker with its drain reason, and the
+/// number that take new requests.
+type Listing = (Vec<(String, Option<String>)>, usize);
+
+fn listing(f: &FleetState) -> Listing {
+    let listed = f
+        .workers()
+        .map(|w| {
+            (
+                w.worker_id.to_string(),
+                f.drain_reason(&w.worker_id).map(str::to_owned),
+            )
+        })
+        .collect();
+    (listed, f.worker_count())
 }
 
 fn observe(f: &FleetState, now: u64) -> Vec<(WorkerRank, u64, u64, i64, Vec<u32>)> {
@@ -174,6 +198,15 @@ proptest! {
             from_dump.apply(&e);
         }
         prop_assert!(live == from_dump, "dump rebuild differs");
+        prop_assert_eq!(listing(&live), listing(&from_dump));
+        prop_assert_eq!(listing(&live), listing(&rebuilt));
+        // Draining workers are listed but never candidates.
+        for c in live.candidates("m", Role::Mixed) {
+            prop_assert!(!live.is_draining(&c.rank.worker), "{:?} drains", c.rank);
+        }
+        let (listed, routable) = listing(&live);
+        let drained = listed.iter().filter(|(_, reason)| reason.is_some()).count();
+        prop_assert_eq!(routable + drained, listed.len());
         for now in [0, 5_000_000, 40_000_000] {
             prop_assert_eq!(observe(&live, now), observe(&from_dump, now));
             prop_assert_eq!(observe(&live, now), observe(&rebuilt, now));

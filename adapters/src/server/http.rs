@@ -13,7 +13,7 @@ use axum::routing::{get, post};
 use infera_core::event::Retention;
 use infera_core::hashing::hash_blocks;
 use infera_core::ids::{RequestId, WorkerRank};
-use infera_core::policy::{DirectPick, RouteError, RouteRequest};
+use infera_core::policy::{DirectPick, PolicyKind, RouteError, RouteRequest};
 use serde_json::{Map, Value, json};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -209,11 +209,21 @@ async fn pipeline(
         super::metrics::inc(&st.inner.metrics.decisions_unknown_model, 1);
         return Err(route_error(&RouteError::UnknownModel(model)));
     }
-    let tokens = tokenize(st, input).await?;
-    let hashes = block_sizes
-        .into_iter()
-        .map(|bs| (bs, hash_blocks(&tokens, bs.max(1) as usize, None)))
-        .collect();
+    // Round-robin ignores the prefix, so its requests are not tokenized at all.
+    let needs_prefix = direct.is_some() || st.inner.options.router.policy != PolicyKind::RoundRobin;
+    let tokens = if needs_prefix {
+        tokenize(st, input).await?
+    } else {
+        Vec::new()
+    };
+    let hashes = if needs_prefix {
+        block_sizes
+            .into_iter()
+            .map(|bs| (bs, hash_blocks(&tokens, bs.max(1) as usize, None)))
+            .collect()
+    } else {
+        Vec::new()
+    };
     let req = RouteRequest {
         request_id: RequestId::new(id),
         model,
@@ -404,9 +414,13 @@ async fn tokenize(st: &ServerState, input: Input) -> Result<Vec<u32>, ApiError> 
             format!("tokenizer task failed: {e}"),
         )
     })?;
-    joined.map_err(|e| match e {
-        TokenizeError::Template(t) => ApiError::bad_request(format!("chat template: {t}")),
-        other => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, other.to_string()),
+    joined.map_err(|e| {
+        super::metrics::inc(&st.inner.metrics.tokenizer_failures, 1);
+        tracing::warn!(error = %e, "router tokenizer failed on a request");
+        match e {
+            TokenizeError::Template(t) => ApiError::bad_request(format!("chat template: {t}")),
+            other => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, other.to_string()),
+        }
     })
 }
 
@@ -441,7 +455,13 @@ async fn workers(State(st): State<ServerState>) -> Response {
                         })
                     })
                     .collect();
-                json!({"record": w, "load": ranks})
+                let draining = f.drain_reason(&w.worker_id);
+                json!({
+                    "record": w,
+                    "draining": draining.is_some(),
+                    "drain_reason": draining,
+                    "load": ranks,
+                })
             })
             .collect()
     });

@@ -25,6 +25,7 @@ pub struct ServerMetrics {
     pub(crate) kv_stored_blocks: AtomicU64,
     pub(crate) kv_removed_blocks: AtomicU64,
     pub(crate) kv_dropped_events: AtomicU64,
+    pub(crate) tokenizer_failures: AtomicU64,
 }
 
 fn get(c: &AtomicU64) -> u64 {
@@ -178,6 +179,12 @@ impl ServerMetrics {
             "counter",
             "Engine KV events dropped at ingest (block-size mismatch, unknown parent...).",
             get(&self.kv_dropped_events),
+        );
+        metric(
+            "infera_tokenizer_failures_total",
+            "counter",
+            "Requests the router tokenizer or chat template failed on (answered 400 or 500).",
+            get(&self.tokenizer_failures),
         );
         out
     }

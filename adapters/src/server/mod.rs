@@ -12,7 +12,8 @@
 //!
 //! # Requests (HTTP transport, PROTOCOLS §2 and §4)
 //! A request is tokenized on the blocking pool, hashed at every block size the model's workers
-//! use, and decided by the [`Router`]; the `RequestRouted` event is appended before the request
+//! use, and decided by the [`Router`] (round-robin needs no prefix, so under it requests are
+//! neither tokenized nor hashed); the `RequestRouted` event is appended before the request
 //! is forwarded to `worker.url + path`. A connection failure or a 5xx before the first response
 //! byte finishes that attempt (`RequestFinished` with `worker_error`) and re-decides with the
 //! failed rank excluded, up to `request_max_retries` more times; each attempt has its own request
@@ -40,10 +41,12 @@ pub use metrics::ServerMetrics;
 use crate::kv_events::{EngineBatch, IngestStats, to_core_events};
 use crate::tokenize::{ChatTemplate, Tokenizer};
 use infera_core::clock::{Clock, SystemClock};
-use infera_core::event::{Event, Source, WorkerDeregistered, WorkerRecord, WorkerRegistered};
+use infera_core::event::{
+    Event, Source, WorkerDeregistered, WorkerDraining, WorkerRecord, WorkerRegistered,
+};
 use infera_core::fleet::{FleetConfig, FleetState};
 use infera_core::ids::{WorkerId, WorkerRank};
-use infera_core::log::{MemoryLog, NewEvent};
+use infera_core::log::{MemoryLog, NewEvent, Snapshot};
 use infera_core::policy::{Router, RouterConfig};
 use infera_core::projection::Projection as _;
 use std::future::Future;
@@ -69,12 +72,45 @@ pub struct ServerOptions {
     pub direct: bool,
 }
 
+/// The log is compacted once it holds this many events past its snapshot (at least).
+pub const COMPACT_MIN_EVENTS: usize = 1 << 16;
+
 /// The router's state: fleet projection, decider and log, changed only under one short lock.
 #[derive(Debug)]
 pub(crate) struct Core {
     pub(crate) fleet: FleetState,
     pub(crate) router: Router,
     pub(crate) log: MemoryLog,
+    /// Events in the last snapshot (the next compaction waits for twice as many new ones).
+    pub(crate) snapshot_events: usize,
+}
+
+impl Core {
+    /// Appends `events` to the log, applies them to the fleet in order, and compacts the log
+    /// when it has grown enough: the fleet's dump becomes the snapshot, so memory stays
+    /// proportional to the fleet's state, not to the requests served. Compaction waits for
+    /// `max(COMPACT_MIN_EVENTS, 2 × snapshot size)` new events, so its cost is amortized O(1)
+    /// per event. Returns how many events were applied.
+    pub(crate) fn commit(&mut self, events: Vec<NewEvent>) -> usize {
+        let envs = self.log.append_sync(events);
+        for env in &envs {
+            self.fleet.apply(env);
+        }
+        if self.log.len() >= COMPACT_MIN_EVENTS.max(2 * self.snapshot_events)
+            && let Some(last) = envs.last()
+        {
+            let events = self.fleet.dump();
+            self.snapshot_events = events.len();
+            let snapshot = Snapshot {
+                upto: last.seq,
+                events,
+            };
+            if let Err(e) = self.log.compact_sync(snapshot) {
+                tracing::error!(error = %e, "event log compaction failed");
+            }
+        }
+        envs.len()
+    }
 }
 
 #[derive(Debug)]
@@ -102,6 +138,7 @@ impl ServerState {
             fleet: FleetState::new(options.fleet),
             router: Router::new(options.router.clone()),
             log: MemoryLog::new(Arc::clone(&clock)),
+            snapshot_events: 0,
         };
         let id_prefix = clock.now_us() ^ u64::from(std::process::id()).rotate_left(40);
         Self {
@@ -130,14 +167,9 @@ impl ServerState {
         if events.is_empty() {
             return 0;
         }
-        let mut core = self.lock();
-        let envs = core.log.append_sync(events);
-        for env in &envs {
-            core.fleet.apply(env);
-        }
-        drop(core);
-        self.inner.metrics.events_applied(envs.len() as u64);
-        envs.len()
+        let applied = self.lock().commit(events);
+        self.inner.metrics.events_applied(applied as u64);
+        applied
     }
 
     /// A worker appeared (or its record changed).
@@ -155,6 +187,17 @@ impl ServerState {
         self.apply(vec![NewEvent::new(Event::WorkerDeregistered(
             WorkerDeregistered { worker, reason },
         ))]);
+    }
+
+    /// A registered worker is shutting down: it stays listed in `/v1/workers` (with
+    /// `"draining": true`) and finishes its in-flight requests, but is routed nothing new until
+    /// it registers again. Requests already decided for it still go there.
+    pub fn drain_worker(&self, worker: WorkerId, reason: String) {
+        tracing::info!(worker = %worker.as_str(), %reason, "worker draining");
+        self.apply(vec![NewEvent::new(Event::WorkerDraining(WorkerDraining {
+            worker,
+            reason,
+        }))]);
     }
 
     /// The registered record of `worker`, if any.
@@ -198,12 +241,9 @@ impl ServerState {
             .into_iter()
             .map(|e| NewEvent::from_source(source.clone(), e))
             .collect();
-        let envs = core.log.append_sync(events);
-        for env in &envs {
-            core.fleet.apply(env);
-        }
+        let applied = core.commit(events);
         drop(core);
-        self.inner.metrics.events_applied(envs.len() as u64);
+        self.inner.metrics.events_applied(applied as u64);
         self.inner.metrics.kv_ingested(&out.stats);
         if out.stats.dropped() > 0 {
             tracing::warn!(worker = %rank.worker.as_str(), dp_rank = rank.dp_rank,
@@ -234,4 +274,92 @@ where
     axum::serve(listener, state.router())
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use infera_core::event::RequestRouted;
+    use infera_core::event::{
+        Engine, RequestFinished, RequestStatus, RequestTransport, Role, RoutedLeg,
+    };
+    use infera_core::ids::RequestId;
+
+    fn record() -> WorkerRecord {
+        WorkerRecord {
+            worker_id: WorkerId::new("w:1"),
+            url: "http://w:1".into(),
+            model_name: "m".into(),
+            engine: Engine::Vllm,
+            disagg_mode: Role::Mixed,
+            disagg_meta: None,
+            kv_events_endpoint: None,
+            kv_block_size: 16,
+            dp_rank: 0,
+            dp_size: 1,
+            request_transport: RequestTransport::Http,
+            kv: None,
+            extra: serde_json::Map::new(),
+        }
+    }
+
+    #[test]
+    fn the_log_is_compacted_and_the_snapshot_rebuilds_the_fleet() {
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let mut core = Core {
+            fleet: FleetState::new(FleetConfig::default()),
+            router: Router::new(RouterConfig::default()),
+            log: MemoryLog::new(clock),
+            snapshot_events: 0,
+        };
+        core.commit(vec![NewEvent::new(Event::WorkerRegistered(
+            WorkerRegistered { record: record() },
+        ))]);
+        // Requests come and go; one stays in flight across every compaction.
+        let routed = |id: &str, at_us: u64| {
+            NewEvent::new(Event::RequestRouted(RequestRouted {
+                request_id: RequestId::new(id),
+                model: "m".into(),
+                legs: vec![RoutedLeg {
+                    worker: WorkerRank::new("w:1", 0),
+                    role: Role::Mixed,
+                    overlap_blocks: 0,
+                }],
+                blocks: Vec::new(),
+                prompt_tokens: 10,
+                policy: "kv-aware".into(),
+                weights: Vec::new(),
+                top: Vec::new(),
+                retention: None,
+                at_us,
+            }))
+        };
+        let finished = |id: &str| {
+            NewEvent::new(Event::RequestFinished(RequestFinished {
+                request_id: RequestId::new(id),
+                status: RequestStatus::Ok,
+                ttft_us: None,
+                tokens_in: 10,
+                tokens_out: 1,
+                cached_tokens: None,
+            }))
+        };
+        core.commit(vec![routed("stays", 0)]);
+        for i in 0..(3 * COMPACT_MIN_EVENTS / 4) {
+            let id = format!("r{i}");
+            core.commit(vec![routed(&id, i as u64 * 1_000), finished(&id)]);
+        }
+        assert!(
+            core.log.len() < COMPACT_MIN_EVENTS,
+            "log holds {}",
+            core.log.len()
+        );
+        assert_eq!(core.fleet.inflight_requests(), 1);
+
+        let mut rebuilt = FleetState::new(FleetConfig::default());
+        futures::executor::block_on(infera_core::log::rebuild(&core.log, &mut rebuilt))
+            .expect("rebuild");
+        assert_eq!(rebuilt.dump(), core.fleet.dump());
+        assert_eq!(rebuilt.inflight_requests(), 1);
+    }
 }

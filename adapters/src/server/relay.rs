@@ -24,7 +24,6 @@ use infera_core::event::{Event, RequestFinished, RequestPrefilled, RequestStatus
 use infera_core::ids::{RequestId, WorkerRank};
 use infera_core::log::NewEvent;
 use infera_core::policy::{DirectPick, RouteError, RouteRequest};
-use infera_core::projection::Projection as _;
 use serde_json::{Value, json};
 use std::convert::Infallible;
 use std::time::Instant;
@@ -44,7 +43,7 @@ fn decide(
     let now = st.inner.clock.now_us();
     let metrics = &st.inner.metrics;
     let mut core = st.lock();
-    let Core { fleet, router, log } = &mut *core;
+    let Core { fleet, router, .. } = &mut *core;
     let decision = match direct {
         Some(pick) => router.decide_direct(fleet, req, pick, now),
         None => router.decide(fleet, req, now),
@@ -75,12 +74,9 @@ fn decide(
     if leg.overlap_blocks > 0 {
         inc(&metrics.pick_cache_hits, 1);
     }
-    let envs = log.append_sync(vec![NewEvent::new(Event::RequestRouted(routed))]);
-    for env in &envs {
-        fleet.apply(env);
-    }
+    let applied = core.commit(vec![NewEvent::new(Event::RequestRouted(routed))]);
     drop(core);
-    metrics.events_applied(envs.len() as u64);
+    metrics.events_applied(applied as u64);
     Ok((leg.worker, url))
 }
 

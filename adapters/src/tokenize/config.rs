@@ -1,9 +1,13 @@
 //! Deciding, from tokenizer.json, which exact speed-ups are valid.
 //!
-//! * [`FastPath::Enabled`]: identity normalizer, BPE without dropout, added tokens without
+//! * [`FastPath::Native`]: identity normalizer, BPE without dropout, added tokens without
 //!   `lstrip`/`rstrip`/`single_word`, and exactly the DeepSeek-V3 pre-tokenizer
 //!   ([`DEEPSEEK_V3_PRE_TOKENIZER`]) for which the intra-segment split rule is proven
-//!   (`split::is_safe_split`). Segments are cut at added tokens and at safe split points.
+//!   (`split::is_safe_split`) and our own pre-tokenizer is written (`pretok.rs`). Segments are
+//!   cut at added tokens and at safe split points and encoded by `native.rs`. [`analyze`] only
+//!   proposes it: the tokenizer falls to [`FastPath::Enabled`] if the model's own checks in
+//!   `native.rs` fail.
+//! * [`FastPath::Enabled`]: the same cuts and cache, but chunks are encoded by the crate.
 //! * [`FastPath::SegmentsOnly`]: the same, but another pre-tokenizer built only from
 //!   per-split stages (`Split`, `Digits`, `ByteLevel` without prefix space). Segments between
 //!   added tokens are cached and encoded in parallel; long segments are not cut.
@@ -20,8 +24,11 @@ pub(crate) const DEEPSEEK_V3_PRE_TOKENIZER: &str = r##"{"type": "Sequence", "pre
 /// Which exact speed-ups this tokenizer allows; log it at startup.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FastPath {
-    /// Added-token segmentation, caching, and cutting long segments at proven-safe points.
-    Enabled,
+    /// Everything below plus our own pre-tokenizer and BPE instead of the crate's encode.
+    Native,
+    /// Added-token segmentation, caching, and cutting long segments at proven-safe points;
+    /// chunks are encoded by the crate. `reason` says why the native encoder is off.
+    Enabled { reason: String },
     /// Added-token segmentation and caching only; `reason` says why long segments are not cut.
     SegmentsOnly { reason: String },
     /// Plain `tokenizers` encode for every call; `reason` names the unsupported config.
@@ -38,7 +45,13 @@ impl FastPath {
 impl fmt::Display for FastPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            FastPath::Enabled => f.write_str("enabled (added-token segments, cache, safe splits)"),
+            FastPath::Native => f.write_str(
+                "native (own pre-tokenizer and BPE, added-token segments, cache, safe splits)",
+            ),
+            FastPath::Enabled { reason } => write!(
+                f,
+                "enabled (added-token segments, cache, safe splits; crate BPE: {reason})"
+            ),
             FastPath::SegmentsOnly { reason } => {
                 write!(f, "segments and cache only: {reason}")
             }
@@ -102,7 +115,7 @@ fn is_identity_normalizer(n: &Value) -> bool {
 fn check_pre_tokenizer(pre: &Value) -> FastPath {
     let expected: Result<Value, _> = serde_json::from_str(DEEPSEEK_V3_PRE_TOKENIZER);
     if expected.as_ref().is_ok_and(|e| e == pre) {
-        return FastPath::Enabled;
+        return FastPath::Native;
     }
     let stages: Vec<&Value> = match pre.get("type").and_then(Value::as_str) {
         Some("Sequence") => pre

@@ -14,17 +14,49 @@
 //!    (`split::is_safe_split`); BPE never crosses a pre-token, so chunks encode independently.
 //!    Cuts are chosen left to right from the segment start, so shared prefixes give identical
 //!    chunks.
-//! 3. **Cache.** A chunk's ids depend only on its text, so a bounded LRU keyed by XXH3-128 of the
+//! 3. **Native encoder.** For that same pre-tokenizer a chunk is encoded by our own code instead
+//!    of the crate (`native.rs`), 20-50x faster in `benches/tokenize.rs`:
+//!    * `pretok.rs` replays the three `Split` regexes without a regex engine, deciding each
+//!      anchored match alternative by alternative as the backtracking engine would, on
+//!      per-code-point class bits;
+//!    * `classes.rs` builds those bits at load from `regex-syntax` (the parser behind the
+//!      `fancy-regex` delegates the crate runs, same version), so `\p{L}`, `\p{N}`, `\s`, ...
+//!      are the crate's own sets;
+//!    * `bpe.rs` maps bytes to their `ByteLevel` start symbols and merges lowest rank first,
+//!      leftmost on ties, with an `FxHashMap` from `(left, right)` to `(rank, merged)`: a linear
+//!      scan for short pre-tokens, a heap over a linked list for long ones, and first a probe of
+//!      a word table (every vocabulary token of up to 15 bytes that BPE maps to itself, built at
+//!      load and read-only after, so no lock);
+//!    * `native.rs` reads every model assumption (no dropout, prefix/suffix or
+//!      `ignore_merges`, unique ids, all 256 byte chars in the vocabulary) off the crate's
+//!      loaded model and the merges off tokenizer.json, or refuses.
+//!
+//!    Inputs holding a run near a `fancy-regex` limit (a backtrack or stack cap after which the
+//!    crate silently stops splitting) are handed whole to the crate (`pretok::Pathological`,
+//!    counted in [`CacheStats::plain_fallbacks`]), so even that behaviour is reproduced.
+//! 4. **Cache.** A chunk's ids depend only on its text, so a bounded LRU keyed by XXH3-128 of the
 //!    text returns them on repeats; a conversation whose earlier turns were seen only encodes the
 //!    new tail. Misses above [`PARALLEL_MIN_BYTES`] are encoded on the rayon pool.
 //!
-//! Anything not proven falls back to the plain crate call; [`Tokenizer::fast_path`] says which
-//! mode is active and why, for startup logs. Property tests in `adapters/tests/tokenize.rs`
-//! compare every mode against the plain call.
+//! Anything not proven falls back to the crate: [`FastPath::Native`] is all of the above,
+//! [`FastPath::Enabled`] encodes chunks with the crate (with the reason the native encoder was
+//! refused), [`FastPath::SegmentsOnly`] does not cut segments, [`FastPath::Disabled`] is the plain
+//! call. [`Tokenizer::fast_path`] says which mode is active and why, for startup logs. Load
+//! cost of the native tables is a one-off ~0.1 s on top of the crate's own load.
+//!
+//! Tests: property tests in `adapters/tests/tokenize.rs` compare every mode against the plain
+//! call (random Unicode, special tokens, contractions, digits, whitespace, emoji, random bytes,
+//! long pre-tokens, 32k-token prompts, repository text, the decoded vocabulary, pathological
+//! runs); unit tests in `native.rs` compare the pre-tokenizer with the crate's, pre-token by
+//! pre-token, on random text and on every code point of planes 0, 1 and 14.
 
+mod bpe;
 mod cache;
 mod chat;
+mod classes;
 mod config;
+mod native;
+mod pretok;
 mod split;
 
 use std::path::{Path, PathBuf};
@@ -38,6 +70,7 @@ pub use chat::{ChatContent, ChatMessage, ChatTemplate, ContentPart, TemplateErro
 pub use config::FastPath;
 
 use cache::Lru;
+use native::NativeEncoder;
 use split::{AddedTokenSplitter, Piece};
 
 /// Target chunk size in bytes (about 500 tokens of English) when cutting long segments.
@@ -81,6 +114,9 @@ pub struct CacheStats {
     pub evictions: u64,
     pub entries: usize,
     pub resident_tokens: usize,
+    /// Requests the native encoder handed whole to the crate because they hold a run near a
+    /// regex-engine limit (tens of thousands of unmatched or whitespace chars in a row).
+    pub plain_fallbacks: u64,
 }
 
 /// Tuning knobs; [`Default`] is what the router uses.
@@ -128,9 +164,11 @@ pub struct Tokenizer {
     fast_path: FastPath,
     options: TokenizerOptions,
     splitter: Option<AddedTokenSplitter>,
+    native: Option<NativeEncoder>,
     cache: Mutex<Lru>,
     hits: AtomicU64,
     misses: AtomicU64,
+    plain_fallbacks: AtomicU64,
     chat_template: Option<ChatTemplate>,
     bos_token: Option<String>,
     eos_token: Option<String>,
@@ -173,7 +211,14 @@ impl Tokenizer {
             .map_err(|e| invalid(e.to_string()))?;
         inner.with_padding(None);
         let json: Value = serde_json::from_slice(&bytes).map_err(|e| invalid(e.to_string()))?;
-        let fast_path = config::analyze(&json, inner.get_encode_special_tokens());
+        let mut fast_path = config::analyze(&json, inner.get_encode_special_tokens());
+        let mut native = None;
+        if fast_path == FastPath::Native {
+            match NativeEncoder::build(inner.get_model(), &json) {
+                Ok(encoder) => native = Some(encoder),
+                Err(reason) => fast_path = FastPath::Enabled { reason },
+            }
+        }
         let splitter = if fast_path.is_enabled() {
             let tokens: Vec<(String, u32, bool)> = inner
                 .get_added_tokens_decoder()
@@ -212,6 +257,7 @@ impl Tokenizer {
             inner,
             fast_path,
             splitter,
+            native,
             cache: Mutex::new(Lru::new(
                 options.cache.max_entries,
                 options.cache.max_tokens,
@@ -219,6 +265,7 @@ impl Tokenizer {
             options,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
+            plain_fallbacks: AtomicU64::new(0),
             chat_template,
             bos_token,
             eos_token,
@@ -255,6 +302,7 @@ impl Tokenizer {
             evictions: lru.evictions(),
             entries: lru.len(),
             resident_tokens: lru.tokens(),
+            plain_fallbacks: self.plain_fallbacks.load(Ordering::Relaxed),
         }
     }
 
@@ -277,6 +325,34 @@ impl Tokenizer {
         let Some(splitter) = self.splitter.as_ref() else {
             return self.encode_plain(text);
         };
+        match self.encode_segments(splitter, text) {
+            Err(ChunkError::Pathological) => {
+                self.plain_fallbacks.fetch_add(1, Ordering::Relaxed);
+                self.encode_plain(text)
+            }
+            Err(ChunkError::Crate(e)) => Err(e),
+            Ok(ids) => Ok(ids),
+        }
+    }
+
+    /// One chunk (or whole segment) between added tokens, alone.
+    fn encode_chunk(&self, chunk: &str) -> Result<Vec<u32>, ChunkError> {
+        let Some(native) = self.native.as_ref() else {
+            return self.encode_plain(chunk).map_err(ChunkError::Crate);
+        };
+        let mut ids = Vec::with_capacity(chunk.len() / 3 + 1);
+        native
+            .encode(chunk, &mut ids)
+            .map_err(|_| ChunkError::Pathological)?;
+        Ok(ids)
+    }
+
+    fn encode_segments(
+        &self,
+        splitter: &AddedTokenSplitter,
+        text: &str,
+    ) -> Result<Vec<u32>, ChunkError> {
+        let chunked = matches!(self.fast_path, FastPath::Native | FastPath::Enabled { .. });
         let mut units: Vec<Unit> = Vec::new();
         let mut ranges = Vec::new();
         for piece in splitter.split(text) {
@@ -284,7 +360,7 @@ impl Tokenizer {
                 Piece::Added(id) => units.push(Unit::Added(id)),
                 Piece::Text(range) => {
                     ranges.clear();
-                    if self.fast_path == FastPath::Enabled {
+                    if chunked {
                         split::chunks(text, range, self.options.chunk_target_bytes, &mut ranges);
                     } else {
                         ranges.push(range);
@@ -319,7 +395,7 @@ impl Tokenizer {
             .fetch_add(missing.len() as u64, Ordering::Relaxed);
 
         let encode_one = |(range, key): &(std::ops::Range<usize>, u128)| {
-            self.encode_plain(&text[range.clone()])
+            self.encode_chunk(&text[range.clone()])
                 .map(|ids| (*key, Arc::<[u32]>::from(ids)))
         };
         let fresh: Vec<(u128, Arc<[u32]>)> =
@@ -380,6 +456,13 @@ impl Tokenizer {
             })?;
         template.render(messages)
     }
+}
+
+/// Why a chunk was not encoded.
+enum ChunkError {
+    /// The native encoder refused (see `pretok::Pathological`): encode the whole text plainly.
+    Pathological,
+    Crate(TokenizeError),
 }
 
 enum Unit {

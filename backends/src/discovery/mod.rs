@@ -10,7 +10,8 @@
 //! - [`Discovery`] (server side) opens a [`DiscoveryStream`] of [`DiscoveryChange`]s: every worker
 //!   present when the watch starts (as `Registered`), then each change. A changed record is
 //!   `Registered` again; the fleet projection treats it as an update. Identical re-puts are not
-//!   repeated.
+//!   repeated. A backend that can tell a worker is shutting down before its record goes (a
+//!   Kubernetes Pod with a `deletionTimestamp`) reports it as `Draining`: listed, not routed to.
 //!
 //! # Invariants every backend keeps
 //!
@@ -20,6 +21,10 @@
 //!   [`WatchStats::invalid_records`] and skipped; they never end the watch. A worker whose record
 //!   turns invalid is deregistered, because its state is no longer known.
 //! - A `Deregistered` is emitted only for a worker that was emitted as `Registered` on that stream.
+//! - A `Draining` is emitted only for a worker that is `Registered` on that stream and not already
+//!   draining. What follows it is either `Registered` (the drain is cancelled, or the record
+//!   changed) or `Deregistered` (the worker left). Backends without a notion of draining (etcd:
+//!   presence is the lease) never emit it.
 //! - Backends reconnect by themselves with bounded exponential backoff ([`Backoff`]); the stream only
 //!   ends when it is dropped.
 //!
@@ -27,6 +32,7 @@
 //! [`crate::testing::discovery_conformance`].
 
 pub mod etcd;
+pub mod kubernetes;
 
 use async_trait::async_trait;
 use futures::Stream;
@@ -42,6 +48,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 pub use etcd::{EtcdConfig, EtcdDiscovery};
+pub use kubernetes::{KubernetesConfig, KubernetesDiscovery, KubernetesRegistrar};
 
 /// Result of discovery operations.
 pub type Result<T, E = DiscoveryError> = std::result::Result<T, E>;
@@ -94,6 +101,13 @@ pub enum DiscoveryChange {
         /// Why it left (lease expired or revoked, record became invalid…), for operators.
         reason: String,
     },
+    /// A registered worker is shutting down: it stays listed and finishes its in-flight work,
+    /// but gets no new requests. See the module invariants for what may follow.
+    Draining {
+        worker: WorkerId,
+        /// Why it drains (Pod being deleted…), for operators.
+        reason: String,
+    },
 }
 
 impl DiscoveryChange {
@@ -101,7 +115,8 @@ impl DiscoveryChange {
     pub fn worker(&self) -> &WorkerId {
         match self {
             DiscoveryChange::Registered(record) => &record.worker_id,
-            DiscoveryChange::Deregistered { worker, .. } => worker,
+            DiscoveryChange::Deregistered { worker, .. }
+            | DiscoveryChange::Draining { worker, .. } => worker,
         }
     }
 }

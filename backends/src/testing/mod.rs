@@ -15,7 +15,10 @@
 
 mod discovery;
 mod etcd;
+pub mod event_log;
+pub mod kube_api;
 mod nats;
+pub mod postgres;
 mod proxy;
 
 pub use discovery::{DiscoveryFixture, discovery_conformance, next_change_for, sample_record};

@@ -3,9 +3,10 @@
 //! ports of [`infera_backends::discovery`]; nothing else in the binary names a backend.
 
 use crate::config::DiscoveryConfig;
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 use infera_backends::discovery::{
-    Discovery, DiscoveryStream, EtcdConfig, EtcdDiscovery, Registrar,
+    Discovery, DiscoveryStream, EtcdConfig, EtcdDiscovery, KubernetesConfig, KubernetesDiscovery,
+    KubernetesRegistrar, Registrar,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,9 +23,11 @@ pub async fn registrar(
         DiscoveryConfig::Etcd { endpoint, prefix } => {
             Ok(Arc::new(etcd(endpoint, prefix, lease_ttl).await?))
         }
-        DiscoveryConfig::Kubernetes { .. } => {
-            bail!("--discovery-backend kubernetes is not available in this build yet (use etcd)")
-        }
+        DiscoveryConfig::Kubernetes { .. } => Ok(Arc::new(
+            KubernetesRegistrar::connect(kubernetes(config))
+                .await
+                .context("cannot register through the Kubernetes API")?,
+        )),
     }
 }
 
@@ -37,9 +40,11 @@ pub async fn watch(config: &DiscoveryConfig) -> anyhow::Result<DiscoveryStream> 
         DiscoveryConfig::Etcd { endpoint, prefix } => {
             Arc::new(etcd(endpoint, prefix, EtcdConfig::default().lease_ttl).await?)
         }
-        DiscoveryConfig::Kubernetes { .. } => {
-            bail!("--discovery-backend kubernetes is not available in this build yet (use etcd)")
-        }
+        DiscoveryConfig::Kubernetes { .. } => Arc::new(
+            KubernetesDiscovery::connect(kubernetes(config))
+                .await
+                .context("cannot watch worker Pods through the Kubernetes API")?,
+        ),
     };
     discovery
         .watch()
@@ -60,6 +65,26 @@ pub fn describe(config: &DiscoveryConfig) -> String {
             label_selector.as_deref().unwrap_or("(any)")
         ),
     }
+}
+
+/// The Kubernetes settings of `config`, completed from the Pod's downward-API environment
+/// (`POD_NAME`, `POD_NAMESPACE`) and service-account mount.
+fn kubernetes(config: &DiscoveryConfig) -> KubernetesConfig {
+    let (namespace, selector) = match config {
+        DiscoveryConfig::Kubernetes {
+            namespace,
+            label_selector,
+        } => (
+            namespace.clone(),
+            label_selector.clone().unwrap_or_default(),
+        ),
+        DiscoveryConfig::Etcd { .. } => (None, String::new()),
+    };
+    KubernetesConfig {
+        namespace,
+        ..KubernetesConfig::new(selector)
+    }
+    .with_pod_environment()
 }
 
 async fn etcd(endpoint: &str, prefix: &str, lease_ttl: Duration) -> anyhow::Result<EtcdDiscovery> {

@@ -1,9 +1,11 @@
-//! `infera server`: wires the HTTP front ([`infera_adapters::server`]) to etcd discovery and to
-//! the workers' ZeroMQ KV-event publishers.
+//! `infera server`: wires the HTTP front ([`infera_adapters::server`]) to discovery (etcd or
+//! Kubernetes) and to the workers' ZeroMQ KV-event publishers.
 //!
 //! # Tasks
 //! - the HTTP server, which stops accepting on SIGTERM/Ctrl-C and lets in-flight requests end;
-//! - one discovery task: etcd watch → `WorkerRegistered` / `WorkerDeregistered` events;
+//! - one discovery task: the backend's watch → `WorkerRegistered` / `WorkerDraining` /
+//!   `WorkerDeregistered` events (a draining worker keeps its KV subscribers: it is still listed,
+//!   still finishes its requests, and may register again);
 //! - per registered worker with a `kv_events_endpoint`, one subscriber task per dp rank (rank
 //!   `r` of a record starting at `dp_rank` d subscribes to port P + (r − d) of the endpoint; a
 //!   wildcard host is replaced by the worker URL's host): batches → `to_core_events` (parents
@@ -14,11 +16,11 @@
 //! deregisters, re-registers with another endpoint, or at shutdown.
 //!
 //! # This build
-//! Only `--discovery-backend etcd`, `--request-transport http`, `--kv-event-transport zmq`,
+//! Only `--request-transport http`, `--kv-event-transport zmq`,
 //! `--router-mode auto` and `--event-log memory` run; other values stop startup with one line.
 
 use crate::config::server::{EventLogConfig, RouterMode, RouterPolicy};
-use crate::config::{DiscoveryConfig, KvEventTransport, RequestTransport, ServerConfig};
+use crate::config::{KvEventTransport, RequestTransport, ServerConfig};
 use crate::signals::Signals;
 use anyhow::{Context as _, bail};
 use infera_adapters::server::{ServerOptions, ServerState, serve};
@@ -40,9 +42,6 @@ use tokio_util::sync::CancellationToken;
 fn check_supported(config: &ServerConfig) -> anyhow::Result<()> {
     let not_yet =
         |what: String| -> anyhow::Result<()> { bail!("{what} is not available in this build yet") };
-    if let DiscoveryConfig::Kubernetes { .. } = config.discovery {
-        return not_yet("--discovery-backend kubernetes (use etcd)".to_owned());
-    }
     if config.request_transport != RequestTransport::Http {
         return not_yet("--request-transport nats (use http)".to_owned());
     }
@@ -189,6 +188,9 @@ async fn run_discovery(
                 if !unchanged && let Some(new) = start_subscribers(&record, &state, &shutdown) {
                     subs.insert(id, new);
                 }
+            }
+            Some(DiscoveryChange::Draining { worker, reason }) => {
+                state.drain_worker(worker, reason);
             }
             Some(DiscoveryChange::Deregistered { worker, reason }) => {
                 if let Some(old) = subs.remove(&worker) {

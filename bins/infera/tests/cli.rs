@@ -568,13 +568,13 @@ fn malformed_durations_sizes_and_unknown_flags_are_usage_errors() {
 fn options_this_build_refuses_exit_1_with_one_line() {
     let tokenizer = tokenizer_dir();
     let tok = path_str(tokenizer.path());
-    // The server runs on etcd + http + zmq; the seed's defaults (kubernetes, nats) are refused
+    // The server runs on http + zmq; the seed's default transports (nats) are refused
     // at startup with one line, not silently replaced.
     let output = infera(&["server", "--router-tokenizer-path", tok]);
     assert_eq!(output.status.code(), Some(1));
     assert_eq!(
         stderr(&output).trim(),
-        "infera server: error: --discovery-backend kubernetes (use etcd) is not available in this build yet"
+        "infera server: error: --request-transport nats (use http) is not available in this build yet"
     );
     let output = infera(&["worker", "vllm", "--model", "m", "--port", "8001"]);
     assert_eq!(output.status.code(), Some(1));

@@ -27,6 +27,7 @@ impl Projection for KvIndex {
             Event::KvCacheCleared(ev) => self.apply_cleared(ev),
             Event::WorkerDeregistered(ev) => self.remove_worker(&ev.worker),
             Event::WorkerRegistered(_)
+            | Event::WorkerDraining(_)
             | Event::RequestRouted(_)
             | Event::RequestPrefilled(_)
             | Event::RequestFinished(_) => {}

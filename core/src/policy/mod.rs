@@ -113,9 +113,10 @@ pub struct RouteRequest {
 }
 
 impl RouteRequest {
-    /// The hashes at `block_size`, if the caller computed them.
+    /// The hashes at `block_size`, if the caller computed them. A request with no hashes at
+    /// all was not tokenized (round-robin needs no prefix): it has no blocks at any size.
     pub fn blocks_at(&self, block_size: u32) -> Option<&[BlockHash]> {
-        if block_size == 0 {
+        if block_size == 0 || self.hashes.is_empty() {
             // A worker of unknown block size cannot hold a known prefix: load only.
             return Some(&[]);
         }

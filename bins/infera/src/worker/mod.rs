@@ -24,7 +24,7 @@ pub mod probe;
 pub mod process;
 
 use crate::config::worker::{EngineKind, LaunchConfig};
-use crate::config::{KvEventTransport, RequestTransport, WorkerConfig};
+use crate::config::{DiscoveryConfig, KvEventTransport, RequestTransport, WorkerConfig};
 use crate::signals::Signals;
 use anyhow::{Context as _, bail};
 use infera_backends::discovery::{Registrar, Registration};
@@ -41,6 +41,7 @@ use std::sync::Arc;
 /// healthy, or an engine that exits while serving.
 pub fn run(config: WorkerConfig) -> anyhow::Result<()> {
     check_supported(&config)?;
+    let config = advertise_pod_ip(config, std::env::var("POD_IP").ok());
     mock::runtime()?.block_on(async move {
         let mut signals = Signals::register()?;
         let registrar =
@@ -64,6 +65,24 @@ pub fn run(config: WorkerConfig) -> anyhow::Result<()> {
             }
         }
     })
+}
+
+/// Under Kubernetes discovery a worker bound to a wildcard address advertises its Pod's IP
+/// (downward API `POD_IP`) unless `--advertise-host` names another host.
+fn advertise_pod_ip(mut config: WorkerConfig, pod_ip: Option<String>) -> WorkerConfig {
+    let wildcard = matches!(
+        config.advertise_host.as_str(),
+        "0.0.0.0" | "::" | "[::]" | ""
+    );
+    if let (DiscoveryConfig::Kubernetes { .. }, true, Some(ip)) = (
+        &config.discovery,
+        wildcard,
+        pod_ip.filter(|ip| !ip.is_empty()),
+    ) {
+        tracing::info!(pod_ip = %ip, "kubernetes discovery: advertising the Pod IP");
+        config.advertise_host = ip;
+    }
+    config
 }
 
 /// Refuses, in one line, what this build cannot run yet.

@@ -1,0 +1,301 @@
+//! End to end through the router on loopback, against the live-fleet issue's targets: two mock
+//! engines at (practically) infinite speed behind one `infera server` front, the fixture
+//! tokenizer, `/v1/completions` with `max_tokens: 1`.
+//!
+//! * `e2e/cold/{1k,8k,32k}`: latency of one request at one connection, each prompt never seen
+//!   before (every paragraph carries the iteration's tag). Target p50 ≤ 0.6 / 3 / 10 ms.
+//! * `e2e/warm32k`: a ~32k-token prompt whose first ~30k tokens were sent before (a multi-turn
+//!   chat): target ≤ 1 ms.
+//! * `e2e/throughput/kv-aware-1k-c32`: 1k-token completions from 32 connections; criterion's
+//!   rate is requests per second. Target ≥ 4,000 req/s on this 2-core machine.
+//! * `e2e/throughput/{round-robin-c32,direct-c32}`: a request the router need not tokenize
+//!   (round-robin), and the same requests sent to the worker directly; target ≥ 20,000 req/s
+//!   and ≤ 150 µs added p50 (`e2e/added/{round-robin,direct}` at one connection).
+//!
+//! The mocks run without a tokenizer (one token per byte), so their own work stays small and
+//! constant; the router side does the real tokenization.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use http_body_util::{BodyExt as _, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use infera_adapters::mock::{MockConfig, MockServer};
+use infera_adapters::server::{ServerOptions, ServerState, serve};
+use infera_adapters::tokenize::Tokenizer;
+use infera_core::engine::EngineConfig;
+use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
+use infera_core::fleet::FleetConfig;
+use infera_core::ids::WorkerId;
+use infera_core::policy::{PolicyKind, RouterConfig};
+use tokio::net::TcpListener;
+use tokio::runtime::Runtime;
+
+const MODEL: &str = "bench";
+const CONNECTIONS: usize = 32;
+
+const PARAGRAPHS: &[&str] = &[
+    "The router tokenizes every request itself, so tokenization sits on the critical path of \
+     each routing decision; caching repeated prefixes keeps the cost proportional to new text.",
+    "fn route(&self, req: &Request) -> Result<WorkerId, RouteError> {\n    let blocks = \
+     self.hash(&req.tokens);\n    self.policy.pick(&self.index.overlap(&blocks))\n}\n",
+    "{\"model\": \"deepseek\", \"temperature\": 0.7, \"messages\": [{\"role\": \"user\", \
+     \"content\": \"Summarize the attached report in three bullet points.\"}]}",
+    "Operators reconcile the desired state with the observed state in a loop; when a pod is \
+     evicted the controller schedules a replacement on a node with a matching accelerator.",
+    "路由器在每个请求到达时都会自行分词，以计算前缀块的哈希值，然后选择缓存命中最多的工作节点。",
+];
+
+/// About `tokens` tokens of mixed text, every paragraph tagged with `tag`.
+fn prompt(tok: &Tokenizer, tag: &str, tokens: usize) -> String {
+    let mut text = String::new();
+    let mut i = 0;
+    // Paragraphs are ~40 tokens; overshoot, then stop at the first paragraph past the target.
+    loop {
+        text.push_str(&format!(
+            "{tag} note {i}: {}\n\n",
+            PARAGRAPHS[i % PARAGRAPHS.len()]
+        ));
+        i += 1;
+        if i % 32 == 0 && tok.encode_plain(&text).map_or(0, |t| t.len()) >= tokens {
+            return text;
+        }
+    }
+}
+
+struct Fleet {
+    rt: Runtime,
+    front: SocketAddr,
+    workers: Vec<SocketAddr>,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+fn tokenizer() -> Arc<Tokenizer> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/deepseek-v4");
+    Arc::new(Tokenizer::from_path(&dir).expect("fixture tokenizer"))
+}
+
+fn fleet(policy: PolicyKind, tok: &Arc<Tokenizer>) -> Fleet {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (front, workers) = rt.block_on(async {
+        let options = ServerOptions {
+            max_body_bytes: 64 << 20,
+            request_max_retries: 1,
+            router: RouterConfig {
+                policy,
+                ..RouterConfig::default()
+            },
+            fleet: FleetConfig::default(),
+            chat_template: None,
+            direct: false,
+        };
+        let state = ServerState::new(options, Arc::clone(tok));
+        let mut workers = Vec::new();
+        for _ in 0..2 {
+            let engine = EngineConfig {
+                gpu_blocks: 1 << 20,
+                block_size: 16,
+                max_batched_tokens: 1 << 20,
+                max_seqs: 1024,
+                speedup: 1e9,
+                ..EngineConfig::default()
+            };
+            let mut config = MockConfig::new(MODEL, engine);
+            config.max_body_bytes = 64 << 20;
+            let mock = MockServer::bind("127.0.0.1:0", config, None)
+                .await
+                .expect("mock binds");
+            let addr = mock.local_addr();
+            tokio::spawn(mock.serve(std::future::pending()));
+            state.register_worker(WorkerRecord {
+                worker_id: WorkerId::new(addr.to_string()),
+                url: format!("http://{addr}"),
+                model_name: MODEL.to_owned(),
+                engine: Engine::Vllm,
+                disagg_mode: Role::Mixed,
+                disagg_meta: None,
+                kv_events_endpoint: None,
+                kv_block_size: 16,
+                dp_rank: 0,
+                dp_size: 1,
+                request_transport: RequestTransport::Http,
+                kv: None,
+                extra: serde_json::Map::new(),
+            });
+            workers.push(addr);
+        }
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let front = listener.local_addr().expect("addr");
+        tokio::spawn(serve(listener, state, std::future::pending()));
+        (front, workers)
+    });
+    let client = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(CONNECTIONS * 2)
+        .build_http();
+    Fleet {
+        rt,
+        front,
+        workers,
+        client,
+    }
+}
+
+async fn complete(client: &Client<HttpConnector, Full<Bytes>>, target: SocketAddr, body: Bytes) {
+    let req = hyper::Request::post(format!("http://{target}/v1/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(body))
+        .expect("request");
+    let resp = client.request(req).await.expect("response");
+    assert_eq!(resp.status(), 200);
+    resp.into_body().collect().await.expect("body");
+}
+
+fn body(text: &str) -> Bytes {
+    Bytes::from(serde_json::json!({"model": MODEL, "prompt": text, "max_tokens": 1}).to_string())
+}
+
+fn cold(c: &mut Criterion) {
+    let tok = tokenizer();
+    let fleet = fleet(PolicyKind::KvAware, &tok);
+    let mut group = c.benchmark_group("e2e/cold");
+    group
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(8));
+    let counter = AtomicU64::new(0);
+    for (name, tokens) in [("1k", 1_000), ("8k", 8_000), ("32k", 32_000)] {
+        // Bodies are built outside the timing: one never-seen prompt per iteration.
+        group.bench_function(BenchmarkId::from_parameter(name), |b| {
+            b.iter_custom(|iters| {
+                let bodies: Vec<Bytes> = (0..iters)
+                    .map(|_| {
+                        let n = counter.fetch_add(1, Ordering::Relaxed);
+                        body(&prompt(&tok, &format!("cold{n}"), tokens))
+                    })
+                    .collect();
+                let start = Instant::now();
+                fleet.rt.block_on(async {
+                    for body in bodies {
+                        complete(&fleet.client, fleet.front, body).await;
+                    }
+                });
+                start.elapsed()
+            });
+        });
+    }
+    group.finish();
+
+    // Multi-turn: 30k tokens seen, a fresh ~2k-token turn appended each iteration.
+    let history = prompt(&tok, "history", 30_000);
+    fleet
+        .rt
+        .block_on(complete(&fleet.client, fleet.front, body(&history)));
+    let mut group = c.benchmark_group("e2e");
+    group
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(8));
+    group.bench_function("warm32k", |b| {
+        b.iter_custom(|iters| {
+            let bodies: Vec<Bytes> = (0..iters)
+                .map(|_| {
+                    let n = counter.fetch_add(1, Ordering::Relaxed);
+                    body(&format!(
+                        "{history}{}",
+                        prompt(&tok, &format!("turn{n}"), 2_000)
+                    ))
+                })
+                .collect();
+            let start = Instant::now();
+            fleet.rt.block_on(async {
+                for body in bodies {
+                    complete(&fleet.client, fleet.front, body).await;
+                }
+            });
+            start.elapsed()
+        });
+    });
+    group.finish();
+}
+
+/// `iters` requests over [`CONNECTIONS`] concurrent clients; returns the wall time.
+fn concurrent(fleet: &Fleet, target: SocketAddr, bodies: &[Bytes], iters: u64) -> Duration {
+    let next = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    fleet.rt.block_on(async {
+        let tasks: Vec<_> = (0..CONNECTIONS)
+            .map(|_| {
+                let next = Arc::clone(&next);
+                let client = fleet.client.clone();
+                let bodies = bodies.to_vec();
+                tokio::spawn(async move {
+                    loop {
+                        let n = next.fetch_add(1, Ordering::Relaxed);
+                        if n >= iters {
+                            break;
+                        }
+                        let body = bodies[(n as usize) % bodies.len()].clone();
+                        complete(&client, target, body).await;
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.expect("client task");
+        }
+    });
+    start.elapsed()
+}
+
+fn throughput(c: &mut Criterion) {
+    let tok = tokenizer();
+    // Distinct 1k-token prompts, cycled: the kv-aware router hashes each of them.
+    let kv = fleet(PolicyKind::KvAware, &tok);
+    let prompts: Vec<Bytes> = (0..256)
+        .map(|i| body(&prompt(&tok, &format!("tp{i}"), 1_000)))
+        .collect();
+    let mut group = c.benchmark_group("e2e/throughput");
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(10))
+        .throughput(Throughput::Elements(1));
+    group.bench_function("kv-aware-1k-c32", |b| {
+        b.iter_custom(|iters| concurrent(&kv, kv.front, &prompts, iters));
+    });
+    drop(kv);
+
+    let rr = fleet(PolicyKind::RoundRobin, &tok);
+    let short = vec![body("a request the router need not tokenize")];
+    group.bench_function("round-robin-c32", |b| {
+        b.iter_custom(|iters| concurrent(&rr, rr.front, &short, iters));
+    });
+    group.bench_function("direct-c32", |b| {
+        b.iter_custom(|iters| concurrent(&rr, rr.workers[0], &short, iters));
+    });
+    group.finish();
+
+    let mut group = c.benchmark_group("e2e/added");
+    group
+        .sample_size(30)
+        .measurement_time(Duration::from_secs(5));
+    for (name, target) in [("round-robin", rr.front), ("direct", rr.workers[0])] {
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                rr.rt
+                    .block_on(complete(&rr.client, target, short[0].clone()));
+            });
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, cold, throughput);
+criterion_main!(benches);
