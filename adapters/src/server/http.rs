@@ -73,6 +73,7 @@ pub(crate) fn route_error(e: &RouteError) -> ApiError {
         RouteError::UnknownModel(_) => StatusCode::NOT_FOUND,
         RouteError::NoWorker { .. }
         | RouteError::UnknownWorker(_)
+        | RouteError::Draining(_)
         | RouteError::UnknownRank { .. } => StatusCode::SERVICE_UNAVAILABLE,
         RouteError::WrongModel { .. } => StatusCode::BAD_REQUEST,
         RouteError::MissingBlockSize(_) => StatusCode::INTERNAL_SERVER_ERROR,

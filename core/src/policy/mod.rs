@@ -146,6 +146,10 @@ pub enum RouteError {
     /// Direct mode named a dp rank the worker does not have (→ 503).
     #[error("worker {worker:?} has no dp rank {rank}")]
     UnknownRank { worker: String, rank: u32 },
+    /// Direct mode named a worker that is draining: it finishes its work but takes no new
+    /// requests (→ 503).
+    #[error("worker {0:?} named by the request is draining")]
+    Draining(String),
     /// Direct mode named a worker that serves another model (→ 400).
     #[error("worker {worker:?} named by the request does not serve model {model:?}")]
     WrongModel { worker: String, model: String },
@@ -233,7 +237,8 @@ impl Router {
     ///
     /// # Errors
     /// [`RouteError::UnknownWorker`] / [`RouteError::UnknownRank`] for a name or rank the fleet
-    /// does not have, [`RouteError::WrongModel`] for a worker of another model.
+    /// does not have, [`RouteError::Draining`] for a draining worker, [`RouteError::WrongModel`]
+    /// for a worker of another model.
     pub fn decide_direct(
         &self,
         fleet: &FleetState,
@@ -247,6 +252,9 @@ impl Router {
             let record = fleet
                 .worker(&leg.worker.worker)
                 .ok_or_else(|| RouteError::UnknownWorker(leg.worker.worker.to_string()))?;
+            if fleet.is_draining(&leg.worker.worker) {
+                return Err(RouteError::Draining(leg.worker.worker.to_string()));
+            }
             if record.model_name != req.model {
                 return Err(RouteError::WrongModel {
                     worker: leg.worker.worker.to_string(),

@@ -297,12 +297,20 @@ fn a_direct_decision_records_the_named_worker_and_its_cached_overlap() {
         .expect("direct");
     assert_eq!(routed.legs[0].worker, WorkerRank::new("a:1", 0));
     assert_eq!(routed.legs[0].overlap_blocks, 0);
+    w.apply(Event::WorkerDraining(crate::event::WorkerDraining {
+        worker: WorkerId::new("a:1"),
+        reason: "pod deleted".into(),
+    }));
+    assert_eq!(
+        router.decide_direct(&w.fleet, &req, &pick("a:1"), 7),
+        Err(RouteError::Draining("a:1".into()))
+    );
     let mut other = request("r2", &tokens);
     other.model = "other".into();
     assert_eq!(
-        router.decide_direct(&w.fleet, &other, &pick("a:1"), 7),
+        router.decide_direct(&w.fleet, &other, &pick("b:1"), 7),
         Err(RouteError::WrongModel {
-            worker: "a:1".into(),
+            worker: "b:1".into(),
             model: "other".into()
         })
     );
