@@ -7,85 +7,27 @@
 //! status pages, polled under a deadline (there is no in-process handle to wait on).
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use common::{
+    DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, tokenizer_dir,
+};
+
 use infera_backends::testing::EtcdServer;
 use serde_json::{Value, json};
 use std::io::{Read as _, Write as _};
-use std::net::{TcpListener, TcpStream};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-const DEADLINE: Duration = Duration::from_secs(30);
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A free port for `infera worker mock`, whose KV-event sockets take the port + 10000 and
-/// + 20000, which must be free (and below 65536) too.
-fn free_mock_port() -> u16 {
-    loop {
-        let port = free_port();
-        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
-        if port < 45_000 && free(port + 10_000) && free(port + 20_000) {
-            return port;
-        }
-    }
-}
-
-/// Kills the child (by its own pid) when dropped, so a failed assertion leaves nothing behind.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// One HTTP/1.1 exchange with `Connection: close`; `None` while nothing listens.
-fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(DEADLINE)).ok()?;
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).ok()?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).ok()?;
-    let (head, body) = raw.split_once("\r\n\r\n")?;
-    let status = head.split(' ').nth(1)?.parse().ok()?;
-    Some((status, body.to_owned()))
-}
-
-fn get_json(port: u16, path: &str) -> Option<Value> {
-    let (status, body) = http(port, "GET", path, "")?;
-    (status == 200).then(|| serde_json::from_str(&body).ok())?
-}
-
-/// Polls `probe` until it holds (the server is another process; see the module docs).
-fn eventually(what: &str, mut probe: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !probe() {
-        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
     let etcd = EtcdServer::start().await.expect("etcd starts");
-    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tokenizers/deepseek-v4");
-    let tok = tok.to_str().unwrap();
+    let tok = tokenizer_dir();
+    let tok = tok.as_str();
     let bin = env!("CARGO_BIN_EXE_infera");
 
-    let worker_port = free_mock_port();
+    let worker_port = free_mock_port(&[]);
     let mut worker = Proc(
         Command::new(bin)
             .args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
@@ -199,10 +141,11 @@ fn mock_worker(bin: &str, tok: &str, etcd: &str, port: u16, lease: &str) -> Proc
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_worker_ends_its_stream_with_an_error_fails_over_and_leaves_within_its_lease() {
     let etcd = EtcdServer::start().await.expect("etcd starts");
-    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tokenizers/deepseek-v4");
-    let tok = tok.to_str().unwrap();
+    let tok = tokenizer_dir();
+    let tok = tok.as_str();
     let bin = env!("CARGO_BIN_EXE_infera");
-    let ports = [free_mock_port(), free_mock_port()];
+    let first = free_mock_port(&[]);
+    let ports = [first, free_mock_port(&[first])];
     let mut workers: Vec<Proc> = ports
         .iter()
         .map(|p| mock_worker(bin, tok, &etcd.endpoint(), *p, "2s"))

@@ -12,89 +12,22 @@
 //! status pages and the API server's state, polled under a deadline.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use common::{
+    DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, tokenizer_dir,
+};
+
 use infera_backends::discovery::kubernetes::WORKER_INFO_ANNOTATION;
 use infera_backends::testing::kube_api::{KubeApiServer, worker_pod};
 use serde_json::{Value, json};
-use std::io::{Read as _, Write as _};
-use std::net::{TcpListener, TcpStream};
+use std::io::Read as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const DEADLINE: Duration = Duration::from_secs(30);
 const NAMESPACE: &str = "infera-e2e";
 const SELECTOR: &str = "app=infera-worker";
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A free port for `infera worker mock`, whose KV-event sockets take the port + 10000 and
-/// + 20000, which must be free (and below 65536) too.
-fn free_mock_port(taken: &[u16]) -> u16 {
-    loop {
-        let port = free_port();
-        let free = |p: u16| !taken.contains(&p) && TcpListener::bind(("127.0.0.1", p)).is_ok();
-        if port < 45_000 && free(port) && free(port + 10_000) && free(port + 20_000) {
-            return port;
-        }
-    }
-}
-
-/// Kills the child (by its own pid) when dropped, so a failed assertion leaves nothing behind.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Proc {
-    /// Sends SIGTERM (as the kubelet does) and waits for the exit.
-    fn terminate(&mut self) -> std::process::ExitStatus {
-        let pid = self.0.id().to_string();
-        let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-        assert!(sent.success(), "kill -TERM {pid}");
-        self.0.wait().unwrap()
-    }
-}
-
-/// One HTTP/1.1 exchange with `Connection: close`; `None` while nothing listens.
-fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(DEADLINE)).ok()?;
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).ok()?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).ok()?;
-    let (head, body) = raw.split_once("\r\n\r\n")?;
-    let status = head.split(' ').nth(1)?.parse().ok()?;
-    Some((status, body.to_owned()))
-}
-
-fn get_json(port: u16, path: &str) -> Option<Value> {
-    let (status, body) = http(port, "GET", path, "")?;
-    (status == 200).then(|| serde_json::from_str(&body).ok())?
-}
-
-/// Polls `probe` until it holds (the server is another process; see the module docs).
-fn eventually(what: &str, mut probe: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !probe() {
-        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 /// The server's `active_workers` (routable workers), `None` while it does not answer.
 fn active_workers(server: u16) -> Option<u64> {
@@ -138,14 +71,6 @@ fn completion(server: u16, model: &str, prompt: &str) -> Value {
     let (status, body) = http(server, "POST", "/v1/completions", &req).expect("server answers");
     assert_eq!(status, 200, "{body}");
     serde_json::from_str(&body).unwrap()
-}
-
-fn tokenizer_dir() -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures/tokenizers/deepseek-v4")
-        .to_str()
-        .unwrap()
-        .to_owned()
 }
 
 /// A kubeconfig whose current context is the API server at `url`, in [`NAMESPACE`].

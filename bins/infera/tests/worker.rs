@@ -9,64 +9,21 @@
 //! stream: no polling), its HTTP readiness by probing under a deadline.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use common::{DEADLINE, Proc, free_port, http, sigterm, tokenizer_dir};
+
 use infera_backends::discovery::{
     Discovery as _, DiscoveryChange, DiscoveryStream, EtcdConfig, EtcdDiscovery,
 };
 use infera_backends::testing::EtcdServer;
 use infera_core::event::{Engine, Role, WorkerRecord};
 use serde_json::Value;
-use std::io::{Read as _, Write as _};
-use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
-
-const DEADLINE: Duration = Duration::from_secs(60);
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Kills the child when dropped, so a failed assertion leaves nothing behind.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn tokenizer() -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures/tokenizers/deepseek-v4")
-        .to_str()
-        .unwrap()
-        .to_owned()
-}
+use std::process::{Command, Stdio};
 
 fn standin() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/peers/engine_standin.sh")
-}
-
-/// One HTTP/1.1 exchange with `Connection: close`.
-fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(DEADLINE)).ok()?;
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).ok()?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).ok()?;
-    let (head, body) = raw.split_once("\r\n\r\n")?;
-    Some((head.split(' ').nth(1)?.parse().ok()?, body.to_owned()))
 }
 
 async fn next_change(stream: &mut DiscoveryStream) -> DiscoveryChange {
@@ -81,14 +38,6 @@ async fn registered(stream: &mut DiscoveryStream) -> WorkerRecord {
         DiscoveryChange::Registered(record) => record,
         other => panic!("expected a registration, got {other:?}"),
     }
-}
-
-fn sigterm(child: &Child) {
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
 }
 
 fn pid_alive(pid: &str) -> bool {
@@ -139,7 +88,7 @@ async fn launch(
     } else {
         "--model"
     };
-    let tok = tokenizer();
+    let tok = tokenizer_dir();
     let worker = Proc(
         Command::new(env!("CARGO_BIN_EXE_infera"))
             .args(["worker", engine, model_flag, &tok, "--host", "127.0.0.1"])
@@ -211,7 +160,7 @@ async fn vllm_launcher_runs_registers_serves_and_stops_its_engine() {
         ],
     )
     .await;
-    let tok = tokenizer();
+    let tok = tokenizer_dir();
     let port = launched.port.to_string();
     let seen = &launched.seen;
     // The exact command line (after --engine-cmd, which replaces `vllm serve`): model, host and
@@ -285,7 +234,7 @@ async fn sglang_and_atom_launchers_inject_their_own_settings() {
         &["--page-size", "32"],
     )
     .await;
-    let tok = tokenizer();
+    let tok = tokenizer_dir();
     let port = sglang.port.to_string();
     assert_eq!(
         &sglang.seen.argv[..8],

@@ -234,8 +234,12 @@ fn standalone_config(
     // The tokenizer stays the model path's; requests name the served model.
     let served = value(&["--served-model-name"]).unwrap_or_else(|| config.model.clone());
     let host = config.host.clone();
-    let wildcard =
-        |endpoint: &str| endpoint.replace("tcp://*:", &format!("tcp://{}:", socket_host(&host)));
+    let wildcard = |endpoint: &str| {
+        endpoint.replace(
+            "tcp://*:",
+            &format!("tcp://{}:", super::launch::url_host(&host)),
+        )
+    };
     let kv = if let Some(text) = value(&["--kv-events-config"]) {
         let json: serde_json::Value = serde_json::from_str(&text)
             .with_context(|| format!("--kv-events-config is not JSON: {text}"))?;
@@ -333,16 +337,8 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("cannot start the tokio runtime")
 }
 
-fn socket_host(host: &str) -> String {
-    if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]")
-    } else {
-        host.to_owned()
-    }
-}
-
 pub(super) fn socket_addr(host: &str, port: u16) -> String {
-    format!("{}:{port}", socket_host(host))
+    format!("{}:{port}", super::launch::url_host(host))
 }
 
 #[cfg(test)]

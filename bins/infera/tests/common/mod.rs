@@ -1,0 +1,102 @@
+//! Helpers shared by the end-to-end tests that run the `infera` binary as separate processes
+//! (server, workers, engines): free ports, child processes that die with the test, one-shot
+//! HTTP/1.1 exchanges and bounded polling of another process's status pages.
+#![allow(dead_code, clippy::unwrap_used)] // each test binary uses its own subset
+
+use serde_json::Value;
+use std::io::{Read as _, Write as _};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus};
+use std::time::{Duration, Instant};
+
+/// Upper bound of every wait: a guard against a hung test, never a synchronisation.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A port nothing listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A free port for `infera worker mock`, whose KV-event sockets take the port + 10000 and
+/// + 20000, which must be free (and below 65536) too; none of them in `taken`.
+pub fn free_mock_port(taken: &[u16]) -> u16 {
+    loop {
+        let port = free_port();
+        let free = |p: u16| !taken.contains(&p) && TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if port < 45_000 && free(port) && free(port + 10_000) && free(port + 20_000) {
+            return port;
+        }
+    }
+}
+
+/// The fixture tokenizer directory.
+pub fn tokenizer_dir() -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/tokenizers/deepseek-v4")
+        .to_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// A child process killed (by its own pid) when dropped, so a failed assertion leaves nothing
+/// behind.
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Proc {
+    /// Sends SIGTERM (as a supervisor does) and waits for the exit.
+    pub fn terminate(&mut self) -> ExitStatus {
+        sigterm(&self.0);
+        self.0.wait().unwrap()
+    }
+}
+
+/// Sends SIGTERM to `child`.
+pub fn sigterm(child: &Child) {
+    let pid = child.id().to_string();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(sent.success(), "kill -TERM {pid}");
+}
+
+/// One HTTP/1.1 exchange with `Connection: close`; `None` while nothing listens.
+pub fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(DEADLINE)).ok()?;
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).ok()?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    let status = head.split(' ').nth(1)?.parse().ok()?;
+    Some((status, body.to_owned()))
+}
+
+/// `GET path` as JSON when it answers 200.
+pub fn get_json(port: u16, path: &str) -> Option<Value> {
+    let (status, body) = http(port, "GET", path, "")?;
+    (status == 200).then(|| serde_json::from_str(&body).ok())?
+}
+
+/// Polls `probe` until it holds (the observed state is another process's).
+pub fn eventually(what: &str, mut probe: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !probe() {
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
