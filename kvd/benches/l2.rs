@@ -1,42 +1,78 @@
-//! L2 over the socket: `set` and `get` of 1 MiB values through [`KvdClient`] against a real
-//! daemon on a temporary socket, beside a 1 MiB memcpy baseline. Criterion reports each as
-//! throughput; the closing lines print MB/s and the ratio to memcpy from a direct measurement.
+//! L2 over the socket, beside this machine's memcpy:
+//! - `socket_set` / `socket_get`: 1 MiB values inline (bytes in the frames), no arena;
+//! - `arena_put` / `arena_get`: 1 MiB values through the shared arena — `set_reserve`, one copy
+//!   into the mapping, `set_commit`; `get_shared`, one copy out of the mapping (so both do the
+//!   one memcpy a user of the value needs);
+//! - `arena_get_5mb`: `get_shared` of a 5 MB block and its zero-copy validation (the reader
+//!   checks the slot's seqlock around its use), the latency target;
+//! - `memcpy`: 1 MiB `copy_from_slice`.
+//!
+//! Criterion cycles over 4 keys (4 MiB: hot in the caches, like its memcpy of one buffer). The
+//! closing lines print MB/s and ratios to memcpy for that hot working set and for a cold one (64
+//! keys, beside a memcpy that cycles over 64 buffers), and the 5 MB get's p50/p99.
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group};
 use infera_core::event::Retention;
+use infera_kvd::client::SharedGet;
 use infera_kvd::{KvdClient, KvdOptions, KvdServer, Namespace, SetItem};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
+const BLOCK_5MB: usize = 5_000_000;
+/// Keys cycled through: a working set that stays in the caches, and one that does not.
+const HOT: u64 = 4;
+const COLD: u64 = 64;
 
 struct Bench {
+    /// The daemon's runtime (two workers, like a small deployment).
+    _server: tokio::runtime::Runtime,
+    /// The client's own runtime, as in an engine process.
     rt: tokio::runtime::Runtime,
     client: KvdClient,
     value: Bytes,
+    out: Vec<u8>,
     _dir: tempfile::TempDir,
 }
 
-fn setup() -> Bench {
-    let rt = tokio::runtime::Builder::new_multi_thread()
+fn setup(arena: bool) -> Bench {
+    let server_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime");
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("kvd.sock");
-    let client = rt.block_on(async {
-        let server = KvdServer::bind(KvdOptions::new(&path, 256 << 20))
-            .await
-            .expect("bind");
+    server_rt.block_on(async {
+        let mut options = KvdOptions::new(&path, 512 << 20);
+        if arena {
+            options.shared_arena_bytes = 512 << 20;
+            options.arena_slot_bytes = Some(5 << 20);
+        }
+        let server = KvdServer::bind(options).await.expect("bind");
         tokio::spawn(server.serve());
-        KvdClient::connect(&path).await.expect("connect")
+    });
+    let client = rt.block_on(async {
+        if arena {
+            KvdClient::connect_shared(&path, "bench")
+                .await
+                .expect("connect")
+                .0
+        } else {
+            KvdClient::connect(&path).await.expect("connect")
+        }
     });
     Bench {
+        _server: server_rt,
         rt,
         client,
         value: Bytes::from(vec![0x5au8; MIB]),
+        out: vec![0u8; BLOCK_5MB],
         _dir: dir,
     }
 }
@@ -56,34 +92,104 @@ fn get(b: &mut Bench, i: u64) -> Bytes {
     hit.expect("get").expect("hit").value
 }
 
+fn arena_put(b: &mut Bench, i: u64, len: usize) {
+    let value = &b.value[..len.min(MIB)];
+    let ack =
+        b.rt.block_on(b.client.put(
+            &ns(),
+            Bytes::copy_from_slice(&i.to_be_bytes()),
+            value,
+            Retention::Long,
+            None,
+        ))
+        .expect("put");
+    assert!(ack.accepted, "{ack:?}");
+}
+
+fn arena_get(b: &mut Bench, i: u64, copy: bool) -> usize {
+    let got =
+        b.rt.block_on(b.client.get_shared(&ns(), &i.to_be_bytes()))
+            .expect("get")
+            .expect("hit");
+    let SharedGet::Slot(slot) = got else {
+        panic!("not arena-resident");
+    };
+    let out = &mut b.out;
+    let arena = b.client.arena().expect("arena");
+    let n = arena.read(&slot, |bytes| {
+        if copy {
+            out[..bytes.len()].copy_from_slice(bytes);
+        }
+        bytes.len()
+    });
+    n.expect("stable slot")
+}
+
+fn put_5mb(b: &mut Bench, key: u64) {
+    let value = vec![0x33u8; BLOCK_5MB];
+    let ack =
+        b.rt.block_on(b.client.put(
+            &ns(),
+            Bytes::copy_from_slice(&key.to_be_bytes()),
+            &value,
+            Retention::Long,
+            None,
+        ))
+        .expect("put");
+    assert!(ack.accepted, "{ack:?}");
+}
+
 fn memcpy(src: &[u8], dst: &mut [u8]) {
     dst.copy_from_slice(black_box(src));
     black_box(dst);
 }
 
 fn benches(c: &mut Criterion) {
-    let mut b = setup();
+    let mut inline = setup(false);
     let mut group = c.benchmark_group("l2_1mib");
     group.throughput(Throughput::Bytes(MIB as u64));
     let mut i = 0u64;
     group.bench_function("socket_set", |bench| {
         bench.iter(|| {
-            i = (i + 1) % 64;
-            set(&mut b, i);
+            i = (i + 1) % HOT;
+            set(&mut inline, i);
         })
     });
-    for k in 0..64 {
-        set(&mut b, k);
+    for k in 0..HOT {
+        set(&mut inline, k);
     }
     group.bench_function("socket_get", |bench| {
         bench.iter(|| {
-            i = (i + 1) % 64;
-            black_box(get(&mut b, i));
+            i = (i + 1) % HOT;
+            black_box(get(&mut inline, i));
+        })
+    });
+    let mut shared = setup(true);
+    group.bench_function("arena_put", |bench| {
+        bench.iter(|| {
+            i = (i + 1) % HOT;
+            arena_put(&mut shared, i, MIB);
+        })
+    });
+    for k in 0..HOT {
+        arena_put(&mut shared, k, MIB);
+    }
+    group.bench_function("arena_get", |bench| {
+        bench.iter(|| {
+            i = (i + 1) % HOT;
+            black_box(arena_get(&mut shared, i, true));
         })
     });
     let src = vec![1u8; MIB];
     let mut dst = vec![0u8; MIB];
     group.bench_function("memcpy", |bench| bench.iter(|| memcpy(&src, &mut dst)));
+    group.finish();
+
+    put_5mb(&mut shared, 1_000_000);
+    let mut group = c.benchmark_group("l2_5mb");
+    group.bench_function("arena_get_5mb", |bench| {
+        bench.iter(|| black_box(arena_get(&mut shared, 1_000_000, false)))
+    });
     group.finish();
 }
 
@@ -99,19 +205,52 @@ fn rate(mut f: impl FnMut(u64)) -> f64 {
 }
 
 fn summary() {
-    let mut b = setup();
-    let src = vec![1u8; MIB];
-    let mut dst = vec![0u8; MIB];
-    let copy = rate(|_| memcpy(&src, &mut dst));
-    let set_rate = rate(|n| set(&mut b, n % 64));
-    let get_rate = rate(|n| {
-        black_box(get(&mut b, n % 64));
-    });
-    println!("l2 1 MiB summary: memcpy {copy:.0} MB/s");
+    let mut inline = setup(false);
+    let mut shared = setup(true);
+    for keys in [HOT, COLD] {
+        let srcs: Vec<Vec<u8>> = (0..keys).map(|k| vec![k as u8; MIB]).collect();
+        let mut dst = vec![0u8; MIB];
+        let copy = rate(|n| memcpy(&srcs[(n % keys) as usize], &mut dst));
+        let set_rate = rate(|n| set(&mut inline, n % keys));
+        let get_rate = rate(|n| {
+            black_box(get(&mut inline, n % keys));
+        });
+        let put_rate = rate(|n| arena_put(&mut shared, n % keys, MIB));
+        let aget_rate = rate(|n| {
+            black_box(arena_get(&mut shared, n % keys, true));
+        });
+        let view_rate = rate(|n| {
+            black_box(arena_get(&mut shared, n % keys, false));
+        });
+        println!("l2 summary ({keys} keys of 1 MiB): memcpy {copy:.0} MB/s");
+        println!(
+            "l2 summary ({keys} keys): inline set {set_rate:.0} MB/s ({:.2} of memcpy), get \
+             {get_rate:.0} MB/s ({:.2})",
+            set_rate / copy,
+            get_rate / copy
+        );
+        println!(
+            "l2 summary ({keys} keys): arena put {put_rate:.0} MB/s ({:.2} of memcpy), get with \
+             copy-out {aget_rate:.0} MB/s ({:.2}), zero-copy get {view_rate:.0} MB/s ({:.2})",
+            put_rate / copy,
+            aget_rate / copy,
+            view_rate / copy
+        );
+    }
+    put_5mb(&mut shared, 1_000_000);
+    let mut lat: Vec<Duration> = (0..20_000)
+        .map(|_| {
+            let t = Instant::now();
+            black_box(arena_get(&mut shared, 1_000_000, false));
+            t.elapsed()
+        })
+        .collect();
+    lat.sort();
+    let p = |q: f64| lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)];
     println!(
-        "l2 1 MiB summary: socket set {set_rate:.0} MB/s ({:.3} of memcpy), get {get_rate:.0} MB/s ({:.3} of memcpy)",
-        set_rate / copy,
-        get_rate / copy
+        "l2 summary: arena get of a 5 MB block: p50 {:.1} us, p99 {:.1} us",
+        p(0.5).as_secs_f64() * 1e6,
+        p(0.99).as_secs_f64() * 1e6
     );
 }
 

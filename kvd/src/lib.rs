@@ -1,47 +1,52 @@
-//! `infera kvd`: the KV-cache daemon — the Unix-socket protocol, the L2 host-RAM store and shared
-//! arena, the L3 tablespace, L4 through the backend trait, and its client library. It does not
-//! depend on the router.
+//! `infera kvd`: the KV-cache daemon — the Unix-socket protocol, the L2 host-RAM store and its
+//! shared arena, the L3 tablespace, the long-term backend trait (L3 now, L4 later), and the
+//! client library. It does not depend on the router.
 //!
-//! Part 1 (this build): [`proto`] (the wire protocol, PROTOCOLS §6), [`store`] (the L2 store on
-//! `infera_core::retention::ClassedLru`), [`server`] (the daemon), [`stats`] (counters and their
-//! Prometheus text) and [`client`]. The shared arena and the L3 tier are part 2.
+//! # Map
+//! - [`proto`]: the wire protocol (PROTOCOLS §6), frames and their msgpack codecs.
+//! - [`server`]: the daemon (socket ownership, connections, sweeper, checkpointer,
+//!   prefetcher) in front of [`store::Store`].
+//! - [`store`]: the tiered store — L2 (retention classes on
+//!   `infera_core::retention::ClassedLru`, values on the heap or in the arena) in front of a
+//!   [`long::LongStore`]; [`store::L2Store`] is L2 alone.
+//! - [`arena`]: the shared arena — a memfd of fixed-size slots with seqlock headers, passed to
+//!   clients over `SCM_RIGHTS`, read and written zero-copy (`get_shared_response`,
+//!   `set_reserve`/`set_commit`).
+//! - [`long`]: the long-term backend trait and its resolver (`--long-backend`).
+//! - [`tablespace`]: the L3 implementation — container files, journal, checkpoints, crash-safe
+//!   recovery, O_DIRECT or buffered I/O through io_uring (or `pread`/`pwrite`).
+//! - [`stats`]: counters and their Prometheus text; [`client`]: the async client.
+//! - `sys` (private): the only `unsafe` code — the shared mapping, aligned buffers, io_uring.
 //!
 //! Entry points: [`run`] (async, until SIGTERM/SIGINT) and [`run_blocking`] (builds the runtime;
 //! what `infera kvd` calls).
 
+pub mod arena;
 pub mod client;
+pub mod long;
+pub(crate) mod lru;
 pub mod proto;
 pub mod server;
 pub mod stats;
 pub mod store;
+pub(crate) mod sys;
+pub mod tablespace;
+pub(crate) mod wire;
 
 pub use client::{ClientError, KvdClient};
+pub use long::{LongBackendConfig, LongStore};
 pub use proto::{Namespace, SetAck, SetItem};
 pub use server::{KvdError, KvdOptions, KvdServer, ShutdownHandle};
 pub use stats::{Stats, metrics_text};
+pub use tablespace::{IoMode, TablespaceConfig};
 
 use tokio::signal::unix::{SignalKind, signal};
 
 /// Runs the daemon until SIGTERM or SIGINT, then shuts down gracefully.
 ///
 /// # Errors
-/// [`KvdError::Unsupported`] when the options ask for the L3 tier (part 2); otherwise the
-/// errors of [`KvdServer::bind`] and of installing the signal handlers.
+/// The errors of [`KvdServer::bind`] and of installing the signal handlers.
 pub async fn run(options: KvdOptions) -> Result<(), KvdError> {
-    if options.long_tier_requested {
-        return Err(KvdError::Unsupported(
-            "the L3 tier (--long-path / --long-paths) is not part of this build yet; \
-             run without it for a RAM-only daemon"
-                .to_owned(),
-        ));
-    }
-    if options.shared_arena_bytes > 0 {
-        tracing::warn!(
-            shared_arena_bytes = options.shared_arena_bytes,
-            "the shared arena is not part of this build yet: clients get inline replies \
-             (hello_ack.shared_arena = nil)"
-        );
-    }
     let mut terminate = signal(SignalKind::terminate()).map_err(KvdError::Runtime)?;
     let mut interrupt = signal(SignalKind::interrupt()).map_err(KvdError::Runtime)?;
     let server = KvdServer::bind(options).await?;

@@ -100,7 +100,7 @@ pub fn run(cli: Cli) -> Result<(), AppError> {
             if check {
                 return finish("kvd", Ok(config));
             }
-            infera_kvd::run_blocking(kvd_options(config)).map_err(|error| AppError::Failed {
+            infera_kvd::run_blocking(config.into()).map_err(|error| AppError::Failed {
                 command: "kvd",
                 error: error.into(),
             })
@@ -133,15 +133,6 @@ fn replay_error(command: &'static str, e: replay_cmd::ReplayFailure) -> AppError
         replay_cmd::ReplayFailure::Invalid(error) => AppError::Invalid { command, error },
         replay_cmd::ReplayFailure::Failed(error) => AppError::Failed { command, error },
     }
-}
-
-/// The daemon's options from the validated configuration (the L3 tier and the arena are the
-/// daemon's part 2; it refuses the first and logs the second).
-fn kvd_options(config: KvdConfig) -> infera_kvd::KvdOptions {
-    let mut options = infera_kvd::KvdOptions::new(config.socket, config.max_bytes.bytes());
-    options.shared_arena_bytes = config.shared_arena_bytes.bytes();
-    options.long_tier_requested = config.long_tier.is_some();
-    options
 }
 
 /// Prints a validated configuration (`--check-config`), or reports why it is invalid.

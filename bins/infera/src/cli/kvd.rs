@@ -45,11 +45,12 @@ pub struct KvdArgs {
     pub use_tablespace: bool,
 
     /// Long-term store, one only: tablespace (L3) | mooncake | lmcache (L4); the L4 stores are
-    /// not available in this build yet.
+    /// not available in this build yet (choosing one is refused with a one-line error).
     #[arg(long, value_enum, default_value = "tablespace", help_heading = L3)]
     pub long_backend: LongBackend,
 
-    /// L3 I/O: auto picks O_DIRECT on NVMe, buffered on NFS/SATA.
+    /// L3 I/O: auto picks O_DIRECT on NVMe, buffered on NFS/SATA/rotating disks (decided from
+    /// /sys/block and logged at startup); io_uring is used where the kernel allows it.
     #[arg(long, value_enum, default_value = "auto", help_heading = L3)]
     pub io_mode: IoMode,
 

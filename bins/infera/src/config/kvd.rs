@@ -2,9 +2,13 @@
 //!
 //! Built only by `TryFrom<KvdArgs>`, which checks: `--max-bytes`, `--long-bytes` and
 //! `--long-workers-per-shard` are positive; `--long-path` and `--long-paths` are not both
-//! given; striped paths are non-empty and distinct; `--long-backend` is `tablespace` (the L4
-//! stores are not in this build). `--use-tablespace` is accepted and ignored with a warning.
+//! given; striped paths are non-empty and distinct; `--long-backend` is available in this
+//! build (the daemon's resolver, `infera_kvd::long::check_available`, says which: the L4 stores
+//! are not yet). `--use-tablespace` is accepted and ignored with a warning.
 //! `--shared-arena-bytes auto` resolves to `--max-bytes`.
+//!
+//! The one conversion from a validated config to the daemon's options is
+//! `From<KvdConfig> for infera_kvd::KvdOptions`.
 
 use crate::cli::kvd::KvdArgs;
 use crate::config::units::ByteSize;
@@ -120,20 +124,13 @@ impl TryFrom<KvdArgs> for KvdConfig {
         let max_bytes = ByteSize(positive("--max-bytes", args.max_bytes.bytes())?);
         let long_bytes = ByteSize(positive("--long-bytes", args.long_bytes.bytes())?);
         let workers_per_shard = positive("--long-workers-per-shard", args.long_workers_per_shard)?;
-        let l4_store = match args.long_backend {
-            LongBackend::Tablespace => None,
-            LongBackend::Mooncake => Some("mooncake"),
-            LongBackend::Lmcache => Some("lmcache"),
+        let backend = match args.long_backend {
+            LongBackend::Tablespace => "tablespace",
+            LongBackend::Mooncake => "mooncake",
+            LongBackend::Lmcache => "lmcache",
         };
-        if let Some(store) = l4_store {
-            return Err(ConfigError::new(
-                "--long-backend",
-                format!(
-                    "{store}: the L4 stores (mooncake, lmcache) are not available in this \
-                     build yet; use --long-backend tablespace with --long-path or --long-paths"
-                ),
-            ));
-        }
+        infera_kvd::long::check_available(backend)
+            .map_err(|reason| ConfigError::new("--long-backend", reason))?;
         if args.use_tablespace {
             tracing::warn!(
                 "--use-tablespace is deprecated and has no effect: \
@@ -169,6 +166,42 @@ impl TryFrom<KvdArgs> for KvdConfig {
                 io_mode: args.io_mode,
             }),
         })
+    }
+}
+
+impl From<IoMode> for infera_kvd::IoMode {
+    fn from(mode: IoMode) -> Self {
+        match mode {
+            IoMode::Auto => infera_kvd::IoMode::Auto,
+            IoMode::Direct => infera_kvd::IoMode::Direct,
+            IoMode::Buffered => infera_kvd::IoMode::Buffered,
+        }
+    }
+}
+
+impl From<KvdConfig> for infera_kvd::KvdOptions {
+    /// The daemon's options: the RAM tier, the arena, and the L3 tablespace when a region is
+    /// configured (one shard per `--long-paths` directory; `--long-workers-per-shard` I/O
+    /// workers each, the daemon's default for a single `--long-path`).
+    fn from(config: KvdConfig) -> Self {
+        let mut options = infera_kvd::KvdOptions::new(config.socket, config.max_bytes.bytes());
+        options.shared_arena_bytes = config.shared_arena_bytes.bytes();
+        options.long = config.long_tier.map(|tier| {
+            let (paths, workers) = match tier.layout {
+                LongLayout::Single { path } => (vec![path], None),
+                LongLayout::Striped {
+                    paths,
+                    workers_per_shard,
+                } => (paths, Some(workers_per_shard)),
+            };
+            let mut ts = infera_kvd::TablespaceConfig::new(paths, tier.bytes.bytes());
+            ts.io_mode = tier.io_mode.into();
+            if let Some(workers) = workers {
+                ts.workers_per_shard = workers;
+            }
+            infera_kvd::LongBackendConfig::Tablespace(ts)
+        });
+        options
     }
 }
 
@@ -302,6 +335,35 @@ mod tests {
                 .ends_with("or auto")
         );
         assert_eq!(ArenaSize::Auto.to_string(), "auto");
+    }
+
+    #[test]
+    fn options_carry_the_arena_and_the_l3_region() {
+        let options = infera_kvd::KvdOptions::from(
+            parse(&[
+                "--max-bytes",
+                "1G",
+                "--long-paths",
+                "/a,/b",
+                "--io-mode",
+                "direct",
+            ])
+            .unwrap(),
+        );
+        assert_eq!(options.max_bytes, 1 << 30);
+        assert_eq!(options.shared_arena_bytes, 1 << 30);
+        let Some(infera_kvd::LongBackendConfig::Tablespace(ts)) = options.long else {
+            panic!("{:?}", options.long);
+        };
+        assert_eq!(ts.paths, [PathBuf::from("/a"), PathBuf::from("/b")]);
+        assert_eq!(
+            (ts.bytes, ts.io_mode),
+            (32 << 30, infera_kvd::IoMode::Direct)
+        );
+        assert_eq!(ts.workers_per_shard, 8);
+        let ram_only = infera_kvd::KvdOptions::from(parse(&["--shared-arena-bytes", "0"]).unwrap());
+        assert_eq!((ram_only.shared_arena_bytes, ram_only.long), (0, None));
+        assert!(!ram_only.long_tier_requested);
     }
 
     #[test]

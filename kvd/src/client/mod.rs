@@ -1,20 +1,31 @@
 //! [`KvdClient`]: an async client of the kvd wire protocol (ours or the Python daemon), used by
-//! the tests and by the router's prewarm. One connection, one request in flight per call; the
-//! lower-level [`KvdClient::send`] / [`KvdClient::recv`] pipeline with `id`s.
+//! the tests, the benches and the router's prewarm. One connection, one request in flight per
+//! call; the lower-level [`KvdClient::send`] / [`KvdClient::recv`] pipeline with `id`s.
+//!
+//! [`KvdClient::connect_shared`] negotiates the shared arena: the daemon's memfd arrives over
+//! `SCM_RIGHTS` and is mapped ([`ClientArena`]); gets of arena-resident values then come back as
+//! offsets ([`KvdClient::get_shared`] gives them to the caller for zero-copy use; [`KvdClient::get`]
+//! copies the bytes out), and [`KvdClient::put`] writes through `set_reserve`/`set_commit`.
 //!
 //! Errors say whether to retry: a transport failure ([`ClientError::is_retryable`]) is worth a
 //! reconnect and retry; a refusal or a protocol mismatch is not.
 
+mod arena;
+
+pub use arena::ClientArena;
+
+use crate::arena::recv_fd;
 use crate::proto::{
     self, DecodedResponse, Namespace, PROTOCOL_VERSION, Request, Response, SetAck, SetItem,
-    StatsReply,
+    SharedSlot, StatsReply,
 };
+use crate::wire::write_parts;
 use bytes::{Bytes, BytesMut};
 use infera_core::event::Retention;
 use rmpv::Value;
 use std::io;
 use std::path::{Path, PathBuf};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncReadExt, BufReader};
 use tokio::net::UnixStream;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
@@ -78,12 +89,24 @@ pub struct Reservation {
     pub reason: String,
 }
 
+/// What [`KvdClient::get_shared`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SharedGet {
+    /// An arena slot: read it with [`ClientArena::read`] or [`ClientArena::copy`].
+    Slot(SharedSlot),
+    /// A value the daemon sent inline (not arena-resident).
+    Inline(Hit),
+}
+
 /// See the module docs.
 #[derive(Debug)]
 pub struct KvdClient {
     rd: BufReader<OwnedReadHalf>,
-    wr: BufWriter<OwnedWriteHalf>,
+    wr: OwnedWriteHalf,
     max_frame: usize,
+    arena: Option<ClientArena>,
+    /// A lease taken ahead by [`KvdClient::put`].
+    spare: Option<Reservation>,
 }
 
 impl KvdClient {
@@ -99,12 +122,81 @@ impl KvdClient {
                 path: path.to_path_buf(),
                 source,
             })?;
+        Ok(Self::from_stream(stream, None))
+    }
+
+    fn from_stream(stream: UnixStream, arena: Option<ClientArena>) -> Self {
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size(&stream, 4 << 20);
+        let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&stream, 4 << 20);
         let (rd, wr) = stream.into_split();
-        Ok(Self {
+        Self {
             rd: BufReader::with_capacity(64 << 10, rd),
-            wr: BufWriter::with_capacity(64 << 10, wr),
+            wr,
             max_frame: usize::MAX,
-        })
+            arena,
+            spare: None,
+        }
+    }
+
+    /// Connects and says `hello{prefers_shared_arena: true}`; when the daemon offers its arena,
+    /// receives and maps it. The handshake is read unbuffered, so the descriptor that follows
+    /// `hello_ack` is not swallowed.
+    ///
+    /// # Errors
+    /// [`ClientError::Connect`], a transport error, or [`ClientError::Protocol`] when the
+    /// reply or the descriptor is not the documented one.
+    pub async fn connect_shared(
+        path: impl AsRef<Path>,
+        client_id: &str,
+    ) -> Result<(Self, HelloAck), ClientError> {
+        let path = path.as_ref();
+        let mut stream =
+            UnixStream::connect(path)
+                .await
+                .map_err(|source| ClientError::Connect {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+        let hello = Request::Hello {
+            client_id: client_id.to_owned(),
+            protocol_version: PROTOCOL_VERSION,
+            prefers_shared_arena: true,
+        };
+        write_parts(&mut stream, &hello.encode(None)).await?;
+        let mut header = [0u8; 4];
+        stream.read_exact(&mut header).await?;
+        let mut body = vec![0u8; u32::from_be_bytes(header) as usize];
+        stream.read_exact(&mut body).await?;
+        let reply = proto::decode_response(&Bytes::from(body))
+            .map_err(|e| ClientError::Protocol(e.to_string()))?;
+        let ack = match reply.response {
+            Response::HelloAck {
+                server_id,
+                protocol_version,
+                shared_arena,
+            } => HelloAck {
+                server_id,
+                protocol_version,
+                shared_arena,
+            },
+            Response::Error { code, message } => return Err(ClientError::Server { code, message }),
+            other => return Err(unexpected("hello_ack", &other)),
+        };
+        let arena = match ack.shared_arena {
+            Some(info) => {
+                let fd = recv_fd(&stream).await?;
+                Some(ClientArena::open(fd, info).map_err(|e| {
+                    ClientError::Protocol(format!("cannot map the shared arena: {e}"))
+                })?)
+            }
+            None => None,
+        };
+        Ok((Self::from_stream(stream, arena), ack))
+    }
+
+    /// The mapped arena, after [`KvdClient::connect_shared`] got one.
+    pub fn arena(&self) -> Option<&ClientArena> {
+        self.arena.as_ref()
     }
 
     /// Sends one request without waiting for its reply.
@@ -112,10 +204,7 @@ impl KvdClient {
     /// # Errors
     /// [`ClientError::Io`].
     pub async fn send(&mut self, request: &Request, id: Option<&Value>) -> Result<(), ClientError> {
-        for part in request.encode(id) {
-            self.wr.write_all(&part).await?;
-        }
-        self.wr.flush().await?;
+        write_parts(&mut self.wr, &request.encode(id)).await?;
         Ok(())
     }
 
@@ -134,11 +223,12 @@ impl KvdClient {
         if len > self.max_frame {
             return Err(ClientError::Protocol(format!("a reply of {len} bytes")));
         }
-        let mut body = BytesMut::zeroed(len);
-        match self.rd.read_exact(&mut body).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(ClientError::Closed),
-            Err(e) => return Err(e.into()),
+        let mut body = BytesMut::with_capacity(len);
+        while body.len() < len {
+            let want = (len - body.len()) as u64;
+            if (&mut self.rd).take(want).read_buf(&mut body).await? == 0 {
+                return Err(ClientError::Closed);
+            }
         }
         proto::decode_response(&body.freeze()).map_err(|e| ClientError::Protocol(e.to_string()))
     }
@@ -182,8 +272,120 @@ impl KvdClient {
         };
         match self.call(request).await? {
             Response::Get { value, retention } => Ok(value.map(|value| Hit { value, retention })),
+            Response::GetShared(slot) => Ok(self.copy_slot(&slot)),
             other => Err(unexpected("get_response", &other)),
         }
+    }
+
+    fn copy_slot(&self, slot: &SharedSlot) -> Option<Hit> {
+        let value = self.arena.as_ref()?.copy(slot)?;
+        Some(Hit {
+            value,
+            retention: slot.retention,
+        })
+    }
+
+    /// `get` for zero-copy use: the arena slot when the value is arena-resident (validate it
+    /// with [`ClientArena::read`]), else the inline value.
+    pub async fn get_shared(
+        &mut self,
+        ns: &Namespace,
+        key: &[u8],
+    ) -> Result<Option<SharedGet>, ClientError> {
+        let request = Request::Get {
+            ns: ns.clone(),
+            key: Bytes::copy_from_slice(key),
+        };
+        match self.call(request).await? {
+            Response::Get { value, retention } => {
+                Ok(value.map(|value| SharedGet::Inline(Hit { value, retention })))
+            }
+            Response::GetShared(slot) => Ok(Some(SharedGet::Slot(slot))),
+            other => Err(unexpected("get_response", &other)),
+        }
+    }
+
+    /// Writes through the arena when one is mapped (`set_reserve`, copy, `set_commit`), else
+    /// (or when the daemon refuses the lease) with an inline `set`. A TTL is whole seconds here,
+    /// as `set_commit` carries it.
+    ///
+    /// The commit travels with the `set_reserve` of the next put (same size) in one round trip,
+    /// so a steady stream of puts costs one round trip and one copy each; the spare lease is
+    /// held by this connection (and released with it).
+    pub async fn put(
+        &mut self,
+        ns: &Namespace,
+        key: Bytes,
+        value: &[u8],
+        retention: Retention,
+        ttl_seconds: Option<u64>,
+    ) -> Result<SetAck, ClientError> {
+        let len = value.len() as u64;
+        if self.arena.is_some() {
+            let lease = match self.spare.take() {
+                Some(spare) if spare.payload_max_size >= len => spare,
+                other => {
+                    if let Some(unfit) = other {
+                        self.set_cancel(unfit.lease_token).await?;
+                    }
+                    self.set_reserve(len).await?
+                }
+            };
+            if lease.lease_token != 0 {
+                let written = self
+                    .arena
+                    .as_ref()
+                    .map(|a| a.write(lease.payload_offset, lease.payload_max_size, value));
+                if let Some(Err(e)) = written {
+                    self.set_cancel(lease.lease_token).await?;
+                    return Err(ClientError::Protocol(e.to_string()));
+                }
+                let commit = Request::SetCommit {
+                    ns: ns.clone(),
+                    lease_token: lease.lease_token,
+                    key,
+                    length: len,
+                    retention,
+                    ttl_seconds: ttl_seconds.unwrap_or(0),
+                };
+                let mut parts = commit.encode(None);
+                parts.extend(Request::SetReserve { size: len }.encode(None));
+                write_parts(&mut self.wr, &parts).await?;
+                let ack = match self.recv().await?.response {
+                    Response::SetCommit { accepted, reason } => SetAck {
+                        accepted,
+                        reason: (!reason.is_empty()).then_some(reason),
+                    },
+                    Response::Error { code, message } => {
+                        return Err(ClientError::Server { code, message });
+                    }
+                    other => return Err(unexpected("set_commit_response", &other)),
+                };
+                if let Response::SetReserve {
+                    lease_token,
+                    slot_id,
+                    payload_offset,
+                    payload_max_size,
+                    reason,
+                } = self.recv().await?.response
+                    && lease_token != 0
+                {
+                    self.spare = Some(Reservation {
+                        lease_token,
+                        slot_id,
+                        payload_offset,
+                        payload_max_size,
+                        reason,
+                    });
+                }
+                return Ok(ack);
+            }
+        }
+        let mut item = SetItem::new(key, Bytes::copy_from_slice(value)).retention(retention);
+        if let Some(ttl) = ttl_seconds {
+            item = item.ttl_seconds(ttl as f64);
+        }
+        self.set(ns, item).await
     }
 
     /// `batch_get`: one result per key, in order.
@@ -204,6 +406,10 @@ impl KvdClient {
                 .into_iter()
                 .zip(retentions.into_iter().chain(std::iter::repeat(None)))
                 .map(|(v, retention)| v.map(|value| Hit { value, retention }))
+                .collect()),
+            Response::BatchGetShared { slots, .. } if slots.len() == n => Ok(slots
+                .iter()
+                .map(|s| s.as_ref().and_then(|s| self.copy_slot(s)))
                 .collect()),
             other => Err(unexpected("batch_get_response", &other)),
         }

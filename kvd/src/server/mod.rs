@@ -1,76 +1,94 @@
-//! The daemon: a tokio Unix-socket server in front of the [`L2Store`].
+//! The daemon: a tokio Unix-socket server in front of the tiered [`Store`].
 //!
 //! - The socket is created mode 0700 with no window in which it is reachable with other modes:
 //!   it is bound inside a fresh 0700 directory next to `--socket`, chmod-ed, then renamed into
 //!   place. A stale socket file (nobody accepting) is replaced; a live one makes [`KvdServer::bind`]
 //!   fail, and a path that is not a socket is never touched.
-//! - Each connection is one task that reads a frame, answers it, and only then reads the next, so
-//!   pipelined requests are answered in order. Frame errors follow [`crate::proto`]: a broken frame
-//!   is answered with `error` and the connection closes; a bad request is answered with `error`
-//!   and the connection stays.
-//! - Every task (acceptor's connections, the TTL sweeper) lives in a `JoinSet`. Shutdown
-//!   ([`ShutdownHandle`], or SIGTERM/SIGINT through [`crate::run`]) stops accepting, lets each
-//!   connection finish the request in hand, waits up to the grace period, then aborts the rest
-//!   and removes the socket file if it is still ours.
-//! - The shared arena (`set_reserve`/`set_commit`/`set_cancel`, `hello.prefers_shared_arena`) is
-//!   part 2: until then `hello_ack.shared_arena` is nil and the arena ops answer upstream's
-//!   no-arena replies (`lease_token=0, reason="no_arena"`), which the vLLM connector takes as
-//!   "fall back to inline `set`".
+//! - [`KvdServer::bind`] also creates the shared arena (a memfd, when `--shared-arena-bytes` is
+//!   not 0) and opens the long-term backend (recovering the L3 region from disk), so a daemon
+//!   that listens is ready to serve.
+//! - Each connection is one task (`conn.rs`) that reads a frame, answers it, and only then
+//!   reads the next, so pipelined requests are answered in order. Frame errors follow
+//!   [`crate::proto`]. A connection's arena leases die with it.
+//! - Background tasks: the sweeper (TTL expiry in every tier), the checkpointer (L3
+//!   checkpoints) and the prefetcher (`prefetch_hint`s, through a bounded queue; a hint that
+//!   finds the queue full or outlives its deadline is dropped and counted).
+//! - Every task lives in a `JoinSet`. Shutdown ([`ShutdownHandle`], or SIGTERM/SIGINT through
+//!   [`crate::run`]) stops accepting, lets each connection finish the request in hand, waits up
+//!   to the grace period, aborts the rest, closes the backend (flush + checkpoint) and removes
+//!   the socket file if it is still ours.
 
-use crate::proto::{self, DecodedRequest, FrameError, PROTOCOL_VERSION, Request, Response};
+mod conn;
+
+use crate::arena::Arena;
+use crate::long::{self, LongBackendConfig, LongOpenError};
+use crate::proto::{self, Namespace};
 use crate::stats::metrics_text;
-use crate::store::L2Store;
-use bytes::{Bytes, BytesMut};
+use crate::store::Store;
+use bytes::Bytes;
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
-use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::watch;
+use tokio::net::UnixListener;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 /// How the daemon runs. Built from the validated `KvdConfig` by `infera kvd`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct KvdOptions {
     /// The Unix socket clients connect to (`--socket`).
     pub socket: PathBuf,
     /// The L2 budget in bytes (`--max-bytes`).
     pub max_bytes: u64,
-    /// The shared arena size (`--shared-arena-bytes`, resolved); the arena is part 2, so a
-    /// non-zero size is logged and clients are answered without one.
+    /// The shared arena size (`--shared-arena-bytes`, resolved); 0 = no arena.
     pub shared_arena_bytes: u64,
-    /// Whether `--long-path`/`--long-paths` asked for the L3 tier; it is part 2, so
-    /// [`crate::run`] refuses to start rather than silently run without it.
+    /// The arena slot size; `None` lets the first write decide it (upstream's behaviour).
+    pub arena_slot_bytes: Option<u64>,
+    /// The long-term tier (`--long-backend` with `--long-path(s)`); `None` for RAM only.
+    pub long: Option<LongBackendConfig>,
+    /// Set by a caller that asked for the L3 tier without describing it in `long` (older
+    /// wiring); [`KvdServer::bind`] then refuses to start rather than run without the tier.
     pub long_tier_requested: bool,
     /// The largest frame accepted.
     pub max_frame_bytes: usize,
     /// How often expired entries are swept.
     pub sweep_interval: Duration,
+    /// How often the L3 index is checkpointed.
+    pub checkpoint_interval: Duration,
     /// How often the metrics text is logged (at debug level).
     pub metrics_log_interval: Duration,
     /// How long shutdown waits for open connections before aborting them.
     pub shutdown_grace: Duration,
+    /// `SO_SNDBUF`/`SO_RCVBUF` of each connection (0 leaves the kernel's default).
+    pub socket_buffer_bytes: usize,
+    /// `prefetch_hint`s queued at most; more are dropped and counted.
+    pub prefetch_queue: usize,
     /// `hello_ack.server_id`; a random `kvd-xxxxxxxx` when `None`.
     pub server_id: Option<String>,
 }
 
 impl KvdOptions {
-    /// Defaults for everything but the socket and the budget.
+    /// Defaults for everything but the socket and the budget (no arena, no L3).
     pub fn new(socket: impl Into<PathBuf>, max_bytes: u64) -> Self {
         Self {
             socket: socket.into(),
             max_bytes,
             shared_arena_bytes: 0,
+            arena_slot_bytes: None,
+            long: None,
             long_tier_requested: false,
             max_frame_bytes: proto::DEFAULT_MAX_FRAME_BYTES,
             sweep_interval: Duration::from_secs(1),
+            checkpoint_interval: Duration::from_secs(60),
             metrics_log_interval: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(5),
+            socket_buffer_bytes: 4 << 20,
+            prefetch_queue: 256,
             server_id: None,
         }
     }
@@ -88,6 +106,14 @@ pub enum KvdError {
     /// Creating, binding or publishing the socket failed.
     #[error("cannot create the socket {path}: {source}")]
     Socket { path: PathBuf, source: io::Error },
+    /// The shared arena could not be created.
+    #[error(
+        "cannot create the shared arena of {bytes} bytes: {source}; lower --shared-arena-bytes or pass 0"
+    )]
+    Arena { bytes: u64, source: io::Error },
+    /// The long-term tier could not start.
+    #[error(transparent)]
+    Long(#[from] LongOpenError),
     /// A configured feature is not part of this build.
     #[error("{0}")]
     Unsupported(String),
@@ -107,22 +133,48 @@ impl ShutdownHandle {
     }
 }
 
-/// The daemon's clock: milliseconds since start on tokio's clock (so paused time drives TTLs).
+/// The daemon's clock: wall-clock milliseconds at start plus tokio's elapsed time, so entries
+/// on disk carry absolute expiries while paused tokio time still drives TTLs in tests.
 #[derive(Debug, Clone, Copy)]
-struct Clock(Instant);
+struct Clock {
+    start: Instant,
+    epoch_ms: u64,
+}
 
 impl Clock {
-    fn now_ms(&self) -> u64 {
-        self.0.elapsed().as_millis() as u64
+    fn new() -> Self {
+        let epoch_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or_default();
+        Self {
+            start: Instant::now(),
+            epoch_ms,
+        }
     }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch_ms + self.start.elapsed().as_millis() as u64
+    }
+}
+
+/// A queued `prefetch_hint`.
+#[derive(Debug)]
+struct Hint {
+    ns: Namespace,
+    keys: Vec<Bytes>,
+    deadline: Instant,
 }
 
 #[derive(Debug)]
 struct Shared {
-    store: L2Store,
+    store: Store,
     clock: Clock,
     server_id: String,
     max_frame: usize,
+    socket_buffer: usize,
+    hints: mpsc::Sender<Hint>,
+    next_conn: AtomicU64,
 }
 
 /// A bound, not yet serving daemon.
@@ -135,25 +187,52 @@ pub struct KvdServer {
     options: KvdOptions,
     token: CancellationToken,
     sweeps: watch::Sender<u64>,
+    prefetches: watch::Sender<u64>,
+    hints: mpsc::Receiver<Hint>,
 }
 
 impl KvdServer {
-    /// Creates the store and binds the socket (mode 0700). Must run inside a tokio runtime.
+    /// Creates the arena, opens (recovers) the long-term tier and binds the socket (mode 0700).
+    /// Must run inside a tokio runtime.
     ///
     /// # Errors
-    /// [`KvdError::AlreadyRunning`], [`KvdError::NotASocket`] or [`KvdError::Socket`].
+    /// [`KvdError::AlreadyRunning`], [`KvdError::NotASocket`], [`KvdError::Socket`],
+    /// [`KvdError::Arena`], [`KvdError::Long`] or [`KvdError::Unsupported`].
     pub async fn bind(options: KvdOptions) -> Result<Self, KvdError> {
+        if options.long_tier_requested && options.long.is_none() {
+            return Err(KvdError::Unsupported(
+                "the L3 tier (--long-path / --long-paths) was requested but the daemon was not \
+                 given its settings (KvdOptions::long); build the options from the validated \
+                 kvd configuration"
+                    .to_owned(),
+            ));
+        }
+        let arena = match options.shared_arena_bytes {
+            0 => None,
+            bytes => Some(Arc::new(
+                Arena::new(bytes, options.arena_slot_bytes)
+                    .map_err(|source| KvdError::Arena { bytes, source })?,
+            )),
+        };
+        let long = match &options.long {
+            Some(config) => Some(long::open(config).await?),
+            None => None,
+        };
         let (std_listener, inode) = bind_socket(&options.socket)?;
         let listener = UnixListener::from_std(std_listener).map_err(|source| KvdError::Socket {
             path: options.socket.clone(),
             source,
         })?;
         let server_id = options.server_id.clone().unwrap_or_else(random_server_id);
+        let (hints_tx, hints) = mpsc::channel(options.prefetch_queue.max(1));
         let shared = Arc::new(Shared {
-            store: L2Store::new(options.max_bytes),
-            clock: Clock(Instant::now()),
+            store: Store::new(options.max_bytes, arena, long),
+            clock: Clock::new(),
             server_id,
             max_frame: options.max_frame_bytes,
+            socket_buffer: options.socket_buffer_bytes,
+            hints: hints_tx,
+            next_conn: AtomicU64::new(1),
         });
         Ok(Self {
             listener,
@@ -163,6 +242,8 @@ impl KvdServer {
             options,
             token: CancellationToken::new(),
             sweeps: watch::channel(0).0,
+            prefetches: watch::channel(0).0,
+            hints,
         })
     }
 
@@ -176,6 +257,11 @@ impl KvdServer {
         self.sweeps.subscribe()
     }
 
+    /// Counts processed (or dropped) prefetch hints, so a test can wait for one.
+    pub fn prefetches(&self) -> watch::Receiver<u64> {
+        self.prefetches.subscribe()
+    }
+
     /// The socket path.
     pub fn socket_path(&self) -> &Path {
         &self.path
@@ -187,6 +273,9 @@ impl KvdServer {
     }
 
     /// Serves until the shutdown handle fires, then shuts down gracefully.
+    ///
+    /// # Errors
+    /// None today; the signature leaves room for fatal runtime failures.
     pub async fn serve(self) -> Result<(), KvdError> {
         let Self {
             listener,
@@ -196,11 +285,17 @@ impl KvdServer {
             options,
             token,
             sweeps,
+            prefetches,
+            hints,
         } = self;
+        let stats = shared.store.stats();
         tracing::info!(
             server_id = %shared.server_id,
             socket = %path.display(),
             max_bytes = options.max_bytes,
+            shared_arena_bytes = stats.arena.bytes,
+            long_backend = shared.store.long().map_or("none", |l| l.kind()),
+            long_entries = stats.long.entries,
             max_frame_bytes = options.max_frame_bytes,
             "kvd listening"
         );
@@ -212,13 +307,22 @@ impl KvdServer {
             options.sweep_interval,
             options.metrics_log_interval,
         ));
+        background.spawn(prefetcher(shared.clone(), token.clone(), hints, prefetches));
+        if shared.store.long().is_some() {
+            background.spawn(checkpointer(
+                shared.clone(),
+                token.clone(),
+                options.checkpoint_interval,
+            ));
+        }
         let mut connections = JoinSet::new();
         loop {
             tokio::select! {
                 () = token.cancelled() => break,
                 accepted = listener.accept() => match accepted {
                     Ok((stream, _)) => {
-                        connections.spawn(connection(stream, shared.clone(), token.clone()));
+                        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+                        connections.spawn(conn::connection(stream, shared.clone(), token.clone(), id));
                     }
                     Err(error) => {
                         // EMFILE and friends: back off briefly instead of spinning.
@@ -249,6 +353,11 @@ impl KvdServer {
             connections.shutdown().await;
         }
         background.shutdown().await;
+        if let Some(long) = shared.store.long()
+            && let Err(error) = long.close().await
+        {
+            tracing::error!(%error, "kvd could not flush and checkpoint the L3 tier at shutdown");
+        }
         tracing::info!(
             metrics = %metrics_text(&shared.store.stats()),
             "kvd stopped"
@@ -351,166 +460,46 @@ async fn sweeper(
     }
 }
 
-/// What reading one frame produced.
-enum Read {
-    Frame(Bytes),
-    Eof,
-    Broken(FrameError),
-}
-
-async fn read_frame(
-    rd: &mut BufReader<tokio::net::unix::OwnedReadHalf>,
-    max: usize,
-) -> io::Result<Read> {
-    let mut header = [0u8; 4];
-    let mut got = 0;
-    while got < 4 {
-        let n = rd.read(&mut header[got..]).await?;
-        if n == 0 {
-            return Ok(if got == 0 {
-                Read::Eof
-            } else {
-                Read::Broken(FrameError::Truncated { got, want: 4 })
-            });
-        }
-        got += n;
-    }
-    let len = u32::from_be_bytes(header) as usize;
-    if len > max {
-        return Ok(Read::Broken(FrameError::TooLarge {
-            len: len as u64,
-            max,
-        }));
-    }
-    let mut body = BytesMut::zeroed(len);
-    let mut got = 0;
-    while got < len {
-        let n = rd.read(&mut body[got..]).await?;
-        if n == 0 {
-            return Ok(Read::Broken(FrameError::Truncated { got, want: len }));
-        }
-        got += n;
-    }
-    Ok(Read::Frame(body.freeze()))
-}
-
-async fn write_frame(
-    wr: &mut BufWriter<tokio::net::unix::OwnedWriteHalf>,
-    parts: Vec<Bytes>,
-) -> io::Result<()> {
-    for part in parts {
-        wr.write_all(&part).await?;
-    }
-    wr.flush().await
-}
-
-async fn connection(stream: UnixStream, shared: Arc<Shared>, token: CancellationToken) {
-    let (rd, wr) = stream.into_split();
-    let mut rd = BufReader::with_capacity(64 << 10, rd);
-    let mut wr = BufWriter::with_capacity(64 << 10, wr);
+async fn checkpointer(shared: Arc<Shared>, token: CancellationToken, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
     loop {
-        let read = tokio::select! {
-            () = token.cancelled() => break,
-            read = read_frame(&mut rd, shared.max_frame) => read,
-        };
-        let frame = match read {
-            Ok(Read::Frame(frame)) => frame,
-            Ok(Read::Eof) => break,
-            Ok(Read::Broken(error)) => {
-                tracing::debug!(%error, "kvd closing a connection on a broken frame");
-                let reply = Response::error(error.code(), error.to_string());
-                let _ = write_frame(&mut wr, reply.encode(None)).await;
-                break;
-            }
-            Err(error) => {
-                tracing::debug!(%error, "kvd connection read failed");
-                break;
-            }
-        };
-        let (id, reply) = match proto::decode_request(&frame) {
-            Ok(DecodedRequest { id, request }) => match request {
-                Ok(request) => (id, dispatch(&shared, request)),
-                Err(error) => (id, Some(error.to_response())),
-            },
-            Err(error) => {
-                let reply = Response::error(error.code(), error.to_string());
-                let _ = write_frame(&mut wr, reply.encode(None)).await;
-                break;
-            }
-        };
-        drop(frame);
-        if let Some(reply) = reply
-            && let Err(error) = write_frame(&mut wr, reply.encode(id.as_ref())).await
+        tokio::select! {
+            () = token.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        if let Some(long) = shared.store.long()
+            && let Err(error) = long.checkpoint().await
         {
-            tracing::debug!(%error, "kvd connection write failed");
-            break;
+            tracing::error!(%error, "kvd L3 checkpoint failed; the journal keeps growing until one succeeds");
         }
     }
 }
 
-/// Answers one request; `None` for the one-way `prefetch_hint`.
-fn dispatch(shared: &Shared, request: Request) -> Option<Response> {
-    let store = &shared.store;
-    let now = shared.clock.now_ms();
-    Some(match request {
-        Request::Hello {
-            client_id,
-            protocol_version,
-            prefers_shared_arena,
-        } => {
-            tracing::debug!(%client_id, protocol_version, prefers_shared_arena, "kvd hello");
-            Response::HelloAck {
-                server_id: shared.server_id.clone(),
-                protocol_version: PROTOCOL_VERSION,
-                shared_arena: None,
-            }
-        }
-        Request::Get { ns, key } => match store.get(&ns, &key, now) {
-            Some(hit) => Response::Get {
-                value: Some(hit.value),
-                retention: Some(hit.retention),
+async fn prefetcher(
+    shared: Arc<Shared>,
+    token: CancellationToken,
+    mut hints: mpsc::Receiver<Hint>,
+    done: watch::Sender<u64>,
+) {
+    loop {
+        let hint = tokio::select! {
+            () = token.cancelled() => return,
+            hint = hints.recv() => match hint {
+                Some(hint) => hint,
+                None => return,
             },
-            None => Response::Get {
-                value: None,
-                retention: None,
-            },
-        },
-        Request::BatchGet { ns, keys } => {
-            let (values, retentions) = store
-                .get_many(&ns, &keys, now)
-                .into_iter()
-                .map(|h| match h {
-                    Some(hit) => (Some(hit.value), Some(hit.retention)),
-                    None => (None, None),
-                })
-                .unzip();
-            Response::BatchGet { values, retentions }
+        };
+        let now = shared.clock.now_ms();
+        let work = shared.store.prefetch(&hint.ns, &hint.keys, now);
+        // A hint is worth nothing past its deadline: one that waited that long is not started,
+        // and one still running then is abandoned.
+        if Instant::now() >= hint.deadline
+            || tokio::time::timeout_at(hint.deadline, work).await.is_err()
+        {
+            shared.store.note_hint_expired();
         }
-        Request::Set { ns, item } => Response::SetAck(store.set(&ns, &item, now)),
-        Request::BatchSet { ns, items } => Response::BatchSetAck(store.set_many(&ns, &items, now)),
-        Request::SetReserve { .. } => Response::SetReserve {
-            lease_token: 0,
-            slot_id: -1,
-            payload_offset: 0,
-            payload_max_size: 0,
-            reason: "no_arena".to_owned(),
-        },
-        Request::SetCommit { .. } => Response::SetCommit {
-            accepted: false,
-            reason: "no_arena".to_owned(),
-        },
-        Request::SetCancel { .. } => Response::SetCancel,
-        Request::PrefetchHint { .. } => {
-            // No L3 yet: nothing below RAM to warm from. Counted so the router's hints show.
-            store.note_prefetch_hint();
-            return None;
-        }
-        Request::Exists { ns, keys } => Response::Exists {
-            present: store.exists(&ns, &keys, now),
-        },
-        Request::Clear { ns } => Response::Clear {
-            cleared_entries: store.clear(&ns),
-        },
-        Request::Stats { extended } => Response::Stats(store.stats().to_reply(extended)),
-    })
+        done.send_modify(|n| *n += 1);
+    }
 }

@@ -1,0 +1,260 @@
+//! The long-term tier behind L2: one object-safe trait, [`LongStore`], used as
+//! `Arc<dyn LongStore>`, and its resolver, [`open`], from the closed config enum
+//! [`LongBackendConfig`] (`--long-backend tablespace|mooncake|lmcache`).
+//!
+//! The tablespace (L3, [`crate::tablespace`]) is the first implementation. The remote L4 stores
+//! (Mooncake Store, LMCache) are not built yet: choosing one is refused by [`check_available`],
+//! which `infera kvd` calls while validating its flags, so the user gets one line and a nonzero
+//! exit instead of a daemon that silently runs without its tier.
+//!
+//! # Contract
+//! - The index is in memory and answers synchronously ([`LongStore::class_of`],
+//!   [`LongStore::put`], [`LongStore::remove`]), so the tiered store can keep it in step with L2
+//!   under the L2 lock: whatever order two writes of one key take there, they take here.
+//! - Moving bytes is asynchronous: [`LongStore::put`] records the entry and queues its write,
+//!   keeping the value readable from memory until the write lands; [`LongStore::get`] reads
+//!   and verifies. Queued bytes are bounded by write permits ([`LongStore::write_permit`]),
+//!   which the caller takes *before* the L2 lock (so back-pressure never blocks it).
+//! - Only `short` and `long` blocks are ever given to a backend; a backend refuses anything
+//!   else, and never makes room by evicting a higher class than the incoming block.
+//! - A `get` returns the bytes last put under that exact key (namespace included) or nothing:
+//!   never another key's bytes, never a half-written block, including after a crash.
+
+use crate::proto::Namespace;
+use crate::stats::LongStats;
+use crate::tablespace::{Tablespace, TablespaceConfig};
+use bytes::Bytes;
+use infera_core::event::Retention;
+use std::io;
+use std::sync::Arc;
+use tokio::sync::OwnedSemaphorePermit;
+
+/// The long-term backend and its settings (`--long-backend`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum LongBackendConfig {
+    /// L3: container files on local devices.
+    Tablespace(TablespaceConfig),
+    /// L4: a Mooncake Store cluster (not built yet).
+    Mooncake,
+    /// L4: an LMCache remote backend (not built yet).
+    Lmcache,
+}
+
+impl LongBackendConfig {
+    /// The `--long-backend` value.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            LongBackendConfig::Tablespace(_) => "tablespace",
+            LongBackendConfig::Mooncake => "mooncake",
+            LongBackendConfig::Lmcache => "lmcache",
+        }
+    }
+}
+
+/// Whether the backend named `kind` is part of this build; the error is one line that follows
+/// the flag name (`--long-backend <error>`).
+///
+/// # Errors
+/// For `mooncake` and `lmcache` (not built yet) and unknown names.
+pub fn check_available(kind: &str) -> Result<(), String> {
+    match kind {
+        "tablespace" => Ok(()),
+        "mooncake" | "lmcache" => Err(format!(
+            "{kind}: the L4 stores (mooncake, lmcache) are not available in this build yet; \
+             use --long-backend tablespace with --long-path or --long-paths"
+        )),
+        other => Err(format!(
+            "{other}: unknown backend; use tablespace, mooncake or lmcache"
+        )),
+    }
+}
+
+/// Why a backend could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LongOpenError {
+    /// The backend is not part of this build.
+    #[error("--long-backend {0}")]
+    Unavailable(String),
+    /// The settings cannot work (sizes, paths, I/O mode on this device).
+    #[error("{0}")]
+    Invalid(String),
+    /// Opening or recovering the on-disk region failed.
+    #[error("cannot open the L3 region at {path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        source: io::Error,
+    },
+}
+
+/// Builds the configured backend; for the tablespace this recovers the region from disk
+/// (blocking work, run on the blocking pool).
+///
+/// # Errors
+/// [`LongOpenError`].
+pub async fn open(config: &LongBackendConfig) -> Result<Arc<dyn LongStore>, LongOpenError> {
+    check_available(config.kind()).map_err(LongOpenError::Unavailable)?;
+    match config {
+        LongBackendConfig::Tablespace(ts) => {
+            let ts = ts.clone();
+            let opened = tokio::task::spawn_blocking(move || Tablespace::open(&ts))
+                .await
+                .map_err(|e| LongOpenError::Invalid(format!("the L3 recovery task failed: {e}")))?;
+            Ok(Arc::new(opened?))
+        }
+        LongBackendConfig::Mooncake | LongBackendConfig::Lmcache => {
+            Err(LongOpenError::Unavailable(config.kind().to_owned()))
+        }
+    }
+}
+
+/// One block for the long-term tier.
+#[derive(Debug, Clone)]
+pub struct LongBlock {
+    /// `crate::store::key_hash(ns, key)`.
+    pub hash: u128,
+    pub ns: Namespace,
+    pub key: Bytes,
+    pub value: Bytes,
+    /// Engine metadata (msgpack), stored and returned as is.
+    pub metadata: Option<Bytes>,
+    /// `short` or `long`.
+    pub class: Retention,
+    /// Absolute expiry (milliseconds on the daemon's wall clock).
+    pub expires_at: Option<u64>,
+}
+
+/// A block read back.
+#[derive(Debug, Clone)]
+pub struct LongHit {
+    pub value: Bytes,
+    pub class: Retention,
+    pub expires_at: Option<u64>,
+    /// The entry's generation (see [`LongStore::is_current`]).
+    pub generation: u64,
+}
+
+/// Why a backend refused a block (the key's older entry is gone either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum LongRejected {
+    /// Room could only be made by evicting a higher class.
+    #[error("would_displace_higher_priority")]
+    WouldDisplace,
+    /// Larger than the region (or a shard of it), or a field too long for the slot header.
+    #[error("too_large")]
+    TooLarge,
+    /// `none` and `ephemeral` never reach a backend.
+    #[error("class_not_stored")]
+    ClassNotStored,
+}
+
+/// Room in a backend's write queue, held until the write completes.
+#[derive(Debug)]
+pub struct WritePermit {
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl WritePermit {
+    /// A permit backed by a semaphore.
+    pub fn new(permit: OwnedSemaphorePermit) -> Self {
+        Self {
+            _permit: Some(permit),
+        }
+    }
+
+    /// A permit that bounds nothing (for backends without a queue, and tests).
+    pub fn unbounded() -> Self {
+        Self { _permit: None }
+    }
+}
+
+/// See the module docs.
+#[async_trait::async_trait]
+pub trait LongStore: Send + Sync + std::fmt::Debug {
+    /// The backend's name, for logs.
+    fn kind(&self) -> &'static str;
+
+    /// The class of the live (unexpired) entry for `hash`, from memory.
+    fn class_of(&self, hash: u128, now: u64) -> Option<Retention>;
+
+    /// Whether the live entry for `hash` is still generation `generation`.
+    fn is_current(&self, hash: u128, generation: u64) -> bool;
+
+    /// Waits for room to queue `bytes` of writes.
+    async fn write_permit(&self, bytes: u64) -> WritePermit;
+
+    /// Room to queue `bytes` now, or `None` (spills are dropped rather than waited for).
+    fn try_write_permit(&self, bytes: u64) -> Option<WritePermit>;
+
+    /// Records `block`, replacing any entry of its key, and queues its write; `spill` counts
+    /// it as L2's eviction of a `short` block. Never blocks.
+    ///
+    /// # Errors
+    /// [`LongRejected`]; the key's older entry is removed even then.
+    fn put(
+        &self,
+        block: LongBlock,
+        permit: WritePermit,
+        now: u64,
+        spill: bool,
+    ) -> Result<u64, LongRejected>;
+
+    /// Removes the entry for `hash`; false when there was none.
+    fn remove(&self, hash: u128) -> bool;
+
+    /// Reads the block of `(ns, key)`; `None` on a miss, an expired entry, or a slot that fails
+    /// its checks (which also drops the entry). I/O errors are counted and logged, and read as
+    /// a miss.
+    async fn get(&self, ns: &Namespace, key: &[u8], hash: u128, now: u64) -> Option<LongHit>;
+
+    /// Drops the namespace's entries, or all for the empty namespace; returns how many.
+    fn clear(&self, ns: &Namespace) -> u64;
+
+    /// Removes entries expired at `now`; returns how many.
+    fn sweep(&self, now: u64) -> usize;
+
+    /// The backend's counters.
+    fn stats(&self) -> LongStats;
+
+    /// Waits until every write queued so far is durable.
+    ///
+    /// # Errors
+    /// The first I/O error writing data or the journal.
+    async fn flush(&self) -> io::Result<()>;
+
+    /// Writes a checkpoint so a restart replays little (called periodically).
+    ///
+    /// # Errors
+    /// The I/O error writing it; the previous checkpoint and journal stay valid.
+    async fn checkpoint(&self) -> io::Result<()>;
+
+    /// Flushes, checkpoints and stops the backend's threads.
+    ///
+    /// # Errors
+    /// As [`LongStore::flush`] and [`LongStore::checkpoint`].
+    async fn close(&self) -> io::Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_tablespace_is_available() {
+        assert!(check_available("tablespace").is_ok());
+        for kind in ["mooncake", "lmcache"] {
+            let message = check_available(kind).unwrap_err();
+            assert!(message.contains("not available"), "{message}");
+            assert!(!message.contains('\n'));
+        }
+        assert!(check_available("s3").is_err());
+    }
+
+    #[tokio::test]
+    async fn opening_a_remote_backend_is_refused() {
+        let err = open(&LongBackendConfig::Mooncake).await.unwrap_err();
+        assert!(
+            err.to_string().starts_with("--long-backend mooncake:"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,561 @@
+//! [`Store`]: the daemon's tiered store — L2 in RAM (heap or shared arena) in front of an
+//! optional long-term backend.
+//!
+//! Flow (upstream's, made crash-safe):
+//! - `set` of `long`: L2, and written through to the backend; `short`: L2 only, written to the
+//!   backend when L2 evicts it (a spill); `ephemeral` and `none`: L2 only, never on disk.
+//! - An accepted write of a key also replaces (long) or removes (other classes) the backend's
+//!   copy, under the L2 lock, so the backend never keeps an older value than L2: a get returns
+//!   the last accepted value or nothing, whichever tier answers.
+//! - The classes are one ladder across tiers: a write lower than the class the backend holds
+//!   for the key is refused like one lower than L2's (`retention_downgrade_not_allowed`).
+//! - `get`: L2, then the backend; a backend hit is promoted into L2 (into the arena when a slot
+//!   is free) unless the key changed meanwhile (its generation moved on, or L2 got a new value).
+//! - Arena: an inline `set` is copied into a free slot when one exists (else kept on the heap);
+//!   `set_reserve` demotes the lowest-class LRU resident to the heap when every slot is taken,
+//!   so placement never decides what is kept — the L2 budget and classes do.
+//!
+//! Lock order: L2 → backend shard → journal; the arena's own lock is taken inside any of them.
+//! Waiting (backend write permits, reads) happens outside the L2 lock.
+
+use super::l2::{Found, Insert, L2State, Lifetime, Stored, expiry, key_hash};
+use super::{REASON_DOWNGRADE, SetAck};
+use crate::arena::{Arena, HEADER_BYTES, TakeError};
+use crate::long::{LongBlock, LongHit, LongStore, WritePermit};
+use crate::proto::{Namespace, SetItem, SharedSlot};
+use crate::stats::Stats;
+use bytes::Bytes;
+use infera_core::event::Retention;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// A value found in some tier.
+#[derive(Debug, Clone)]
+pub enum Got {
+    /// Arena-resident, for a client that mapped the arena; with the pinned bytes when the
+    /// caller may still have to answer inline (a batch that mixes placements).
+    Shared(SharedSlot, Option<Bytes>),
+    /// The bytes (pinned arena bytes, heap bytes or a block read from disk).
+    Bytes(Bytes, Retention),
+}
+
+/// A granted `set_reserve`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reservation {
+    pub lease_token: u64,
+    pub slot_id: u32,
+    pub payload_offset: u64,
+    pub payload_max_size: u64,
+}
+
+/// One write to admit.
+struct Write<'a> {
+    ns: &'a Namespace,
+    key: &'a Bytes,
+    value: Stored,
+    len: u64,
+    metadata: Option<&'a Bytes>,
+    class: Retention,
+    expires_at: Option<u64>,
+    permit: Option<WritePermit>,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct Store {
+    l2: Mutex<L2State>,
+    arena: Option<Arc<Arena>>,
+    long: Option<Arc<dyn LongStore>>,
+    hints: AtomicU64,
+    promoted: AtomicU64,
+    dropped: AtomicU64,
+}
+
+impl Store {
+    /// A store of `max_bytes` of L2, with an optional arena and backend.
+    pub fn new(
+        max_bytes: u64,
+        arena: Option<Arc<Arena>>,
+        long: Option<Arc<dyn LongStore>>,
+    ) -> Self {
+        let spills = long.is_some();
+        Self {
+            l2: Mutex::new(L2State::new(max_bytes, arena.clone(), spills)),
+            arena,
+            long,
+            hints: AtomicU64::new(0),
+            promoted: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, L2State> {
+        // See `L2Store::lock`: reads compare full keys, so a poisoned lock is safe to reuse.
+        self.l2.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The shared arena, if any.
+    pub fn arena(&self) -> Option<&Arc<Arena>> {
+        self.arena.as_ref()
+    }
+
+    /// The long-term backend, if any.
+    pub fn long(&self) -> Option<&Arc<dyn LongStore>> {
+        self.long.as_ref()
+    }
+
+    /// Copies `value` into a free arena slot, or keeps it on the heap.
+    fn place(&self, value: &Bytes) -> Stored {
+        if let Some(arena) = &self.arena
+            && let Ok(slot) = arena.take(value.len() as u64)
+        {
+            arena.write(slot, value);
+            let version = arena.publish(slot, value.len() as u64);
+            return Stored::Arena { slot, version };
+        }
+        Stored::Heap(value.clone())
+    }
+
+    fn unplace(&self, value: &Stored) {
+        if let (Stored::Arena { slot, .. }, Some(arena)) = (value, &self.arena) {
+            arena.release(*slot);
+        }
+    }
+
+    /// Writes one item.
+    pub async fn set(&self, ns: &Namespace, item: &SetItem, now: u64) -> SetAck {
+        self.set_many(ns, std::slice::from_ref(item), now)
+            .await
+            .pop()
+            .unwrap_or_else(SetAck::accepted)
+    }
+
+    /// Writes items in order (one ack each); see the module docs.
+    pub async fn set_many(&self, ns: &Namespace, items: &[SetItem], now: u64) -> Vec<SetAck> {
+        let mut permits = Vec::with_capacity(items.len());
+        for item in items {
+            let through =
+                item.retention == Retention::Long && expiry(item.ttl_seconds, now).is_ok();
+            permits.push(match (&self.long, through) {
+                (Some(long), true) => Some(long.write_permit(item.value.len() as u64).await),
+                _ => None,
+            });
+        }
+        let placed: Vec<Option<Stored>> = items
+            .iter()
+            .map(|item| {
+                expiry(item.ttl_seconds, now)
+                    .ok()
+                    .map(|_| self.place(&item.value))
+            })
+            .collect();
+        let mut st = self.lock();
+        let acks = items
+            .iter()
+            .zip(placed)
+            .zip(permits)
+            .map(|((item, placed), permit)| {
+                let Some(value) = placed else {
+                    st.stats.sets_total += 1;
+                    return SetAck::accepted();
+                };
+                let expires_at = expiry(item.ttl_seconds, now).ok().flatten();
+                self.admit(
+                    &mut st,
+                    Write {
+                        ns,
+                        key: &item.key,
+                        value,
+                        len: item.value.len() as u64,
+                        metadata: item.metadata.as_ref(),
+                        class: item.retention,
+                        expires_at,
+                        permit,
+                    },
+                    now,
+                )
+            })
+            .collect();
+        self.drain_spills(&mut st, now);
+        acks
+    }
+
+    fn admit(&self, st: &mut L2State, w: Write<'_>, now: u64) -> SetAck {
+        let hash = key_hash(w.ns, w.key);
+        if let Some(long) = &self.long
+            && st.class_of(hash, w.ns, w.key, now).is_none()
+            && long.class_of(hash, now).is_some_and(|c| w.class < c)
+        {
+            st.stats.sets_total += 1;
+            st.stats.rejected_total += 1;
+            self.unplace(&w.value);
+            return SetAck::rejected(REASON_DOWNGRADE);
+        }
+        let ack = st.insert(
+            Insert {
+                ns: w.ns,
+                key: w.key,
+                value: w.value.clone(),
+                len: w.len,
+                metadata: w.metadata,
+                class: w.class,
+                lifetime: Lifetime::Until(w.expires_at),
+                on_disk: false,
+                count: true,
+            },
+            now,
+        );
+        if !ack.accepted {
+            return ack;
+        }
+        if let Some(long) = &self.long {
+            if w.class == Retention::Long {
+                let Some(value) = st.bytes_of(&w.value, w.len) else {
+                    long.remove(hash);
+                    return ack;
+                };
+                let block = LongBlock {
+                    hash,
+                    ns: w.ns.clone(),
+                    key: w.key.clone(),
+                    value,
+                    metadata: w.metadata.cloned(),
+                    class: w.class,
+                    expires_at: w.expires_at,
+                };
+                let permit = w.permit.unwrap_or_else(WritePermit::unbounded);
+                if long.put(block, permit, now, false).is_ok() {
+                    st.mark_on_disk(hash);
+                }
+            } else {
+                long.remove(hash);
+            }
+        }
+        ack
+    }
+
+    /// Writes L2's evicted `short` blocks to the backend; dropped when its queue is full.
+    fn drain_spills(&self, st: &mut L2State, now: u64) {
+        let Some(long) = &self.long else {
+            st.spills.clear();
+            return;
+        };
+        for s in st.spills.drain(..) {
+            let Some(permit) = long.try_write_permit(s.value.len() as u64) else {
+                continue;
+            };
+            let block = LongBlock {
+                hash: s.hash,
+                ns: s.ns,
+                key: s.key,
+                value: s.value,
+                metadata: s.metadata,
+                class: s.class,
+                expires_at: s.expires_at,
+            };
+            let _ = long.put(block, permit, now, true);
+        }
+    }
+
+    fn got(&self, st: &L2State, found: Found, shared: bool, pin: bool) -> Option<Got> {
+        match (&found.value, &self.arena) {
+            (Stored::Arena { slot, version }, Some(arena)) if shared => Some(Got::Shared(
+                arena.shared_slot(*slot, found.len, *version, found.class),
+                if pin {
+                    Some(st.bytes_of(&found.value, found.len)?)
+                } else {
+                    None
+                },
+            )),
+            _ => Some(Got::Bytes(
+                st.bytes_of(&found.value, found.len)?,
+                found.class,
+            )),
+        }
+    }
+
+    /// Looks up one key in every tier; `shared` asks for arena offsets where possible.
+    pub async fn get(&self, ns: &Namespace, key: &Bytes, now: u64, shared: bool) -> Option<Got> {
+        self.get_many(ns, std::slice::from_ref(key), now, shared)
+            .await
+            .pop()
+            .flatten()
+    }
+
+    /// Looks up keys in order (backend reads run concurrently). Arena hits of a `shared` lookup
+    /// carry their pinned bytes too, for a reply that must be inline after all.
+    pub async fn get_many(
+        &self,
+        ns: &Namespace,
+        keys: &[Bytes],
+        now: u64,
+        shared: bool,
+    ) -> Vec<Option<Got>> {
+        let pin = keys.len() > 1;
+        let mut out: Vec<Option<Got>> = vec![None; keys.len()];
+        let mut misses = Vec::new();
+        {
+            let mut st = self.lock();
+            for (i, key) in keys.iter().enumerate() {
+                let hash = key_hash(ns, key);
+                match st.lookup(hash, ns, key, now) {
+                    Some(found) => out[i] = self.got(&st, found, shared, pin),
+                    None => misses.push((i, hash)),
+                }
+            }
+            if misses.is_empty() {
+                let n = keys.len() as u64;
+                st.stats.gets_total += n;
+                st.stats.hits_total += n;
+                return out;
+            }
+        }
+        if let Some(long) = &self.long
+            && !misses.is_empty()
+        {
+            let reads = misses
+                .iter()
+                .map(|(i, hash)| long.get(ns, &keys[*i], *hash, now));
+            let hits = futures::future::join_all(reads).await;
+            for ((i, hash), hit) in misses.into_iter().zip(hits) {
+                if let Some(hit) = hit {
+                    out[i] = Some(self.promote(ns, &keys[i], hash, hit, now, shared));
+                }
+            }
+        }
+        let found = out.iter().filter(|g| g.is_some()).count() as u64;
+        let mut st = self.lock();
+        st.stats.gets_total += keys.len() as u64;
+        st.stats.hits_total += found;
+        st.stats.misses_total += keys.len() as u64 - found;
+        out
+    }
+
+    /// Puts a backend hit into L2 unless the key changed meanwhile; answers the hit either way.
+    fn promote(
+        &self,
+        ns: &Namespace,
+        key: &Bytes,
+        hash: u128,
+        hit: LongHit,
+        now: u64,
+        shared: bool,
+    ) -> Got {
+        let inline = Got::Bytes(hit.value.clone(), hit.class);
+        let Some(long) = &self.long else {
+            return inline;
+        };
+        let placed = self.place(&hit.value);
+        let mut st = self.lock();
+        let fresh = !st.contains(hash, ns, key, now)
+            && long.is_current(hash, hit.generation)
+            && hit.expires_at.is_none_or(|t| t > now);
+        if !fresh {
+            self.unplace(&placed);
+            return inline;
+        }
+        let ack = st.insert(
+            Insert {
+                ns,
+                key,
+                value: placed.clone(),
+                len: hit.value.len() as u64,
+                metadata: None,
+                class: hit.class,
+                lifetime: Lifetime::Until(hit.expires_at),
+                on_disk: true,
+                count: false,
+            },
+            now,
+        );
+        self.drain_spills(&mut st, now);
+        match (placed, &self.arena) {
+            (Stored::Arena { slot, version }, Some(arena)) if ack.accepted && shared => {
+                Got::Shared(
+                    arena.shared_slot(slot, hit.value.len() as u64, version, hit.class),
+                    Some(hit.value),
+                )
+            }
+            _ => inline,
+        }
+    }
+
+    /// Whether each key is held in any tier; recency unchanged.
+    pub fn exists(&self, ns: &Namespace, keys: &[Bytes], now: u64) -> Vec<bool> {
+        let st = self.lock();
+        keys.iter()
+            .map(|k| {
+                let hash = key_hash(ns, k);
+                st.contains(hash, ns, k, now)
+                    || self
+                        .long
+                        .as_ref()
+                        .is_some_and(|l| l.class_of(hash, now).is_some())
+            })
+            .collect()
+    }
+
+    /// Drops the namespace (everything for the empty one) from every tier; returns entries
+    /// dropped, summed over the tiers (a block held by both counts twice).
+    pub fn clear(&self, ns: &Namespace) -> u64 {
+        let mut st = self.lock();
+        let l2 = st.clear(ns);
+        l2 + self.long.as_ref().map_or(0, |l| l.clear(ns))
+    }
+
+    /// Removes expired entries from every tier; returns how many.
+    pub fn sweep(&self, now: u64) -> usize {
+        let l2 = self.lock().sweep(now);
+        l2 + self.long.as_ref().map_or(0, |l| l.sweep(now))
+    }
+
+    /// Counts a `prefetch_hint` frame, or one dropped unprocessed.
+    pub fn note_hint(&self, dropped: bool) {
+        self.hints.fetch_add(1, Ordering::Relaxed);
+        if dropped {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts a hint abandoned at its deadline.
+    pub fn note_hint_expired(&self) {
+        self.dropped.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Promotes the keys the backend holds and L2 does not; returns how many it promoted.
+    pub async fn prefetch(&self, ns: &Namespace, keys: &[Bytes], now: u64) -> u64 {
+        let Some(long) = &self.long else {
+            return 0;
+        };
+        let mut promoted = 0;
+        for key in keys {
+            let hash = key_hash(ns, key);
+            if self.lock().contains(hash, ns, key, now) || long.class_of(hash, now).is_none() {
+                continue;
+            }
+            if let Some(hit) = long.get(ns, key, hash, now).await {
+                self.promote(ns, key, hash, hit, now, false);
+                if self.lock().contains(hash, ns, key, now) {
+                    promoted += 1;
+                }
+            }
+        }
+        self.promoted.fetch_add(promoted, Ordering::Relaxed);
+        promoted
+    }
+
+    /// The counters of every tier.
+    pub fn stats(&self) -> Stats {
+        let mut stats = self.lock().snapshot();
+        stats.prefetch_hints_total = self.hints.load(Ordering::Relaxed);
+        stats.prefetch_promoted_total = self.promoted.load(Ordering::Relaxed);
+        stats.prefetch_dropped_total = self.dropped.load(Ordering::Relaxed);
+        if let Some(arena) = &self.arena {
+            stats.arena = arena.stats();
+        }
+        if let Some(long) = &self.long {
+            stats.long = long.stats();
+        }
+        stats
+    }
+
+    /// `set_reserve`: a slot leased to `conn`.
+    ///
+    /// # Errors
+    /// `no_arena`, `invalid_size`, `oversize` (larger than a slot) or
+    /// `arena_full_no_evictable` (every slot leased).
+    pub fn reserve(&self, conn: u64, size: u64) -> Result<Reservation, &'static str> {
+        let arena = self.arena.as_ref().ok_or("no_arena")?;
+        if size == 0 {
+            return Err("invalid_size");
+        }
+        let slot = loop {
+            match arena.take(size) {
+                Ok(slot) => break slot,
+                Err(TakeError::Oversize) => return Err("oversize"),
+                Err(TakeError::Full) => {
+                    if !self.lock().demote() {
+                        return Err("arena_full_no_evictable");
+                    }
+                }
+            }
+        };
+        Ok(Reservation {
+            lease_token: arena.open_lease(conn, slot),
+            slot_id: slot,
+            payload_offset: arena.payload_offset(slot),
+            payload_max_size: arena.slot_size() - HEADER_BYTES,
+        })
+    }
+
+    /// `set_commit`: publishes a leased slot under `key`; `(accepted, reason)`. A TTL of 0
+    /// means none.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn commit(
+        &self,
+        conn: u64,
+        token: u64,
+        ns: &Namespace,
+        key: &Bytes,
+        length: u64,
+        class: Retention,
+        ttl_seconds: u64,
+        now: u64,
+    ) -> (bool, String) {
+        let Some(arena) = &self.arena else {
+            return (false, "no_arena".to_owned());
+        };
+        let lease = match arena.end_lease(token, conn) {
+            Ok(lease) => lease,
+            Err(reason) => return (false, reason.to_owned()),
+        };
+        if length > lease.max_len {
+            arena.release(lease.slot);
+            return (false, "oversize_commit".to_owned());
+        }
+        let permit = match &self.long {
+            Some(long) if class == Retention::Long => Some(long.write_permit(length).await),
+            _ => None,
+        };
+        let version = arena.publish(lease.slot, length);
+        let ttl = (ttl_seconds > 0).then_some(ttl_seconds as f64);
+        let mut st = self.lock();
+        let ack = self.admit(
+            &mut st,
+            Write {
+                ns,
+                key,
+                value: Stored::Arena {
+                    slot: lease.slot,
+                    version,
+                },
+                len: length,
+                metadata: None,
+                class,
+                expires_at: expiry(ttl, now).ok().flatten(),
+                permit,
+            },
+            now,
+        );
+        self.drain_spills(&mut st, now);
+        (ack.accepted, ack.reason.unwrap_or_default())
+    }
+
+    /// `set_cancel`.
+    pub fn cancel(&self, conn: u64, token: u64) {
+        if let Some(arena) = &self.arena {
+            arena.cancel_lease(token, conn);
+        }
+    }
+
+    /// Releases the leases of a closed connection; returns how many.
+    pub fn drop_connection(&self, conn: u64) -> usize {
+        self.arena.as_ref().map_or(0, |a| a.cancel_connection(conn))
+    }
+
+    /// Debug check of the L2 bookkeeping.
+    #[doc(hidden)]
+    pub fn check_consistency(&self) -> Result<(), String> {
+        self.lock().check_consistency()
+    }
+}
