@@ -620,7 +620,10 @@ fn kvd_serves_until_sigterm(args: &[&str], socket: &Path) {
 fn kvd_serves_until_sigterm_and_removes_its_socket() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("kvd.sock");
-    kvd_serves_until_sigterm(&["--socket", path_str(&socket), "--max-bytes", "64MiB"], &socket);
+    kvd_serves_until_sigterm(
+        &["--socket", path_str(&socket), "--max-bytes", "64MiB"],
+        &socket,
+    );
     // With an L3 tablespace too.
     let long = dir.path().join("l3");
     std::fs::create_dir(&long).unwrap();
