@@ -89,8 +89,17 @@ impl JetStreamFixture {
     fn config(&self, log: &str) -> JetStreamLogConfig {
         JetStreamLogConfig {
             stream: format!("conformance_{log}"),
-            ..JetStreamLogConfig::new(self.server.url())
+            ..test_stream(self.server.url())
         }
+    }
+}
+
+/// A stream configuration for tests: bounded to 64 MiB, so that many test streams fit in the
+/// JetStream storage a small disk leaves (the production default reserves 8 GiB each).
+fn test_stream(url: String) -> JetStreamLogConfig {
+    JetStreamLogConfig {
+        max_bytes: Some(64 << 20),
+        ..JetStreamLogConfig::new(url)
     }
 }
 
@@ -320,7 +329,7 @@ conformance!(postgres, PostgresFixture);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_restarted_server_rebuilds_from_snapshot_and_tail() {
     let mut server = nats().await;
-    let config = JetStreamLogConfig::new(server.url());
+    let config = test_stream(server.url());
     let events = workload(2_000);
     let live = {
         let log = JetStreamLog::connect(&config, clock()).await.expect("open");
@@ -363,7 +372,7 @@ async fn jetstream_retention_loss_without_a_snapshot_is_a_gap_error() {
     let config = JetStreamLogConfig {
         stream: "bounded".to_owned(),
         max_bytes: Some(16 << 10),
-        ..JetStreamLogConfig::new(server.url())
+        ..test_stream(server.url())
     };
     let log = JetStreamLog::connect(&config, clock()).await.expect("open");
     append_all(&log, &workload(400), 50).await;
@@ -412,7 +421,7 @@ async fn jetstream_retention_loss_without_a_snapshot_is_a_gap_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_batches_past_the_atomic_limit_are_refused_whole() {
     let server = nats().await;
-    let log = JetStreamLog::connect(&JetStreamLogConfig::new(server.url()), clock())
+    let log = JetStreamLog::connect(&test_stream(server.url()), clock())
         .await
         .expect("open");
     let events = workload(MAX_ATOMIC_BATCH + 1);
@@ -440,7 +449,7 @@ async fn jetstream_refuses_a_stream_that_holds_other_subjects() {
         .expect("foreign stream");
     let config = JetStreamLogConfig {
         stream: "SHARED".to_owned(),
-        ..JetStreamLogConfig::new(server.url())
+        ..test_stream(server.url())
     };
     let err = JetStreamLog::open(client, &config, clock())
         .await
@@ -677,7 +686,7 @@ async fn jetstream_open_finishes_a_compaction_that_stored_its_snapshot_but_did_n
     let server = nats().await;
     let config = JetStreamLogConfig {
         stream: "interrupted".to_owned(),
-        ..JetStreamLogConfig::new(server.url())
+        ..test_stream(server.url())
     };
     let log = JetStreamLog::connect(&config, clock()).await.expect("open");
     append_all(&log, &workload(10), 4).await;
