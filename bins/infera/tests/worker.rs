@@ -69,6 +69,18 @@ struct Launched {
     port: u16,
 }
 
+impl Drop for Launched {
+    /// A failed assertion SIGKILLs the worker, which cannot stop its engine then (the engine
+    /// runs in its own process group): stop the engine's group here so nothing is left behind.
+    fn drop(&mut self) {
+        if pid_alive(&self.seen.pid) {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", self.seen.pid)])
+                .status();
+        }
+    }
+}
+
 /// Starts `infera worker <engine> … --engine-cmd <stand-in>` and waits for its registration.
 async fn launch(
     etcd: &EtcdServer,
