@@ -7,6 +7,7 @@ mod app;
 mod cli;
 mod config;
 mod discovery;
+mod net;
 mod replay_cmd;
 mod server_cmd;
 mod signals;

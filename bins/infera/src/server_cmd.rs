@@ -109,7 +109,7 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
 }
 
 async fn serve_all(config: ServerConfig, state: ServerState) -> anyhow::Result<()> {
-    let addr = format!("{}:{}", config.http.host, config.http.port);
+    let addr = crate::net::socket_addr(&config.http.host, config.http.port);
     let listener = TcpListener::bind(&addr)
         .await
         .with_context(|| format!("cannot bind {addr}"))?;

@@ -17,6 +17,7 @@
 //! loops are joined, which drops their sinks), then the forwarders end. Nothing is detached.
 
 use crate::config::server::RouterPolicy;
+use crate::net::socket_addr;
 use crate::signals::Signals;
 use anyhow::{Context as _, bail};
 use clap::Args;
@@ -346,12 +347,4 @@ fn announce(server: SocketAddr, model: &str, workers: &[&str]) -> std::io::Resul
     )?;
     writeln!(out, "stop with Ctrl-C")?;
     out.flush()
-}
-
-fn socket_addr(host: &str, port: u16) -> String {
-    if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    }
 }

@@ -20,34 +20,26 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
-    let etcd = EtcdServer::start().await.expect("etcd starts");
-    let tok = tokenizer_dir();
-    let tok = tok.as_str();
-    let bin = env!("CARGO_BIN_EXE_infera");
-
-    let worker_port = free_mock_port(&[]);
-    let mut worker = Proc(
-        Command::new(bin)
+/// Starts `infera worker mock` on `port`, registering itself in etcd, with `extra` flags.
+fn mock_worker(tok: &str, etcd: &str, port: u16, extra: &[&str]) -> Proc {
+    Proc(
+        Command::new(env!("CARGO_BIN_EXE_infera"))
             .args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
-            .args(["--port", &worker_port.to_string(), "--block-size", "16"])
-            .args(["--speedup", "1000"])
-            .args([
-                "--discovery-backend",
-                "etcd",
-                "--etcd-endpoint",
-                &etcd.endpoint(),
-            ])
+            .args(["--port", &port.to_string(), "--block-size", "16"])
+            .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
             .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap(),
-    );
-    let server_port = free_port();
-    let mut server = Proc(
-        Command::new(bin)
+    )
+}
+
+/// Starts `infera server` on `port`, discovering workers in etcd, with `extra` flags.
+fn server(tok: &str, etcd: &str, port: u16, extra: &[&str]) -> Proc {
+    Proc(
+        Command::new(env!("CARGO_BIN_EXE_infera"))
             .args([
                 "server",
                 "--router-tokenizer-path",
@@ -55,19 +47,27 @@ async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
                 "--host",
                 "127.0.0.1",
             ])
-            .args(["--port", &server_port.to_string()])
-            .args([
-                "--discovery-backend",
-                "etcd",
-                "--etcd-endpoint",
-                &etcd.endpoint(),
-            ])
+            .args(["--port", &port.to_string()])
+            .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
             .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap(),
-    );
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let tok = tokenizer_dir();
+    let tok = tok.as_str();
+
+    let worker_port = free_mock_port(&[]);
+    let mut worker = mock_worker(tok, &etcd.endpoint(), worker_port, &["--speedup", "1000"]);
+    let server_port = free_port();
+    let mut server = server(tok, &etcd.endpoint(), server_port, &[]);
     eventually("the mock to serve", || {
         get_json(worker_port, "/v1/models").is_some()
     });
@@ -122,57 +122,23 @@ async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
     assert!(status.success(), "server exit: {status:?}");
 }
 
-/// Starts `infera worker mock` registering in etcd with a short lease.
-fn mock_worker(bin: &str, tok: &str, etcd: &str, port: u16, lease: &str) -> Proc {
-    Proc(
-        Command::new(bin)
-            .args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
-            .args(["--port", &port.to_string(), "--block-size", "16"])
-            .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
-            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
-            .args(["--etcd-lease-ttl", lease])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_worker_ends_its_stream_with_an_error_fails_over_and_leaves_within_its_lease() {
     let etcd = EtcdServer::start().await.expect("etcd starts");
     let tok = tokenizer_dir();
     let tok = tok.as_str();
-    let bin = env!("CARGO_BIN_EXE_infera");
     let first = free_mock_port(&[]);
     let ports = [first, free_mock_port(&[first])];
     let mut workers: Vec<Proc> = ports
         .iter()
-        .map(|p| mock_worker(bin, tok, &etcd.endpoint(), *p, "2s"))
+        .map(|p| mock_worker(tok, &etcd.endpoint(), *p, &["--etcd-lease-ttl", "2s"]))
         .collect();
     let server_port = free_port();
-    let _server = Proc(
-        Command::new(bin)
-            .args([
-                "server",
-                "--router-tokenizer-path",
-                tok,
-                "--host",
-                "127.0.0.1",
-            ])
-            .args(["--port", &server_port.to_string()])
-            .args([
-                "--discovery-backend",
-                "etcd",
-                "--etcd-endpoint",
-                &etcd.endpoint(),
-            ])
-            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
-            .args(["--request-max-retries", "1"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+    let _server = server(
+        tok,
+        &etcd.endpoint(),
+        server_port,
+        &["--request-max-retries", "1"],
     );
     eventually("both workers to be routed to", || {
         get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 2)

@@ -26,6 +26,16 @@ fn standin() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/peers/engine_standin.sh")
 }
 
+/// A fresh etcd and a watch of its worker records.
+async fn etcd_and_watch() -> (EtcdServer, DiscoveryStream) {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let discovery = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
+        .await
+        .unwrap();
+    let stream = discovery.watch().await.unwrap();
+    (etcd, stream)
+}
+
 async fn next_change(stream: &mut DiscoveryStream) -> DiscoveryChange {
     tokio::time::timeout(DEADLINE, stream.recv())
         .await
@@ -152,11 +162,7 @@ async fn stop(mut launched: Launched, stream: &mut DiscoveryStream) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_launcher_runs_registers_serves_and_stops_its_engine() {
-    let etcd = EtcdServer::start().await.expect("etcd starts");
-    let discovery = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
-        .await
-        .unwrap();
-    let mut stream = discovery.watch().await.unwrap();
+    let (etcd, mut stream) = etcd_and_watch().await;
     let dir = tempfile::tempdir().unwrap();
     let launched = launch(
         &etcd,
@@ -231,11 +237,7 @@ async fn vllm_launcher_runs_registers_serves_and_stops_its_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_and_atom_launchers_inject_their_own_settings() {
-    let etcd = EtcdServer::start().await.expect("etcd starts");
-    let discovery = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
-        .await
-        .unwrap();
-    let mut stream = discovery.watch().await.unwrap();
+    let (etcd, mut stream) = etcd_and_watch().await;
 
     let dir = tempfile::tempdir().unwrap();
     let sglang = launch(
@@ -307,11 +309,7 @@ async fn sglang_and_atom_launchers_inject_their_own_settings() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_that_dies_is_deregistered_and_the_worker_fails() {
-    let etcd = EtcdServer::start().await.expect("etcd starts");
-    let discovery = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
-        .await
-        .unwrap();
-    let mut stream = discovery.watch().await.unwrap();
+    let (etcd, mut stream) = etcd_and_watch().await;
     let dir = tempfile::tempdir().unwrap();
     let mut launched = launch(&etcd, &mut stream, dir.path(), "vllm", &[]).await;
     let killed = Command::new("kill")

@@ -458,10 +458,14 @@ fn positive_duration(
     Ok(value)
 }
 
-/// Reads the last value given to any spelling in `flags` (`--flag V` or `--flag=V`) from the
-/// forwarded arguments, which keep it. The value must be a positive integer.
-fn peek(args: &[String], flags: &'static [&'static str]) -> Result<Option<u32>, ConfigError> {
-    let mut found: Option<(&'static str, &str)> = None;
+/// The last value given to any spelling in `flags` (`--flag V` or `--flag=V`) among forwarded
+/// engine arguments, with the spelling that gave it. A flag with no value after it (the last
+/// token) gives none.
+pub(crate) fn last_flag_value<'a, 'f>(
+    args: &'a [String],
+    flags: &[&'f str],
+) -> Option<(&'f str, &'a str)> {
+    let mut found = None;
     let mut tokens = args.iter().peekable();
     while let Some(token) = tokens.next() {
         for &flag in flags {
@@ -478,6 +482,12 @@ fn peek(args: &[String], flags: &'static [&'static str]) -> Result<Option<u32>, 
         }
     }
     found
+}
+
+/// Reads the last value given to any spelling in `flags` from the forwarded arguments, which
+/// keep it. The value must be a positive integer.
+fn peek(args: &[String], flags: &'static [&'static str]) -> Result<Option<u32>, ConfigError> {
+    last_flag_value(args, flags)
         .map(|(flag, value)| {
             value
                 .parse::<u32>()

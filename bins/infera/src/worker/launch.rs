@@ -21,6 +21,7 @@
 //! `--kv-transfer-config`, so the id registered is the one the engine uses.
 
 use crate::config::worker::{EngineKind, EngineProcessConfig, WorkerConfig};
+use crate::net::url_host;
 use infera_core::event::Role;
 use serde_json::{Map, Value, json};
 
@@ -400,21 +401,7 @@ fn atom_meta(
 
 /// The last value of any spelling in `flags` (`--flag V` or `--flag=V`).
 pub fn flag_value<'a>(args: &'a [String], flags: &[&str]) -> Option<&'a str> {
-    let mut found = None;
-    let mut tokens = args.iter().peekable();
-    while let Some(token) = tokens.next() {
-        for flag in flags {
-            if token == flag {
-                found = tokens.peek().map(|v| v.as_str());
-            } else if let Some(value) = token
-                .strip_prefix(flag)
-                .and_then(|rest| rest.strip_prefix('='))
-            {
-                found = Some(value);
-            }
-        }
-    }
-    found
+    crate::config::worker::last_flag_value(args, flags).map(|(_, value)| value)
 }
 
 /// Rewrites every value of `flag` in `args` to `value`.
@@ -454,15 +441,6 @@ fn parse_u32(flag: &str, value: &str) -> Result<u32, LaunchError> {
 /// The port of `tcp://HOST:PORT`.
 fn endpoint_port(endpoint: &str) -> Option<u32> {
     endpoint.rsplit_once(':')?.1.parse().ok()
-}
-
-/// `host` as it appears in a URL (IPv6 literals bracketed).
-pub fn url_host(host: &str) -> String {
-    if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]")
-    } else {
-        host.to_owned()
-    }
 }
 
 #[cfg(test)]

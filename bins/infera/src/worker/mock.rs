@@ -16,6 +16,7 @@
 
 use crate::config::WorkerConfig;
 use crate::config::worker::{LaunchConfig, MockEngineConfig};
+use crate::net::{socket_addr, url_host};
 use crate::signals::Signals;
 use anyhow::{Context, bail};
 use clap::Args;
@@ -234,12 +235,8 @@ fn standalone_config(
     // The tokenizer stays the model path's; requests name the served model.
     let served = value(&["--served-model-name"]).unwrap_or_else(|| config.model.clone());
     let host = config.host.clone();
-    let wildcard = |endpoint: &str| {
-        endpoint.replace(
-            "tcp://*:",
-            &format!("tcp://{}:", super::launch::url_host(&host)),
-        )
-    };
+    let wildcard =
+        |endpoint: &str| endpoint.replace("tcp://*:", &format!("tcp://{}:", url_host(&host)));
     let kv = if let Some(text) = value(&["--kv-events-config"]) {
         let json: serde_json::Value = serde_json::from_str(&text)
             .with_context(|| format!("--kv-events-config is not JSON: {text}"))?;
@@ -335,10 +332,6 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .thread_name("infera-worker")
         .build()
         .context("cannot start the tokio runtime")
-}
-
-pub(super) fn socket_addr(host: &str, port: u16) -> String {
-    format!("{}:{port}", super::launch::url_host(host))
 }
 
 #[cfg(test)]

@@ -111,7 +111,7 @@ async fn run_mock(
     let kv_events_endpoint = kv.as_ref().map(|_| {
         format!(
             "tcp://{}",
-            mock::socket_addr(
+            crate::net::socket_addr(
                 &config.advertise_host,
                 config.port + mock::KV_EVENTS_PORT_OFFSET
             )
@@ -194,7 +194,7 @@ async fn run_process(
 
 /// The record fields every engine shares.
 fn base_record(config: &WorkerConfig, served_model: &str, engine: Engine) -> WorkerRecord {
-    let host = launch::url_host(&config.advertise_host);
+    let host = crate::net::url_host(&config.advertise_host);
     WorkerRecord {
         worker_id: WorkerId::new(format!("{}:{}", config.advertise_host, config.port)),
         url: format!("http://{host}:{}", config.port),

@@ -26,7 +26,7 @@ impl Probe {
         let host = match bind_host {
             "" | "0.0.0.0" => "127.0.0.1".to_owned(),
             "::" | "[::]" => "[::1]".to_owned(),
-            other => super::launch::url_host(other),
+            other => crate::net::url_host(other),
         };
         Self {
             client: Client::builder(TokioExecutor::new()).build_http(),
