@@ -103,15 +103,20 @@ async fn tiers_spill_persist_and_keep_none_off_disk() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefetch_hints_promote_l3_blocks_before_their_deadline() {
-    let mut daemon = Daemon::start(with_l3).await;
+    let daemon = Daemon::start(with_l3).await;
     let mut c = daemon.client().await;
     for i in 0..12u32 {
         let item = SetItem::new(key(i), marked(i, Retention::Long)).retention(Retention::Long);
         assert!(c.set(&ns(), item).await.unwrap().accepted);
     }
-    // L2 holds the last four; 0..4 live in L3 only.
+    // A restart empties L2 and leaves every block in L3 only, with no write still in flight
+    // (an in-flight block would be answered from memory, not read back).
+    let dir = daemon.stop().await;
+    let mut daemon = Daemon::start(|o, _| with_l3(o, dir.path())).await;
+    let mut c = daemon.client().await;
     let before = c.stats(true).await.unwrap().extended.unwrap();
-    assert_eq!(before.class_entries[Retention::Long as usize], 4);
+    assert_eq!(before.class_entries[Retention::Long as usize], 0);
+    assert_eq!(before.l3_entries, 12);
     let seen = *daemon.prefetches.borrow_and_update();
     c.prefetch_hint(&ns(), (0..4).map(key).collect(), 5000)
         .await
@@ -137,4 +142,5 @@ async fn prefetch_hints_promote_l3_blocks_before_their_deadline() {
     let ext = c.stats(true).await.unwrap().extended.unwrap();
     assert_eq!(ext.prefetch_dropped_total, 1);
     daemon.stop().await;
+    drop(dir);
 }
