@@ -4,11 +4,13 @@
 //! - [`sim`]: the discrete-event simulator (simulated engines + kvd tiers, core's router);
 //! - [`rules`]: retention rules (`--retention-rule`);
 //! - [`sweep`]: `--sweep` grids run in parallel;
+//! - [`record`]: the trace recorder behind `infera server --record-trace`;
 //! - [`report`], [`output`], [`plot`], [`raster`]: tables, Parquet results, SVG and PNG plots.
 
 pub mod output;
 pub mod plot;
 pub mod raster;
+pub mod record;
 pub mod report;
 pub mod rules;
 pub mod sim;

@@ -481,6 +481,7 @@ async fn metrics(State(st): State<ServerState>) -> Response {
             .sum();
         (f.inflight_requests(), f.worker_count(), active)
     });
-    let text = st.inner.metrics.render(inflight, workers, active);
+    let mut text = st.inner.metrics.render(inflight, workers, active);
+    st.render_extra_metrics(&mut text);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }

@@ -35,8 +35,10 @@
 mod http;
 mod metrics;
 mod relay;
+mod taps;
 
 pub use metrics::ServerMetrics;
+pub use taps::{EventBatch, MetricsSource, write_family};
 
 use crate::kv_events::{EngineBatch, IngestStats, to_core_events};
 use crate::tokenize::{ChatTemplate, Tokenizer};
@@ -83,6 +85,8 @@ pub(crate) struct Core {
     pub(crate) log: MemoryLog,
     /// Events in the last snapshot (the next compaction waits for twice as many new ones).
     pub(crate) snapshot_events: usize,
+    /// Consumers of the committed stream (see [`taps`]).
+    pub(crate) taps: Vec<taps::Tap>,
 }
 
 impl Core {
@@ -96,6 +100,7 @@ impl Core {
         for env in &envs {
             self.fleet.apply(env);
         }
+        self.feed_taps(&envs);
         if self.log.len() >= COMPACT_MIN_EVENTS.max(2 * self.snapshot_events)
             && let Some(last) = envs.last()
         {
@@ -122,6 +127,8 @@ pub(crate) struct Inner {
     pub(crate) metrics: ServerMetrics,
     pub(crate) client: relay::HttpClient,
     pub(crate) id_prefix: u64,
+    pub(crate) tap_counters: Mutex<Vec<(&'static str, Arc<taps::TapCounters>)>>,
+    pub(crate) metrics_sources: Mutex<Vec<Arc<dyn MetricsSource>>>,
 }
 
 /// A cheap, cloneable handle on the server's state. See the module docs.
@@ -139,6 +146,7 @@ impl ServerState {
             router: Router::new(options.router.clone()),
             log: MemoryLog::new(Arc::clone(&clock)),
             snapshot_events: 0,
+            taps: Vec::new(),
         };
         let id_prefix = clock.now_us() ^ u64::from(std::process::id()).rotate_left(40);
         Self {
@@ -150,6 +158,8 @@ impl ServerState {
                 metrics: ServerMetrics::default(),
                 client: relay::client(),
                 id_prefix,
+                tap_counters: Mutex::new(Vec::new()),
+                metrics_sources: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -311,6 +321,7 @@ mod tests {
             router: Router::new(RouterConfig::default()),
             log: MemoryLog::new(clock),
             snapshot_events: 0,
+            taps: Vec::new(),
         };
         core.commit(vec![NewEvent::new(Event::WorkerRegistered(
             WorkerRegistered { record: record() },

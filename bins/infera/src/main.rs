@@ -8,6 +8,7 @@ mod cli;
 mod config;
 mod discovery;
 mod net;
+mod record;
 mod replay_cmd;
 mod server_cmd;
 mod signals;

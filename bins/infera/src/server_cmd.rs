@@ -16,11 +16,13 @@
 //! deregisters, re-registers with another endpoint, or at shutdown.
 //!
 //! # This build
-//! Only `--request-transport http`, `--kv-event-transport zmq`,
-//! `--router-mode auto` and `--event-log memory` run; other values stop startup with one line.
+//! Only `--request-transport http`, `--kv-event-transport zmq` and `--event-log memory` run,
+//! and `--record-prompts` is not built; other values stop startup with one line.
+//! `--record-trace DIR` records through [`crate::record`].
 
 use crate::config::server::{EventLogConfig, RouterMode, RouterPolicy};
 use crate::config::{KvEventTransport, RequestTransport, ServerConfig};
+use crate::record::Recording;
 use crate::signals::Signals;
 use anyhow::{Context as _, bail};
 use infera_adapters::server::{ServerOptions, ServerState, serve};
@@ -51,8 +53,8 @@ fn check_supported(config: &ServerConfig) -> anyhow::Result<()> {
     if config.event_log != EventLogConfig::Memory {
         return not_yet(format!("--event-log {:?} (use memory)", config.event_log));
     }
-    if config.record_trace.is_some() {
-        return not_yet("trace recording (--record-trace)".to_owned());
+    if config.record_trace.as_ref().is_some_and(|r| r.prompts) {
+        return not_yet("--record-prompts (traces record block hashes, not prompts)".to_owned());
     }
     Ok(())
 }
@@ -114,6 +116,10 @@ async fn serve_all(config: ServerConfig, state: ServerState) -> anyhow::Result<(
         .await
         .with_context(|| format!("cannot bind {addr}"))?;
     let stream = crate::discovery::watch(&config.discovery).await?;
+    let recording = match &config.record_trace {
+        Some(r) => Some(Recording::start(&state, r)?),
+        None => None,
+    };
     let mut signals = Signals::register()?;
     let shutdown = CancellationToken::new();
     let discovery = tokio::spawn(run_discovery(stream, state.clone(), shutdown.clone()));
@@ -121,7 +127,7 @@ async fn serve_all(config: ServerConfig, state: ServerState) -> anyhow::Result<(
         "infera server listening");
 
     let stop = shutdown.clone();
-    let served = serve(listener, state, async move {
+    let served = serve(listener, state.clone(), async move {
         tokio::select! {
             () = signals.recv() => {}
             () = stop.cancelled() => {}
@@ -131,6 +137,11 @@ async fn serve_all(config: ServerConfig, state: ServerState) -> anyhow::Result<(
     shutdown.cancel();
     if let Err(e) = discovery.await {
         tracing::error!(error = %e, "discovery task failed");
+    }
+    // Nothing commits anymore: let the taps' consumers write what they hold.
+    state.close_taps();
+    if let Some(recording) = recording {
+        let _ = tokio::task::spawn_blocking(move || recording.finish()).await;
     }
     served.context("http server failed")?;
     tracing::info!("infera server stopped");

@@ -214,3 +214,144 @@ async fn a_killed_worker_ends_its_stream_with_an_error_fails_over_and_leaves_wit
         "left after {left_after:?}"
     );
 }
+
+/// Every `(request_id, column)` string value of the recorded segments in `dir`.
+fn recorded_strings(dir: &std::path::Path, column: &str) -> Vec<(String, String)> {
+    use arrow_array::{Array as _, ArrowPrimitiveType as _, StringArray, cast::AsArray as _};
+    let mut out = Vec::new();
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "parquet"))
+        .collect();
+    files.sort();
+    for file in files {
+        let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(
+            std::fs::File::open(file).unwrap(),
+        )
+        .unwrap()
+        .build()
+        .unwrap();
+        for batch in reader {
+            let batch = batch.unwrap();
+            let ids: &StringArray = batch.column_by_name("request_id").unwrap().as_string();
+            let values = batch.column_by_name(column).unwrap();
+            let value = |i: usize| match *values.data_type() {
+                arrow_array::types::UInt32Type::DATA_TYPE => values
+                    .as_primitive::<arrow_array::types::UInt32Type>()
+                    .value(i)
+                    .to_string(),
+                _ => values.as_string::<i32>().value(i).to_owned(),
+            };
+            for i in 0..ids.len() {
+                out.push((ids.value(i).to_owned(), value(i)));
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_records_a_trace_that_replay_reads() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let tok = tokenizer_dir();
+    let tok = tok.as_str();
+    let rec = tempfile::tempdir().unwrap();
+    let dir = rec.path().join("trace");
+    let ports = [free_mock_port(&[]), 0];
+    let ports = [ports[0], free_mock_port(&ports[..1])];
+    let _workers: Vec<Proc> = ports
+        .iter()
+        .map(|p| mock_worker(tok, &etcd.endpoint(), *p, &["--speedup", "1000"]))
+        .collect();
+    let server_port = free_port();
+    let mut server = server(
+        tok,
+        &etcd.endpoint(),
+        server_port,
+        &[
+            "--record-trace",
+            dir.to_str().unwrap(),
+            "--record-segment-age",
+            "1s",
+        ],
+    );
+    eventually("both workers to be discovered", || {
+        get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 2)
+    });
+
+    // Three conversations, each sent twice: the repeat is a prefix hit on the same worker.
+    let prompt = |topic: usize| {
+        let mut p = format!("topic {topic}:");
+        for i in 0..120 {
+            p.push_str(&format!(" w{}", (i * (topic + 3)) % 97));
+        }
+        p
+    };
+    for round in 0..2 {
+        for topic in 0..3 {
+            let req = json!({"model": tok, "prompt": prompt(topic), "max_tokens": 3}).to_string();
+            let (status, body) = http(server_port, "POST", "/v1/completions", &req).unwrap();
+            assert_eq!(status, 200, "round {round}: {body}");
+        }
+        if round == 0 {
+            eventually("the first round's blocks in the index", || {
+                get_json(server_port, "/v1/workers").is_some_and(|w| {
+                    let blocks = |i: usize| w["data"][i]["load"][0]["cached_blocks"].as_u64();
+                    blocks(0).unwrap_or(0) + blocks(1).unwrap_or(0) >= 3 * 7
+                })
+            });
+        }
+    }
+    let (_, metrics) = http(server_port, "GET", "/metrics", "").unwrap();
+    assert!(
+        metrics.contains("infera_event_tap_dropped_events_total{tap=\"trace\"} 0"),
+        "{metrics}"
+    );
+    server.terminate();
+
+    // The recording is a trace: six requests, in arrival order, hashed at the workers' block size.
+    let trace = infera_replay::trace::load(&dir, &Default::default()).expect("a readable trace");
+    assert_eq!(trace.requests.len(), 6, "{:?}", trace.notes);
+    assert!(trace.requests.iter().all(|r| r.block_size == 16
+        && r.block_hashes.len() == (r.input_length / 16) as usize
+        && r.output_length == 3
+        && r.token_ids.is_none()));
+    for topic in 0..3 {
+        assert_eq!(
+            trace.requests[topic].block_hashes,
+            trace.requests[topic + 3].block_hashes,
+            "a repeated prompt has the same block hashes"
+        );
+    }
+    // The decision and outcome sit beside each row: a repeat went to the same worker, hit.
+    let workers = recorded_strings(&dir, "worker");
+    let cached = recorded_strings(&dir, "cached_tokens");
+    for topic in 0..3 {
+        assert_eq!(workers[topic].1, workers[topic + 3].1, "{workers:?}");
+        let hit: u64 = cached[topic + 3].1.parse().unwrap();
+        assert!(hit > 0, "{cached:?}");
+    }
+    let events = std::fs::read_dir(dir.join("events")).unwrap().count();
+    assert!(events >= 1, "the KV and discovery events are kept too");
+
+    // `infera trace inspect` and `infera replay` read the directory.
+    let inspect = Command::new(env!("CARGO_BIN_EXE_infera"))
+        .args(["trace", "inspect", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&inspect.stdout);
+    assert!(
+        inspect.status.success() && text.contains("requests        6"),
+        "{text}"
+    );
+    let replay = Command::new(env!("CARGO_BIN_EXE_infera"))
+        .args(["replay", dir.to_str().unwrap(), "--workers", "2"])
+        .output()
+        .unwrap();
+    assert!(
+        replay.status.success(),
+        "{}",
+        String::from_utf8_lossy(&replay.stderr)
+    );
+}

@@ -32,7 +32,7 @@ pub mod spread;
 pub mod summary;
 
 pub use error::TraceError;
-pub use parquet::write_parquet;
+pub use parquet::{write_atomic, write_parquet, write_parquet_with};
 pub use schema::{from_record_batch, to_record_batch, trace_schema};
 pub use spread::{BucketSpread, spread_buckets};
 pub use summary::{LengthStats, TraceSummary, summarize};

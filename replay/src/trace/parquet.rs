@@ -24,6 +24,8 @@ use super::schema::{
     from_record_batch, to_record_batch, trace_schema,
 };
 use super::{Trace, TraceError, check_request};
+use arrow_array::{Array as _, ArrayRef, RecordBatch};
+use arrow_schema::{ArrowError, Field, Schema, SchemaRef};
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::arrow_writer::ArrowWriter;
@@ -34,6 +36,7 @@ use parquet::schema::types::ColumnPath;
 use std::fs::{self, File, OpenOptions};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Rows per row group (and per record batch) when writing.
@@ -227,6 +230,20 @@ fn decode(path: &Path, file: File) -> Result<Trace, TraceError> {
 /// [`TraceError::Empty`] for a trace without requests, [`TraceError::Write`] when the file cannot
 /// be created, written, synced or renamed; in every case no file is left behind.
 pub fn write_parquet(trace: &Trace, path: &Path) -> Result<(), TraceError> {
+    write_parquet_with(trace, &[], path)
+}
+
+/// [`write_parquet`] with more columns after the trace's: one array per field, each with one
+/// value per request (the recorder's routing decision and outcome). Readers ignore them.
+///
+/// # Errors
+/// As [`write_parquet`]; also [`TraceError::Write`] when an extra column's length is not the
+/// number of requests or its name is one of the trace's.
+pub fn write_parquet_with(
+    trace: &Trace,
+    extra: &[(Field, ArrayRef)],
+    path: &Path,
+) -> Result<(), TraceError> {
     if trace.requests.is_empty() {
         return Err(TraceError::Empty {
             path: path.to_path_buf(),
@@ -247,6 +264,14 @@ pub fn write_parquet(trace: &Trace, path: &Path) -> Result<(), TraceError> {
         path: path.to_path_buf(),
         message,
     };
+    for (field, array) in extra {
+        if array.len() != trace.requests.len() || col::ALL.contains(&field.name().as_str()) {
+            return Err(write_err(format!(
+                "extra column `{}` must be new and hold one value per request",
+                field.name()
+            )));
+        }
+    }
     let notes = serde_json::to_string(&trace.notes)
         .map_err(|e| write_err(format!("cannot encode notes: {e}")))?;
     let delta = |b: WriterPropertiesBuilder, path: &[&str], encoding| {
@@ -254,7 +279,7 @@ pub fn write_parquet(trace: &Trace, path: &Path) -> Result<(), TraceError> {
         b.set_column_dictionary_enabled(path.clone(), false)
             .set_column_encoding(path, encoding)
     };
-    let mut props = WriterProperties::builder().set_compression(Compression::SNAPPY);
+    let mut props = WriterProperties::builder();
     // Arrivals grow and chained ids are mostly consecutive: deltas are tiny. Request ids share
     // long prefixes. Dictionaries would only overflow on these near-unique columns.
     props = delta(props, &[col::ARRIVAL_US], Encoding::DELTA_BINARY_PACKED);
@@ -264,24 +289,58 @@ pub fn write_parquet(trace: &Trace, path: &Path) -> Result<(), TraceError> {
         Encoding::DELTA_BINARY_PACKED,
     );
     props = delta(props, &[col::REQUEST_ID], Encoding::DELTA_BYTE_ARRAY);
-    let props = props
-        .set_max_row_group_row_count(Some(ROWS_PER_GROUP))
-        .set_key_value_metadata(Some(vec![
-            KeyValue::new(META_VERSION.to_owned(), TRACE_FORMAT_VERSION.to_owned()),
-            KeyValue::new(META_SOURCE.to_owned(), trace.source.clone()),
-            KeyValue::new(META_NOTES.to_owned(), notes),
-        ]))
-        .build();
+    let metadata = vec![
+        KeyValue::new(META_VERSION.to_owned(), TRACE_FORMAT_VERSION.to_owned()),
+        KeyValue::new(META_SOURCE.to_owned(), trace.source.clone()),
+        KeyValue::new(META_NOTES.to_owned(), notes),
+    ];
+    let base = trace_schema();
+    let mut fields: Vec<Field> = base.fields().iter().map(|f| f.as_ref().clone()).collect();
+    fields.extend(extra.iter().map(|(f, _)| f.clone()));
+    let schema = Arc::new(Schema::new(fields));
+    let mut start = 0;
+    let batches = trace.requests.chunks(ROWS_PER_GROUP).map(|chunk| {
+        let base = to_record_batch(chunk)?;
+        let mut columns = base.columns().to_vec();
+        columns.extend(extra.iter().map(|(_, a)| a.slice(start, chunk.len())));
+        start += chunk.len();
+        RecordBatch::try_new(schema.clone(), columns)
+    });
+    write_atomic(path, schema.clone(), props, metadata, batches)
+}
 
+/// Writes record batches of `schema` to `path` atomically (temporary file, fsync, rename, fsync
+/// of the directory), snappy-compressed in row groups of at most [`ROWS_PER_GROUP`] rows, with
+/// `metadata` in the footer. Used for traces and for the recorder's event files.
+///
+/// # Errors
+/// [`TraceError::Write`] when a batch cannot be built or the file cannot be created, written,
+/// synced or renamed; no file is left behind.
+pub fn write_atomic(
+    path: &Path,
+    schema: SchemaRef,
+    props: WriterPropertiesBuilder,
+    metadata: Vec<KeyValue>,
+    batches: impl IntoIterator<Item = Result<RecordBatch, ArrowError>>,
+) -> Result<(), TraceError> {
+    let write_err = |message: String| TraceError::Write {
+        path: path.to_path_buf(),
+        message,
+    };
+    let props = props
+        .set_compression(Compression::SNAPPY)
+        .set_max_row_group_row_count(Some(ROWS_PER_GROUP))
+        .set_key_value_metadata(Some(metadata))
+        .build();
     let mut pending = PendingFile::create(path)?;
     let file = pending
         .file
         .take()
         .ok_or_else(|| write_err("temporary file vanished".to_owned()))?;
-    let mut writer = ArrowWriter::try_new(file, trace_schema(), Some(props))
-        .map_err(|e| write_err(e.to_string()))?;
-    for chunk in trace.requests.chunks(ROWS_PER_GROUP) {
-        let batch = to_record_batch(chunk).map_err(|e| write_err(e.to_string()))?;
+    let mut writer =
+        ArrowWriter::try_new(file, schema, Some(props)).map_err(|e| write_err(e.to_string()))?;
+    for batch in batches {
+        let batch = batch.map_err(|e| write_err(e.to_string()))?;
         writer.write(&batch).map_err(|e| write_err(e.to_string()))?;
     }
     let file = writer

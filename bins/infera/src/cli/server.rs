@@ -166,6 +166,16 @@ pub struct ServerArgs {
     #[arg(long, help_heading = EXTENSIONS)]
     pub record_prompts: bool,
 
+    /// Infera extension: start a new trace segment once the open one holds about this much
+    /// (needs --record-trace); e.g. 64MiB.
+    #[arg(long, default_value = "64MiB", value_name = "SIZE", help_heading = EXTENSIONS)]
+    pub record_segment_bytes: ByteSize,
+
+    /// Infera extension: start a new trace segment once the open one is this old (needs
+    /// --record-trace); a crash loses at most this much of the recording. e.g. 60s, 5m.
+    #[arg(long, default_value = "60s", value_name = "DURATION", help_heading = EXTENSIONS)]
+    pub record_segment_age: HumanDuration,
+
     /// Infera extension: chat template file (Jinja) used to tokenize chat requests for
     /// prefix hashing. [default: the tokenizer's own template]
     #[arg(long, value_name = "FILE", help_heading = EXTENSIONS)]

@@ -89,6 +89,10 @@ pub struct TraceRecordingConfig {
     pub dir: PathBuf,
     /// Whether prompt text is recorded too.
     pub prompts: bool,
+    /// A segment is closed once it holds about this many bytes.
+    pub segment_bytes: ByteSize,
+    /// A segment is closed once it is this old.
+    pub segment_age: HumanDuration,
 }
 
 /// The HTTP front.
@@ -224,7 +228,12 @@ impl TryFrom<ServerArgs> for ServerConfig {
             kvd_socket_path: args.kvd_socket_path,
             enable_profiling: args.enable_profiling,
             event_log: event_log(args.event_log)?,
-            record_trace: record_trace(args.record_trace, args.record_prompts)?,
+            record_trace: record_trace(
+                args.record_trace,
+                args.record_prompts,
+                args.record_segment_bytes,
+                args.record_segment_age,
+            )?,
         })
     }
 }
@@ -294,6 +303,8 @@ fn event_log(log: EventLogConfig) -> Result<EventLogConfig, ConfigError> {
 fn record_trace(
     dir: Option<PathBuf>,
     prompts: bool,
+    segment_bytes: ByteSize,
+    segment_age: HumanDuration,
 ) -> Result<Option<TraceRecordingConfig>, ConfigError> {
     match dir {
         None if prompts => Err(ConfigError::new(
@@ -308,7 +319,19 @@ fn record_trace(
                 dir.display()
             ),
         )),
-        Some(dir) => Ok(Some(TraceRecordingConfig { dir, prompts })),
+        Some(_) if segment_bytes.bytes() == 0 => Err(ConfigError::new(
+            "--record-segment-bytes",
+            "must be positive",
+        )),
+        Some(_) if segment_age.is_zero() => {
+            Err(ConfigError::new("--record-segment-age", "must be positive"))
+        }
+        Some(dir) => Ok(Some(TraceRecordingConfig {
+            dir,
+            prompts,
+            segment_bytes,
+            segment_age,
+        })),
     }
 }
 
@@ -437,8 +460,10 @@ mod tests {
         assert_eq!(
             config.record_trace,
             Some(TraceRecordingConfig {
-                dir: trace,
-                prompts: true
+                dir: trace.clone(),
+                prompts: true,
+                segment_bytes: "64MiB".parse().unwrap(),
+                segment_age: "60s".parse().unwrap(),
             })
         );
     }

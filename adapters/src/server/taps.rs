@@ -1,0 +1,265 @@
+//! Taps on the committed event stream, and metrics that other components add to `/metrics`.
+//!
+//! A tap ([`ServerState::tap`]) receives every event committed after it was opened, in log
+//! order, as the batches they were committed in. It exists for consumers that live outside the
+//! router's lock — the trace recorder, a durable event log — and it never slows the request path
+//! down: each tap is a bounded queue filled with `try_send` under the core lock; a batch that
+//! does not fit is dropped and counted (`infera_event_tap_dropped_events_total{tap="…"}`),
+//! never waited for. [`ServerState::close_taps`] ends every tap's stream (at shutdown, once no
+//! request can commit anymore), so consumers can flush.
+
+use super::{Core, ServerState};
+use infera_core::event::Envelope;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::sync::mpsc;
+
+/// A batch of committed events, shared by every tap.
+pub type EventBatch = Arc<[Envelope]>;
+
+/// One open tap, as the core sees it.
+#[derive(Debug)]
+pub(crate) struct Tap {
+    name: &'static str,
+    tx: mpsc::Sender<EventBatch>,
+    counters: Arc<TapCounters>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct TapCounters {
+    delivered: AtomicU64,
+    dropped: AtomicU64,
+}
+
+/// Metrics a component outside this crate adds to `GET /metrics`.
+pub trait MetricsSource: Send + Sync + std::fmt::Debug {
+    /// Appends whole metric families in the Prometheus text format (see [`write_family`]).
+    fn render(&self, out: &mut String);
+}
+
+/// Appends one metric family (`# HELP`, `# TYPE`, then one line per `(labels, value)` sample;
+/// labels are written between braces as given, e.g. `tap="trace"`).
+pub fn write_family(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str, u64)]) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    for (labels, v) in samples {
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name} {v}");
+        } else {
+            let _ = writeln!(out, "{name}{{{labels}}} {v}");
+        }
+    }
+}
+
+impl Core {
+    /// Offers a committed batch to every tap, without waiting.
+    pub(crate) fn feed_taps(&mut self, batch: &[Envelope]) {
+        if self.taps.is_empty() || batch.is_empty() {
+            return;
+        }
+        let shared: EventBatch = Arc::from(batch);
+        let n = batch.len() as u64;
+        self.taps
+            .retain(|tap| match tap.tx.try_send(shared.clone()) {
+                Ok(()) => {
+                    tap.counters.delivered.fetch_add(n, Ordering::Relaxed);
+                    true
+                }
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    let before = tap.counters.dropped.fetch_add(n, Ordering::Relaxed);
+                    // Log the first loss, then about every 64k events lost.
+                    if before == 0 || before >> 16 != (before + n) >> 16 {
+                        tracing::warn!(
+                            tap = tap.name,
+                            dropped_total = before + n,
+                            "event tap full: its consumer is behind, events dropped for it"
+                        );
+                    }
+                    true
+                }
+                // The consumer went away: stop offering it anything.
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    tracing::error!(
+                        tap = tap.name,
+                        "event tap consumer stopped; it gets no more events"
+                    );
+                    false
+                }
+            });
+    }
+}
+
+impl ServerState {
+    /// Opens a tap named `name` (a Prometheus label value) holding up to `capacity` batches.
+    /// See the module docs.
+    pub fn tap(&self, name: &'static str, capacity: usize) -> mpsc::Receiver<EventBatch> {
+        let (tx, rx) = mpsc::channel(capacity.max(1));
+        let counters = Arc::new(TapCounters::default());
+        self.inner
+            .tap_counters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((name, counters.clone()));
+        self.lock().taps.push(Tap { name, tx, counters });
+        rx
+    }
+
+    /// Ends every tap's stream; later commits reach no tap.
+    pub fn close_taps(&self) {
+        let closed = std::mem::take(&mut self.lock().taps);
+        for tap in closed {
+            tracing::debug!(tap = tap.name, "event tap closed");
+        }
+    }
+
+    /// Adds `source`'s families to `GET /metrics`.
+    pub fn add_metrics(&self, source: Arc<dyn MetricsSource>) {
+        self.inner
+            .metrics_sources
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(source);
+    }
+
+    /// Renders the taps' counters and every added source.
+    pub(crate) fn render_extra_metrics(&self, out: &mut String) {
+        let taps = self
+            .inner
+            .tap_counters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !taps.is_empty() {
+            let labels: Vec<String> = taps.iter().map(|(n, _)| format!("tap=\"{n}\"")).collect();
+            let samples = |f: fn(&TapCounters) -> u64| -> Vec<(&str, u64)> {
+                labels
+                    .iter()
+                    .zip(taps.iter())
+                    .map(|(l, (_, c))| (l.as_str(), f(c)))
+                    .collect()
+            };
+            write_family(
+                out,
+                "infera_event_tap_delivered_events_total",
+                "counter",
+                "Committed events handed to a tap (trace recorder, durable log).",
+                &samples(|c| c.delivered.load(Ordering::Relaxed)),
+            );
+            write_family(
+                out,
+                "infera_event_tap_dropped_events_total",
+                "counter",
+                "Committed events a tap's full queue could not take (lost to that tap, never waited for).",
+                &samples(|c| c.dropped.load(Ordering::Relaxed)),
+            );
+        }
+        drop(taps);
+        let sources = self
+            .inner
+            .metrics_sources
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        for source in sources {
+            source.render(out);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::ServerOptions;
+    use crate::tokenize::Tokenizer;
+    use infera_core::event::{Engine, Event, RequestTransport, Role, WorkerRecord};
+    use infera_core::fleet::FleetConfig;
+    use infera_core::ids::WorkerId;
+    use infera_core::policy::RouterConfig;
+    use std::path::Path;
+
+    fn state() -> ServerState {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/deepseek-v4");
+        let tokenizer = Tokenizer::from_path(&dir).expect("fixture tokenizer");
+        let options = ServerOptions {
+            max_body_bytes: 1 << 16,
+            request_max_retries: 0,
+            router: RouterConfig::default(),
+            fleet: FleetConfig::default(),
+            chat_template: None,
+            direct: false,
+        };
+        ServerState::new(options, Arc::new(tokenizer))
+    }
+
+    fn record(id: &str) -> WorkerRecord {
+        WorkerRecord {
+            worker_id: WorkerId::new(id),
+            url: format!("http://{id}"),
+            model_name: "m".into(),
+            engine: Engine::Vllm,
+            disagg_mode: Role::Mixed,
+            disagg_meta: None,
+            kv_events_endpoint: None,
+            kv_block_size: 16,
+            dp_rank: 0,
+            dp_size: 1,
+            request_transport: RequestTransport::Http,
+            kv: None,
+            extra: serde_json::Map::new(),
+        }
+    }
+
+    #[derive(Debug)]
+    struct Fixed;
+    impl MetricsSource for Fixed {
+        fn render(&self, out: &mut String) {
+            write_family(out, "x_total", "counter", "A test family.", &[("", 7)]);
+        }
+    }
+
+    #[tokio::test]
+    async fn taps_see_commits_in_order_drop_when_full_and_end_when_closed() {
+        let st = state();
+        st.register_worker(record("before"));
+        let mut roomy = st.tap("roomy", 16);
+        let mut tight = st.tap("tight", 1);
+        for i in 0..3 {
+            st.register_worker(record(&format!("w{i}")));
+        }
+        st.deregister_worker(WorkerId::new("w0"), "gone".into());
+        let mut seen = Vec::new();
+        st.close_taps();
+        while let Some(batch) = roomy.recv().await {
+            seen.extend(batch.iter().map(|e| (e.seq, e.event.clone())));
+        }
+        assert_eq!(seen.len(), 4, "only commits after the tap opened: {seen:?}");
+        assert!(seen.windows(2).all(|w| w[0].0 + 1 == w[1].0), "log order");
+        assert!(matches!(&seen[3].1, Event::WorkerDeregistered(d) if d.worker.as_str() == "w0"));
+        // The tight tap kept the first batch and counted the rest as dropped.
+        assert_eq!(tight.recv().await.map(|b| b.len()), Some(1));
+        assert!(tight.recv().await.is_none());
+        st.register_worker(record("after-close"));
+
+        st.add_metrics(Arc::new(Fixed));
+        let mut text = String::new();
+        st.render_extra_metrics(&mut text);
+        assert!(
+            text.contains("infera_event_tap_delivered_events_total{tap=\"roomy\"} 4"),
+            "{text}"
+        );
+        assert!(
+            text.contains("infera_event_tap_dropped_events_total{tap=\"tight\"} 3"),
+            "{text}"
+        );
+        assert!(text.contains("\nx_total 7\n"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_consumer_that_went_away_is_no_longer_fed() {
+        let st = state();
+        let gone = st.tap("gone", 4);
+        drop(gone);
+        st.register_worker(record("w"));
+        assert!(st.lock().taps.is_empty());
+        assert_eq!(st.worker_count(), 1, "commits go on without it");
+    }
+}

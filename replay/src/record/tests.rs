@@ -1,0 +1,311 @@
+use super::*;
+use crate::trace::{LoadOptions, load};
+use arrow_array::Array as _;
+use infera_core::event::{
+    Engine, KvBlocksStored, RequestTransport, Role, RoutedLeg, Tier, WorkerRecord, WorkerRegistered,
+};
+use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerRank};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+
+const BS: u32 = 16;
+
+fn env(seq: u64, ts_us: u64, event: Event) -> Envelope {
+    Envelope {
+        v: 2,
+        seq,
+        ts_us,
+        source: None,
+        event,
+    }
+}
+
+fn registered(id: &str) -> Event {
+    Event::WorkerRegistered(WorkerRegistered {
+        record: WorkerRecord {
+            worker_id: WorkerId::new(id),
+            url: format!("http://{id}"),
+            model_name: "m".into(),
+            engine: Engine::Vllm,
+            disagg_mode: Role::Mixed,
+            disagg_meta: None,
+            kv_events_endpoint: None,
+            kv_block_size: BS,
+            dp_rank: 0,
+            dp_size: 1,
+            request_transport: RequestTransport::Http,
+            kv: None,
+            extra: serde_json::Map::new(),
+        },
+    })
+}
+
+fn routed(id: &str, worker: &str, at_us: u64, prompt_tokens: u32) -> Event {
+    let blocks = (0..u64::from(prompt_tokens / BS)).map(BlockHash).collect();
+    Event::RequestRouted(RequestRouted {
+        request_id: RequestId::new(id),
+        model: "m".into(),
+        legs: vec![RoutedLeg {
+            worker: WorkerRank::new(worker, 0),
+            role: Role::Mixed,
+            overlap_blocks: 1,
+        }],
+        blocks,
+        prompt_tokens,
+        policy: "kv-aware".into(),
+        weights: Vec::new(),
+        top: Vec::new(),
+        retention: None,
+        at_us,
+    })
+}
+
+fn finished(id: &str, status: RequestStatus) -> Event {
+    Event::RequestFinished(RequestFinished {
+        request_id: RequestId::new(id),
+        status,
+        ttft_us: Some(1_500),
+        tokens_in: 64,
+        tokens_out: 7,
+        cached_tokens: Some(32),
+    })
+}
+
+struct Rig {
+    dir: tempfile::TempDir,
+    rec: Recorder,
+    seq: u64,
+}
+
+impl Rig {
+    fn new(configure: impl FnOnce(&mut RecorderOptions)) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut opts = RecorderOptions::new(dir.path().join("rec"));
+        configure(&mut opts);
+        let mut rig = Self {
+            rec: Recorder::new(opts, 1_000).expect("recorder"),
+            dir,
+            seq: 0,
+        };
+        rig.feed(0, registered("w1"));
+        rig.feed(0, registered("w2"));
+        rig
+    }
+
+    fn feed(&mut self, ts_us: u64, event: Event) {
+        self.seq += 1;
+        self.rec.feed(&env(self.seq, ts_us, event));
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.path().join("rec")
+    }
+
+    fn segments(&self) -> Vec<PathBuf> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(self.path())
+            .expect("dir")
+            .map(|e| e.expect("entry").path())
+            .filter(|p| p.extension().is_some_and(|e| e == "parquet"))
+            .collect();
+        files.sort();
+        files
+    }
+
+    fn ids(&self) -> Vec<String> {
+        load(&self.path(), &LoadOptions::default())
+            .expect("the recording loads as a trace")
+            .requests
+            .into_iter()
+            .map(|r| r.request_id)
+            .collect()
+    }
+}
+
+#[test]
+fn rows_come_out_in_arrival_order_whatever_order_requests_finish_in() {
+    let mut rig = Rig::new(|_| {});
+    rig.feed(10, routed("a", "w1", 10, 64));
+    rig.feed(20, routed("b", "w2", 20, 40));
+    rig.feed(30, routed("c", "w1", 30, 16));
+    rig.feed(40, finished("c", RequestStatus::Ok));
+    rig.feed(50, finished("b", RequestStatus::Ok));
+    // `a` is still in flight: nothing after it may be written yet.
+    rig.rec.tick(120_000_000);
+    assert!(rig.segments().is_empty(), "{:?}", rig.segments());
+    rig.feed(60, finished("a", RequestStatus::Ok));
+    rig.rec.tick(240_000_000);
+    assert_eq!(rig.ids(), ["a", "b", "c"]);
+    let trace = load(&rig.path(), &LoadOptions::default()).expect("load");
+    let a = &trace.requests[0];
+    assert_eq!(
+        (a.arrival_us, a.input_length, a.output_length, a.block_size),
+        (10, 64, 7, BS)
+    );
+    assert_eq!(a.block_hashes, vec![0, 1, 2, 3]);
+    assert_eq!(a.token_ids, None, "prompts are never recorded");
+    let stats = rig.rec.stats();
+    assert_eq!((stats.rows_written, stats.segments_written), (3, 1));
+}
+
+#[test]
+fn decision_and_outcome_columns_sit_beside_the_trace_columns() {
+    let mut rig = Rig::new(|_| {});
+    rig.feed(10, routed("a", "w2", 10, 32));
+    rig.feed(20, finished("a", RequestStatus::Ok));
+    let (stats, errors) = rig.rec.finish(100);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(stats.rows_written, 1);
+    let file = std::fs::File::open(&rig.segments()[0]).expect("segment");
+    let reader = ParquetRecordBatchReaderBuilder::try_new(file)
+        .expect("parquet")
+        .build()
+        .expect("reader");
+    let batch = reader.into_iter().next().expect("a batch").expect("batch");
+    let string = |name: &str| {
+        batch
+            .column_by_name(name)
+            .and_then(|c| c.as_any().downcast_ref::<arrow_array::StringArray>())
+            .map(|a| a.value(0).to_owned())
+    };
+    assert_eq!(string("worker").as_deref(), Some("w2"));
+    assert_eq!(string("status").as_deref(), Some("ok"));
+    assert_eq!(string("policy").as_deref(), Some("kv-aware"));
+    let cached = batch
+        .column_by_name("cached_tokens")
+        .and_then(|c| c.as_any().downcast_ref::<arrow_array::UInt32Array>())
+        .map(|a| a.value(0));
+    assert_eq!(cached, Some(32));
+}
+
+#[test]
+fn a_retried_request_is_one_row_with_its_first_arrival() {
+    let mut rig = Rig::new(|_| {});
+    rig.feed(10, routed("x", "w1", 10, 32));
+    rig.feed(11, finished("x", RequestStatus::WorkerError));
+    rig.feed(12, routed("x#1", "w2", 12, 32));
+    rig.feed(30, finished("x#1", RequestStatus::Ok));
+    // A plain failure that nobody retried is recorded as it ended.
+    rig.feed(40, routed("y", "w1", 40, 16));
+    rig.feed(41, finished("y", RequestStatus::WorkerError));
+    let (stats, _) = rig.rec.finish(100);
+    assert_eq!(stats.rows_written, 2);
+    let trace = load(&rig.path(), &LoadOptions::default()).expect("load");
+    assert_eq!(trace.requests[0].request_id, "x");
+    assert_eq!(trace.requests[0].arrival_us, 10);
+    assert_eq!(trace.requests[1].request_id, "y");
+}
+
+#[test]
+fn a_request_in_flight_too_long_stops_holding_rows_back_and_is_dropped_late() {
+    let mut rig = Rig::new(|o| o.max_in_flight_us = 1_000);
+    rig.feed(0, routed("slow", "w1", 0, 16));
+    rig.feed(10, routed("fast", "w2", 10, 16));
+    rig.feed(20, finished("fast", RequestStatus::Ok));
+    rig.rec.tick(120_000_000);
+    assert_eq!(rig.ids(), ["fast"]);
+    rig.feed(130_000_000, finished("slow", RequestStatus::Ok));
+    let (stats, _) = rig.rec.finish(130_000_001);
+    assert_eq!((stats.rows_written, stats.rows_late), (1, 1));
+    assert_eq!(rig.ids(), ["fast"], "the late row never breaks the order");
+}
+
+#[test]
+fn requests_without_consistent_hashes_are_counted_not_recorded() {
+    let mut rig = Rig::new(|_| {});
+    let Event::RequestRouted(mut r) = routed("rr", "w1", 10, 64) else {
+        unreachable!()
+    };
+    r.blocks.clear(); // round-robin does not tokenize
+    rig.feed(10, Event::RequestRouted(r));
+    rig.feed(20, finished("rr", RequestStatus::Ok));
+    rig.feed(30, routed("unknown-worker", "w9", 30, 64));
+    rig.feed(40, finished("unknown-worker", RequestStatus::Ok));
+    let (stats, _) = rig.rec.finish(100);
+    assert_eq!((stats.rows_written, stats.rows_unhashed), (0, 2));
+}
+
+#[test]
+fn segments_rotate_by_size_and_age_and_read_back_as_one_trace() {
+    let mut rig = Rig::new(|o| {
+        o.segment_max_bytes = 600;
+        o.segment_max_age_us = 1_000_000;
+    });
+    for i in 0..20u64 {
+        let id = format!("r{i:02}");
+        rig.feed(i * 100, routed(&id, "w1", i * 100, 64));
+        rig.feed(i * 100 + 50, finished(&id, RequestStatus::Ok));
+        rig.rec.tick(i * 100 + 50);
+    }
+    let by_size = rig.segments().len();
+    assert!(by_size >= 3, "{by_size} segments");
+    rig.feed(5_000, routed("last", "w1", 5_000, 64));
+    rig.feed(5_001, finished("last", RequestStatus::Ok));
+    rig.rec.tick(5_002);
+    rig.rec.tick(2_000_000);
+    assert_eq!(rig.segments().len(), by_size + 1, "rotated by age");
+    let ids = rig.ids();
+    let mut want: Vec<String> = (0..20).map(|i| format!("r{i:02}")).collect();
+    want.push("last".into());
+    assert_eq!(ids, want);
+}
+
+#[test]
+fn other_events_go_to_the_event_files() {
+    let mut rig = Rig::new(|_| {});
+    let stored = Event::KvBlocksStored(KvBlocksStored {
+        worker: WorkerRank::new("w1", 0),
+        tier: Tier::Gpu,
+        block_size: BS,
+        engine_hashes: vec![EngineHash(5)],
+        router_hashes: vec![BlockHash(9)],
+        parent: None,
+    });
+    rig.feed(10, stored);
+    let (stats, errors) = rig.rec.finish(100);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(stats.events_written, 3, "two registrations and one store");
+    let events: Vec<PathBuf> = std::fs::read_dir(rig.path().join("events"))
+        .expect("events dir")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    assert_eq!(events.len(), 1);
+    let file = std::fs::File::open(&events[0]).expect("open");
+    let batch = ParquetRecordBatchReaderBuilder::try_new(file)
+        .expect("parquet")
+        .build()
+        .expect("reader")
+        .next()
+        .expect("batch")
+        .expect("batch");
+    let kinds = batch
+        .column_by_name("type")
+        .and_then(|c| c.as_any().downcast_ref::<arrow_array::StringArray>())
+        .expect("type column");
+    let kinds: Vec<&str> = (0..kinds.len()).map(|i| kinds.value(i)).collect();
+    assert_eq!(
+        kinds,
+        ["WorkerRegistered", "WorkerRegistered", "KvBlocksStored"]
+    );
+}
+
+#[test]
+fn a_segment_that_cannot_be_written_is_counted_and_loses_nothing_else() {
+    let mut rig = Rig::new(|_| {});
+    rig.feed(10, routed("a", "w1", 10, 32));
+    rig.feed(20, finished("a", RequestStatus::Ok));
+    // The directory disappears under the recorder (a full or unmounted disk looks alike).
+    std::fs::remove_dir_all(rig.path()).expect("remove");
+    rig.rec.tick(120_000_000);
+    assert_eq!(
+        rig.rec.stats().write_errors,
+        2,
+        "the segment and its events"
+    );
+    assert_eq!(rig.rec.take_errors().len(), 2);
+    std::fs::create_dir_all(rig.path().join("events")).expect("recreate");
+    rig.feed(130_000_000, routed("b", "w1", 130_000_000, 32));
+    rig.feed(130_000_001, finished("b", RequestStatus::Ok));
+    let (stats, errors) = rig.rec.finish(130_000_002);
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(stats.rows_written, 1);
+    assert_eq!(rig.ids(), ["b"]);
+}
