@@ -291,6 +291,11 @@ macro_rules! conformance {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn tail_while_appending() {
+                suite::tail_while_appending(&fixture().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn concurrent_appenders() {
                 suite::concurrent_appenders(&fixture().await).await;
             }

@@ -32,11 +32,13 @@
 //! PD-disaggregated models are forwarded to the first leg only (no two-leg protocol yet);
 //! `/v1/messages`, prewarm and profiling are not served here.
 
+mod durable;
 mod http;
 mod metrics;
 mod relay;
 mod taps;
 
+pub use durable::{COMPACT_EVERY, DurableLog, REPLICA_PREFIX, attach as attach_event_log};
 pub use metrics::ServerMetrics;
 pub use taps::{EventBatch, MetricsSource, write_family};
 
@@ -44,7 +46,8 @@ use crate::kv_events::{EngineBatch, IngestStats, to_core_events};
 use crate::tokenize::{ChatTemplate, Tokenizer};
 use infera_core::clock::{Clock, SystemClock};
 use infera_core::event::{
-    Event, Source, WorkerDeregistered, WorkerDraining, WorkerRecord, WorkerRegistered,
+    Event, KvCacheCleared, Source, WorkerDeregistered, WorkerDraining, WorkerRecord,
+    WorkerRegistered,
 };
 use infera_core::fleet::{FleetConfig, FleetState};
 use infera_core::ids::{WorkerId, WorkerRank};
@@ -129,6 +132,7 @@ pub(crate) struct Inner {
     pub(crate) id_prefix: u64,
     pub(crate) tap_counters: Mutex<Vec<(&'static str, Arc<taps::TapCounters>)>>,
     pub(crate) metrics_sources: Mutex<Vec<Arc<dyn MetricsSource>>>,
+    pub(crate) restore: Mutex<durable::RestoreState>,
 }
 
 /// A cheap, cloneable handle on the server's state. See the module docs.
@@ -160,6 +164,7 @@ impl ServerState {
                 id_prefix,
                 tap_counters: Mutex::new(Vec::new()),
                 metrics_sources: Mutex::new(Vec::new()),
+                restore: Mutex::new(durable::RestoreState::default()),
             }),
         }
     }
@@ -186,9 +191,12 @@ impl ServerState {
     pub fn register_worker(&self, record: WorkerRecord) {
         tracing::info!(worker = %record.worker_id.as_str(), url = %record.url,
             model = %record.model_name, "worker registered");
-        self.apply(vec![NewEvent::new(Event::WorkerRegistered(
-            WorkerRegistered { record },
-        ))]);
+        let restored = self.take_restored(&record);
+        let mut events = vec![NewEvent::new(Event::WorkerRegistered(WorkerRegistered {
+            record,
+        }))];
+        events.extend(restored);
+        self.apply(events);
     }
 
     /// A worker left routing.
@@ -233,7 +241,14 @@ impl ServerState {
         seq: Option<u64>,
         batch: &EngineBatch,
     ) -> Option<IngestStats> {
+        let stale = self.restored_index_is_stale(rank, seq);
         let mut core = self.lock();
+        if stale && core.fleet.worker(&rank.worker).is_some() {
+            core.commit(vec![NewEvent::new(Event::KvCacheCleared(KvCacheCleared {
+                worker: rank.clone(),
+                tier: None,
+            }))]);
+        }
         let block_size = core.fleet.worker(&rank.worker)?.kv_block_size;
         let out = {
             let index = core.fleet.index();

@@ -16,19 +16,22 @@
 //! deregisters, re-registers with another endpoint, or at shutdown.
 //!
 //! # This build
-//! Only `--request-transport http`, `--kv-event-transport zmq` and `--event-log memory` run,
-//! and `--record-prompts` is not built; other values stop startup with one line.
+//! Only `--request-transport http` and `--kv-event-transport zmq` run, and `--record-prompts`
+//! is not built; other values stop startup with one line. A durable `--event-log` is attached
+//! through [`infera_adapters::server::attach_event_log`].
 //! `--record-trace DIR` records through [`crate::record`].
 
-use crate::config::server::{EventLogConfig, RouterMode, RouterPolicy};
+use crate::config::server::{RouterMode, RouterPolicy};
 use crate::config::{KvEventTransport, RequestTransport, ServerConfig};
 use crate::record::Recording;
 use crate::signals::Signals;
 use anyhow::{Context as _, bail};
-use infera_adapters::server::{ServerOptions, ServerState, serve};
+use infera_adapters::server::{DurableLog, ServerOptions, ServerState, attach_event_log, serve};
 use infera_adapters::tokenize::Tokenizer;
 use infera_backends::discovery::{DiscoveryChange, DiscoveryStream};
+use infera_backends::log::{EventLogConfig, open_event_log_with};
 use infera_backends::zmq::{KvEventSubscriber, SubscriberConfig, SubscriberItem};
+use infera_core::clock::SystemClock;
 use infera_core::event::{Event, KvCacheCleared, Source, WorkerRecord};
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::{WorkerId, WorkerRank};
@@ -36,6 +39,7 @@ use infera_core::log::NewEvent;
 use infera_core::policy::{PolicyKind, RouterConfig};
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -49,9 +53,6 @@ fn check_supported(config: &ServerConfig) -> anyhow::Result<()> {
     }
     if config.kv_event_transport != KvEventTransport::Zmq {
         return not_yet("--kv-event-transport nats (use zmq)".to_owned());
-    }
-    if config.event_log != EventLogConfig::Memory {
-        return not_yet(format!("--event-log {:?} (use memory)", config.event_log));
     }
     if config.record_trace.as_ref().is_some_and(|r| r.prompts) {
         return not_yet("--record-prompts (traces record block hashes, not prompts)".to_owned());
@@ -115,6 +116,7 @@ async fn serve_all(config: ServerConfig, state: ServerState) -> anyhow::Result<(
     let listener = TcpListener::bind(&addr)
         .await
         .with_context(|| format!("cannot bind {addr}"))?;
+    let durable = open_durable_log(&config, &state).await?;
     let stream = crate::discovery::watch(&config.discovery).await?;
     let recording = match &config.record_trace {
         Some(r) => Some(Recording::start(&state, r)?),
@@ -143,9 +145,34 @@ async fn serve_all(config: ServerConfig, state: ServerState) -> anyhow::Result<(
     if let Some(recording) = recording {
         let _ = tokio::task::spawn_blocking(move || recording.finish()).await;
     }
+    if let Some(durable) = durable {
+        durable.close(DURABLE_GRACE).await;
+    }
     served.context("http server failed")?;
     tracing::info!("infera server stopped");
     Ok(())
+}
+
+/// How long shutdown waits for the durable event log to take the last events.
+const DURABLE_GRACE: Duration = Duration::from_secs(10);
+
+/// Opens `--event-log` (unless `memory`) and attaches it: the workers' KV index is restored from
+/// it as they register, every commit is written behind, and peers' requests are followed.
+async fn open_durable_log(
+    config: &ServerConfig,
+    state: &ServerState,
+) -> anyhow::Result<Option<DurableLog>> {
+    if config.event_log == EventLogConfig::Memory {
+        return Ok(None);
+    }
+    let log = open_event_log_with(&config.event_log, Arc::new(SystemClock))
+        .await
+        .context("cannot open the event log (--event-log)")?;
+    let durable = attach_event_log(state, log)
+        .await
+        .context("cannot read the event log (--event-log)")?;
+    tracing::info!(replica = %state.replica_id(), "durable event log attached");
+    Ok(Some(durable))
 }
 
 /// The subscriber tasks of one worker, and what they were started for.

@@ -355,3 +355,131 @@ async fn the_server_records_a_trace_that_replay_reads() {
         String::from_utf8_lossy(&replay.stderr)
     );
 }
+
+/// The worker's `/v1/workers` load entry on the server at `port`, if listed.
+fn load_of(port: u16) -> Option<Value> {
+    get_json(port, "/v1/workers").map(|w| w["data"][0]["load"][0].clone())
+}
+
+fn metric(port: u16, name: &str) -> Option<u64> {
+    let (_, text) = http(port, "GET", "/metrics", "")?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// Sends distinct completions to `port` until `done` holds: ZeroMQ subscribers miss what an
+/// engine publishes before they have joined, so the first request's events may never arrive.
+fn send_until(port: u16, tok: &str, what: &str, mut done: impl FnMut() -> bool) {
+    let mut n = 0;
+    eventually(what, || {
+        if n % 10 == 0 {
+            let mut prompt = format!("{what} {n}:");
+            for i in 0..200 {
+                prompt.push_str(&format!(" {n}x{}", i % 53));
+            }
+            let req = json!({"model": tok, "prompt": prompt, "max_tokens": 2}).to_string();
+            let (status, body) = http(port, "POST", "/v1/completions", &req).unwrap();
+            assert_eq!(status, 200, "{body}");
+        }
+        n += 1;
+        done()
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_gets_the_kv_index_back_from_its_sqlite_event_log() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let tok = tokenizer_dir();
+    let tok = tok.as_str();
+    let db = tempfile::tempdir().unwrap();
+    let log = format!("sqlite:{}", db.path().join("events.db").display());
+    let worker_port = free_mock_port(&[]);
+    let _worker = mock_worker(tok, &etcd.endpoint(), worker_port, &["--speedup", "1000"]);
+    let start = |port: u16| server(tok, &etcd.endpoint(), port, &["--event-log", &log]);
+    let blocks = |port: u16| load_of(port).and_then(|l| l["cached_blocks"].as_u64());
+
+    let port = free_port();
+    let mut first = start(port);
+    eventually("the worker to be discovered", || {
+        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
+    });
+    send_until(port, tok, "alpha", || blocks(port) > Some(10));
+    let indexed = blocks(port).unwrap();
+    first.terminate();
+
+    // Restarted on the same log: the worker comes back with its index, before any event.
+    let port = free_port();
+    let mut second = start(port);
+    eventually("the worker to be rediscovered", || {
+        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
+    });
+    assert_eq!(blocks(port), Some(indexed), "{:?}", load_of(port));
+    assert_eq!(
+        metric(port, "infera_event_log_restored_workers_total"),
+        Some(1)
+    );
+    second.terminate();
+
+    // Events the server missed while it was down (a request sent straight to the engine) make
+    // the restored index stale: it is cleared at the engine's next batch, not trusted.
+    let prompt: String = (0..100).map(|i| format!(" direct{i}")).collect();
+    let req = json!({"model": tok, "prompt": prompt, "max_tokens": 2});
+    let (status, _) = http(worker_port, "POST", "/v1/completions", &req.to_string()).unwrap();
+    assert_eq!(status, 200);
+    let port = free_port();
+    let _third = start(port);
+    eventually("the worker to be rediscovered", || {
+        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
+    });
+    assert_eq!(blocks(port), Some(indexed), "restored before any new event");
+    send_until(port, tok, "delta", || {
+        metric(port, "infera_event_log_restored_ranks_cleared_total") == Some(1)
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_sharing_a_jetstream_event_log_see_each_others_requests() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let nats = infera_backends::testing::NatsServer::start()
+        .await
+        .expect("nats-server starts");
+    let tok = tokenizer_dir();
+    let tok = tok.as_str();
+    let log = format!("{}?stream=REPLICAS&max_bytes=64MiB", nats.url());
+    let worker_port = free_mock_port(&[]);
+    // Real-time decoding: a long completion stays in flight while the test looks.
+    let _worker = mock_worker(tok, &etcd.endpoint(), worker_port, &["--speedup", "1"]);
+    let (a, b) = (free_port(), free_port());
+    let _a = server(tok, &etcd.endpoint(), a, &["--event-log", &log]);
+    let _b = server(tok, &etcd.endpoint(), b, &["--event-log", &log]);
+    for port in [a, b] {
+        eventually("the worker to be discovered", || {
+            get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
+        });
+    }
+    let inflight = |port: u16| load_of(port).and_then(|l| l["inflight"].as_u64());
+    assert_eq!(inflight(b), Some(0));
+
+    // A streaming request through replica A...
+    let body = json!({"model": tok, "prompt": "share the load", "max_tokens": 100000,
+        "stream": true})
+    .to_string();
+    let mut stream = TcpStream::connect(("127.0.0.1", a)).unwrap();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 256];
+    let n = stream.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    // ...is load on replica B too, and leaves it when the client goes away.
+    eventually("B to count A's request", || inflight(b) == Some(1));
+    assert_eq!(inflight(a), Some(1));
+    drop(stream);
+    eventually("B to see it finish", || inflight(b) == Some(0));
+    assert!(metric(b, "infera_event_log_peer_events_total") >= Some(2));
+    assert_eq!(metric(a, "infera_event_log_peer_events_total"), Some(0));
+}

@@ -294,27 +294,35 @@ impl EventLog for PostgresLog {
             .acquire()
             .await
             .map_err(|e| self.err("reading", e))?;
-        let found: Vec<(i64, String)> = sqlx::query_as(
-            "SELECT seq, envelope::text FROM events WHERE seq >= $1 ORDER BY seq LIMIT $2",
-        )
-        .bind(super::to_i64(from, "seq")?)
-        .bind(max.min(MAX_READ) as i64)
-        .fetch_all(&mut *conn)
-        .await
-        .map_err(|e| self.err("reading", e))?;
+        let from_i64 = super::to_i64(from, "seq")?;
         let store = &self.inner.store;
-        let first_found = found.first().map(|r| r.0);
-        if first_found != Some(from as i64) {
+        // An append that commits between the select and the state read looks like a gap; the
+        // state read sees it, so a second select does too: only then is a gap real.
+        let mut raced = false;
+        let found = loop {
+            let found: Vec<(i64, String)> = sqlx::query_as(
+                "SELECT seq, envelope::text FROM events WHERE seq >= $1 ORDER BY seq LIMIT $2",
+            )
+            .bind(from_i64)
+            .bind(max.min(MAX_READ) as i64)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| self.err("reading", e))?;
+            let first_found = found.first().map(|r| r.0);
+            if first_found == Some(from as i64) {
+                break found;
+            }
             let (last, upto) = self.state(&mut conn, false).await?;
             if from <= upto {
                 return Err(LogError::Compacted { upto });
             }
             match first_found {
+                None if from <= last && !raced => raced = true,
                 None if from <= last => return Err(codec::missing(store, from, last + 1, upto)),
                 None => return Ok(Vec::new()),
                 Some(first) => return Err(codec::missing(store, from, first as Seq, upto)),
             }
-        }
+        };
         let envelopes = found
             .iter()
             .map(|(seq, text)| decode_row(store, *seq, text))

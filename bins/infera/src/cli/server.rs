@@ -3,7 +3,7 @@
 //! Only the shape of the command line lives here: names, defaults, help and the syntax of
 //! each value. Everything else is checked by `TryFrom<ServerArgs> for ServerConfig`.
 
-use crate::config::server::{EventLogConfig, RouterMode, RouterPolicy};
+use crate::config::server::{RouterMode, RouterPolicy};
 use crate::config::units::{ByteSize, HumanDuration};
 use crate::config::{DiscoveryBackend, KvEventTransport, RequestTransport};
 use clap::Args;
@@ -151,10 +151,12 @@ pub struct ServerArgs {
     )]
     pub router_temperature: f64,
 
-    /// Infera extension: where router events are kept: memory, nats (JetStream),
-    /// sqlite:PATH or postgres://USER@HOST/DB.
+    /// Infera extension: where router events are kept, so a restarted server keeps its KV
+    /// index and replicas share load: memory, nats (JetStream on --nats-server),
+    /// nats://HOST:PORT[?stream=NAME&max_age=7d&max_bytes=8GiB], sqlite:PATH or
+    /// postgres://USER@HOST/DB.
     #[arg(long, default_value = "memory", value_name = "LOG", help_heading = EXTENSIONS)]
-    pub event_log: EventLogConfig,
+    pub event_log: String,
 
     /// Infera extension: record the event log as Parquet trace segments in DIR, for
     /// `infera replay`.

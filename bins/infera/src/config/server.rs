@@ -12,9 +12,11 @@ use crate::config::{
     ConfigError, DiscoveryConfig, DiscoveryFlags, KvEventTransport, RequestTransport,
     non_negative_f64, positive, readable_file,
 };
+use infera_backends::log::{
+    EventLogConfig, InvalidEventLogSpec, JetStreamLogConfig, SqliteLogConfig,
+};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
-use std::str::FromStr;
 
 /// Who picks the worker for a request (`--router-mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
@@ -34,51 +36,6 @@ pub enum RouterPolicy {
     KvAware,
     /// Each worker in turn.
     RoundRobin,
-}
-
-/// Where the router's event log is kept (`--event-log`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum EventLogConfig {
-    /// In process memory; lost on exit.
-    Memory,
-    /// A NATS JetStream stream on `--nats-server`.
-    Nats,
-    /// An SQLite database file.
-    Sqlite {
-        /// The database file.
-        path: PathBuf,
-    },
-    /// A PostgreSQL database.
-    Postgres {
-        /// The connection URL (`postgres://` or `postgresql://`).
-        url: String,
-    },
-}
-
-impl FromStr for EventLogConfig {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        const EXPECTED: &str = "expected memory, nats, sqlite:PATH or postgres://USER@HOST/DB";
-        match text {
-            "memory" => return Ok(Self::Memory),
-            "nats" => return Ok(Self::Nats),
-            _ => {}
-        }
-        if text.starts_with("postgres://") || text.starts_with("postgresql://") {
-            return Ok(Self::Postgres { url: text.into() });
-        }
-        if let Some(rest) = text.strip_prefix("sqlite:") {
-            // Accept sqlx-style `sqlite://PATH` as well as `sqlite:PATH`.
-            let path = rest.strip_prefix("//").unwrap_or(rest);
-            if path.is_empty() {
-                return Err(format!("'{text}' names no database file; {EXPECTED}"));
-            }
-            return Ok(Self::Sqlite { path: path.into() });
-        }
-        Err(format!("'{text}' is not an event log; {EXPECTED}"))
-    }
 }
 
 /// Where and what the server records for `infera replay`.
@@ -212,6 +169,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
             max_body_bytes: positive("--max-body-bytes", args.max_body_bytes.bytes())
                 .map(ByteSize)?,
         };
+        let event_log = event_log(&args.event_log, &args.nats_server)?;
         Ok(Self {
             http,
             router,
@@ -227,7 +185,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
             },
             kvd_socket_path: args.kvd_socket_path,
             enable_profiling: args.enable_profiling,
-            event_log: event_log(args.event_log)?,
+            event_log,
             record_trace: record_trace(
                 args.record_trace,
                 args.record_prompts,
@@ -283,12 +241,21 @@ fn chat_template(path: Option<PathBuf>) -> Result<Option<PathBuf>, ConfigError> 
     Ok(path)
 }
 
-fn event_log(log: EventLogConfig) -> Result<EventLogConfig, ConfigError> {
-    if let EventLogConfig::Sqlite { path } = &log {
+/// `--event-log`: `nats` is the JetStream log on `--nats-server` with the default stream and
+/// bounds; every other form is [`EventLogConfig`]'s (which takes its own `nats://…` URL too).
+fn event_log(spec: &str, nats_server: &str) -> Result<EventLogConfig, ConfigError> {
+    const FLAG: &str = "--event-log";
+    let log = if spec.trim() == "nats" {
+        EventLogConfig::Jetstream(JetStreamLogConfig::new(nats_server))
+    } else {
+        spec.parse()
+            .map_err(|e: InvalidEventLogSpec| ConfigError::new(FLAG, e.to_string()))?
+    };
+    if let EventLogConfig::Sqlite(SqliteLogConfig { path }) = &log {
         let parent = path.parent().filter(|dir| !dir.as_os_str().is_empty());
         if let Some(dir) = parent.filter(|dir| !dir.is_dir()) {
             return Err(ConfigError::new(
-                "--event-log",
+                FLAG,
                 format!(
                     "names sqlite:{}, whose directory {} does not exist",
                     path.display(),
@@ -412,28 +379,39 @@ mod tests {
 
     #[test]
     fn event_log_specs_parse() {
-        assert_eq!("memory".parse(), Ok(EventLogConfig::Memory));
-        assert_eq!("nats".parse(), Ok(EventLogConfig::Nats));
+        let log = |spec: &str| parse(&["--event-log", spec]).map(|c| c.event_log);
+        assert_eq!(log("memory"), Ok(EventLogConfig::Memory));
+        let nats = parse(&[
+            "--event-log",
+            "nats",
+            "--nats-server",
+            "nats://10.0.0.1:4222",
+        ]);
         assert_eq!(
-            "sqlite:/tmp/events.db".parse(),
-            Ok(EventLogConfig::Sqlite {
+            nats.map(|c| c.event_log),
+            Ok(EventLogConfig::Jetstream(JetStreamLogConfig::new(
+                "nats://10.0.0.1:4222"
+            )))
+        );
+        assert!(matches!(
+            log("nats://h:4222?stream=S"),
+            Ok(EventLogConfig::Jetstream(c)) if c.stream == "S"
+        ));
+        assert_eq!(
+            log("sqlite:///tmp/events.db"),
+            Ok(EventLogConfig::Sqlite(SqliteLogConfig {
                 path: "/tmp/events.db".into()
-            })
+            }))
         );
-        assert_eq!(
-            "sqlite:///tmp/events.db".parse(),
-            Ok(EventLogConfig::Sqlite {
-                path: "/tmp/events.db".into()
-            })
-        );
-        assert_eq!(
-            "postgresql://u@h/db".parse(),
-            Ok(EventLogConfig::Postgres {
-                url: "postgresql://u@h/db".into()
-            })
-        );
-        assert!("sqlite:".parse::<EventLogConfig>().is_err());
-        assert!("redis://x".parse::<EventLogConfig>().is_err());
+        assert!(matches!(
+            log("postgresql://u@h/db"),
+            Ok(EventLogConfig::Postgres(_))
+        ));
+        for bad in ["sqlite:", "redis://x"] {
+            let error = parse(&["--event-log", bad]).unwrap_err();
+            assert_eq!(error.flag, "--event-log");
+            assert!(error.to_string().contains("sqlite:PATH"), "{error}");
+        }
     }
 
     #[test]
