@@ -9,6 +9,8 @@
 //!   the engine's share of that time.
 //! * `e2e/throughput/kv-aware-1k-c32`: 1k-token completions from 32 connections; criterion's
 //!   rate is requests per second. Target ≥ 4,000 req/s on this 2-core machine.
+//!   `…-recorded` runs the same load with the trace recorder draining a tap, as
+//!   `infera server --record-trace` does: target at most 5 % fewer requests per second.
 //! * `e2e/throughput/{round-robin-c32,direct-c32}`: a request the router need not tokenize
 //!   (round-robin), and the same requests sent to the worker directly; target ≥ 20,000 req/s
 //!   and ≤ 150 µs added p50 (`e2e/added/{round-robin,direct}` at one connection).
@@ -31,11 +33,13 @@ use hyper_util::rt::TokioExecutor;
 use infera_adapters::mock::{MockConfig, MockServer};
 use infera_adapters::server::{ServerOptions, ServerState, serve};
 use infera_adapters::tokenize::Tokenizer;
+use infera_core::clock::Clock as _;
 use infera_core::engine::EngineConfig;
 use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
 use infera_core::policy::{PolicyKind, RouterConfig};
+use infera_replay::record::{Recorder, RecorderOptions};
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 
@@ -83,7 +87,22 @@ fn tokenizer() -> Arc<Tokenizer> {
     Arc::new(Tokenizer::from_path(&dir).expect("fixture tokenizer"))
 }
 
-fn fleet(policy: PolicyKind, tok: &Arc<Tokenizer>) -> Fleet {
+/// Drains a tap of `state` into a trace recorder writing under `dir`, on a thread of its own,
+/// as `infera server --record-trace` does.
+fn record(state: &ServerState, dir: &std::path::Path) {
+    let mut rx = state.tap("trace", 1 << 16);
+    let clock = infera_core::clock::SystemClock;
+    let mut recorder = Recorder::new(RecorderOptions::new(dir), clock.now_us()).expect("recorder");
+    std::thread::spawn(move || {
+        while let Some(batch) = rx.blocking_recv() {
+            batch.iter().for_each(|e| recorder.feed(e));
+            recorder.tick(clock.now_us());
+        }
+        recorder.finish(clock.now_us());
+    });
+}
+
+fn fleet(policy: PolicyKind, tok: &Arc<Tokenizer>, recording: Option<&std::path::Path>) -> Fleet {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -101,6 +120,9 @@ fn fleet(policy: PolicyKind, tok: &Arc<Tokenizer>) -> Fleet {
             direct: false,
         };
         let state = ServerState::new(options, Arc::clone(tok));
+        if let Some(dir) = recording {
+            record(&state, dir);
+        }
         let mut workers = Vec::new();
         for _ in 0..2 {
             let engine = EngineConfig {
@@ -167,7 +189,7 @@ fn body(text: &str) -> Bytes {
 
 fn cold(c: &mut Criterion) {
     let tok = tokenizer();
-    let fleet = fleet(PolicyKind::KvAware, &tok);
+    let fleet = fleet(PolicyKind::KvAware, &tok, None);
     let mut group = c.benchmark_group("e2e/cold");
     group
         .sample_size(20)
@@ -280,7 +302,7 @@ fn concurrent(fleet: &Fleet, target: SocketAddr, bodies: &[Bytes], iters: u64) -
 fn throughput(c: &mut Criterion) {
     let tok = tokenizer();
     // Distinct 1k-token prompts, cycled: the kv-aware router hashes each of them.
-    let kv = fleet(PolicyKind::KvAware, &tok);
+    let kv = fleet(PolicyKind::KvAware, &tok, None);
     let prompts: Vec<Bytes> = (0..256)
         .map(|i| body(&prompt(&tok, &format!("tp{i}"), 1_000)))
         .collect();
@@ -293,8 +315,15 @@ fn throughput(c: &mut Criterion) {
         b.iter_custom(|iters| concurrent(&kv, kv.front, &prompts, iters));
     });
     drop(kv);
+    // The same load with the trace recorder on (target: at most 5 % fewer requests/s).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let recorded = fleet(PolicyKind::KvAware, &tok, Some(dir.path()));
+    group.bench_function("kv-aware-1k-c32-recorded", |b| {
+        b.iter_custom(|iters| concurrent(&recorded, recorded.front, &prompts, iters));
+    });
+    drop(recorded);
 
-    let rr = fleet(PolicyKind::RoundRobin, &tok);
+    let rr = fleet(PolicyKind::RoundRobin, &tok, None);
     let short = vec![body("a request the router need not tokenize")];
     group.bench_function("round-robin-c32", |b| {
         b.iter_custom(|iters| concurrent(&rr, rr.front, &short, iters));
