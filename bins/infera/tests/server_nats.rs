@@ -11,11 +11,16 @@ mod common;
 use common::{Proc, eventually, free_mock_port, free_port, get_json, http, tokenizer_dir};
 
 use futures::StreamExt as _;
+use infera_adapters::kv_events::{EngineBatch, EngineEvent, encode_batch_vllm};
 use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _, Registration};
+use infera_backends::nats::kv::{HDR_KV_EPOCH, HDR_KV_SEQ, kv_subject};
 use infera_backends::nats::{self, HDR_SEQ, HDR_STATUS, HDR_TYPE, RequestPayload};
 use infera_backends::testing::{EtcdServer, NatsServer, sample_record};
-use infera_core::event::RequestTransport;
+use infera_core::event::{RequestTransport, Tier};
+use infera_core::ids::EngineHash;
 use serde_json::{Value, json};
+use std::io::{Read as _, Write as _};
+use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -505,4 +510,74 @@ async fn routing_resumes_after_a_nats_server_restart() {
             .sum::<u64>()
             > before + 10
     });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_cancels_the_worker_request() {
+    let (_etcd, _nats, _server, port, mut fake, tok) = fake_setup(&[]).await;
+    let body = json!({"model": tok, "prompt": "bye", "max_tokens": 2, "stream": true}).to_string();
+    let client = tokio::task::spawn_blocking(move || {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(common::DEADLINE)).unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !String::from_utf8_lossy(&seen).contains("data: {") {
+            let n = s.read(&mut buf).unwrap();
+            assert!(n > 0, "closed before the first chunk");
+            seen.extend_from_slice(&buf[..n]);
+        }
+        // Dropping the socket is the client going away.
+    });
+    let got = fake.next_request().await;
+    fake.reply(&got.reply, 0, "data", None, "data: {\"n\":0}\n\n")
+        .await;
+    client.await.unwrap();
+    assert_eq!(fake.next_cancel().await, got.reply);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_kv_event_batch_clears_the_rank_and_later_batches_rebuild_it() {
+    let (_etcd, _nats, _server, port, fake, _tok) = fake_setup(&[]).await;
+    let stored = |first: u64, blocks: u64| {
+        let batch = EngineBatch {
+            ts: 1.0,
+            events: vec![EngineEvent::BlockStored {
+                block_hashes: (first..first + blocks).map(EngineHash).collect(),
+                parent: None,
+                token_ids: (16 * first as u32..16 * (first + blocks) as u32).collect(),
+                block_size: 16,
+                tier: Tier::Gpu,
+                lora_id: None,
+                indexable: true,
+            }],
+            ..EngineBatch::default()
+        };
+        bytes::Bytes::from(encode_batch_vllm(&batch))
+    };
+    let publish = async |seq: u64, payload| {
+        let mut headers = nats::HeaderMap::new();
+        headers.insert(HDR_KV_SEQ, seq.to_string().as_str());
+        headers.insert(HDR_KV_EPOCH, "7");
+        fake.client
+            .publish_with_headers(kv_subject(&fake.id(), 0), headers, payload)
+            .await
+            .unwrap();
+    };
+    publish(0, stored(100, 3)).await;
+    eventually("three blocks indexed", || cached_blocks(port)[0].1 == 3);
+    // Batch 1 is lost; batch 2 reveals the gap, so the rank is cleared and rebuilt from it.
+    publish(2, stored(200, 1)).await;
+    eventually("the rank rebuilt from the batch after the gap", || {
+        cached_blocks(port)[0].1 == 1
+    });
+    assert_eq!(metric(port, "infera_kv_event_gaps_total"), 1);
+    publish(3, stored(300, 2)).await;
+    eventually("later batches add to it", || cached_blocks(port)[0].1 == 3);
 }
