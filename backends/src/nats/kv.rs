@@ -3,8 +3,9 @@
 //! ([`KvEventSubscription`]) and decodes the batches.
 //!
 //! # Gaps and restarts
-//! Ours adds two headers: [`HDR_KV_SEQ`], the publisher's batch number on that rank (from 0),
-//! and [`HDR_KV_EPOCH`], a number fixed for the life of the publishing worker process. Per rank
+//! Ours adds two headers: [`HDR_KV_SEQ`], the engine's seq of the batch (vLLM, SGLang; for an
+//! engine without one, like the mock, the publisher's own count from 0 per rank), and
+//! [`HDR_KV_EPOCH`], a number fixed for the life of the publishing worker process. Per rank
 //! the subscriber expects `seq + 1` within one epoch:
 //! - a new epoch, or a seq that goes back, is [`KvItem::Restart`]: the worker (and its engine)
 //!   restarted, so the rank's cache starts empty;
@@ -52,7 +53,9 @@ impl KvEventPublisher {
         }
     }
 
-    /// Publishes `payload` (the engine's msgpack batch, verbatim) for `dp_rank`. Returns its seq.
+    /// Publishes `payload` (the engine's msgpack batch, verbatim) for `dp_rank`, numbered by
+    /// this publisher (for an engine that numbers nothing, like the mock's sink). Returns its
+    /// seq.
     ///
     /// # Errors
     /// The client's publish error (its buffer is full while the broker is away).
@@ -64,13 +67,29 @@ impl KvEventPublisher {
         let seq = self.next_seq.entry(dp_rank).or_insert(0);
         let this = *seq;
         *seq += 1;
+        self.publish_with_seq(dp_rank, Some(this), payload).await?;
+        Ok(this)
+    }
+
+    /// Publishes `payload` for `dp_rank` with the engine's own seq (vLLM, SGLang), so that the
+    /// engine's gaps and restarts reach the server as they are; `None` (ATOM) sends no seq.
+    ///
+    /// # Errors
+    /// The client's publish error.
+    pub async fn publish_with_seq(
+        &mut self,
+        dp_rank: u32,
+        seq: Option<u64>,
+        payload: Bytes,
+    ) -> Result<(), async_nats::PublishError> {
         let mut headers = async_nats::HeaderMap::new();
-        headers.insert(HDR_KV_SEQ, this.to_string().as_str());
+        if let Some(seq) = seq {
+            headers.insert(HDR_KV_SEQ, seq.to_string().as_str());
+        }
         headers.insert(HDR_KV_EPOCH, self.epoch.to_string().as_str());
         self.client
             .publish_with_headers(kv_subject(&self.worker_id, dp_rank), headers, payload)
-            .await?;
-        Ok(this)
+            .await
     }
 }
 

@@ -20,8 +20,8 @@
 //!           not checked)
 //! cancel    server → infera.cancel.<token>, payload = the request's inbox
 //! kv events worker → infera.kv.events.<token>.<dp_rank>, payload = the engine batch verbatim,
-//!           ours adds headers infera-kv-seq (the worker's batch number on that rank, from 0)
-//!           and infera-kv-epoch (a number fixed for the life of the worker process)
+//!           ours adds headers infera-kv-seq (the engine's seq of the batch; the mock's own
+//!           count from 0 per rank) and infera-kv-epoch (fixed for the life of the worker)
 //! ```
 //!
 //! # Connection

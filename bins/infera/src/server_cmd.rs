@@ -309,7 +309,7 @@ fn start_subscribers(
 }
 
 /// `tcp://HOST:P` → `tcp://HOST':P+offset`, where a wildcard host becomes the worker URL's host.
-fn rank_endpoint(endpoint: &str, worker_url: &str, offset: u32) -> Option<String> {
+pub(crate) fn rank_endpoint(endpoint: &str, worker_url: &str, offset: u32) -> Option<String> {
     let rest = endpoint.strip_prefix("tcp://")?;
     let (host, port) = rest.rsplit_once(':')?;
     let port: u32 = port.parse().ok()?;

@@ -581,3 +581,67 @@ async fn a_lost_kv_event_batch_clears_the_rank_and_later_batches_rebuild_it() {
     publish(3, stored(300, 2)).await;
     eventually("later batches add to it", || cached_blocks(port)[0].1 == 3);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_engine_worker_serves_over_nats_and_relays_its_zmq_kv_events() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let tok = tokenizer_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    // `infera worker vllm` with default transports over a stand-in engine that records its
+    // command line and runs the mock engine (tests/peers/engine_standin.sh).
+    let mut worker = Proc(
+        Command::new(env!("CARGO_BIN_EXE_infera"))
+            .args(["worker", "vllm", "--model", &tok, "--host", "127.0.0.1"])
+            .args(["--port", &port.to_string()])
+            .args([
+                "--discovery-backend",
+                "etcd",
+                "--etcd-endpoint",
+                &etcd.endpoint(),
+            ])
+            .args(["--nats-server", &nats.url(), "--drain-timeout", "10s"])
+            .arg("--engine-cmd")
+            .arg(
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("tests/peers/engine_standin.sh"),
+            )
+            .env("STANDIN_DIR", dir.path())
+            .env("INFERA_BIN", env!("CARGO_BIN_EXE_infera"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let server_port = free_port();
+    let _server = server(&tok, &etcd.endpoint(), &nats.url(), server_port, &[]);
+    eventually("the worker to be discovered", || {
+        get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 1)
+    });
+    let record = &get_json(server_port, "/v1/workers").unwrap()["data"][0]["record"];
+    assert_eq!(record["request_transport"], "nats", "{record}");
+    // The server reads the engine's events from NATS, not from the engine's socket.
+    assert!(record["kv_events_endpoint"].is_null(), "{record}");
+
+    let req = json!({"model": tok, "prompt": long_prompt("relay"), "max_tokens": 2});
+    let (status, body) = post(server_port, req.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    eventually(
+        "the engine's blocks, relayed over nats, in the index",
+        || cached_blocks(server_port)[0].1 > 10,
+    );
+    let (status, body) = post(server_port, req).await;
+    assert_eq!(status, 200, "{body}");
+    let again: Value = serde_json::from_str(&body).unwrap();
+    assert!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0),
+        "{again}"
+    );
+    // SIGTERM: deregister, stop taking requests, drain, stop the engine, exit 0.
+    let status = worker.terminate();
+    assert!(status.success(), "worker exit: {status:?}");
+    eventually("the worker to leave", || {
+        get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 0)
+    });
+}

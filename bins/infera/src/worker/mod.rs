@@ -14,14 +14,15 @@
 //! 4. serve until SIGTERM / Ctrl-C or until the engine exits; with `--request-transport nats`
 //!    the worker also subscribes to `infera.req.<token>` (before registering) and proxies each
 //!    request to the engine's HTTP port ([`infera_backends::nats::NatsResponder`]); with
-//!    `--kv-event-transport nats` the mock publishes its KV events on
-//!    `infera.kv.events.<token>.<rank>` (real engines: zmq only in this build);
+//!    `--kv-event-transport nats` the KV events go to `infera.kv.events.<token>.<rank>`
+//!    (the mock publishes there; a real engine's ZeroMQ events are relayed by [`kv_relay`]);
 //! 5. deregister first and stop taking NATS requests (no new work arrives), drain in-flight work bounded by
 //!    `--drain-timeout`, then stop the engine (SIGTERM, SIGKILL to its group after
 //!    [`process::STOP_GRACE`]).
 //!
 //! An engine that exits on its own is deregistered at once and the worker exits non-zero.
 
+mod kv_relay;
 pub mod launch;
 pub mod mock;
 pub mod probe;
@@ -42,10 +43,9 @@ use std::sync::Arc;
 /// Runs the worker until SIGTERM or Ctrl-C.
 ///
 /// # Errors
-/// An unsupported option, discovery unreachable, an engine that does not start or become
+/// Discovery or NATS unreachable, an engine that does not start or become
 /// healthy, or an engine that exits while serving.
 pub fn run(config: WorkerConfig) -> anyhow::Result<()> {
-    check_supported(&config)?;
     let config = advertise_pod_ip(config, std::env::var("POD_IP").ok());
     mock::runtime()?.block_on(async move {
         let mut signals = Signals::register()?;
@@ -90,19 +90,11 @@ fn advertise_pod_ip(mut config: WorkerConfig, pod_ip: Option<String>) -> WorkerC
     config
 }
 
-/// Refuses, in one line, what this build cannot run yet.
-fn check_supported(config: &WorkerConfig) -> anyhow::Result<()> {
-    if config.kv_events.enabled
-        && config.kv_events.transport == KvEventTransport::Nats
-        && !matches!(config.launch, LaunchConfig::Mock(_))
-    {
-        bail!(
-            "--kv-event-transport nats for a {} engine is not available in this build yet (use \
-             zmq; `infera worker mock` supports nats)",
-            config.engine
-        );
-    }
-    Ok(())
+/// A number that differs across this worker's restarts (its start time in microseconds).
+fn epoch() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// The NATS connection, when a transport of this worker uses it.
@@ -175,16 +167,9 @@ async fn run_mock(
             tracing::info!("kv events disabled (--no-enable-kv-events)");
             None
         }
-        (true, KvEventTransport::Nats, Some(client)) => {
-            let epoch = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_micros() as u64);
-            Some(mock::KvOut::Nats(nats::kv::KvEventPublisher::new(
-                client.clone(),
-                worker_id(config),
-                epoch,
-            )))
-        }
+        (true, KvEventTransport::Nats, Some(client)) => Some(mock::KvOut::Nats(
+            nats::kv::KvEventPublisher::new(client.clone(), worker_id(config), epoch()),
+        )),
         (true, _, _) => Some(mock::KvOut::Zmq(mock::KvBind::from_port(
             &config.host,
             config.port,
@@ -254,17 +239,39 @@ async fn run_process(
         return Err(e);
     }
     let block_size = engine.resolve_block_size(plan.kv_block_size).await;
-    let record = process_record(config, plan, block_size);
-    let responder = match nats_client(config).await {
-        Ok(client) => start_responder(config, client.as_ref()).await,
-        Err(e) => Err(e),
+    let mut record = process_record(config, plan, block_size);
+    let client = match nats_client(config).await {
+        Ok(client) => client,
+        Err(e) => {
+            engine.stop(process::STOP_GRACE).await;
+            return Err(e);
+        }
     };
-    let responder = match responder {
+    let responder = match start_responder(config, client.as_ref()).await {
         Ok(r) => r,
         Err(e) => {
             engine.stop(process::STOP_GRACE).await;
             return Err(e);
         }
+    };
+    // With kv events over nats the server reads them from NATS, not from the engine's socket.
+    let relay = match (
+        &client,
+        config.kv_events.transport,
+        &plan.kv_events_endpoint,
+    ) {
+        (Some(client), KvEventTransport::Nats, Some(endpoint)) => {
+            record.kv_events_endpoint = None;
+            Some(kv_relay::KvRelay::start(
+                client,
+                &worker_id(config),
+                endpoint,
+                plan.dp_rank,
+                plan.dp_size,
+                epoch(),
+            ))
+        }
+        _ => None,
     };
     let registration = match register(&registrar, &record).await {
         Ok(registration) => registration,
@@ -279,6 +286,9 @@ async fn run_process(
     };
     deregister(registration).await;
     stop_accepting(responder.as_ref());
+    if let Some(relay) = relay {
+        relay.stop().await;
+    }
     match exited {
         None => {
             engine.drain(config.drain_timeout.0).await;
