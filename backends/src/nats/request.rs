@@ -6,6 +6,8 @@
 //! - Admission: with `max_pending`, a worker with that many requests in flight from this server
 //!   is refused at once ([`TransportError::Overloaded`], 429 with `Retry-After: 1`), which the
 //!   relay retries on another worker. The count is released when the reply ends or is dropped.
+//!   It is this server's own count (the Python Infera reads a JetStream work queue's backlog
+//!   instead), so each server replica admits up to the limit.
 //! - Status: a stream whose first chunk is SSE is answered 200 `text/event-stream` at once;
 //!   anything else (a non-stream request, or an engine that answered a stream request with a
 //!   JSON body) is collected until `done`, whose `rs-status` becomes the status.
