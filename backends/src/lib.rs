@@ -3,6 +3,7 @@
 //! stores (JetStream, SQL) and remote L4 cache stores. Backends contain no routing policy.
 pub mod discovery;
 pub mod log;
+pub mod nats;
 #[doc(hidden)]
 pub mod testing;
 pub mod zmq;

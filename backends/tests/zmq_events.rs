@@ -100,7 +100,9 @@ async fn publisher_to_subscriber_round_trip_with_seq() {
     }
     for i in 0..5 {
         match next_item(&mut s).await {
-            SubscriberItem::Batch { seq, topic, batch } => {
+            SubscriberItem::Batch {
+                seq, topic, batch, ..
+            } => {
                 assert_eq!(seq, Some(first + i));
                 assert_eq!(topic.as_deref(), Some(&b"kv-events"[..]));
                 assert_eq!(batch, stored(i));
@@ -206,7 +208,9 @@ async fn garbage_is_counted_and_later_batches_still_arrive() {
     }
     for want_topic in [None, Some(&b"kv-events"[..])] {
         match next_item(&mut s).await {
-            SubscriberItem::Batch { seq, topic, batch } => {
+            SubscriberItem::Batch {
+                seq, topic, batch, ..
+            } => {
                 assert_eq!(seq, None);
                 assert_eq!(topic.as_deref(), want_topic);
                 assert_eq!(batch, stored(7));

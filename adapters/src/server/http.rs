@@ -1,7 +1,8 @@
 //! The server's axum routes: request parsing and validation, retention stamping (PROTOCOLS §5),
 //! tokenization on the blocking pool, hashing, and the status pages (`/v1/models`, `/health`,
 //! `/v1/workers`, `/metrics`). Errors use the OpenAI shape `{"error": {"message", "type",
-//! "code"}}` with one status per cause (400, 404, 413, 500, 502, 503).
+//! "code"}}` with one status per cause (400, 404, 413, 429 with `Retry-After`, 500, 502, 503,
+//! 504).
 
 use super::{ServerState, relay};
 use crate::tokenize::{ChatMessage, TokenizeError};
@@ -31,6 +32,8 @@ const DP_RANK: &str = "x-dp-rank";
 pub(crate) struct ApiError {
     pub(crate) status: StatusCode,
     pub(crate) message: String,
+    /// Sent as `Retry-After` (seconds) with a 429.
+    pub(crate) retry_after_s: Option<u32>,
 }
 
 impl ApiError {
@@ -38,6 +41,7 @@ impl ApiError {
         Self {
             status,
             message: message.into(),
+            retry_after_s: None,
         }
     }
 
@@ -51,6 +55,8 @@ impl ApiError {
             StatusCode::PAYLOAD_TOO_LARGE => "RequestTooLargeError",
             StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
             StatusCode::BAD_GATEWAY => "BadGatewayError",
+            StatusCode::GATEWAY_TIMEOUT => "TimeoutError",
+            StatusCode::TOO_MANY_REQUESTS => "RateLimitError",
             s if s.is_client_error() => "BadRequestError",
             _ => "InternalServerError",
         }
@@ -63,7 +69,12 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut resp = (self.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after_s {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        resp
     }
 }
 

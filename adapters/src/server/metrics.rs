@@ -2,6 +2,7 @@
 //! `GET /metrics`. Label sets are bounded (outcomes and statuses, never worker ids); gauges that
 //! the fleet already knows (in-flight requests, workers) are read from it at render time.
 
+use super::transport::TransportError;
 use crate::kv_events::IngestStats;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,6 +27,10 @@ pub struct ServerMetrics {
     pub(crate) kv_removed_blocks: AtomicU64,
     pub(crate) kv_dropped_events: AtomicU64,
     pub(crate) tokenizer_failures: AtomicU64,
+    pub(crate) transport_timeouts: AtomicU64,
+    pub(crate) transport_rejected: AtomicU64,
+    pub(crate) transport_sequence_errors: AtomicU64,
+    pub(crate) kv_gaps_repaired: AtomicU64,
 }
 
 fn get(c: &AtomicU64) -> u64 {
@@ -45,6 +50,20 @@ impl ServerMetrics {
         inc(&self.kv_stored_blocks, u64::from(s.stored_blocks));
         inc(&self.kv_removed_blocks, u64::from(s.removed_blocks));
         inc(&self.kv_dropped_events, u64::from(s.dropped()));
+    }
+
+    pub(crate) fn transport_error(&self, e: &TransportError) {
+        match e {
+            TransportError::Timeout(_) => inc(&self.transport_timeouts, 1),
+            TransportError::Overloaded { .. } => inc(&self.transport_rejected, 1),
+            TransportError::Sequence(_) => inc(&self.transport_sequence_errors, 1),
+            TransportError::Unreachable(_) | TransportError::Failed(_) => {}
+        }
+    }
+
+    /// A KV-event transport lost batches of a rank, whose blocks were cleared to rebuild.
+    pub fn kv_gap_repaired(&self) {
+        inc(&self.kv_gaps_repaired, 1);
     }
 
     /// Total routing picks so far.
@@ -185,6 +204,30 @@ impl ServerMetrics {
             "counter",
             "Requests the router tokenizer or chat template failed on (answered 400 or 500).",
             get(&self.tokenizer_failures),
+        );
+        metric(
+            "infera_transport_timeouts_total",
+            "counter",
+            "Requests ended by the transport's idle or total timeout (504, worker told to cancel).",
+            get(&self.transport_timeouts),
+        );
+        metric(
+            "infera_transport_rejected_total",
+            "counter",
+            "Attempts refused by a worker's admission limit (429; retried elsewhere if allowed).",
+            get(&self.transport_rejected),
+        );
+        metric(
+            "infera_transport_sequence_errors_total",
+            "counter",
+            "Reply streams that lost or reordered a chunk (ended with an error, never relayed).",
+            get(&self.transport_sequence_errors),
+        );
+        metric(
+            "infera_kv_event_gaps_total",
+            "counter",
+            "KV-event gaps detected (the rank's blocks were cleared and rebuilt from later events).",
+            get(&self.kv_gaps_repaired),
         );
         out
     }

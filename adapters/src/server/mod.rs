@@ -10,12 +10,13 @@
 //! [`ServerState::register_worker`], [`ServerState::deregister_worker`] and
 //! [`ServerState::ingest_kv_batch`]; this crate does not know those transports.
 //!
-//! # Requests (HTTP transport, PROTOCOLS §2 and §4)
+//! # Requests (PROTOCOLS §2 and §4)
 //! A request is tokenized on the blocking pool, hashed at every block size the model's workers
 //! use, and decided by the [`Router`] (round-robin needs no prefix, so under it requests are
 //! neither tokenized nor hashed); the `RequestRouted` event is appended before the request
-//! is forwarded to `worker.url + path`. A connection failure or a 5xx before the first response
-//! byte finishes that attempt (`RequestFinished` with `worker_error`) and re-decides with the
+//! is handed to the [`RequestTransport`] the server was built with (HTTP to `worker.url + path`
+//! by default, NATS from `infera-backends`). A connection failure, a 429 admission reject or a
+//! 5xx before the first response byte finishes that attempt (`RequestFinished` with `worker_error`) and re-decides with the
 //! failed rank excluded, up to `request_max_retries` more times; each attempt has its own request
 //! id (`<id>` then `<id>#<n>`) so the fleet's in-flight accounting never mixes attempts.
 //! `RequestPrefilled` is appended at the first response byte and `RequestFinished` at the end
@@ -37,10 +38,12 @@ mod http;
 mod metrics;
 mod relay;
 mod taps;
+pub mod transport;
 
 pub use durable::{COMPACT_EVERY, DurableLog, REPLICA_PREFIX, attach as attach_event_log};
 pub use metrics::ServerMetrics;
 pub use taps::{EventBatch, MetricsSource, write_family};
+pub use transport::{HttpTransport, RequestTransport};
 
 use crate::kv_events::{EngineBatch, IngestStats, to_core_events};
 use crate::tokenize::{ChatTemplate, Tokenizer};
@@ -128,7 +131,7 @@ pub(crate) struct Inner {
     pub(crate) tokenizer: Arc<Tokenizer>,
     pub(crate) options: ServerOptions,
     pub(crate) metrics: ServerMetrics,
-    pub(crate) client: relay::HttpClient,
+    pub(crate) transport: Arc<dyn RequestTransport>,
     pub(crate) id_prefix: u64,
     pub(crate) tap_counters: Mutex<Vec<(&'static str, Arc<taps::TapCounters>)>>,
     pub(crate) metrics_sources: Mutex<Vec<Arc<dyn MetricsSource>>>,
@@ -142,8 +145,17 @@ pub struct ServerState {
 }
 
 impl ServerState {
-    /// A server with an empty fleet, on the system clock.
+    /// A server with an empty fleet, on the system clock, sending requests over HTTP.
     pub fn new(options: ServerOptions, tokenizer: Arc<Tokenizer>) -> Self {
+        Self::with_transport(options, tokenizer, Arc::new(HttpTransport::new()))
+    }
+
+    /// A server with an empty fleet, on the system clock, sending requests over `transport`.
+    pub fn with_transport(
+        options: ServerOptions,
+        tokenizer: Arc<Tokenizer>,
+        transport: Arc<dyn RequestTransport>,
+    ) -> Self {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let core = Core {
             fleet: FleetState::new(options.fleet),
@@ -160,7 +172,7 @@ impl ServerState {
                 tokenizer,
                 options,
                 metrics: ServerMetrics::default(),
-                client: relay::client(),
+                transport,
                 id_prefix,
                 tap_counters: Mutex::new(Vec::new()),
                 metrics_sources: Mutex::new(Vec::new()),
@@ -275,6 +287,11 @@ impl ServerState {
                 dropped = out.stats.dropped(), stats = ?out.stats, "kv events dropped");
         }
         Some(out.stats)
+    }
+
+    /// The name of the request transport (`http`, `nats`).
+    pub fn transport_name(&self) -> &'static str {
+        self.inner.transport.name()
     }
 
     /// The server's metrics.

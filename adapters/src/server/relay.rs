@@ -1,25 +1,25 @@
-//! The HTTP request transport (PROTOCOLS §2): decide, forward the client's body to
-//! `worker.url + path`, relay status and body; fail over before the first response byte.
+//! The request path after parsing (PROTOCOLS §2): decide, hand the body to the configured
+//! [`RequestTransport`](super::transport::RequestTransport), relay status and body; fail over
+//! before the first response byte (an unreachable worker, a 5xx, or a 429 admission reject of the
+//! transport), up to `request_max_retries` more times. A transport timeout is answered 504 at
+//! once (the worker was told to cancel); when every attempt was refused for load, the client gets
+//! 429 with `Retry-After`.
 //!
 //! Each attempt is an [`Attempt`] that owns the request's load in the fleet: it appends
 //! `RequestPrefilled` at the first response byte and exactly one `RequestFinished` — explicitly,
 //! or on drop (`cancelled`) when the client goes away. Streams are relayed frame by frame as they
-//! arrive; a worker failure mid-stream ends the client's stream with an SSE error event and
-//! `data: [DONE]`.
-//!
-//! The client is hyper-util's pooled HTTP/1 client (plain HTTP, no TLS: workers are in-cluster).
+//! arrive; a worker failure mid-stream (a broken connection, a lost or reordered chunk, a
+//! timeout) ends the client's stream with an SSE error event (`code` 502 or 504) and
+//! `data: [DONE]`, never with a silently truncated or corrupted body.
 
-use super::http::{ApiError, REQUEST_ID, route_error};
+use super::http::{ApiError, route_error};
 use super::metrics::inc;
+use super::transport::{BodyStream, Inbound, Outbound, TransportError};
 use super::{Core, ServerState};
 use axum::body::{Body, Bytes};
-use axum::http::{HeaderValue, Request, StatusCode, header};
+use axum::http::{StatusCode, header};
 use axum::response::Response;
-use http_body_util::{BodyExt as _, Full};
-use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use futures::StreamExt as _;
 use infera_core::event::{Event, RequestFinished, RequestPrefilled, RequestStatus};
 use infera_core::ids::{RequestId, WorkerRank};
 use infera_core::log::NewEvent;
@@ -27,12 +27,6 @@ use infera_core::policy::{DirectPick, RouteError, RouteRequest};
 use serde_json::{Value, json};
 use std::convert::Infallible;
 use std::time::Instant;
-
-pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
-pub(crate) fn client() -> HttpClient {
-    Client::builder(TokioExecutor::new()).build_http()
-}
 
 /// Decides, appends `RequestRouted` and applies it; returns the chosen rank and its URL.
 fn decide(
@@ -188,7 +182,8 @@ pub(crate) async fn forward(
     } else {
         st.inner.options.request_max_retries.saturating_add(1)
     };
-    let mut last_error: Option<String> = None;
+    let transport = &st.inner.transport;
+    let mut last_error: Option<TransportError> = None;
     for attempt in 0..attempts {
         if attempt > 0 {
             req.request_id = RequestId::new(format!("{base_id}#{attempt}"));
@@ -207,80 +202,109 @@ pub(crate) async fn forward(
             ttft_us: None,
             done: false,
         };
-        let target = format!("{url}{path}");
-        let mut builder = Request::post(&target).header(header::CONTENT_TYPE, "application/json");
-        if let Ok(v) = HeaderValue::from_str(&base_id) {
-            builder = builder.header(REQUEST_ID, v);
-        }
-        let http_req = builder.body(Full::new(body.clone())).map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("cannot build the request to {target}: {e}"),
-            )
-        })?;
+        let outbound = Outbound {
+            worker: rank.worker.clone(),
+            url,
+            path,
+            body: body.clone(),
+            stream,
+            request_id: base_id.clone(),
+        };
         let last_attempt = attempt + 1 == attempts;
-        match st.inner.client.request(http_req).await {
+        match transport.send(outbound).await {
             Err(e) => {
+                st.inner.metrics.transport_error(&e);
+                guard.finish(failure_status(&e), Usage::default());
+                if !e.retry_elsewhere() {
+                    return Err(transport_error(e));
+                }
                 tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
-                    dp_rank = rank.dp_rank, error = %e, "worker unreachable; failing over");
-                guard.finish(RequestStatus::WorkerError, Usage::default());
-                last_error = Some(format!("worker {} at {url}: {e}", rank.worker.as_str()));
+                    dp_rank = rank.dp_rank, transport = transport.name(), error = %e,
+                    "worker did not take the request; failing over");
+                last_error = Some(e);
                 req.exclude.push(rank);
             }
-            Ok(resp) if resp.status().is_server_error() && !last_attempt => {
+            Ok(resp) if resp.status.is_server_error() && !last_attempt => {
                 tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
-                    status = %resp.status(), "worker answered 5xx before any byte; failing over");
+                    status = %resp.status, "worker answered 5xx before any byte; failing over");
                 guard.finish(RequestStatus::WorkerError, Usage::default());
-                last_error = Some(format!(
+                last_error = Some(TransportError::Unreachable(format!(
                     "worker {} answered {}",
                     rank.worker.as_str(),
-                    resp.status()
-                ));
+                    resp.status
+                )));
                 req.exclude.push(rank);
             }
             Ok(resp) => return Ok(relay(guard, resp, stream).await),
         }
     }
-    Err(ApiError::new(
-        StatusCode::BAD_GATEWAY,
-        format!(
-            "no worker could serve the request after {attempts} attempt(s); last error: {}",
-            last_error.unwrap_or_default()
+    Err(match last_error {
+        Some(e @ TransportError::Overloaded { .. }) => transport_error(e),
+        other => ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!(
+                "no worker could serve the request after {attempts} attempt(s); last error: {}",
+                other.map(|e| e.to_string()).unwrap_or_default()
+            ),
         ),
-    ))
+    })
 }
 
-async fn relay(mut guard: Attempt, resp: hyper::Response<Incoming>, stream: bool) -> Response {
-    let (parts, body) = resp.into_parts();
-    let is_sse = parts
-        .headers
-        .get(header::CONTENT_TYPE)
+/// The request status a transport failure is recorded with.
+fn failure_status(e: &TransportError) -> RequestStatus {
+    match e {
+        TransportError::Overloaded { .. } => RequestStatus::Rejected,
+        TransportError::Timeout(_) => RequestStatus::Timeout,
+        _ => RequestStatus::WorkerError,
+    }
+}
+
+/// The client's answer to a transport failure before any byte.
+fn transport_error(e: TransportError) -> ApiError {
+    let retry_after = match &e {
+        TransportError::Overloaded { retry_after_s, .. } => Some(*retry_after_s),
+        _ => None,
+    };
+    let mut err = ApiError::new(e.status(), e.to_string());
+    err.retry_after_s = retry_after;
+    err
+}
+
+async fn relay(mut guard: Attempt, resp: Inbound, stream: bool) -> Response {
+    let Inbound {
+        status: code,
+        content_type,
+        mut body,
+    } = resp;
+    let is_sse = content_type
+        .as_ref()
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
-    let mut out = Response::builder().status(parts.status);
-    if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
-        out = out.header(header::CONTENT_TYPE, ct.clone());
+    let mut out = Response::builder().status(code);
+    if let Some(ct) = content_type {
+        out = out.header(header::CONTENT_TYPE, ct);
     }
     if !(stream || is_sse) {
-        return match body.collect().await {
-            Ok(collected) => {
-                let bytes = collected.to_bytes();
-                guard.prefilled();
-                guard.finish(status_of(parts.status), usage_of(&bytes));
-                out.body(Body::from(bytes))
-                    .unwrap_or_else(|_| Response::new(Body::empty()))
+        let mut bytes = Vec::new();
+        while let Some(chunk) = body.next().await {
+            match chunk {
+                Ok(data) => bytes.extend_from_slice(&data),
+                Err(e) => {
+                    guard.st.inner.metrics.transport_error(&e);
+                    guard.finish(failure_status(&e), Usage::default());
+                    let err =
+                        ApiError::new(e.status(), format!("worker response failed midway: {e}"));
+                    return axum::response::IntoResponse::into_response(err);
+                }
             }
-            Err(e) => {
-                guard.finish(RequestStatus::WorkerError, Usage::default());
-                let err = ApiError::new(
-                    StatusCode::BAD_GATEWAY,
-                    format!("worker response failed midway: {e}"),
-                );
-                axum::response::IntoResponse::into_response(err)
-            }
-        };
+        }
+        guard.prefilled();
+        guard.finish(status_of(code), usage_of(&bytes));
+        return out
+            .body(Body::from(bytes))
+            .unwrap_or_else(|_| Response::new(Body::empty()));
     }
-    let status = status_of(parts.status);
+    let status = status_of(code);
     let state = Some(StreamRelay {
         body,
         guard,
@@ -291,11 +315,8 @@ async fn relay(mut guard: Attempt, resp: hyper::Response<Incoming>, stream: bool
     let s = futures::stream::unfold(state, |state| async move {
         let mut r = state?;
         loop {
-            match r.body.frame().await {
-                Some(Ok(frame)) => {
-                    let Ok(data) = frame.into_data() else {
-                        continue; // trailers: nothing to relay
-                    };
+            match r.body.next().await {
+                Some(Ok(data)) => {
                     if data.is_empty() {
                         continue;
                     }
@@ -309,9 +330,16 @@ async fn relay(mut guard: Attempt, resp: hyper::Response<Incoming>, stream: bool
                     return None;
                 }
                 Some(Err(e)) => {
-                    r.guard.finish(RequestStatus::WorkerError, Usage::default());
+                    r.guard.st.inner.metrics.transport_error(&e);
+                    r.guard.finish(failure_status(&e), Usage::default());
+                    let code = e.status();
+                    let kind = if code == StatusCode::GATEWAY_TIMEOUT {
+                        "TimeoutError"
+                    } else {
+                        "BadGatewayError"
+                    };
                     let err = json!({"error": {"message": format!("worker stream failed: {e}"),
-                        "type": "BadGatewayError", "code": 502}});
+                        "type": kind, "code": code.as_u16()}});
                     let sep = if r.last_byte == b'\n' { "" } else { "\n\n" };
                     let tail = format!("{sep}data: {err}\n\ndata: [DONE]\n\n");
                     return Some((Ok(Bytes::from(tail)), None));
@@ -325,7 +353,7 @@ async fn relay(mut guard: Attempt, resp: hyper::Response<Incoming>, stream: bool
 }
 
 struct StreamRelay {
-    body: Incoming,
+    body: BodyStream,
     guard: Attempt,
     status: RequestStatus,
     last_byte: u8,

@@ -55,6 +55,8 @@ pub enum SubscriberItem {
         seq: Option<u64>,
         topic: Option<Bytes>,
         batch: EngineBatch,
+        /// The engine's msgpack payload, verbatim (what a relay republishes).
+        payload: Bytes,
     },
     /// Batches with these seqs were lost (sent before the batch after them).
     Gap { missing: RangeInclusive<u64> },
@@ -307,6 +309,7 @@ fn handle(
                 seq: frames.seq,
                 topic: frames.topic,
                 batch,
+                payload: frames.payload,
             });
             items
         }

@@ -1,5 +1,7 @@
 //! `infera server`: wires the HTTP front ([`infera_adapters::server`]) to discovery (etcd or
-//! Kubernetes) and to the workers' ZeroMQ KV-event publishers.
+//! Kubernetes), to the request transport (`--request-transport http`, or `nats`: one NATS
+//! connection on `--nats-server` for requests and KV events, see [`infera_backends::nats`]) and to
+//! the workers' KV events (ZeroMQ publishers, or NATS subjects).
 //!
 //! # Tasks
 //! - the HTTP server, which stops accepting on SIGTERM/Ctrl-C and lets in-flight requests end;
@@ -10,26 +12,33 @@
 //!   `r` of a record starting at `dp_rank` d subscribes to port P + (r − d) of the endpoint; a
 //!   wildcard host is replaced by the worker URL's host): batches → `to_core_events` (parents
 //!   resolved through the fleet's index) → events; an engine restart clears the rank's cache.
+//!   With `--kv-event-transport nats`, one subscriber per worker on
+//!   `infera.kv.events.<token>.*` instead; a lost batch or a restarted worker clears that
+//!   rank's blocks, which the following batches rebuild.
 //!
 //! Every task is owned: the discovery task by the shutdown token and a join at exit, the
 //! subscriber tasks by the discovery task, which cancels and joins them when their worker
 //! deregisters, re-registers with another endpoint, or at shutdown.
 //!
 //! # This build
-//! Only `--request-transport http` and `--kv-event-transport zmq` run, and `--record-prompts`
-//! is not built; other values stop startup with one line. A durable `--event-log` is attached
-//! through [`infera_adapters::server::attach_event_log`].
-//! `--record-trace DIR` records through [`crate::record`].
+//! `--record-prompts` is not built; it stops startup with one line. A durable `--event-log`
+//! is attached through [`infera_adapters::server::attach_event_log`]; `--record-trace DIR`
+//! records through [`crate::record`].
 
 use crate::config::server::{RouterMode, RouterPolicy};
 use crate::config::{KvEventTransport, RequestTransport, ServerConfig};
 use crate::record::Recording;
 use crate::signals::Signals;
 use anyhow::{Context as _, bail};
-use infera_adapters::server::{DurableLog, ServerOptions, ServerState, attach_event_log, serve};
+use infera_adapters::server::{
+    DurableLog, HttpTransport, RequestTransport as Transport, ServerOptions, ServerState,
+    attach_event_log, serve,
+};
 use infera_adapters::tokenize::Tokenizer;
 use infera_backends::discovery::{DiscoveryChange, DiscoveryStream};
 use infera_backends::log::{EventLogConfig, open_event_log_with};
+use infera_backends::nats::kv::KvItem;
+use infera_backends::nats::{self, NatsRequestConfig, NatsTransport};
 use infera_backends::zmq::{KvEventSubscriber, SubscriberConfig, SubscriberItem};
 use infera_core::clock::SystemClock;
 use infera_core::event::{Event, KvCacheCleared, Source, WorkerRecord};
@@ -48,12 +57,6 @@ use tokio_util::sync::CancellationToken;
 fn check_supported(config: &ServerConfig) -> anyhow::Result<()> {
     let not_yet =
         |what: String| -> anyhow::Result<()> { bail!("{what} is not available in this build yet") };
-    if config.request_transport != RequestTransport::Http {
-        return not_yet("--request-transport nats (use http)".to_owned());
-    }
-    if config.kv_event_transport != KvEventTransport::Zmq {
-        return not_yet("--kv-event-transport nats (use zmq)".to_owned());
-    }
     if config.record_trace.as_ref().is_some_and(|r| r.prompts) {
         return not_yet("--record-prompts (traces record block hashes, not prompts)".to_owned());
     }
@@ -102,20 +105,46 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         chat_template,
         direct: config.router.mode == RouterMode::Direct,
     };
-    let state = ServerState::new(options, Arc::new(tokenizer));
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("infera-server")
         .build()
         .context("cannot start the tokio runtime")?
-        .block_on(serve_all(config, state))
+        .block_on(serve_all(config, options, Arc::new(tokenizer)))
 }
 
-async fn serve_all(config: ServerConfig, state: ServerState) -> anyhow::Result<()> {
+async fn serve_all(
+    config: ServerConfig,
+    options: ServerOptions,
+    tokenizer: Arc<Tokenizer>,
+) -> anyhow::Result<()> {
     let addr = crate::net::socket_addr(&config.http.host, config.http.port);
     let listener = TcpListener::bind(&addr)
         .await
         .with_context(|| format!("cannot bind {addr}"))?;
+    let uses_nats = config.request_transport == RequestTransport::Nats
+        || config.kv_event_transport == KvEventTransport::Nats;
+    let nats = if uses_nats {
+        Some(nats::connect(&config.nats.server, "infera-server").await?)
+    } else {
+        None
+    };
+    let transport: Arc<dyn Transport> = match (&config.request_transport, &nats) {
+        (RequestTransport::Nats, Some(client)) => Arc::new(NatsTransport::new(
+            client.clone(),
+            NatsRequestConfig {
+                idle_timeout: config.nats.req_idle_timeout.map(|d| d.0),
+                max_duration: config.nats.req_max_duration.map(|d| d.0),
+                max_pending: config.nats.req_max_pending,
+            },
+        )),
+        _ => Arc::new(HttpTransport::new()),
+    };
+    let kv_source = match (&config.kv_event_transport, nats) {
+        (KvEventTransport::Nats, Some(client)) => KvSource::Nats(client),
+        _ => KvSource::Zmq,
+    };
+    let state = ServerState::with_transport(options, tokenizer, transport);
     let durable = open_durable_log(&config, &state).await?;
     let stream = crate::discovery::watch(&config.discovery).await?;
     let recording = match &config.record_trace {
@@ -124,9 +153,15 @@ async fn serve_all(config: ServerConfig, state: ServerState) -> anyhow::Result<(
     };
     let mut signals = Signals::register()?;
     let shutdown = CancellationToken::new();
-    let discovery = tokio::spawn(run_discovery(stream, state.clone(), shutdown.clone()));
+    let discovery = tokio::spawn(run_discovery(
+        stream,
+        state.clone(),
+        kv_source,
+        shutdown.clone(),
+    ));
     tracing::info!(%addr, discovery = %crate::discovery::describe(&config.discovery),
-        "infera server listening");
+        request_transport = ?config.request_transport,
+        kv_event_transport = ?config.kv_event_transport, "infera server listening");
 
     let stop = shutdown.clone();
     let served = serve(listener, state.clone(), async move {
@@ -195,9 +230,19 @@ fn subs_key(r: &WorkerRecord) -> (Option<String>, u32, u32) {
     (r.kv_events_endpoint.clone(), r.dp_rank, r.dp_size)
 }
 
+/// Where KV events come from.
+#[derive(Debug, Clone)]
+enum KvSource {
+    /// Each worker's `kv_events_endpoint`, one ZeroMQ subscriber per rank.
+    Zmq,
+    /// Each worker's `infera.kv.events.<token>.*` subjects.
+    Nats(nats::Client),
+}
+
 async fn run_discovery(
     mut stream: DiscoveryStream,
     state: ServerState,
+    kv_source: KvSource,
     shutdown: CancellationToken,
 ) {
     let mut subs: HashMap<WorkerId, WorkerSubs> = HashMap::new();
@@ -212,9 +257,14 @@ async fn run_discovery(
                 break;
             }
             Some(DiscoveryChange::Registered(record)) => {
-                if record.request_transport != infera_core::event::RequestTransport::Http {
-                    tracing::warn!(worker = %record.worker_id.as_str(),
-                        "worker registered with request_transport nats; this server sends http");
+                let sends = state.transport_name();
+                let takes = match record.request_transport {
+                    infera_core::event::RequestTransport::Http => "http",
+                    infera_core::event::RequestTransport::Nats => "nats",
+                };
+                if sends != takes {
+                    tracing::warn!(worker = %record.worker_id.as_str(), takes, sends,
+                        "worker registered with another request transport than this server's");
                 }
                 let id = record.worker_id.clone();
                 let key = subs_key(&record);
@@ -223,7 +273,9 @@ async fn run_discovery(
                     old.stop().await;
                 }
                 state.register_worker(record.clone());
-                if !unchanged && let Some(new) = start_subscribers(&record, &state, &shutdown) {
+                if !unchanged
+                    && let Some(new) = start_subscribers(&record, &state, &kv_source, &shutdown)
+                {
                     subs.insert(id, new);
                 }
             }
@@ -246,8 +298,24 @@ async fn run_discovery(
 fn start_subscribers(
     record: &WorkerRecord,
     state: &ServerState,
+    kv_source: &KvSource,
     shutdown: &CancellationToken,
 ) -> Option<WorkerSubs> {
+    if let KvSource::Nats(client) = kv_source {
+        let cancel = shutdown.child_token();
+        tracing::info!(worker = %record.worker_id.as_str(), "subscribing to kv events over nats");
+        let task = tokio::spawn(run_nats_subscriber(
+            client.clone(),
+            record.worker_id.clone(),
+            state.clone(),
+            cancel.clone(),
+        ));
+        return Some(WorkerSubs {
+            key: subs_key(record),
+            cancel,
+            tasks: vec![task],
+        });
+    }
     let Some(endpoint) = record.kv_events_endpoint.as_deref() else {
         tracing::warn!(worker = %record.worker_id.as_str(),
             "worker has no kv_events_endpoint: routing to it ignores its cache");
@@ -280,7 +348,7 @@ fn start_subscribers(
 }
 
 /// `tcp://HOST:P` → `tcp://HOST':P+offset`, where a wildcard host becomes the worker URL's host.
-fn rank_endpoint(endpoint: &str, worker_url: &str, offset: u32) -> Option<String> {
+pub(crate) fn rank_endpoint(endpoint: &str, worker_url: &str, offset: u32) -> Option<String> {
     let rest = endpoint.strip_prefix("tcp://")?;
     let (host, port) = rest.rsplit_once(':')?;
     let port: u32 = port.parse().ok()?;
@@ -334,18 +402,7 @@ async fn run_subscriber(
                     got,
                     "engine restarted; clearing its cached blocks"
                 );
-                let source = Source {
-                    worker: rank.worker.clone(),
-                    dp_rank: rank.dp_rank,
-                    seq: Some(got),
-                };
-                state.apply(vec![NewEvent::from_source(
-                    source,
-                    Event::KvCacheCleared(KvCacheCleared {
-                        worker: rank.clone(),
-                        tier: None,
-                    }),
-                )]);
+                clear_rank(&state, &rank, Some(got));
             }
             SubscriberItem::Malformed { reason } => {
                 tracing::warn!(worker, dp_rank = rank.dp_rank, %reason, "malformed kv event message");
@@ -353,6 +410,84 @@ async fn run_subscriber(
         }
     }
     sub.shutdown().await;
+}
+
+/// Forgets every block of `rank` (its engine restarted, or its events can no longer be trusted);
+/// the batches that follow rebuild them.
+fn clear_rank(state: &ServerState, rank: &WorkerRank, seq: Option<u64>) {
+    let source = Source {
+        worker: rank.worker.clone(),
+        dp_rank: rank.dp_rank,
+        seq,
+    };
+    state.apply(vec![NewEvent::from_source(
+        source,
+        Event::KvCacheCleared(KvCacheCleared {
+            worker: rank.clone(),
+            tier: None,
+        }),
+    )]);
+}
+
+/// One worker's KV events over NATS, every rank: batches are ingested; a gap or a restart
+/// clears that rank's blocks, which the following batches rebuild.
+async fn run_nats_subscriber(
+    client: nats::Client,
+    worker: WorkerId,
+    state: ServerState,
+    cancel: CancellationToken,
+) {
+    let mut sub = match nats::kv::KvEventSubscription::subscribe(&client, worker.as_str()).await {
+        Ok(sub) => sub,
+        Err(e) => {
+            tracing::error!(worker = worker.as_str(), error = %e,
+                "kv events of this worker are ignored");
+            return;
+        }
+    };
+    loop {
+        let item = tokio::select! {
+            () = cancel.cancelled() => break,
+            item = sub.recv() => item,
+        };
+        let Some(item) = item else { break };
+        match item {
+            KvItem::Batch {
+                dp_rank,
+                seq,
+                batch,
+            } => {
+                let rank = WorkerRank::new(worker.clone(), dp_rank);
+                if state.ingest_kv_batch(&rank, seq, &batch).is_none() {
+                    tracing::debug!(
+                        worker = worker.as_str(),
+                        "kv batch of an unregistered worker dropped"
+                    );
+                }
+            }
+            KvItem::Gap { dp_rank, missing } => {
+                tracing::warn!(
+                    worker = worker.as_str(),
+                    dp_rank,
+                    ?missing,
+                    "kv events lost; clearing the rank's blocks so they rebuild"
+                );
+                state.metrics().kv_gap_repaired();
+                clear_rank(&state, &WorkerRank::new(worker.clone(), dp_rank), None);
+            }
+            KvItem::Restart { dp_rank } => {
+                tracing::warn!(
+                    worker = worker.as_str(),
+                    dp_rank,
+                    "worker restarted; clearing the rank's blocks"
+                );
+                clear_rank(&state, &WorkerRank::new(worker.clone(), dp_rank), None);
+            }
+            KvItem::Malformed { reason } => {
+                tracing::warn!(worker = worker.as_str(), %reason, "malformed kv event message");
+            }
+        }
+    }
 }
 
 #[cfg(test)]

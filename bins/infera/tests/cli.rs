@@ -565,23 +565,42 @@ fn malformed_durations_sizes_and_unknown_flags_are_usage_errors() {
 }
 
 #[test]
-fn options_this_build_refuses_exit_1_with_one_line() {
-    let tokenizer = tokenizer_dir();
-    let tok = path_str(tokenizer.path());
-    // The server runs on http + zmq; the seed's default transports (nats) are refused
-    // at startup with one line, not silently replaced.
-    let output = infera(&["server", "--router-tokenizer-path", tok]);
+fn default_nats_transports_without_a_broker_stop_the_server_with_one_line() {
+    let tokenizer =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tokenizers/deepseek-v4");
+    let tok = path_str(&tokenizer);
+    // The seed's default transports (nats) need a broker: one that does not answer stops
+    // startup with one line naming the flag, not a silent fallback to http.
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+            .to_string()
+    };
+    let nats = format!("nats://127.0.0.1:{}", free());
+    let output = infera(&[
+        "server",
+        "--router-tokenizer-path",
+        tok,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &free(),
+        "--nats-server",
+        &nats,
+    ]);
     assert_eq!(output.status.code(), Some(1));
-    assert_eq!(
-        stderr(&output).trim(),
-        "infera server: error: --request-transport nats (use http) is not available in this build yet"
+    let err = stderr(&output);
+    let err = err.trim().lines().last().unwrap_or_default();
+    assert!(
+        err.starts_with(&format!(
+            "infera server: error: cannot connect to NATS at {nats}"
+        )),
+        "{err}"
     );
-    let output = infera(&["worker", "vllm", "--model", "m", "--port", "8001"]);
-    assert_eq!(output.status.code(), Some(1));
-    assert_eq!(
-        stderr(&output).trim(),
-        "infera worker: error: --request-transport nats is not available in this build yet (use http)"
-    );
+    assert!(err.contains("--nats-server"), "{err}");
 }
 
 /// Starts `infera kvd ARGS`, waits for it to listen on `socket`, stops it with SIGTERM and checks

@@ -1,6 +1,7 @@
 //! The mock engine ([`infera_adapters::mock`]) run in process, with its KV-event sink connected
 //! to a ZeroMQ publisher ([`infera_backends::zmq::KvEventPublisher`]) that speaks vLLM's wire
-//! format: PUB `[topic "kv-events", seq u64 BE, payload]` and a ROUTER replay socket.
+//! format: PUB `[topic "kv-events", seq u64 BE, payload]` and a ROUTER replay socket, or (with
+//! `--kv-event-transport nats`) to the worker's NATS subjects ([`infera_backends::nats::kv`]).
 //!
 //! Two commands run it:
 //!
@@ -19,10 +20,12 @@ use crate::config::worker::{LaunchConfig, MockEngineConfig};
 use crate::net::{socket_addr, url_host};
 use crate::signals::Signals;
 use anyhow::{Context, bail};
+use bytes::Bytes;
 use clap::Args;
-use infera_adapters::kv_events::EngineBatch;
+use infera_adapters::kv_events::{EngineBatch, encode_batch_vllm};
 use infera_adapters::mock::{MockConfig, MockServer};
 use infera_adapters::tokenize::Tokenizer;
+use infera_backends::nats::kv::KvEventPublisher as NatsKvPublisher;
 use infera_backends::zmq::{KvEventPublisher, PublisherConfig};
 use infera_core::engine::{EngineConfig, TimingModel};
 use std::path::Path;
@@ -71,6 +74,15 @@ impl KvBind {
     }
 }
 
+/// Where the mock's KV events go.
+#[derive(Debug)]
+pub enum KvOut {
+    /// A ZeroMQ publisher bound on these sockets (`--kv-event-transport zmq`).
+    Zmq(KvBind),
+    /// NATS subjects (`--kv-event-transport nats`), each batch encoded as vLLM does.
+    Nats(NatsKvPublisher),
+}
+
 /// A mock engine serving in the background.
 #[derive(Debug)]
 pub struct RunningMock {
@@ -88,7 +100,7 @@ impl RunningMock {
         config: &WorkerConfig,
         mock: &MockEngineConfig,
         served_model: &str,
-        kv: Option<KvBind>,
+        kv: Option<KvOut>,
     ) -> anyhow::Result<Self> {
         let mut mock_config = MockConfig::new(served_model, engine_config(mock));
         mock_config.tokenizer = load_tokenizer(&config.model)?;
@@ -181,7 +193,7 @@ pub fn run_engine(args: MockEngineArgs) -> anyhow::Result<()> {
     let mock = mock.clone();
     runtime()?.block_on(async move {
         let mut signals = Signals::register()?;
-        let mut running = RunningMock::start(&config, &mock, &served, kv).await?;
+        let mut running = RunningMock::start(&config, &mock, &served, kv.map(KvOut::Zmq)).await?;
         tokio::select! {
             () = signals.recv() => running.stop().await,
             failed = running.failed() => failed,
@@ -264,10 +276,29 @@ fn standalone_config(
     Ok((config, served, kv))
 }
 
-/// Binds the ZeroMQ publisher and starts the task that publishes every batch of the sink.
-async fn start_publisher(
-    kv: KvBind,
-) -> anyhow::Result<(mpsc::Sender<EngineBatch>, JoinHandle<()>)> {
+/// Binds the publisher and starts the task that publishes every batch of the sink; the task
+/// ends when the engine drops the sink.
+async fn start_publisher(kv: KvOut) -> anyhow::Result<(mpsc::Sender<EngineBatch>, JoinHandle<()>)> {
+    let kv = match kv {
+        KvOut::Zmq(kv) => kv,
+        KvOut::Nats(mut publisher) => {
+            let (sink, mut batches) = mpsc::channel::<EngineBatch>(1024);
+            let forwarder = tokio::spawn(async move {
+                let mut failures = 0u64;
+                while let Some(batch) = batches.recv().await {
+                    let payload = Bytes::from(encode_batch_vllm(&batch));
+                    let rank = batch.dp_rank.unwrap_or(0);
+                    if let Err(e) = publisher.publish(rank, payload).await {
+                        failures += 1;
+                        if failures.is_power_of_two() {
+                            tracing::error!(error = %e, failures, "kv-event publish on nats failed");
+                        }
+                    }
+                }
+            });
+            return Ok((sink, forwarder));
+        }
+    };
     let mut publisher = KvEventPublisher::bind(PublisherConfig::new(kv.events, kv.replay))
         .await
         .context("cannot bind the mock's kv-event sockets")?;

@@ -11,13 +11,18 @@
 //!    resolved, and register the worker record: `worker_id` `ADVERTISE_HOST:PORT`, the served
 //!    model, the engine (the mock registers as `vllm`, whose formats it speaks), PD role and
 //!    metadata, `kv_events_endpoint`, block size, data-parallel ranks, request transport;
-//! 4. serve until SIGTERM / Ctrl-C or until the engine exits;
-//! 5. deregister first (no new work arrives), drain in-flight work bounded by
+//! 4. serve until SIGTERM / Ctrl-C or until the engine exits; with `--request-transport nats`
+//!    the worker also subscribes to `infera.req.<token>` (before registering) and proxies each
+//!    request to the engine's HTTP port ([`infera_backends::nats::NatsResponder`]); with
+//!    `--kv-event-transport nats` the KV events go to `infera.kv.events.<token>.<rank>`
+//!    (the mock publishes there; a real engine's ZeroMQ events are relayed by [`kv_relay`]);
+//! 5. deregister first and stop taking NATS requests (no new work arrives), drain in-flight work bounded by
 //!    `--drain-timeout`, then stop the engine (SIGTERM, SIGKILL to its group after
 //!    [`process::STOP_GRACE`]).
 //!
 //! An engine that exits on its own is deregistered at once and the worker exits non-zero.
 
+mod kv_relay;
 pub mod launch;
 pub mod mock;
 pub mod probe;
@@ -28,6 +33,7 @@ use crate::config::{DiscoveryConfig, KvEventTransport, RequestTransport, WorkerC
 use crate::signals::Signals;
 use anyhow::{Context as _, bail};
 use infera_backends::discovery::{Registrar, Registration};
+use infera_backends::nats::{self, NatsResponder, ResponderConfig};
 use infera_core::event::{self, Engine, Role, WorkerRecord};
 use infera_core::ids::WorkerId;
 use launch::{FreePorts, LaunchPlan};
@@ -37,10 +43,9 @@ use std::sync::Arc;
 /// Runs the worker until SIGTERM or Ctrl-C.
 ///
 /// # Errors
-/// An unsupported option, discovery unreachable, an engine that does not start or become
+/// Discovery or NATS unreachable, an engine that does not start or become
 /// healthy, or an engine that exits while serving.
 pub fn run(config: WorkerConfig) -> anyhow::Result<()> {
-    check_supported(&config)?;
     let config = advertise_pod_ip(config, std::env::var("POD_IP").ok());
     mock::runtime()?.block_on(async move {
         let mut signals = Signals::register()?;
@@ -85,15 +90,69 @@ fn advertise_pod_ip(mut config: WorkerConfig, pod_ip: Option<String>) -> WorkerC
     config
 }
 
-/// Refuses, in one line, what this build cannot run yet.
-fn check_supported(config: &WorkerConfig) -> anyhow::Result<()> {
-    if config.request_transport != RequestTransport::Http {
-        bail!("--request-transport nats is not available in this build yet (use http)");
+/// A number that differs across this worker's restarts (its start time in microseconds).
+fn epoch() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// The NATS connection, when a transport of this worker uses it.
+async fn nats_client(config: &WorkerConfig) -> anyhow::Result<Option<nats::Client>> {
+    let uses_nats = config.request_transport == RequestTransport::Nats
+        || (config.kv_events.enabled && config.kv_events.transport == KvEventTransport::Nats);
+    if !uses_nats {
+        return Ok(None);
     }
-    if config.kv_events.enabled && config.kv_events.transport != KvEventTransport::Zmq {
-        bail!("--kv-event-transport nats is not available in this build yet (use zmq)");
+    Ok(Some(
+        nats::connect(&config.nats_server, "infera-worker").await?,
+    ))
+}
+
+/// The worker id (`ADVERTISE_HOST:PORT`) the server routes by.
+fn worker_id(config: &WorkerConfig) -> String {
+    format!("{}:{}", config.advertise_host, config.port)
+}
+
+/// With `--request-transport nats`, subscribes to the worker's request subject and proxies to
+/// the engine's HTTP port (a wildcard bind address is reached on loopback).
+async fn start_responder(
+    config: &WorkerConfig,
+    client: Option<&nats::Client>,
+) -> anyhow::Result<Option<NatsResponder>> {
+    let (RequestTransport::Nats, Some(client)) = (config.request_transport, client) else {
+        return Ok(None);
+    };
+    let host = match config.host.as_str() {
+        "0.0.0.0" | "" => "127.0.0.1",
+        "::" | "[::]" => "::1",
+        other => other,
+    };
+    let engine_url = format!("http://{}", crate::net::socket_addr(host, config.port));
+    let responder = NatsResponder::start(
+        client.clone(),
+        ResponderConfig {
+            worker_id: worker_id(config),
+            engine_url,
+            max_duration: None,
+        },
+    )
+    .await?;
+    Ok(Some(responder))
+}
+
+/// Stops taking NATS requests (the first step of a drain).
+fn stop_accepting(responder: Option<&NatsResponder>) {
+    if let Some(r) = responder {
+        r.stop_accepting();
     }
-    Ok(())
+}
+
+/// Waits for the NATS requests still in flight, bounded by the drain timeout.
+async fn finish_responder(responder: Option<NatsResponder>, config: &WorkerConfig) {
+    if let Some(r) = responder {
+        r.finish(config.drain_timeout.0).await;
+    }
 }
 
 async fn run_mock(
@@ -102,13 +161,21 @@ async fn run_mock(
     registrar: Arc<dyn Registrar>,
     signals: &mut Signals,
 ) -> anyhow::Result<()> {
-    let kv = if config.kv_events.enabled {
-        Some(mock::KvBind::from_port(&config.host, config.port)?)
-    } else {
-        tracing::info!("kv events disabled (--no-enable-kv-events)");
-        None
+    let nats = nats_client(config).await?;
+    let kv = match (config.kv_events.enabled, config.kv_events.transport, &nats) {
+        (false, _, _) => {
+            tracing::info!("kv events disabled (--no-enable-kv-events)");
+            None
+        }
+        (true, KvEventTransport::Nats, Some(client)) => Some(mock::KvOut::Nats(
+            nats::kv::KvEventPublisher::new(client.clone(), worker_id(config), epoch()),
+        )),
+        (true, _, _) => Some(mock::KvOut::Zmq(mock::KvBind::from_port(
+            &config.host,
+            config.port,
+        )?)),
     };
-    let kv_events_endpoint = kv.as_ref().map(|_| {
+    let kv_events_endpoint = matches!(kv, Some(mock::KvOut::Zmq(_))).then(|| {
         format!(
             "tcp://{}",
             crate::net::socket_addr(
@@ -118,6 +185,13 @@ async fn run_mock(
         )
     });
     let mut running = mock::RunningMock::start(config, engine, &config.model, kv).await?;
+    let responder = match start_responder(config, nats.as_ref()).await {
+        Ok(r) => r,
+        Err(e) => {
+            running.stop().await.ok();
+            return Err(e);
+        }
+    };
     let mut record = base_record(config, &config.model, Engine::Vllm);
     record.kv_events_endpoint = kv_events_endpoint;
     record.kv_block_size = engine.block_size;
@@ -132,7 +206,10 @@ async fn run_mock(
     tokio::select! {
         () = signals.recv() => {
             deregister(registration).await;
-            running.stop().await
+            stop_accepting(responder.as_ref());
+            let stopped = running.stop().await;
+            finish_responder(responder, config).await;
+            stopped
         }
         failed = running.failed() => {
             deregister(registration).await;
@@ -162,7 +239,40 @@ async fn run_process(
         return Err(e);
     }
     let block_size = engine.resolve_block_size(plan.kv_block_size).await;
-    let record = process_record(config, plan, block_size);
+    let mut record = process_record(config, plan, block_size);
+    let client = match nats_client(config).await {
+        Ok(client) => client,
+        Err(e) => {
+            engine.stop(process::STOP_GRACE).await;
+            return Err(e);
+        }
+    };
+    let responder = match start_responder(config, client.as_ref()).await {
+        Ok(r) => r,
+        Err(e) => {
+            engine.stop(process::STOP_GRACE).await;
+            return Err(e);
+        }
+    };
+    // With kv events over nats the server reads them from NATS, not from the engine's socket.
+    let relay = match (
+        &client,
+        config.kv_events.transport,
+        &plan.kv_events_endpoint,
+    ) {
+        (Some(client), KvEventTransport::Nats, Some(endpoint)) => {
+            record.kv_events_endpoint = None;
+            Some(kv_relay::KvRelay::start(
+                client,
+                &worker_id(config),
+                endpoint,
+                plan.dp_rank,
+                plan.dp_size,
+                epoch(),
+            ))
+        }
+        _ => None,
+    };
     let registration = match register(&registrar, &record).await {
         Ok(registration) => registration,
         Err(e) => {
@@ -175,9 +285,14 @@ async fn run_process(
         status = engine.exited() => Some(status),
     };
     deregister(registration).await;
+    stop_accepting(responder.as_ref());
+    if let Some(relay) = relay {
+        relay.stop().await;
+    }
     match exited {
         None => {
             engine.drain(config.drain_timeout.0).await;
+            finish_responder(responder, config).await;
             engine.stop(process::STOP_GRACE).await;
             Ok(())
         }

@@ -71,6 +71,13 @@ pub fn sigterm(child: &Child) {
 
 /// One HTTP/1.1 exchange with `Connection: close`; `None` while nothing listens.
 pub fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
+    let (status, raw) = http_with_headers(port, method, path, body)?;
+    let (_, body) = raw.split_once("\r\n\r\n")?;
+    Some((status, body.to_owned()))
+}
+
+/// As [`http`], with the response head (status line and headers) before the body.
+pub fn http_with_headers(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(DEADLINE)).ok()?;
     let req = format!(
@@ -81,9 +88,8 @@ pub fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, Str
     s.write_all(req.as_bytes()).ok()?;
     let mut raw = String::new();
     s.read_to_string(&mut raw).ok()?;
-    let (head, body) = raw.split_once("\r\n\r\n")?;
-    let status = head.split(' ').nth(1)?.parse().ok()?;
-    Some((status, body.to_owned()))
+    let status = raw.split(' ').nth(1)?.parse().ok()?;
+    Some((status, raw))
 }
 
 /// `GET path` as JSON when it answers 200.

@@ -1,0 +1,320 @@
+//! `--request-transport nats`, worker side: [`NatsResponder`] subscribes to
+//! `infera.req.<token>` and `infera.cancel.<token>` and proxies each request to the engine's
+//! HTTP port, streaming every response chunk back to the request's inbox as it arrives
+//! (`data` … `done`, each with `rs-seq`).
+//!
+//! # Contract
+//! - A payload that does not parse, or an engine that cannot be reached, is answered with one
+//!   `error` reply (never a panic); a message without a reply subject is logged and dropped.
+//! - A cancel naming a request's inbox drops its engine connection (the engine sees a client
+//!   disconnect and stops generating); nothing more is sent to that inbox.
+//! - `max_duration` bounds each request locally too (a backstop for a lost cancel): past it the
+//!   engine connection is dropped and an `error` reply sent.
+//! - [`NatsResponder::stop_accepting`] unsubscribes from requests (the broker then answers the
+//!   server "no responders", which fails over) while in-flight requests and cancels go on;
+//!   [`NatsResponder::finish`] waits for them, bounded, then cancels the rest.
+//!
+//! One task owns the subscriptions and the request tasks (a `JoinSet`), so nothing outlives
+//! [`NatsResponder::finish`] or the responder's drop.
+
+use super::{
+    HDR_SEQ, HDR_STATUS, HDR_TYPE, NatsError, RequestPayload, TYPE_DATA, TYPE_DONE, TYPE_ERROR,
+    cancel_subject, request_subject,
+};
+use bytes::Bytes;
+use futures::StreamExt as _;
+use http_body_util::{BodyExt as _, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// What a responder serves.
+#[derive(Debug, Clone)]
+pub struct ResponderConfig {
+    /// The worker id the server routes by (its subjects derive from it).
+    pub worker_id: String,
+    /// The engine's base URL, e.g. `http://127.0.0.1:8000`.
+    pub engine_url: String,
+    /// Local bound on each request; `None` is unbounded.
+    pub max_duration: Option<Duration>,
+}
+
+/// A running responder. See the module docs.
+#[derive(Debug)]
+pub struct NatsResponder {
+    accepting: CancellationToken,
+    abort: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+type Inflight = Arc<Mutex<HashMap<String, CancellationToken>>>;
+
+impl NatsResponder {
+    /// Subscribes and starts serving.
+    ///
+    /// # Errors
+    /// [`NatsError::Subscribe`] when a subscription cannot be made.
+    pub async fn start(
+        client: async_nats::Client,
+        config: ResponderConfig,
+    ) -> Result<Self, NatsError> {
+        let subscribe = |subject: String| {
+            let client = client.clone();
+            async move {
+                client
+                    .subscribe(subject.clone())
+                    .await
+                    .map_err(|e| NatsError::Subscribe {
+                        subject,
+                        reason: e.to_string(),
+                    })
+            }
+        };
+        let requests = subscribe(request_subject(&config.worker_id)).await?;
+        let cancels = subscribe(cancel_subject(&config.worker_id)).await?;
+        // Make sure the broker has both subscriptions before the worker registers.
+        client.flush().await.map_err(|e| NatsError::Subscribe {
+            subject: request_subject(&config.worker_id),
+            reason: e.to_string(),
+        })?;
+        tracing::info!(worker = %config.worker_id, subject = %request_subject(&config.worker_id),
+            engine = %config.engine_url, "serving nats requests");
+        let accepting = CancellationToken::new();
+        let abort = CancellationToken::new();
+        let task = tokio::spawn(run(
+            client,
+            config,
+            requests,
+            cancels,
+            accepting.clone(),
+            abort.clone(),
+        ));
+        Ok(Self {
+            accepting,
+            abort,
+            task: Some(task),
+        })
+    }
+
+    /// Unsubscribes from new requests; in-flight ones go on.
+    pub fn stop_accepting(&self) {
+        self.accepting.cancel();
+    }
+
+    /// Stops accepting, waits up to `timeout` for in-flight requests, then cancels the rest.
+    pub async fn finish(mut self, timeout: Duration) {
+        self.accepting.cancel();
+        let Some(mut task) = self.task.take() else {
+            return;
+        };
+        if tokio::time::timeout(timeout, &mut task).await.is_err() {
+            tracing::warn!(
+                ?timeout,
+                "nats requests still in flight after the drain; cancelling"
+            );
+            self.abort.cancel();
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for NatsResponder {
+    fn drop(&mut self) {
+        self.abort.cancel();
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+async fn run(
+    client: async_nats::Client,
+    config: ResponderConfig,
+    mut requests: async_nats::Subscriber,
+    mut cancels: async_nats::Subscriber,
+    accepting: CancellationToken,
+    abort: CancellationToken,
+) {
+    let http: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let inflight: Inflight = Arc::default();
+    let mut tasks = JoinSet::new();
+    let mut subscribed = true;
+    loop {
+        tokio::select! {
+            () = abort.cancelled() => break,
+            () = accepting.cancelled(), if subscribed => {
+                subscribed = false;
+                if let Err(e) = requests.unsubscribe().await {
+                    tracing::warn!(error = %e, "cannot unsubscribe from nats requests");
+                }
+                tracing::info!(worker = %config.worker_id, inflight = tasks.len(),
+                    "stopped taking nats requests");
+                if tasks.is_empty() {
+                    break;
+                }
+            }
+            msg = requests.next(), if subscribed => {
+                let Some(msg) = msg else {
+                    tracing::error!("the nats request subscription ended");
+                    subscribed = false;
+                    continue;
+                };
+                let Some(reply) = msg.reply.map(|s| s.to_string()) else {
+                    tracing::warn!("nats request without a reply subject dropped");
+                    continue;
+                };
+                let token = CancellationToken::new();
+                inflight
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(reply.clone(), token.clone());
+                let job = Job {
+                    client: client.clone(),
+                    http: http.clone(),
+                    engine_url: config.engine_url.clone(),
+                    max_duration: config.max_duration,
+                    reply,
+                    inflight: Arc::clone(&inflight),
+                };
+                tasks.spawn(job.run(msg.payload, token));
+            }
+            msg = cancels.next() => {
+                let Some(msg) = msg else { continue };
+                let inbox = String::from_utf8_lossy(&msg.payload).into_owned();
+                let token = inflight
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(inbox.trim());
+                match token {
+                    Some(t) => {
+                        tracing::info!(inbox = %inbox.trim(), "nats request cancelled by the server");
+                        t.cancel();
+                    }
+                    None => tracing::debug!(inbox = %inbox.trim(), "cancel for no request in flight"),
+                }
+            }
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {
+                if !subscribed && tasks.is_empty() {
+                    break;
+                }
+            }
+        }
+    }
+    for (_, t) in inflight
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .drain()
+    {
+        t.cancel();
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+struct Job {
+    client: async_nats::Client,
+    http: HttpClient,
+    engine_url: String,
+    max_duration: Option<Duration>,
+    reply: String,
+    inflight: Inflight,
+}
+
+impl Job {
+    async fn run(self, payload: Bytes, cancel: CancellationToken) {
+        let mut seq = 0u64;
+        let outcome = tokio::select! {
+            () = cancel.cancelled() => None,
+            r = self.bounded(&payload, &mut seq) => Some(r),
+        };
+        match outcome {
+            None => {} // the server gave up on it; nothing more to send
+            Some(Ok(())) => {}
+            Some(Err(text)) => {
+                tracing::warn!(reply = %self.reply, error = %text, "nats request failed");
+                self.publish(&mut seq, TYPE_ERROR, None, Bytes::from(text))
+                    .await;
+            }
+        }
+        self.inflight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.reply);
+    }
+
+    async fn bounded(&self, payload: &[u8], seq: &mut u64) -> Result<(), String> {
+        match self.max_duration {
+            None => self.proxy(payload, seq).await,
+            Some(d) => tokio::time::timeout(d, self.proxy(payload, seq))
+                .await
+                .unwrap_or_else(|_| Err(format!("the request ran past its {d:?} limit"))),
+        }
+    }
+
+    async fn proxy(&self, payload: &[u8], seq: &mut u64) -> Result<(), String> {
+        let req = RequestPayload::parse(payload)?;
+        let target = format!("{}{}", self.engine_url, req.path);
+        let mut builder = hyper::Request::post(&target);
+        let mut has_content_type = false;
+        for (name, value) in req.headers.iter().flatten() {
+            let lower = name.to_ascii_lowercase();
+            if matches!(
+                lower.as_str(),
+                "host" | "content-length" | "connection" | "transfer-encoding"
+            ) {
+                continue;
+            }
+            let Some(value) = value.as_str() else {
+                continue;
+            };
+            has_content_type |= lower == "content-type";
+            builder = builder.header(lower.as_str(), value);
+        }
+        if !has_content_type {
+            builder = builder.header("content-type", "application/json");
+        }
+        let body = serde_json::to_vec(&req.body).map_err(|e| e.to_string())?;
+        let request = builder
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| format!("cannot build the engine request to {target}: {e}"))?;
+        let resp = self
+            .http
+            .request(request)
+            .await
+            .map_err(|e| format!("engine at {} unreachable: {e}", self.engine_url))?;
+        let status = resp.status();
+        let mut body = resp.into_body().into_data_stream();
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| format!("engine response failed midway: {e}"))?;
+            if !chunk.is_empty() {
+                self.publish(seq, TYPE_DATA, None, chunk).await;
+            }
+        }
+        self.publish(seq, TYPE_DONE, Some(status.as_u16()), Bytes::new())
+            .await;
+        Ok(())
+    }
+
+    async fn publish(&self, seq: &mut u64, kind: &str, status: Option<u16>, payload: Bytes) {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(HDR_TYPE, kind);
+        headers.insert(HDR_SEQ, seq.to_string().as_str());
+        if let Some(s) = status {
+            headers.insert(HDR_STATUS, s.to_string().as_str());
+        }
+        *seq += 1;
+        if let Err(e) = self
+            .client
+            .publish_with_headers(self.reply.clone(), headers, payload)
+            .await
+        {
+            tracing::warn!(reply = %self.reply, error = %e, "cannot publish a nats reply");
+        }
+    }
+}

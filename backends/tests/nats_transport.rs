@@ -1,0 +1,360 @@
+//! The NATS transports against a real nats-server: the server side ([`NatsTransport`]) talking
+//! to the worker side ([`NatsResponder`]) in front of the in-process mock engine, and the KV
+//! event subjects with their gap and restart detection.
+#![allow(clippy::unwrap_used)]
+
+use bytes::Bytes;
+use futures::StreamExt as _;
+use infera_adapters::kv_events::{EngineBatch, EngineEvent, encode_batch_vllm};
+use infera_adapters::mock::{MockConfig, MockServer};
+use infera_adapters::server::RequestTransport as _;
+use infera_adapters::server::transport::{Outbound, TransportError};
+use infera_backends::nats::kv::{
+    HDR_KV_EPOCH, HDR_KV_SEQ, KvEventPublisher, KvEventSubscription, KvItem, kv_subject,
+};
+use infera_backends::nats::{
+    self, HDR_SEQ, HDR_TYPE, NatsRequestConfig, NatsResponder, NatsTransport, ResponderConfig,
+};
+use infera_backends::testing::NatsServer;
+use infera_core::engine::EngineConfig;
+use infera_core::event::Tier;
+use infera_core::ids::{EngineHash, WorkerId};
+use serde_json::{Value, json};
+use std::time::Duration;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::timeout;
+
+const WORKER: &str = "127.0.0.1:9";
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// The mock engine on a free port, at `speedup`.
+async fn engine(speedup: f64) -> (String, oneshot::Sender<()>, JoinHandle<()>) {
+    let config = MockConfig::new(
+        "m",
+        EngineConfig {
+            speedup,
+            ..EngineConfig::default()
+        },
+    );
+    let server = MockServer::bind("127.0.0.1:0", config, None).await.unwrap();
+    let url = format!("http://{}", server.local_addr());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        server
+            .serve(async move {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap();
+    });
+    (url, stop, task)
+}
+
+async fn responder(client: &nats::Client, engine_url: &str) -> NatsResponder {
+    NatsResponder::start(
+        client.clone(),
+        ResponderConfig {
+            worker_id: WORKER.to_owned(),
+            engine_url: engine_url.to_owned(),
+            max_duration: None,
+        },
+    )
+    .await
+    .unwrap()
+}
+
+fn outbound(body: Value, stream: bool) -> Outbound {
+    Outbound {
+        worker: WorkerId::new(WORKER),
+        url: "http://unused".to_owned(),
+        path: "/v1/completions",
+        body: Bytes::from(body.to_string()),
+        stream,
+        request_id: "r-1".to_owned(),
+    }
+}
+
+async fn collect(mut body: infera_adapters::server::transport::BodyStream) -> String {
+    let mut out = Vec::new();
+    while let Some(chunk) = body.next().await {
+        out.extend_from_slice(&chunk.unwrap());
+    }
+    String::from_utf8(out).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_round_trip_through_the_responder_to_the_engine() {
+    let broker = NatsServer::start().await.unwrap();
+    let client = nats::connect(&broker.url(), "test").await.unwrap();
+    let (url, _stop, _engine) = engine(1000.0).await;
+    let responder = responder(&client, &url).await;
+    let transport = NatsTransport::new(client.clone(), NatsRequestConfig::default());
+
+    let resp = transport
+        .send(outbound(
+            json!({"model": "m", "prompt": "hello", "max_tokens": 3}),
+            false,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(resp.status, 200);
+    let body: Value = serde_json::from_str(&collect(resp.body).await).unwrap();
+    assert_eq!(body["usage"]["completion_tokens"], 3, "{body}");
+
+    let resp = transport
+        .send(outbound(
+            json!({"model": "m", "prompt": "hello", "max_tokens": 5, "stream": true}),
+            true,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(resp.status, 200);
+    assert_eq!(resp.content_type.unwrap(), "text/event-stream");
+    let text = collect(resp.body).await;
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(text.matches("data: {").count() >= 5, "{text}");
+
+    // The engine's own errors come back with their status.
+    let resp = transport
+        .send(outbound(json!({"model": "m"}), false))
+        .await
+        .unwrap();
+    assert_eq!(resp.status, 400);
+
+    // A worker that stopped accepting is unreachable: the server fails over.
+    responder.finish(DEADLINE).await;
+    let err = transport
+        .send(outbound(json!({"model": "m", "prompt": "x"}), false))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, TransportError::Unreachable(_)), "{err:?}");
+    assert!(err.retry_elsewhere());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_reply_stream_cancels_the_engine_request() {
+    let broker = NatsServer::start().await.unwrap();
+    let client = nats::connect(&broker.url(), "test").await.unwrap();
+    // Real speed: 4000 tokens take far longer than the drain bound below.
+    let (url, _stop, _engine) = engine(1.0).await;
+    let responder = responder(&client, &url).await;
+    let transport = NatsTransport::new(client.clone(), NatsRequestConfig::default());
+    let mut cancels = client
+        .subscribe(nats::cancel_subject(WORKER))
+        .await
+        .unwrap();
+
+    let resp = transport
+        .send(outbound(
+            json!({"model": "m", "prompt": "long", "max_tokens": 4000, "stream": true}),
+            true,
+        ))
+        .await
+        .unwrap();
+    let mut body = resp.body;
+    body.next().await.unwrap().unwrap();
+    drop(body); // the client went away
+    let cancel = timeout(DEADLINE, cancels.next()).await.unwrap().unwrap();
+    assert!(cancel.payload.starts_with(b"_INBOX."), "{cancel:?}");
+    // The responder dropped the engine request, so it has nothing left to drain.
+    timeout(
+        Duration::from_secs(10),
+        responder.finish(Duration::from_secs(60)),
+    )
+    .await
+    .expect("the cancelled request is not still generating");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_payloads_are_answered_with_an_error_and_serving_goes_on() {
+    let broker = NatsServer::start().await.unwrap();
+    let client = nats::connect(&broker.url(), "test").await.unwrap();
+    let (url, _stop, _engine) = engine(1000.0).await;
+    let _responder = responder(&client, &url).await;
+    for (bad, says) in [
+        (&b"not json"[..], "not a valid request"),
+        (
+            br#"{"path":"@evil.example/","body":{}}"#,
+            "must start with '/'",
+        ),
+        (br#"{"path":"/v1/completions"}"#, "not a valid request"),
+    ] {
+        let inbox = client.new_inbox();
+        let mut sub = client.subscribe(inbox.clone()).await.unwrap();
+        client
+            .publish_with_reply(
+                nats::request_subject(WORKER),
+                inbox,
+                Bytes::from_static(bad),
+            )
+            .await
+            .unwrap();
+        let msg = timeout(DEADLINE, sub.next()).await.unwrap().unwrap();
+        let headers = msg.headers.unwrap();
+        assert_eq!(headers.get(HDR_TYPE).unwrap().as_str(), "error");
+        assert_eq!(headers.get(HDR_SEQ).unwrap().as_str(), "0");
+        let text = String::from_utf8(msg.payload.to_vec()).unwrap();
+        assert!(text.contains(says), "{text}");
+    }
+    let transport = NatsTransport::new(client.clone(), NatsRequestConfig::default());
+    let resp = transport
+        .send(outbound(
+            json!({"model": "m", "prompt": "still here", "max_tokens": 1}),
+            false,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(resp.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_pending_refuses_with_429_until_a_request_ends() {
+    let broker = NatsServer::start().await.unwrap();
+    let client = nats::connect(&broker.url(), "test").await.unwrap();
+    let (url, _stop, _engine) = engine(1.0).await;
+    let _responder = responder(&client, &url).await;
+    let transport = NatsTransport::new(
+        client.clone(),
+        NatsRequestConfig {
+            max_pending: Some(1),
+            ..NatsRequestConfig::default()
+        },
+    );
+    let long = json!({"model": "m", "prompt": "long", "max_tokens": 4000, "stream": true});
+    let held = transport.send(outbound(long.clone(), true)).await.unwrap();
+    let err = transport
+        .send(outbound(long.clone(), true))
+        .await
+        .unwrap_err();
+    assert_eq!(err.status(), 429);
+    assert!(
+        matches!(
+            err,
+            TransportError::Overloaded {
+                retry_after_s: 1,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.retry_elsewhere());
+    drop(held);
+    let again = transport.send(outbound(long, true)).await.unwrap();
+    assert_eq!(again.status, 200);
+}
+
+fn batch(first_hash: u64) -> EngineBatch {
+    EngineBatch {
+        ts: 1.0,
+        dp_rank: None,
+        events: vec![EngineEvent::BlockStored {
+            block_hashes: vec![EngineHash(first_hash)],
+            parent: None,
+            token_ids: (0..16).collect(),
+            block_size: 16,
+            tier: Tier::Gpu,
+            lora_id: None,
+            indexable: true,
+        }],
+        ..EngineBatch::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_event_gaps_and_restarts_are_detected_per_rank() {
+    let broker = NatsServer::start().await.unwrap();
+    let client = nats::connect(&broker.url(), "test").await.unwrap();
+    let mut sub = KvEventSubscription::subscribe(&client, WORKER)
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let mut next = async || timeout(DEADLINE, sub.recv()).await.unwrap().unwrap();
+    let payload = |h| Bytes::from(encode_batch_vllm(&batch(h)));
+
+    let mut publisher = KvEventPublisher::new(client.clone(), WORKER, 1);
+    assert_eq!(publisher.publish(0, payload(1)).await.unwrap(), 0);
+    assert_eq!(publisher.publish(3, payload(2)).await.unwrap(), 0);
+    assert_eq!(publisher.publish(0, payload(3)).await.unwrap(), 1);
+    let KvItem::Batch {
+        dp_rank: 0,
+        seq: Some(0),
+        batch: b,
+    } = next().await
+    else {
+        panic!("first batch of rank 0")
+    };
+    assert_eq!(b, batch(1));
+    assert!(matches!(
+        next().await,
+        KvItem::Batch {
+            dp_rank: 3,
+            seq: Some(0),
+            ..
+        }
+    ));
+    assert!(matches!(
+        next().await,
+        KvItem::Batch {
+            dp_rank: 0,
+            seq: Some(1),
+            ..
+        }
+    ));
+
+    // Batch 2 of rank 0 is lost: 3 arrives next.
+    let mut headers = nats::HeaderMap::new();
+    headers.insert(HDR_KV_SEQ, "3");
+    headers.insert(HDR_KV_EPOCH, "1");
+    client
+        .publish_with_headers(kv_subject(WORKER, 0), headers, payload(4))
+        .await
+        .unwrap();
+    assert_eq!(
+        next().await,
+        KvItem::Gap {
+            dp_rank: 0,
+            missing: 2..=2
+        }
+    );
+    assert!(matches!(
+        next().await,
+        KvItem::Batch {
+            dp_rank: 0,
+            seq: Some(3),
+            ..
+        }
+    ));
+
+    // The worker restarts: a new epoch, seqs from 0 again.
+    let mut restarted = KvEventPublisher::new(client.clone(), WORKER, 2);
+    restarted.publish(0, payload(5)).await.unwrap();
+    assert_eq!(next().await, KvItem::Restart { dp_rank: 0 });
+    assert!(matches!(
+        next().await,
+        KvItem::Batch {
+            dp_rank: 0,
+            seq: Some(0),
+            ..
+        }
+    ));
+
+    // Garbage is reported, not fatal; a batch without our headers (a Python worker) is taken.
+    client
+        .publish(kv_subject(WORKER, 0), Bytes::from_static(b"\xc1"))
+        .await
+        .unwrap();
+    assert!(matches!(next().await, KvItem::Malformed { .. }));
+    client
+        .publish(kv_subject(WORKER, 1), payload(6))
+        .await
+        .unwrap();
+    assert!(matches!(
+        next().await,
+        KvItem::Batch {
+            dp_rank: 1,
+            seq: None,
+            ..
+        }
+    ));
+}

@@ -1,0 +1,110 @@
+//! `--kv-event-transport nats` for a real engine: the worker subscribes to its engine's ZeroMQ
+//! publisher on loopback (one subscriber per dp rank, port P + rank offset) and republishes each
+//! batch's payload verbatim on `infera.kv.events.<token>.<rank>` with the engine's seq and the
+//! worker's epoch ([`infera_backends::nats::kv::KvEventPublisher`]), so the server sees the
+//! engine's gaps and restarts as they are.
+//!
+//! [`KvRelay`] owns its tasks: [`KvRelay::stop`] cancels and joins them; a dropped relay
+//! cancels them.
+
+use infera_backends::nats::{self, kv::KvEventPublisher};
+use infera_backends::zmq::{KvEventSubscriber, SubscriberConfig, SubscriberItem};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// The running relay tasks.
+#[derive(Debug)]
+pub struct KvRelay {
+    cancel: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl KvRelay {
+    /// Starts one relay per rank of `dp_size` ranks from `dp_rank`, reading the engine's events
+    /// at `endpoint` (rank offsets added to its port; a wildcard host read on loopback).
+    pub fn start(
+        client: &nats::Client,
+        worker_id: &str,
+        endpoint: &str,
+        dp_rank: u32,
+        dp_size: u32,
+        epoch: u64,
+    ) -> Self {
+        let cancel = CancellationToken::new();
+        let mut tasks = Vec::new();
+        for offset in 0..dp_size.max(1) {
+            let Some(ep) = crate::server_cmd::rank_endpoint(endpoint, "http://127.0.0.1", offset)
+            else {
+                tracing::error!(%endpoint, "the engine's kv-event endpoint is not tcp://HOST:PORT; \
+                    its events are not relayed");
+                break;
+            };
+            let publisher = KvEventPublisher::new(client.clone(), worker_id, epoch);
+            tracing::info!(endpoint = %ep, dp_rank = dp_rank + offset, "relaying kv events to nats");
+            tasks.push(tokio::spawn(relay(
+                ep,
+                dp_rank + offset,
+                publisher,
+                cancel.clone(),
+            )));
+        }
+        Self { cancel, tasks }
+    }
+
+    /// Stops the relays and waits for them.
+    pub async fn stop(mut self) {
+        self.cancel.cancel();
+        for t in std::mem::take(&mut self.tasks) {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for KvRelay {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+async fn relay(
+    endpoint: String,
+    dp_rank: u32,
+    mut publisher: KvEventPublisher,
+    cancel: CancellationToken,
+) {
+    let mut sub = KvEventSubscriber::spawn(SubscriberConfig::new(endpoint));
+    let mut failures = 0u64;
+    loop {
+        let item = tokio::select! {
+            () = cancel.cancelled() => break,
+            item = sub.recv() => item,
+        };
+        let Some(item) = item else { break };
+        match item {
+            SubscriberItem::Batch { seq, payload, .. } => {
+                if let Err(e) = publisher.publish_with_seq(dp_rank, seq, payload).await {
+                    failures += 1;
+                    if failures.is_power_of_two() {
+                        tracing::error!(error = %e, failures, "kv-event relay to nats failed");
+                    }
+                }
+            }
+            // The engine's seq travels with the batches: the server sees gaps and restarts.
+            SubscriberItem::Gap { missing } => {
+                tracing::warn!(dp_rank, ?missing, "engine kv events lost before the relay");
+            }
+            SubscriberItem::Restart { expected, got } => {
+                tracing::info!(
+                    dp_rank,
+                    expected,
+                    got,
+                    "engine restarted its kv-event numbering"
+                );
+            }
+            SubscriberItem::Malformed { reason } => {
+                tracing::warn!(dp_rank, %reason, "malformed engine kv event message not relayed");
+            }
+        }
+    }
+    sub.shutdown().await;
+}
