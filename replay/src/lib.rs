@@ -1,5 +1,6 @@
 //! `infera replay`: real request traces through the real router code, offline.
 //!
+//! - [`bench`]: the library side of `infera bench` (prompts from block hashes, SSE, statistics);
 //! - [`trace`]: the versioned Parquet trace schema and the Mooncake / Azure importers;
 //! - [`sim`]: the discrete-event simulator (simulated engines + kvd tiers, core's router);
 //! - [`rules`]: retention rules (`--retention-rule`);
@@ -7,6 +8,7 @@
 //! - [`record`]: the trace recorder behind `infera server --record-trace`;
 //! - [`report`], [`output`], [`plot`], [`raster`]: tables, Parquet results, SVG and PNG plots.
 
+pub mod bench;
 pub mod output;
 pub mod plot;
 pub mod raster;

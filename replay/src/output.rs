@@ -10,6 +10,9 @@
 //! `host_hit_rate`, `disk_hit_rate`, `ttft_p50_ms`, `ttft_p90_ms`, `ttft_p99_ms`, `tpot_p50_ms`,
 //! `queue_p50_ms`, `output_tokens_per_s`, `requests_per_s`, `max_share`, `imbalance`, `params`
 //! (JSON of the configuration).
+//!
+//! [`write_measured`] writes the same two files for a run that was measured rather than simulated
+//! (`infera bench --out`), so that replayed and live results can be joined on `request_id`.
 
 use crate::report::Summary;
 use crate::sim::{SimConfig, SimResult};
@@ -55,8 +58,52 @@ pub fn summary_path(out: &Path) -> PathBuf {
     out.with_file_name(format!("{stem}.summary.parquet"))
 }
 
+/// One configuration as the writers see it: `params` is the JSON written in the summary.
+struct Run<'a> {
+    label: &'a str,
+    rank: usize,
+    params: String,
+    result: &'a SimResult,
+    summary: &'a Summary,
+}
+
 /// Writes both files atomically (see the module docs).
 pub fn write(out: &Path, runs: &[Written<'_>]) -> Result<(), OutputError> {
+    let runs: Vec<Run<'_>> = runs
+        .iter()
+        .map(|r| Run {
+            label: r.label,
+            rank: r.rank,
+            params: serde_json::to_string(r.config).unwrap_or_default(),
+            result: r.result,
+            summary: r.summary,
+        })
+        .collect();
+    write_runs(out, &runs)
+}
+
+/// Writes both files atomically for one measured run: `label` names it in the `config` column,
+/// `params` is the JSON written in the summary's `params` column.
+pub fn write_measured(
+    out: &Path,
+    label: &str,
+    params: String,
+    result: &SimResult,
+    summary: &Summary,
+) -> Result<(), OutputError> {
+    write_runs(
+        out,
+        &[Run {
+            label,
+            rank: 1,
+            params,
+            result,
+            summary,
+        }],
+    )
+}
+
+fn write_runs(out: &Path, runs: &[Run<'_>]) -> Result<(), OutputError> {
     let summary = summary_path(out);
     let tmp_req = tmp_path(out);
     let tmp_sum = tmp_path(&summary);
@@ -113,7 +160,7 @@ fn write_file(
     })
 }
 
-fn requests_batch(runs: &[Written<'_>]) -> Result<RecordBatch, arrow_schema::ArrowError> {
+fn requests_batch(runs: &[Run<'_>]) -> Result<RecordBatch, arrow_schema::ArrowError> {
     let n: usize = runs.iter().map(|r| r.result.requests.len()).sum();
     let mut config = StringBuilder::new();
     let mut config_index = UInt32Builder::with_capacity(n);
@@ -206,7 +253,7 @@ fn requests_batch(runs: &[Written<'_>]) -> Result<RecordBatch, arrow_schema::Arr
     RecordBatch::try_new(Arc::new(Schema::new(fields)), cols)
 }
 
-fn summary_batch(runs: &[Written<'_>]) -> Result<RecordBatch, arrow_schema::ArrowError> {
+fn summary_batch(runs: &[Run<'_>]) -> Result<RecordBatch, arrow_schema::ArrowError> {
     let mut config = StringBuilder::new();
     let mut params = StringBuilder::new();
     let mut config_index = UInt32Builder::new();
@@ -231,7 +278,7 @@ fn summary_batch(runs: &[Written<'_>]) -> Result<RecordBatch, arrow_schema::Arro
     for (ci, run) in runs.iter().enumerate() {
         let s = run.summary;
         config.append_value(run.label);
-        params.append_value(serde_json::to_string(run.config).unwrap_or_default());
+        params.append_value(&run.params);
         config_index.append_value(ci as u32);
         rank.append_value(run.rank as u32);
         let max_share = s.shares.iter().map(|x| x.1).fold(0.0, f64::max);

@@ -3,7 +3,9 @@
 //! # Protocol
 //! HTTP handlers send a [`Submission`] over a bounded channel and watch the request's
 //! [`Progress`]. Each loop iteration takes every queued submission, runs one model step, sleeps
-//! the step's duration (already divided by `speedup`), then publishes what the step did:
+//! until the step's modelled end — its duration (already divided by `speedup`) after the previous
+//! step's modelled end, or after now when the engine was idle, so that the engine keeps the
+//! model's pace over many short steps however coarse the timer — then publishes what the step did:
 //!
 //! 1. the step's KV changes, as one vLLM [`EngineBatch`] to the sink (engine hashes are the router
 //!    hashes XOR the per-process salt, as vLLM salts its hashes per process);
@@ -142,11 +144,14 @@ impl EngineLoop {
         cancel: CancellationToken,
     ) {
         let mut open = true;
+        // When the previous step should have ended by the model; `None` after an idle wait.
+        let mut due: Option<Instant> = None;
         loop {
             if self.model.is_idle() {
                 if !open {
                     break;
                 }
+                due = None;
                 tokio::select! {
                     () = cancel.cancelled() => break,
                     sub = requests.recv() => match sub {
@@ -158,18 +163,22 @@ impl EngineLoop {
             while let Ok(sub) = requests.try_recv() {
                 self.submit(sub);
             }
-            let started = Instant::now();
+            // Back-to-back steps are timed from the previous step's modelled end, not from when
+            // the loop got here, so timer granularity (tokio sleeps in whole milliseconds) and
+            // the loop's own work do not add up over thousands of sub-millisecond decode steps.
+            let started = due.unwrap_or_else(Instant::now);
             let Some(report) = self.model.step(&mut no_lower_tiers) else {
                 continue;
             };
             self.step_no += 1;
-            let duration = Duration::from_micros(report.duration_us);
-            if duration.is_zero() {
+            let end = started + Duration::from_micros(report.duration_us);
+            due = Some(end);
+            if end <= Instant::now() {
                 tokio::task::yield_now().await;
             } else {
                 tokio::select! {
                     () = cancel.cancelled() => break,
-                    () = tokio::time::sleep_until((started + duration).into()) => {}
+                    () = tokio::time::sleep_until(end.into()) => {}
                 }
             }
             if let Some(batch) = self.kv_batch(&report.kv) {

@@ -108,6 +108,7 @@ pub fn run(cli: Cli) -> Result<(), AppError> {
         Command::Replay(args) => {
             replay_cmd::run_replay(args).map_err(|e| replay_error("replay", e))
         }
+        Command::Bench(args) => crate::bench::run(args).map_err(|e| replay_error("bench", e)),
         Command::Trace(args) => replay_cmd::run_trace(args).map_err(|e| replay_error("trace", e)),
         Command::MockEngine(args) => {
             worker::mock::run_engine(args).map_err(|error| AppError::Failed {

@@ -4,6 +4,7 @@
 // Tests may unwrap; the non-test build still denies it everywhere.
 
 mod app;
+mod bench;
 mod cli;
 mod config;
 mod discovery;

@@ -555,7 +555,7 @@ fn short_worker(w: &str) -> &str {
         .trim_start_matches("sim-")
 }
 
-fn check_output_path(p: Option<&Path>, ext: &str, flag: &str) -> anyhow::Result<()> {
+pub(crate) fn check_output_path(p: Option<&Path>, ext: &str, flag: &str) -> anyhow::Result<()> {
     let Some(p) = p else { return Ok(()) };
     if p.extension().and_then(|e| e.to_str()) != Some(ext) {
         bail!("{flag} {}: expected a .{ext} file", p.display());

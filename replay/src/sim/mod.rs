@@ -389,11 +389,11 @@ impl Sim<'_> {
     fn arrive(&mut self, i: usize) {
         let now = self.now();
         let r = &self.trace.requests[i];
-        let blocks: Vec<BlockHash> = r.block_hashes.iter().map(|h| BlockHash(*h)).collect();
+        let blocks = complete_blocks(r);
         let shape = RequestShape {
             input_length: r.input_length,
             output_length: r.output_length,
-            blocks: blocks.len() as u32,
+            blocks: r.block_hashes.len() as u32,
         };
         let (retention, ttl) = classify(&self.cfg.rules, r.retention, r.ttl_seconds, &shape);
         let req = RouteRequest {
@@ -408,7 +408,7 @@ impl Sim<'_> {
         out.index = i;
         out.request_id = r.request_id.clone();
         out.arrival_us = now;
-        out.blocks = blocks.len() as u32;
+        out.blocks = r.block_hashes.len() as u32;
         out.input_tokens = r.input_length;
         out.output_tokens = r.output_length;
         out.retention = retention;
@@ -624,7 +624,7 @@ impl Sim<'_> {
                 // Prefill leg done: the decode leg starts with the prompt's KV transferred.
                 self.decode_of[i] = Some(d);
                 let r = &self.trace.requests[i];
-                let blocks: Vec<BlockHash> = r.block_hashes.iter().map(|h| BlockHash(*h)).collect();
+                let blocks = complete_blocks(r);
                 let req = SimRequest {
                     id: i as u64,
                     blocks,
@@ -664,6 +664,19 @@ impl Sim<'_> {
         }
         self.kick(w);
     }
+}
+
+/// The hashes of a request's complete prompt blocks: what a real engine caches, publishes and
+/// matches (a trailing partial block, which Mooncake traces hash too, stays anonymous, as the
+/// engine model's contract and the mock engine have it). Hit rates still count every block of
+/// the trace in their denominator.
+fn complete_blocks(r: &crate::trace::TraceRequest) -> Vec<BlockHash> {
+    let complete = (r.input_length / r.block_size.max(1)) as usize;
+    r.block_hashes
+        .iter()
+        .take(complete)
+        .map(|h| BlockHash(*h))
+        .collect()
 }
 
 /// The engine's own key for a block: salted per engine, as vLLM salts per process, so that the

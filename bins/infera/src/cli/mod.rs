@@ -6,6 +6,7 @@
 //! definition, then parses Infera's part with clap and stores the engine's part in the parsed
 //! arguments. Every other command line is parsed by clap directly.
 
+pub mod bench;
 pub mod kvd;
 pub mod passthrough;
 pub mod server;
@@ -38,6 +39,9 @@ pub enum Command {
     Replay(replay_cmd::ReplayArgs),
     /// Convert or inspect traces.
     Trace(replay_cmd::TraceArgs),
+    /// Play a trace against a live OpenAI endpoint on its own timeline; report TTFT, ITL,
+    /// throughput and the server-reported hit rate.
+    Bench(bench::BenchArgs),
     /// Start a local fleet in one process: the server and N mock engines on loopback ports.
     Up(up_cmd::UpArgs),
     /// The GPU-free mock engine alone, taking a vLLM / SGLang / ATOM command line (a stand-in

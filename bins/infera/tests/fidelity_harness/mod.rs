@@ -1,0 +1,224 @@
+//! Replay-vs-live fidelity: the same trace slice through a live fleet (`infera up`: the server
+//! and N mock engines, driven by `infera bench`) and through the simulator behind `infera replay`
+//! (the `infera_replay` library, with the same fleet settings), compared on token hit rate,
+//! per-worker share and TTFT.
+//!
+//! Time is compressed by `speedup` on both sides alike: arrivals (`infera bench --speedup`, the
+//! simulator's `speedup`) and engine steps (`infera up --speedup`, the simulated engines'
+//! `EngineConfig::speedup`). Workers are interchangeable, so shares are compared sorted from the
+//! busiest worker down. Live per-worker counts come from each mock's
+//! `vllm:request_success_total`; the live hit rate is the server-reported
+//! `Σ cached_tokens / Σ prompt_tokens`, the offline one the same sum over the simulated engines.
+//!
+//! Shared by `tests/fidelity.rs` (asserts the targets) and `benches/fidelity.rs` (prints the
+//! table for a longer slice in release mode).
+#![allow(dead_code, clippy::unwrap_used)] // each target uses its own subset
+
+use crate::common::{DEADLINE, Proc, http, tokenizer_dir};
+use infera_core::engine::EngineConfig;
+use infera_replay::sim::{self, SimConfig};
+use infera_replay::trace::{self, LoadOptions};
+use serde_json::Value;
+use std::io::{BufRead as _, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// The bundled public trace.
+pub fn mooncake_trace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/traces/mooncake_trace_1000.jsonl")
+}
+
+/// The fleet and the slice, identical on both sides.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    pub trace: PathBuf,
+    /// The first `limit` requests of the trace.
+    pub limit: usize,
+    pub workers: u16,
+    pub gpu_blocks: u32,
+    /// The trace's block size (Mooncake: 512), used by the mocks, the router and the simulator.
+    pub block_size: u32,
+    pub speedup: f64,
+}
+
+/// What one side measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Side {
+    pub requests: u64,
+    pub hit_rate: f64,
+    /// Per-worker share of requests, busiest first.
+    pub shares: Vec<f64>,
+    pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
+}
+
+/// Runs the slice live: `infera up` + `infera bench`, then reads each mock's request count.
+pub fn live(infera: &str, s: &Setup) -> Side {
+    let mut up = Command::new(infera);
+    up.args(["up", "--port", "0", "--model-name", "mock"])
+        .args(["--workers", &s.workers.to_string()])
+        .args(["--gpu-blocks", &s.gpu_blocks.to_string()])
+        .args(["--block-size", &s.block_size.to_string()])
+        .args(["--speedup", &s.speedup.to_string()])
+        .args(["--router-tokenizer-path", &tokenizer_dir()])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut fleet = Proc(up.spawn().unwrap());
+    let mut stdout = BufReader::new(fleet.0.stdout.take().unwrap());
+    let (mut server, mut workers) = (None, Vec::new());
+    let mut line = String::new();
+    // The announcement ends with the Ctrl-C hint; EOF first means the fleet died.
+    while !line.starts_with("stop with") {
+        line.clear();
+        assert!(stdout.read_line(&mut line).unwrap() > 0, "infera up exited");
+        if let Some(rest) = line.strip_prefix("server: http://") {
+            server = rest.split_once("/v1").map(|(a, _)| a.to_owned());
+        }
+        if line.starts_with("worker ") {
+            let port = line
+                .split_once("http://")
+                .and_then(|(_, r)| r.split_whitespace().next())
+                .and_then(|a| a.rsplit_once(':'))
+                .map(|(_, p)| p.parse::<u16>().unwrap());
+            workers.push(port.unwrap());
+        }
+    }
+    let server = server.expect("server line");
+    assert_eq!(workers.len(), usize::from(s.workers));
+
+    let out = Command::new(infera)
+        .arg("bench")
+        .arg(&s.trace)
+        .args(["--target", &format!("http://{server}"), "--model", "mock"])
+        .args(["--limit", &s.limit.to_string()])
+        .args(["--speedup", &s.speedup.to_string()])
+        .args(["--timeout", &DEADLINE.as_secs().to_string(), "--json"])
+        .env("RUST_LOG", "warn")
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "infera bench failed: {:?}",
+        out.status
+    );
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["errors"], 0, "{summary}");
+
+    let counts: Vec<f64> = workers
+        .iter()
+        .map(|&port| {
+            let (status, text) = http(port, "GET", "/metrics", "").unwrap();
+            assert_eq!(status, 200);
+            text.lines()
+                .find(|l| l.starts_with("vllm:request_success_total"))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("no request count in {text}"))
+        })
+        .collect();
+    let status = fleet.terminate();
+    assert!(status.success(), "infera up exited with {status}");
+    Side {
+        requests: summary["ok"].as_u64().unwrap(),
+        hit_rate: summary["hit_rate"].as_f64().unwrap(),
+        shares: shares(counts),
+        ttft_p50_ms: summary["ttft_ms"]["p50"].as_f64().unwrap(),
+        ttft_p90_ms: summary["ttft_ms"]["p90"].as_f64().unwrap(),
+    }
+}
+
+/// Runs the slice through the simulator with the live fleet's settings.
+pub fn offline(s: &Setup) -> Side {
+    let mut tr = trace::load(&s.trace, &LoadOptions::default()).unwrap();
+    tr.requests.truncate(s.limit);
+    let cfg = SimConfig {
+        workers: usize::from(s.workers),
+        engine: EngineConfig {
+            gpu_blocks: s.gpu_blocks as usize,
+            block_size: s.block_size,
+            speedup: s.speedup,
+            ..EngineConfig::default()
+        },
+        speedup: s.speedup,
+        // Live, a mock's KV batch reaches the router in process, right after its step.
+        kv_event_delay_us: 0,
+        ..SimConfig::default()
+    };
+    let r = sim::run(&tr, &cfg).unwrap();
+    let ok: Vec<_> = r.requests.iter().filter(|q| !q.rejected).collect();
+    let cached: u64 = ok.iter().map(|q| u64::from(q.cached_tokens)).sum();
+    let prompt: u64 = ok.iter().map(|q| u64::from(q.input_tokens)).sum();
+    let counts = r
+        .workers
+        .iter()
+        .map(|w| ok.iter().filter(|q| &q.worker == w).count() as f64)
+        .collect();
+    let mut ttft: Vec<f64> = ok.iter().map(|q| q.ttft_us as f64 / 1000.0).collect();
+    ttft.sort_by(f64::total_cmp);
+    Side {
+        requests: ok.len() as u64,
+        hit_rate: cached as f64 / prompt.max(1) as f64,
+        shares: shares(counts),
+        ttft_p50_ms: infera_replay::report::percentile(&ttft, 0.5),
+        ttft_p90_ms: infera_replay::report::percentile(&ttft, 0.9),
+    }
+}
+
+fn shares(counts: Vec<f64>) -> Vec<f64> {
+    let total: f64 = counts.iter().sum::<f64>().max(1.0);
+    let mut v: Vec<f64> = counts.into_iter().map(|c| c / total).collect();
+    v.sort_by(|a, b| b.total_cmp(a));
+    v
+}
+
+/// The largest per-worker share difference, in percentage points.
+pub fn share_gap(a: &Side, b: &Side) -> f64 {
+    a.shares
+        .iter()
+        .zip(&b.shares)
+        .map(|(x, y)| (x - y).abs() * 100.0)
+        .fold(0.0, f64::max)
+}
+
+/// The comparison table (markdown).
+pub fn table(s: &Setup, live: &Side, offline: &Side) -> String {
+    let pct = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{:.1}", x * 100.0))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    let rel = |a: f64, b: f64| (a - b) / b.max(1e-9) * 100.0;
+    format!(
+        "{} requests of {}, {} workers × {} blocks of {} tokens, speedup {}\n\
+         | metric | live | replay | difference |\n|---|---|---|---|\n\
+         | requests ok | {} | {} | |\n\
+         | hit rate (cached / prompt tokens) | {:.1} % | {:.1} % | {:+.2} points |\n\
+         | per-worker share, busiest first (%) | {} | {} | {:.2} points max |\n\
+         | TTFT p50 | {:.1} ms | {:.1} ms | {:+.1} % |\n\
+         | TTFT p90 | {:.1} ms | {:.1} ms | {:+.1} % |\n",
+        s.limit,
+        s.trace.file_name().unwrap().to_string_lossy(),
+        s.workers,
+        s.gpu_blocks,
+        s.block_size,
+        s.speedup,
+        live.requests,
+        offline.requests,
+        live.hit_rate * 100.0,
+        offline.hit_rate * 100.0,
+        (live.hit_rate - offline.hit_rate) * 100.0,
+        pct(&live.shares),
+        pct(&offline.shares),
+        share_gap(live, offline),
+        live.ttft_p50_ms,
+        offline.ttft_p50_ms,
+        rel(live.ttft_p50_ms, offline.ttft_p50_ms),
+        live.ttft_p90_ms,
+        offline.ttft_p90_ms,
+        rel(live.ttft_p90_ms, offline.ttft_p90_ms),
+    )
+}
