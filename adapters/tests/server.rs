@@ -530,3 +530,76 @@ async fn direct_mode_routes_to_the_worker_the_picker_named() {
     a.stop().await;
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_messages_are_served_through_the_same_pipeline() {
+    let mock = Mock::start().await;
+    let front = Front::start(PolicyKind::KvAware, 1).await;
+    front.state.register_worker(record(mock.addr));
+    let text = long_prompt("messages", 300);
+    let req = json!({"model": MODEL, "max_tokens": 3, "system": "Be brief.",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]});
+
+    let (status, body) = post(front.addr, "/v1/messages", &req).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["type"], "message");
+    assert_eq!(body["role"], "assistant");
+    assert_eq!(body["content"][0]["type"], "text");
+    assert_eq!(body["stop_reason"], "max_tokens", "{body}");
+    assert_eq!(body["usage"]["output_tokens"], 3, "{body}");
+    assert!(body["usage"]["input_tokens"].as_u64() > Some(300), "{body}");
+
+    // Streaming, and the repeat is a prefix hit reported as Anthropic's cache read.
+    let mut streaming = req.clone();
+    streaming["stream"] = json!(true);
+    let ex = request(
+        front.addr,
+        "POST",
+        "/v1/messages",
+        streaming.to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!(ex.response.status(), 200);
+    assert_eq!(ex.response.headers()["content-type"], "text/event-stream");
+    let (_, text) = body_of(ex).await;
+    let names: Vec<&str> = text
+        .split("\n\n")
+        .filter_map(|e| e.lines().next()?.strip_prefix("event: "))
+        .collect();
+    assert_eq!(names.first(), Some(&"message_start"), "{text}");
+    assert_eq!(names.last(), Some(&"message_stop"), "{text}");
+    assert!(names.contains(&"content_block_delta"), "{text}");
+    let delta = text
+        .split("\n\n")
+        .find(|e| e.starts_with("event: message_delta"))
+        .and_then(|e| e.lines().nth(1)?.strip_prefix("data: "))
+        .map(|d| serde_json::from_str::<Value>(d).expect("json"))
+        .expect("a message_delta event");
+    assert!(
+        delta["usage"]["cache_read_input_tokens"].as_u64() > Some(0),
+        "{delta}"
+    );
+
+    // Errors come back in Anthropic's shape.
+    let (status, body) = post(
+        front.addr,
+        "/v1/messages",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert_eq!(body["type"], "error");
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    let (status, body) = post(
+        front.addr,
+        "/v1/messages",
+        &json!({"model": "nope", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert_eq!(body["error"]["type"], "not_found_error", "{body}");
+    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+    front.stop().await;
+    mock.stop().await;
+}

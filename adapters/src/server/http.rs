@@ -96,6 +96,7 @@ pub(crate) fn router(state: ServerState) -> axum::Router {
     axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
         .route("/v1/workers", get(workers))
         .route("/health", get(health))
@@ -103,17 +104,20 @@ pub(crate) fn router(state: ServerState) -> axum::Router {
         .with_state(state)
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Endpoint {
     Completions,
     Chat,
+    /// Anthropic's Messages API, served as a chat completion ([`super::anthropic`]).
+    Messages,
 }
 
 impl Endpoint {
+    /// The engine path the request is forwarded to.
     fn path(self) -> &'static str {
         match self {
             Endpoint::Completions => "/v1/completions",
-            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Chat | Endpoint::Messages => "/v1/chat/completions",
         }
     }
 }
@@ -128,6 +132,10 @@ async fn chat_completions(
     body: Body,
 ) -> Response {
     handle(st, Endpoint::Chat, headers, body).await
+}
+
+async fn messages(State(st): State<ServerState>, headers: HeaderMap, body: Body) -> Response {
+    handle(st, Endpoint::Messages, headers, body).await
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
@@ -150,7 +158,12 @@ async fn handle(st: ServerState, ep: Endpoint, headers: HeaderMap, body: Body) -
         Ok(r) => r,
         Err(e) => {
             tracing::debug!(request_id = %id, status = %e.status, error = %e.message, "request rejected");
-            e.into_response()
+            if ep == Endpoint::Messages {
+                let body = super::anthropic::error_body(e.status, &e.message);
+                (e.status, axum::Json(body)).into_response()
+            } else {
+                e.into_response()
+            }
         }
     };
     if let Ok(v) = HeaderValue::from_str(&id) {
@@ -177,6 +190,9 @@ async fn pipeline(
     let bytes = read_body(body, headers, max).await?;
     let mut json: Value = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
+    if ep == Endpoint::Messages {
+        json = super::anthropic::to_chat(&json)?;
+    }
     let obj = json
         .as_object_mut()
         .ok_or_else(|| ApiError::bad_request("request body must be a JSON object"))?;
@@ -192,7 +208,7 @@ async fn pipeline(
     };
     let input = match ep {
         Endpoint::Completions => parse_prompt(obj.get("prompt"))?,
-        Endpoint::Chat => parse_messages(obj.get("messages"))?,
+        Endpoint::Chat | Endpoint::Messages => parse_messages(obj.get("messages"))?,
     };
     let retention = stamp_retention(obj)?;
     let direct = if st.inner.options.direct {
@@ -244,7 +260,13 @@ async fn pipeline(
         retention,
         exclude: Vec::<WorkerRank>::new(),
     };
-    relay::forward(st, req, direct, ep.path(), forward_body, stream).await
+    let model = req.model.clone();
+    let resp = relay::forward(st, req, direct, ep.path(), forward_body, stream).await?;
+    Ok(if ep == Endpoint::Messages {
+        super::anthropic::from_chat(resp, stream, &model, id).await
+    } else {
+        resp
+    })
 }
 
 /// The worker(s) named by the request's headers in direct mode.

@@ -31,8 +31,9 @@
 //!
 //! # Limits of this step
 //! PD-disaggregated models are forwarded to the first leg only (no two-leg protocol yet);
-//! `/v1/messages`, prewarm and profiling are not served here.
+//! prewarm and profiling are not served here. `/v1/messages` is translated by [`anthropic`].
 
+mod anthropic;
 mod durable;
 mod http;
 mod metrics;
