@@ -31,7 +31,7 @@
 //!
 //! # Limits of this step
 //! PD-disaggregated models are forwarded to the first leg only (no two-leg protocol yet);
-//! prewarm and profiling are not served here. `/v1/messages` is translated by [`anthropic`].
+//! prewarm and profiling are not served here. `/v1/messages` is translated by the private `anthropic` module.
 
 mod anthropic;
 mod durable;
