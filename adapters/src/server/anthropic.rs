@@ -11,6 +11,7 @@
 //! | `messages[].content` (string or `text` blocks) | the message's text |
 //! | `max_tokens` (required), `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream` | the same knobs (`stop`), plus `stream_options.include_usage` |
 //! | `metadata.user_id` | `user` |
+//! | `cache_control` on any block (`ephemeral`, ttl `1h`) | `prompt_cache_retention` `short` (`long`), PROTOCOLS §5 |
 //! | `finish_reason` `stop` / `length` / `tool_calls` | `stop_reason` `end_turn` (or `stop_sequence` when the engine names the matched stop string) / `max_tokens` / `tool_use` |
 //! | `usage.prompt_tokens`, `completion_tokens`, `prompt_tokens_details.cached_tokens` | `usage.input_tokens`, `output_tokens`, `cache_read_input_tokens` |
 //!
@@ -96,7 +97,37 @@ pub(crate) fn to_chat(body: &Value) -> Result<Value, ApiError> {
     if obj.get("stream").and_then(Value::as_bool) == Some(true) {
         out.insert("stream_options".into(), json!({"include_usage": true}));
     }
+    if let Some(retention) = cache_retention(body) {
+        out.insert("prompt_cache_retention".into(), json!(retention));
+    }
     Ok(Value::Object(out))
+}
+
+/// PROTOCOLS §5: Anthropic `cache_control` anywhere in the request (`ephemeral` with ttl `1h`
+/// → long, plain `ephemeral` → short), the longest one found, as a `prompt_cache_retention`.
+fn cache_retention(body: &Value) -> Option<&'static str> {
+    fn walk(v: &Value, best: &mut Option<&'static str>) {
+        match v {
+            Value::Object(m) => {
+                if let Some(cc) = m.get("cache_control")
+                    && cc.get("type").and_then(Value::as_str) == Some("ephemeral")
+                {
+                    let long = cc.get("ttl").and_then(Value::as_str) == Some("1h");
+                    if long {
+                        *best = Some("long");
+                    } else if best.is_none() {
+                        *best = Some("short");
+                    }
+                }
+                m.values().for_each(|v| walk(v, best));
+            }
+            Value::Array(a) => a.iter().for_each(|v| walk(v, best)),
+            _ => {}
+        }
+    }
+    let mut best = None;
+    walk(body, &mut best);
+    best
 }
 
 /// The text of a string or of an array of `text` blocks.
@@ -444,6 +475,27 @@ mod tests {
         assert_eq!(chat["max_tokens"], 64);
         assert_eq!(chat["user"], "u1");
         assert_eq!(chat["stream_options"], json!({"include_usage": true}));
+    }
+
+    #[test]
+    fn cache_control_becomes_a_retention_hint() {
+        let with = |blocks: Value| {
+            to_chat(&json!({"model": "m", "max_tokens": 1,
+                "messages": [{"role": "user", "content": blocks}]}))
+            .expect("valid")
+            .get("prompt_cache_retention")
+            .cloned()
+        };
+        let text = |cc: Value| json!([{"type": "text", "text": "x", "cache_control": cc}]);
+        assert_eq!(
+            with(text(json!({"type": "ephemeral"}))),
+            Some(json!("short"))
+        );
+        assert_eq!(
+            with(text(json!({"type": "ephemeral", "ttl": "1h"}))),
+            Some(json!("long"))
+        );
+        assert_eq!(with(json!("plain")), None);
     }
 
     #[test]
