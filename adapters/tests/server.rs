@@ -603,3 +603,22 @@ async fn anthropic_messages_are_served_through_the_same_pipeline() {
     front.stop().await;
     mock.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prewarm_without_a_kv_cache_daemon_is_unavailable() {
+    let front = Front::start(PolicyKind::KvAware, 0).await;
+    let (status, body) = post(
+        front.addr,
+        "/v1/cache/prewarm",
+        &json!({"model": MODEL, "block_hashes": ["00ff"]}),
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("--kvd-socket-path")),
+        "{body}"
+    );
+    front.stop().await;
+}

@@ -97,6 +97,7 @@ pub(crate) fn router(state: ServerState) -> axum::Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
+        .route("/v1/cache/prewarm", post(super::prewarm::prewarm))
         .route("/v1/models", get(models))
         .route("/v1/workers", get(workers))
         .route("/health", get(health))
@@ -173,7 +174,7 @@ async fn handle(st: ServerState, ep: Endpoint, headers: HeaderMap, body: Body) -
 }
 
 /// What to tokenize.
-enum Input {
+pub(super) enum Input {
     Text(String),
     Tokens(Vec<u32>),
     Chat(Vec<ChatMessage>),
@@ -305,7 +306,11 @@ fn direct_pick(headers: &HeaderMap) -> Result<DirectPick, ApiError> {
     })
 }
 
-async fn read_body(body: Body, headers: &HeaderMap, max: usize) -> Result<Bytes, ApiError> {
+pub(super) async fn read_body(
+    body: Body,
+    headers: &HeaderMap,
+    max: usize,
+) -> Result<Bytes, ApiError> {
     let too_large = || {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -331,7 +336,7 @@ async fn read_body(body: Body, headers: &HeaderMap, max: usize) -> Result<Bytes,
     })
 }
 
-fn parse_prompt(value: Option<&Value>) -> Result<Input, ApiError> {
+pub(super) fn parse_prompt(value: Option<&Value>) -> Result<Input, ApiError> {
     const SHAPE: &str =
         "`prompt` must be a string, a list of token ids, or a list holding one of those";
     let ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
@@ -368,7 +373,7 @@ fn parse_prompt(value: Option<&Value>) -> Result<Input, ApiError> {
     }
 }
 
-fn parse_messages(value: Option<&Value>) -> Result<Input, ApiError> {
+pub(super) fn parse_messages(value: Option<&Value>) -> Result<Input, ApiError> {
     let value = value.ok_or_else(|| ApiError::bad_request("`messages` is required"))?;
     if !value.is_array() {
         return Err(ApiError::bad_request("`messages` must be an array"));
@@ -433,7 +438,7 @@ fn stamp_retention(obj: &mut Map<String, Value>) -> Result<Option<Retention>, Ap
     Ok(hint)
 }
 
-async fn tokenize(st: &ServerState, input: Input) -> Result<Vec<u32>, ApiError> {
+pub(super) async fn tokenize(st: &ServerState, input: Input) -> Result<Vec<u32>, ApiError> {
     let tokenizer = st.inner.tokenizer.clone();
     let template = st.inner.options.chat_template.clone();
     let joined = tokio::task::spawn_blocking(move || match input {

@@ -31,18 +31,20 @@
 //!
 //! # Limits of this step
 //! PD-disaggregated models are forwarded to the first leg only (no two-leg protocol yet);
-//! prewarm and profiling are not served here. `/v1/messages` is translated by the private `anthropic` module.
+//! profiling is not served here. `/v1/messages` is translated by the private `anthropic` module.
 
 mod anthropic;
 mod durable;
 mod http;
 mod metrics;
+mod prewarm;
 mod relay;
 mod taps;
 pub mod transport;
 
 pub use durable::{COMPACT_EVERY, DurableLog, REPLICA_PREFIX, attach as attach_event_log};
 pub use metrics::ServerMetrics;
+pub use prewarm::{DEFAULT_DEADLINE_MS, KvPrefetch, MAX_KEYS};
 pub use taps::{EventBatch, MetricsSource, write_family};
 pub use transport::{HttpTransport, RequestTransport};
 
@@ -137,6 +139,7 @@ pub(crate) struct Inner {
     pub(crate) tap_counters: Mutex<Vec<(&'static str, Arc<taps::TapCounters>)>>,
     pub(crate) metrics_sources: Mutex<Vec<Arc<dyn MetricsSource>>>,
     pub(crate) restore: Mutex<durable::RestoreState>,
+    pub(crate) prefetch: Mutex<Option<Arc<dyn KvPrefetch>>>,
 }
 
 /// A cheap, cloneable handle on the server's state. See the module docs.
@@ -178,6 +181,7 @@ impl ServerState {
                 tap_counters: Mutex::new(Vec::new()),
                 metrics_sources: Mutex::new(Vec::new()),
                 restore: Mutex::new(durable::RestoreState::default()),
+                prefetch: Mutex::new(None),
             }),
         }
     }

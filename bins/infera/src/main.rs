@@ -9,6 +9,7 @@ mod cli;
 mod config;
 mod discovery;
 mod net;
+mod prewarm;
 mod record;
 mod replay_cmd;
 mod server_cmd;

@@ -84,9 +84,6 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         )?)),
         None => None,
     };
-    if config.kvd_socket_path.is_some() {
-        tracing::warn!("--kvd-socket-path is set, but prewarm is not served by this build yet");
-    }
     let options = ServerOptions {
         max_body_bytes: usize::try_from(config.http.max_body_bytes.bytes()).unwrap_or(usize::MAX),
         request_max_retries: config.router.request_max_retries,
@@ -145,6 +142,10 @@ async fn serve_all(
         _ => KvSource::Zmq,
     };
     let state = ServerState::with_transport(options, tokenizer, transport);
+    if let Some(path) = &config.kvd_socket_path {
+        state.set_prefetch(Arc::new(crate::prewarm::KvdPrefetch::new(path.clone())));
+        tracing::info!(socket = %path.display(), "POST /v1/cache/prewarm hints the KV-cache daemon");
+    }
     let durable = open_durable_log(&config, &state).await?;
     let stream = crate::discovery::watch(&config.discovery).await?;
     let recording = match &config.record_trace {

@@ -483,3 +483,80 @@ async fn replicas_sharing_a_jetstream_event_log_see_each_others_requests() {
     assert!(metric(b, "infera_event_log_peer_events_total") >= Some(2));
     assert_eq!(metric(a, "infera_event_log_peer_events_total"), Some(0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prewarm_hints_reach_the_kv_cache_daemon() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let tok = tokenizer_dir();
+    let tok = tok.as_str();
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("kvd.sock");
+    let mut kvd = Proc(
+        Command::new(env!("CARGO_BIN_EXE_infera"))
+            .args(["kvd", "--socket", socket.to_str().unwrap()])
+            .args(["--max-bytes", "16MiB"])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let worker_port = free_mock_port(&[]);
+    let _worker = mock_worker(tok, &etcd.endpoint(), worker_port, &["--speedup", "1000"]);
+    let port = free_port();
+    let _server = server(
+        tok,
+        &etcd.endpoint(),
+        port,
+        &["--kvd-socket-path", socket.to_str().unwrap()],
+    );
+    eventually("the worker to be discovered", || {
+        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
+    });
+    eventually("the daemon's socket", || socket.exists());
+    let prewarm = |body: Value| http(port, "POST", "/v1/cache/prewarm", &body.to_string()).unwrap();
+    let hints = || async {
+        let mut c = infera_kvd::KvdClient::connect(&socket).await.unwrap();
+        c.stats(true)
+            .await
+            .unwrap()
+            .extended
+            .unwrap()
+            .prefetch_hints_total
+    };
+
+    let (status, body) = prewarm(json!({"model": tok, "compat_key": "",
+        "block_hashes": ["00ff", "0x0102030405060708"], "deadline_ms": 500}));
+    assert_eq!(
+        (status, body.as_str()),
+        (202, r#"{"accepted":true,"n_keys":2}"#)
+    );
+    // Ours: the keys of a prompt, derived at the model's block size (16): 100 words → 6 blocks+.
+    let prompt: String = (0..100).map(|i| format!(" warm{i}")).collect();
+    let (status, body) = prewarm(json!({"model": tok, "prompt": prompt}));
+    assert_eq!(status, 202, "{body}");
+    let n: Value = serde_json::from_str(&body).unwrap();
+    assert!(n["n_keys"].as_u64() >= Some(6), "{body}");
+    // The hint is fire-and-forget; the daemon's counter shows both arrived.
+    let start = Instant::now();
+    while hints().await < 2 {
+        assert!(start.elapsed() < DEADLINE, "the daemon never saw the hints");
+        tokio::task::yield_now().await;
+    }
+
+    for (bad, needle) in [
+        (json!({"block_hashes": ["00"]}), "`model`"),
+        (json!({"model": tok, "block_hashes": ["0g"]}), "not hex"),
+        (json!({"model": tok}), "block_hashes"),
+        (
+            json!({"model": "nope", "prompt": prompt}),
+            "no worker serves",
+        ),
+    ] {
+        let (status, body) = prewarm(bad);
+        assert!(status == 400 || status == 404, "{status} {body}");
+        assert!(body.contains(needle), "{needle}: {body}");
+    }
+    // The daemon gone: 503, not a hang.
+    kvd.terminate();
+    let (status, body) = prewarm(json!({"model": tok, "block_hashes": ["00"]}));
+    assert_eq!(status, 503, "{body}");
+}

@@ -1,0 +1,193 @@
+//! `POST /v1/cache/prewarm` (PROTOCOLS §4): ask the KV-cache daemon to promote blocks into RAM
+//! before the requests that need them arrive.
+//!
+//! Body: `{"model", "block_hashes": ["<hex>", …], "compat_key", "deadline_ms"}` → 202
+//! `{"accepted": true, "n_keys": N}`. Instead of `block_hashes`, ours also takes a `prompt` (as
+//! `/v1/completions` does) or `messages` (as chat does) and derives the keys itself: the router's
+//! chained hashes of the prompt's complete blocks at the model's block size, each as 8
+//! big-endian bytes. 400 for bad input, 404 for a prompt of a model no worker serves, 503
+//! without a daemon (`--kvd-socket-path`) or when it cannot be reached. The hint is
+//! fire-and-forget: the daemon drops it if its deadline passes first.
+//!
+//! The daemon is behind the [`KvPrefetch`] port, set with [`ServerState::set_prefetch`].
+
+use super::ServerState;
+use super::http::{ApiError, Input, parse_messages, parse_prompt, read_body, tokenize};
+use async_trait::async_trait;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse as _, Response};
+use infera_core::hashing::hash_blocks;
+use serde_json::{Value, json};
+use std::sync::Arc;
+
+/// Deadline of a hint that names none.
+pub const DEFAULT_DEADLINE_MS: u64 = 1_000;
+/// Most keys one prewarm may name.
+pub const MAX_KEYS: usize = 1 << 16;
+
+/// Where prefetch hints go (the kvd client, in the server binary).
+#[async_trait]
+pub trait KvPrefetch: Send + Sync + std::fmt::Debug {
+    /// Sends one hint: promote `keys` of the namespace `(model, compat_key)` within
+    /// `deadline_ms`. An error means the daemon could not be reached.
+    async fn prefetch(
+        &self,
+        model: &str,
+        compat_key: &str,
+        keys: Vec<Vec<u8>>,
+        deadline_ms: u64,
+    ) -> Result<(), String>;
+}
+
+impl ServerState {
+    /// Serves `POST /v1/cache/prewarm` through `prefetch` (without one it answers 503).
+    pub fn set_prefetch(&self, prefetch: Arc<dyn KvPrefetch>) {
+        *self
+            .inner
+            .prefetch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(prefetch);
+    }
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, message)
+}
+
+fn hex_key(i: usize, v: &Value) -> Result<Vec<u8>, ApiError> {
+    let s = v
+        .as_str()
+        .ok_or_else(|| bad(format!("`block_hashes[{i}]` must be a hex string")))?;
+    let s = s.strip_prefix("0x").unwrap_or(s);
+    if s.is_empty() || s.len() % 2 != 0 || s.len() > 128 {
+        return Err(bad(format!(
+            "`block_hashes[{i}]` must be an even number (2..=128) of hex digits"
+        )));
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|j| {
+            u8::from_str_radix(&s[j..j + 2], 16)
+                .map_err(|_| bad(format!("`block_hashes[{i}]` is not hex: {s:?}")))
+        })
+        .collect()
+}
+
+pub(crate) async fn prewarm(
+    State(st): State<ServerState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    match handle(&st, &headers, body).await {
+        Ok(n) => (
+            StatusCode::ACCEPTED,
+            axum::Json(json!({"accepted": true, "n_keys": n})),
+        )
+            .into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn handle(st: &ServerState, headers: &HeaderMap, body: Body) -> Result<usize, ApiError> {
+    let bytes = read_body(body, headers, st.inner.options.max_body_bytes).await?;
+    let json: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| bad(format!("request body is not valid JSON: {e}")))?;
+    let obj = json
+        .as_object()
+        .ok_or_else(|| bad("request body must be a JSON object"))?;
+    let model = obj
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("`model` is required and must be a string"))?
+        .to_owned();
+    let compat_key = match obj.get("compat_key") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err(bad("`compat_key` must be a string")),
+    };
+    let deadline_ms = match obj.get("deadline_ms") {
+        None | Some(Value::Null) => DEFAULT_DEADLINE_MS,
+        Some(v) => v
+            .as_u64()
+            .ok_or_else(|| bad("`deadline_ms` must be a non-negative integer"))?,
+    };
+    let given = ["block_hashes", "prompt", "messages"]
+        .into_iter()
+        .filter(|k| obj.get(*k).is_some_and(|v| !v.is_null()))
+        .collect::<Vec<_>>();
+    let keys: Vec<Vec<u8>> = match given.as_slice() {
+        ["block_hashes"] => match &obj["block_hashes"] {
+            Value::Array(items) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| hex_key(i, v))
+                .collect::<Result<_, _>>()?,
+            _ => return Err(bad("`block_hashes` must be an array of hex strings")),
+        },
+        [field] => {
+            let input: Input = if *field == "prompt" {
+                parse_prompt(obj.get("prompt"))?
+            } else {
+                parse_messages(obj.get("messages"))?
+            };
+            let block_size = st
+                .with_fleet(|f| {
+                    f.workers()
+                        .find(|w| w.model_name == model)
+                        .map(|w| w.kv_block_size)
+                })
+                .ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::NOT_FOUND,
+                        format!("no worker serves model {model:?}, so its block size is unknown"),
+                    )
+                })?;
+            let tokens = tokenize(st, input).await?;
+            hash_blocks(&tokens, block_size.max(1) as usize, None)
+                .into_iter()
+                .map(|h| h.0.to_be_bytes().to_vec())
+                .collect()
+        }
+        [] => return Err(bad("give `block_hashes`, `prompt` or `messages`")),
+        _ => {
+            return Err(bad(format!(
+                "give only one of `block_hashes`, `prompt` or `messages` (got {})",
+                given.join(", ")
+            )));
+        }
+    };
+    if keys.is_empty() {
+        return Err(bad("no keys to prewarm (a prompt shorter than one block?)"));
+    }
+    if keys.len() > MAX_KEYS {
+        return Err(bad(format!(
+            "{} keys; at most {MAX_KEYS} per prewarm",
+            keys.len()
+        )));
+    }
+    let prefetch = st
+        .inner
+        .prefetch
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "prewarm needs a KV-cache daemon: start the server with --kvd-socket-path",
+            )
+        })?;
+    let n = keys.len();
+    prefetch
+        .prefetch(&model, &compat_key, keys, deadline_ms)
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the KV-cache daemon is unreachable: {e}"),
+            )
+        })?;
+    Ok(n)
+}
