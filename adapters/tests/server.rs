@@ -622,3 +622,68 @@ async fn prewarm_without_a_kv_cache_daemon_is_unavailable() {
     );
     front.stop().await;
 }
+
+/// An engine that counts the profiler calls it gets, by path.
+async fn profiled_engine() -> (SocketAddr, mpsc::UnboundedReceiver<String>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let app = axum::Router::new().fallback(move |uri: axum::http::Uri| {
+        let tx = tx.clone();
+        async move {
+            let _ = tx.send(uri.path().to_owned());
+            "ok"
+        }
+    });
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, rx)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn profiling_fans_out_to_the_chosen_engines_only_when_enabled() {
+    let (engine, mut calls) = profiled_engine().await;
+    // A worker whose engine is gone: its port is free again.
+    let gone = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind")
+        .local_addr()
+        .expect("addr");
+    let front = Front::start(PolicyKind::KvAware, 0).await;
+    front.state.register_worker(record(engine));
+    front.state.register_worker(record(gone));
+
+    let (status, _) = post(front.addr, "/v1/admin/profile/start", &json!({})).await;
+    assert_eq!(status, 403, "off unless --enable-profiling");
+    front.state.set_profiling(true);
+
+    let only = json!({"worker_id": engine.to_string()});
+    let (status, body) = post(front.addr, "/v1/admin/profile/start", &only).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["results"],
+        json!([{"worker_id": engine.to_string(), "status": 200}])
+    );
+    assert_eq!(calls.recv().await.as_deref(), Some("/start_profile"));
+
+    // Every worker: the dead one is reported, and the answer says not all succeeded.
+    let (status, body) = post(front.addr, "/v1/admin/profile/stop", &json!({})).await;
+    assert_eq!(status, 502, "{body}");
+    let results = body["results"].as_array().expect("results");
+    assert_eq!(results.len(), 2, "{body}");
+    assert!(results.iter().any(|r| r["status"] == 200));
+    assert!(results.iter().any(|r| r["error"].is_string()));
+    assert_eq!(calls.recv().await.as_deref(), Some("/stop_profile"));
+
+    let (status, _) = post(
+        front.addr,
+        "/v1/admin/profile/start",
+        &json!({"model": "nope"}),
+    )
+    .await;
+    assert_eq!(status, 404);
+    let (status, _) = post(front.addr, "/v1/admin/profile/pause", &json!({})).await;
+    assert_eq!(status, 404);
+    let (status, _) = post(front.addr, "/v1/admin/profile/start", &json!({"role": 3})).await;
+    assert_eq!(status, 400);
+    front.stop().await;
+}

@@ -98,6 +98,7 @@ pub(crate) fn router(state: ServerState) -> axum::Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
         .route("/v1/cache/prewarm", post(super::prewarm::prewarm))
+        .route("/v1/admin/profile/{action}", post(super::profile::profile))
         .route("/v1/models", get(models))
         .route("/v1/workers", get(workers))
         .route("/health", get(health))

@@ -30,14 +30,16 @@
 //! registered a 503, a worker of another model a 400. The named worker is not failed over.
 //!
 //! # Limits of this step
-//! PD-disaggregated models are forwarded to the first leg only (no two-leg protocol yet);
-//! profiling is not served here. `/v1/messages` is translated by the private `anthropic` module.
+//! PD-disaggregated models are forwarded to the first leg only (no two-leg protocol yet).
+//! `/v1/messages` is translated by the private `anthropic` module; `/v1/cache/prewarm` and
+//! `/v1/admin/profile/{start,stop}` are served by the `prewarm` and `profile` modules.
 
 mod anthropic;
 mod durable;
 mod http;
 mod metrics;
 mod prewarm;
+mod profile;
 mod relay;
 mod taps;
 pub mod transport;
@@ -140,6 +142,7 @@ pub(crate) struct Inner {
     pub(crate) metrics_sources: Mutex<Vec<Arc<dyn MetricsSource>>>,
     pub(crate) restore: Mutex<durable::RestoreState>,
     pub(crate) prefetch: Mutex<Option<Arc<dyn KvPrefetch>>>,
+    pub(crate) profiling: std::sync::atomic::AtomicBool,
 }
 
 /// A cheap, cloneable handle on the server's state. See the module docs.
@@ -182,6 +185,7 @@ impl ServerState {
                 metrics_sources: Mutex::new(Vec::new()),
                 restore: Mutex::new(durable::RestoreState::default()),
                 prefetch: Mutex::new(None),
+                profiling: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }

@@ -142,6 +142,7 @@ async fn serve_all(
         _ => KvSource::Zmq,
     };
     let state = ServerState::with_transport(options, tokenizer, transport);
+    state.set_profiling(config.enable_profiling);
     if let Some(path) = &config.kvd_socket_path {
         state.set_prefetch(Arc::new(crate::prewarm::KvdPrefetch::new(path.clone())));
         tracing::info!(socket = %path.display(), "POST /v1/cache/prewarm hints the KV-cache daemon");
