@@ -70,11 +70,11 @@ pub(crate) async fn profile(
             _ => return err(StatusCode::BAD_REQUEST, "the body must be a JSON object"),
         }
     };
-    let field = |name: &str| -> Result<Option<String>, Response> {
+    let field = |name: &str| -> Result<Option<String>, ApiError> {
         match filter.get(name) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) => Ok(Some(s.clone())),
-            Some(_) => Err(err(
+            Some(_) => Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
                 format!("`{name}` must be a string"),
             )),
@@ -82,7 +82,7 @@ pub(crate) async fn profile(
     };
     let (worker_id, model, role) = match (field("worker_id"), field("model"), field("role")) {
         (Ok(w), Ok(m), Ok(r)) => (w, m, r),
-        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e,
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e.into_response(),
     };
     let workers: Vec<WorkerRecord> = st.with_fleet(|f| {
         f.workers()
