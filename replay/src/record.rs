@@ -9,12 +9,14 @@
 //!   `arrival_us` and `finish_us` are microseconds since the Unix epoch (the router's clock), so
 //!   segments of successive server runs concatenate in order; `block_hashes` are the router's
 //!   chained hashes of the prompt's complete blocks at the chosen worker's block size. Prompt
-//!   tokens are never recorded.
+//!   tokens are recorded only when the server asks for them (`--record-prompts`).
 //! - `DIR/events/events-<session>-<n>.parquet`: every other event of the log in the same window
 //!   (worker registrations, draining, deregistrations, KV blocks stored / removed / cleared):
 //!   `seq`, `ts_us`, `type`, `source_worker`, `source_dp_rank`, `source_seq` and `event` (the
 //!   event's JSON, as the event log stores it), for analytics; `infera replay` reads only the
 //!   request segments.
+//! - `session_id` and, with `--record-prompts`, `token_ids` come from [`Recorder::note_request`]
+//!   (the server's request-metadata tap), not from the events.
 //!
 //! `<session>` is the recorder's start time (20 zero-padded digits of Unix µs) and `<n>` counts
 //! segments, so file-name order is time order across restarts.
@@ -118,6 +120,9 @@ struct Row {
     attempts: u32,
 }
 
+/// A request's session id and prompt token ids, and when they were noted.
+type Meta = (Option<String>, Option<Vec<u32>>, u64);
+
 /// One non-request event, ready for an event file.
 #[derive(Debug)]
 struct EventRow {
@@ -146,6 +151,9 @@ pub struct Recorder {
     written_upto_us: u64,
     stats: RecorderStats,
     errors: Vec<TraceError>,
+    /// What the events do not carry, by client request id: session id and prompt token ids,
+    /// with when it was noted.
+    metas: HashMap<String, Meta>,
 }
 
 /// The client request an attempt id belongs to: `<id>#<n>` → `<id>`.
@@ -157,6 +165,19 @@ fn base_id(attempt: &str) -> &str {
             attempt
         }
     })
+}
+
+/// Puts a request's session and prompt on its row (a prompt whose length does not match the
+/// routed prompt is left out: the trace's invariants hold over what the router saw).
+fn attach(req: &mut TraceRequest, session_id: Option<String>, token_ids: Option<Vec<u32>>) {
+    if session_id.is_some() {
+        req.session_id = session_id;
+    }
+    if let Some(tokens) = token_ids
+        && tokens.len() as u64 == u64::from(req.input_length)
+    {
+        req.token_ids = Some(tokens);
+    }
 }
 
 fn status_str(s: RequestStatus) -> &'static str {
@@ -195,6 +216,7 @@ impl Recorder {
             written_upto_us: 0,
             stats: RecorderStats::default(),
             errors: Vec::new(),
+            metas: HashMap::new(),
         })
     }
 
@@ -212,6 +234,27 @@ impl Recorder {
     /// Requests routed and not finished.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
+    }
+
+    /// Takes what the events do not say about request `request_id`: its session and (when the
+    /// server records prompts) its token ids. It may arrive before or after the request's events.
+    pub fn note_request(
+        &mut self,
+        request_id: String,
+        session_id: Option<String>,
+        token_ids: Option<Vec<u32>>,
+        now_us: u64,
+    ) {
+        if let Some(row) = self
+            .rows
+            .iter_mut()
+            .find(|r| r.request.request_id == request_id)
+        {
+            attach(&mut row.request, session_id, token_ids);
+            return;
+        }
+        self.metas
+            .insert(request_id, (session_id, token_ids, now_us));
     }
 
     /// Takes one committed event.
@@ -289,7 +332,10 @@ impl Recorder {
         }
     }
 
-    fn push_row(&mut self, row: Row, now_us: u64) {
+    fn push_row(&mut self, mut row: Row, now_us: u64) {
+        if let Some((session, tokens, _)) = self.metas.remove(&row.request.request_id) {
+            attach(&mut row.request, session, tokens);
+        }
         if row.request.arrival_us < self.written_upto_us {
             self.stats.rows_late += 1;
             return;
@@ -366,6 +412,8 @@ impl Recorder {
             self.push_row(row, now_us);
         }
         let horizon = now_us.saturating_sub(self.opts.max_in_flight_us);
+        // Metadata of requests that never finished (or were not recordable) is let go.
+        self.metas.retain(|_, (_, _, at)| *at >= horizon);
         let watermark = if all {
             u64::MAX
         } else {

@@ -254,6 +254,23 @@ async fn pipeline(
     } else {
         Vec::new()
     };
+    if let Some(with_tokens) = st.meta_wants_tokens() {
+        let session_id = headers
+            .get("x-session-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .or_else(|| {
+                json.get("session_id")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned)
+            })
+            .filter(|s| !s.is_empty() && s.len() <= 256);
+        st.feed_meta(super::RequestMeta {
+            request_id: id.to_owned(),
+            session_id,
+            token_ids: (with_tokens && needs_prefix).then(|| tokens.clone()),
+        });
+    }
     let req = RouteRequest {
         request_id: RequestId::new(id),
         model,

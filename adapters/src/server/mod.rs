@@ -47,7 +47,7 @@ pub mod transport;
 pub use durable::{COMPACT_EVERY, DurableLog, REPLICA_PREFIX, attach as attach_event_log};
 pub use metrics::ServerMetrics;
 pub use prewarm::{DEFAULT_DEADLINE_MS, KvPrefetch, MAX_KEYS};
-pub use taps::{EventBatch, MetricsSource, write_family};
+pub use taps::{EventBatch, MetricsSource, RequestMeta, write_family};
 pub use transport::{HttpTransport, RequestTransport};
 
 use crate::kv_events::{EngineBatch, IngestStats, to_core_events};
@@ -143,6 +143,7 @@ pub(crate) struct Inner {
     pub(crate) restore: Mutex<durable::RestoreState>,
     pub(crate) prefetch: Mutex<Option<Arc<dyn KvPrefetch>>>,
     pub(crate) profiling: std::sync::atomic::AtomicBool,
+    pub(crate) meta_tap: Mutex<Option<taps::MetaTap>>,
 }
 
 /// A cheap, cloneable handle on the server's state. See the module docs.
@@ -186,6 +187,7 @@ impl ServerState {
                 restore: Mutex::new(durable::RestoreState::default()),
                 prefetch: Mutex::new(None),
                 profiling: std::sync::atomic::AtomicBool::new(false),
+                meta_tap: Mutex::new(None),
             }),
         }
     }

@@ -18,6 +18,25 @@ use tokio::sync::mpsc;
 /// A batch of committed events, shared by every tap.
 pub type EventBatch = Arc<[Envelope]>;
 
+/// What the events do not say about a request, for the trace recorder: its session (header
+/// `x-session-id` or body field `session_id`) and, when asked for, its prompt's token ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestMeta {
+    /// The client request id (attempt ids `<id>#<n>` share it).
+    pub request_id: String,
+    pub session_id: Option<String>,
+    /// Only with [`ServerState::tap_request_meta`]'s `tokens`, and only for tokenized requests.
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// The open request-metadata tap.
+#[derive(Debug)]
+pub(crate) struct MetaTap {
+    tx: mpsc::Sender<RequestMeta>,
+    pub(crate) tokens: bool,
+    counters: Arc<TapCounters>,
+}
+
 /// One open tap, as the core sees it.
 #[derive(Debug)]
 pub(crate) struct Tap {
@@ -104,8 +123,55 @@ impl ServerState {
         rx
     }
 
+    /// Opens the request-metadata tap (one per server; a second call replaces the first), with
+    /// prompt token ids when `tokens`. Same rules as [`ServerState::tap`]: never waited for,
+    /// drops counted under `tap="request-meta"`.
+    pub fn tap_request_meta(&self, capacity: usize, tokens: bool) -> mpsc::Receiver<RequestMeta> {
+        let (tx, rx) = mpsc::channel(capacity.max(1));
+        let counters = Arc::new(TapCounters::default());
+        self.inner
+            .tap_counters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(("request-meta", counters.clone()));
+        *self.meta_tap() = Some(MetaTap {
+            tx,
+            tokens,
+            counters,
+        });
+        rx
+    }
+
+    fn meta_tap(&self) -> std::sync::MutexGuard<'_, Option<MetaTap>> {
+        self.inner
+            .meta_tap
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether a metadata tap wants token ids.
+    pub(crate) fn meta_wants_tokens(&self) -> Option<bool> {
+        self.meta_tap().as_ref().map(|t| t.tokens)
+    }
+
+    /// Offers one request's metadata to the metadata tap, without waiting.
+    pub(crate) fn feed_meta(&self, meta: RequestMeta) {
+        let mut slot = self.meta_tap();
+        let Some(tap) = slot.as_ref() else { return };
+        match tap.tx.try_send(meta) {
+            Ok(()) => {
+                tap.counters.delivered.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                tap.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => *slot = None,
+        }
+    }
+
     /// Ends every tap's stream; later commits reach no tap.
     pub fn close_taps(&self) {
+        *self.meta_tap() = None;
         let closed = std::mem::take(&mut self.lock().taps);
         for tap in closed {
             tracing::debug!(tap = tap.name, "event tap closed");

@@ -1,5 +1,6 @@
-//! `infera server --record-trace DIR`: the server's committed events, through a tap
-//! ([`ServerState::tap`]), into the trace recorder ([`infera_replay::record`]) on a thread of its
+//! `infera server --record-trace DIR`: the server's committed events and each request's session
+//! (and prompt, with `--record-prompts`), through taps ([`ServerState::tap`],
+//! [`ServerState::tap_request_meta`]), into the trace recorder ([`infera_replay::record`]) on a thread of its
 //! own, so Parquet encoding and disk writes never run on the request path. The recorder's
 //! counters are exported on `/metrics` as `infera_trace_*`; events the tap could not queue are
 //! `infera_event_tap_dropped_events_total{tap="trace"}`.
@@ -96,6 +97,7 @@ impl Recording {
         let exported = Arc::new(Exported::default());
         state.add_metrics(exported.clone());
         let mut rx = state.tap("trace", TAP_CAPACITY);
+        let mut metas = state.tap_request_meta(TAP_CAPACITY, config.prompts);
         let runtime = tokio::runtime::Handle::current();
         let dir = config.dir.clone();
         let thread = std::thread::Builder::new()
@@ -108,14 +110,33 @@ impl Recording {
                     *exported.0.lock().unwrap_or_else(PoisonError::into_inner) = rec.stats();
                     exported.1.store(rec.in_flight() as u64, Ordering::Relaxed);
                 };
+                enum Next {
+                    Events(infera_adapters::server::EventBatch),
+                    Meta(Option<infera_adapters::server::RequestMeta>),
+                    Closed,
+                    Tick,
+                }
+                let mut metas_open = true;
                 loop {
                     // The timer must be created inside the runtime's context.
-                    let next =
-                        runtime.block_on(async { tokio::time::timeout(TICK, rx.recv()).await });
+                    let next = runtime.block_on(async {
+                        tokio::select! {
+                            batch = rx.recv() => batch.map_or(Next::Closed, Next::Events),
+                            meta = metas.recv(), if metas_open => Next::Meta(meta),
+                            () = tokio::time::sleep(TICK) => Next::Tick,
+                        }
+                    });
                     match next {
-                        Ok(Some(batch)) => batch.iter().for_each(|e| recorder.feed(e)),
-                        Ok(None) => break,
-                        Err(_elapsed) => {}
+                        Next::Events(batch) => batch.iter().for_each(|e| recorder.feed(e)),
+                        Next::Meta(Some(m)) => recorder.note_request(
+                            m.request_id,
+                            m.session_id,
+                            m.token_ids,
+                            clock.now_us(),
+                        ),
+                        Next::Meta(None) => metas_open = false,
+                        Next::Closed => break,
+                        Next::Tick => {}
                     }
                     recorder.tick(clock.now_us());
                     publish(&mut recorder);

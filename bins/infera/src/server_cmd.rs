@@ -20,16 +20,15 @@
 //! subscriber tasks by the discovery task, which cancels and joins them when their worker
 //! deregisters, re-registers with another endpoint, or at shutdown.
 //!
-//! # This build
-//! `--record-prompts` is not built; it stops startup with one line. A durable `--event-log`
-//! is attached through [`infera_adapters::server::attach_event_log`]; `--record-trace DIR`
-//! records through [`crate::record`].
+//! # Durability and recording
+//! A durable `--event-log` is attached through [`infera_adapters::server::attach_event_log`];
+//! `--record-trace DIR` (and `--record-prompts`) records through [`crate::record`].
 
 use crate::config::server::{RouterMode, RouterPolicy};
 use crate::config::{KvEventTransport, RequestTransport, ServerConfig};
 use crate::record::Recording;
 use crate::signals::Signals;
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 use infera_adapters::server::{
     DurableLog, HttpTransport, RequestTransport as Transport, ServerOptions, ServerState,
     attach_event_log, serve,
@@ -53,23 +52,12 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-/// Refuses, in one line, what this build cannot run yet.
-fn check_supported(config: &ServerConfig) -> anyhow::Result<()> {
-    let not_yet =
-        |what: String| -> anyhow::Result<()> { bail!("{what} is not available in this build yet") };
-    if config.record_trace.as_ref().is_some_and(|r| r.prompts) {
-        return not_yet("--record-prompts (traces record block hashes, not prompts)".to_owned());
-    }
-    Ok(())
-}
-
 /// Runs the server until SIGTERM or Ctrl-C.
 ///
 /// # Errors
 /// An unsupported option, a tokenizer or chat template that does not load, an address that
 /// cannot be bound, or etcd unreachable at startup.
 pub fn run(config: ServerConfig) -> anyhow::Result<()> {
-    check_supported(&config)?;
     let tokenizer = Tokenizer::from_path(&config.router.tokenizer_path).with_context(|| {
         format!(
             "cannot load the router tokenizer from {}",

@@ -274,6 +274,7 @@ async fn the_server_records_a_trace_that_replay_reads() {
             dir.to_str().unwrap(),
             "--record-segment-age",
             "1s",
+            "--record-prompts",
         ],
     );
     eventually("both workers to be discovered", || {
@@ -290,7 +291,9 @@ async fn the_server_records_a_trace_that_replay_reads() {
     };
     for round in 0..2 {
         for topic in 0..3 {
-            let req = json!({"model": tok, "prompt": prompt(topic), "max_tokens": 3}).to_string();
+            let req = json!({"model": tok, "prompt": prompt(topic), "max_tokens": 3,
+                "session_id": format!("conversation-{topic}")})
+            .to_string();
             let (status, body) = http(server_port, "POST", "/v1/completions", &req).unwrap();
             assert_eq!(status, 200, "round {round}: {body}");
         }
@@ -316,7 +319,20 @@ async fn the_server_records_a_trace_that_replay_reads() {
     assert!(trace.requests.iter().all(|r| r.block_size == 16
         && r.block_hashes.len() == (r.input_length / 16) as usize
         && r.output_length == 3
-        && r.token_ids.is_none()));
+        && r.token_ids.as_ref().map(Vec::len) == Some(r.input_length as usize)));
+    let sessions: Vec<Option<&str>> = trace
+        .requests
+        .iter()
+        .map(|r| r.session_id.as_deref())
+        .collect();
+    assert_eq!(
+        sessions[..3],
+        [
+            Some("conversation-0"),
+            Some("conversation-1"),
+            Some("conversation-2")
+        ]
+    );
     for topic in 0..3 {
         assert_eq!(
             trace.requests[topic].block_hashes,

@@ -309,3 +309,32 @@ fn a_segment_that_cannot_be_written_is_counted_and_loses_nothing_else() {
     assert_eq!(stats.rows_written, 1);
     assert_eq!(rig.ids(), ["b"]);
 }
+
+#[test]
+fn sessions_and_prompts_join_their_rows_whenever_they_arrive() {
+    let mut rig = Rig::new(|_| {});
+    rig.rec
+        .note_request("early".into(), Some("s1".into()), Some(vec![7; 32]), 5);
+    rig.feed(10, routed("early", "w1", 10, 32));
+    rig.feed(20, finished("early", RequestStatus::Ok));
+    rig.feed(30, routed("late", "w1", 30, 16));
+    rig.feed(40, finished("late", RequestStatus::Ok));
+    rig.rec
+        .note_request("late".into(), Some("s2".into()), None, 45);
+    // A prompt that does not match the routed length is left out.
+    rig.feed(50, routed("odd", "w1", 50, 16));
+    rig.rec
+        .note_request("odd".into(), None, Some(vec![1, 2, 3]), 50);
+    rig.feed(60, finished("odd", RequestStatus::Ok));
+    rig.rec.finish(100);
+    let trace = load(&rig.path(), &LoadOptions::default()).expect("load");
+    let got: Vec<(Option<&str>, Option<usize>)> = trace
+        .requests
+        .iter()
+        .map(|r| (r.session_id.as_deref(), r.token_ids.as_ref().map(Vec::len)))
+        .collect();
+    assert_eq!(
+        got,
+        [(Some("s1"), Some(32)), (Some("s2"), None), (None, None)]
+    );
+}
