@@ -303,7 +303,28 @@ impl ServerState {
         }
         tracing::info!(worker = %record.worker_id.as_str(), batches = r.events.len(),
             "KV index restored from the durable event log");
-        r.events.into_iter().map(NewEvent::new).collect()
+        // Each restored batch carries its rank's last logged engine seq, so the log keeps it
+        // and a later restart can check continuity again.
+        r.events
+            .into_iter()
+            .map(|event| {
+                let rank = match &event {
+                    Event::KvBlocksStored(s) => Some(s.worker.clone()),
+                    _ => None,
+                };
+                match rank.and_then(|rank| {
+                    let seq = r.last_seq.get(&rank.dp_rank).copied()?;
+                    Some(Source {
+                        worker: rank.worker,
+                        dp_rank: rank.dp_rank,
+                        seq: Some(seq),
+                    })
+                }) {
+                    Some(source) => NewEvent::from_source(source, event),
+                    None => NewEvent::new(event),
+                }
+            })
+            .collect()
     }
 
     /// Whether `rank`'s restored index must be cleared before a batch with engine sequence
@@ -592,6 +613,27 @@ mod tests {
         // The check runs once: later batches are ordinary.
         st.ingest_kv_batch(&WorkerRank::new("steady", 0), Some(20), &empty_batch());
         assert_eq!(blocks(&st, "steady"), 3);
+        // What the restore re-commits keeps the logged seq: a log folded from this server's
+        // own commits expects the same continuation.
+        let again = MemoryLog::new(Arc::new(SystemClock));
+        let local = st.lock().log.clone();
+        let envs = local.read(1, usize::MAX).await.expect("local log");
+        again
+            .append(
+                envs.iter()
+                    .map(|e| NewEvent {
+                        source: e.source.clone(),
+                        event: e.event.clone(),
+                    })
+                    .collect(),
+            )
+            .await
+            .expect("append");
+        let (restored, _) = restore(&again).await.expect("restore");
+        assert_eq!(
+            restored[&WorkerId::new("steady")].last_seq.get(&0),
+            Some(&5)
+        );
         // A worker restored once is not restored again after it leaves and returns.
         st.deregister_worker(WorkerId::new("steady"), "gone".into());
         st.register_worker(record("steady"));
