@@ -19,6 +19,10 @@
 //!   error) publishes its inbox on `infera.cancel.<token>`.
 //! - Failover: no subscriber on the subject (the broker's no-responders status) or an `error`
 //!   reply before any data is [`TransportError::Unreachable`], retried on another worker.
+//! - Broker restarts: a request sent while the broker is away waits in the client's buffer and
+//!   goes out on the reconnect; if its worker has not resubscribed yet, it is re-sent every
+//!   200 ms for up to 6 s before it counts as unreachable, so it is not lost to the race
+//!   between the two reconnects.
 //!
 //! Cancels are published by one task owned by the transport; it ends when the transport is
 //! dropped. A cancel that finds its queue full is logged and dropped.
@@ -53,6 +57,11 @@ pub struct NatsRequestConfig {
 
 /// Cancels waiting to be published.
 const CANCEL_QUEUE: usize = 4096;
+/// How long a request published while the broker was away is re-sent to a worker that has no
+/// subscription yet (it reconnects with its own backoff, up to 4 s).
+const REDELIVERY_WINDOW: Duration = Duration::from_secs(6);
+/// The pause between those re-sends.
+const REDELIVERY_STEP: Duration = Duration::from_millis(200);
 
 /// The NATS request transport. See the module docs.
 #[derive(Debug)]
@@ -145,7 +154,7 @@ impl RequestTransport for NatsTransport {
             .subscribe(inbox.clone())
             .await
             .map_err(|e| TransportError::Unreachable(format!("nats subscribe failed: {e}")))?;
-        let payload = encode_request(
+        let payload = Bytes::from(encode_request(
             req.path,
             req.stream,
             &[
@@ -153,9 +162,15 @@ impl RequestTransport for NatsTransport {
                 ("x-infera-request-id", &req.request_id),
             ],
             &req.body,
-        );
-        self.client
-            .publish_with_reply(subject.clone(), inbox.clone(), Bytes::from(payload))
+        ));
+        // Published while the broker is away, the request waits in the client's buffer and
+        // goes out on the reconnect, possibly before the worker has resubscribed.
+        let offline = self.client.connection_state() != async_nats::connection::State::Connected;
+        let publish = || {
+            self.client
+                .publish_with_reply(subject.clone(), inbox.clone(), payload.clone())
+        };
+        publish()
             .await
             .map_err(|e| TransportError::Unreachable(format!("nats publish failed: {e}")))?;
         let mut reply = Reply {
@@ -167,11 +182,27 @@ impl RequestTransport for NatsTransport {
             cancel: CancelOnDrop {
                 tx: self.cancels.clone(),
                 subject: Some(cancel_subject(worker)),
-                inbox,
+                inbox: inbox.clone(),
             },
             _permit: permit,
         };
-        let first = match reply.next().await {
+        let redeliver_until = offline.then(|| Instant::now() + REDELIVERY_WINDOW);
+        let first = loop {
+            match reply.next().await {
+                // No subscriber yet after a reconnect: give the worker time to resubscribe.
+                Err(TransportError::Unreachable(_))
+                    if redeliver_until.is_some_and(|t| Instant::now() < t) =>
+                {
+                    tokio::time::sleep(REDELIVERY_STEP).await;
+                    reply.cancel.subject = Some(cancel_subject(worker));
+                    publish().await.map_err(|e| {
+                        TransportError::Unreachable(format!("nats publish failed: {e}"))
+                    })?;
+                }
+                other => break other,
+            }
+        };
+        let first = match first {
             Ok(first) => first,
             Err(TransportError::Failed(e)) => {
                 return Err(TransportError::Unreachable(format!(

@@ -500,6 +500,18 @@ async fn routing_resumes_after_a_nats_server_restart() {
         let (status, body) = post(server_port, req(i)).await;
         assert_eq!(status, 200, "{body}");
     }
+    // A request that arrives while the broker is down waits for it and is not lost.
+    nats.stop();
+    let picks = metric(server_port, "infera_router_picks_total");
+    let waiting = tokio::spawn(post(server_port, req(100)));
+    eventually(
+        "the request to be routed (and held by the transport)",
+        || metric(server_port, "infera_router_picks_total") > picks,
+    );
+    nats.restart().await.expect("nats-server starts again");
+    let (status, body) = waiting.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+
     // KV events flow again too: a new prompt's blocks reach the index.
     let before: u64 = cached_blocks(server_port).iter().map(|(_, n)| n).sum();
     let (status, body) = post(
