@@ -242,6 +242,10 @@ async fn run(client: async_nats::Client, config: ResponderConfig, subs: Subs, to
         t.cancel();
     }
     while tasks.join_next().await.is_some() {}
+    // Replies are buffered by the client: send them before the worker process may exit.
+    if let Err(e) = client.flush().await {
+        tracing::warn!(error = %e, "cannot flush the last nats replies");
+    }
     unsubscribed.cancel();
 }
 
