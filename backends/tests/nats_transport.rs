@@ -123,13 +123,14 @@ async fn requests_round_trip_through_the_responder_to_the_engine() {
     assert_eq!(resp.status, 400);
 
     // A worker that stopped accepting is unreachable: the server fails over.
-    responder.finish(DEADLINE).await;
+    responder.stop_accepting().await;
     let err = transport
         .send(outbound(json!({"model": "m", "prompt": "x"}), false))
         .await
         .unwrap_err();
     assert!(matches!(err, TransportError::Unreachable(_)), "{err:?}");
     assert!(err.retry_elsewhere());
+    timeout(DEADLINE, responder.finish(DEADLINE)).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

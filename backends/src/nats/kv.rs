@@ -91,6 +91,14 @@ impl KvEventPublisher {
             .publish_with_headers(kv_subject(&self.worker_id, dp_rank), headers, payload)
             .await
     }
+
+    /// Sends what the client still buffers (before the worker exits).
+    ///
+    /// # Errors
+    /// The client's flush error (the broker is away).
+    pub async fn flush(&self) -> Result<(), async_nats::client::FlushError> {
+        self.client.flush().await
+    }
 }
 
 /// What a subscription yields, per rank.

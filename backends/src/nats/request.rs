@@ -19,6 +19,10 @@
 //!   error) publishes its inbox on `infera.cancel.<token>`.
 //! - Failover: no subscriber on the subject (the broker's no-responders status) or an `error`
 //!   reply before any data is [`TransportError::Unreachable`], retried on another worker.
+//! - Broker restarts: a request sent while the broker is away waits in the client's buffer and
+//!   goes out on the reconnect; if its worker has not resubscribed yet, it is re-sent every
+//!   200 ms for up to 6 s before it counts as unreachable, so it is not lost to the race
+//!   between the two reconnects.
 //!
 //! Cancels are published by one task owned by the transport; it ends when the transport is
 //! dropped. A cancel that finds its queue full is logged and dropped.
@@ -53,6 +57,11 @@ pub struct NatsRequestConfig {
 
 /// Cancels waiting to be published.
 const CANCEL_QUEUE: usize = 4096;
+/// How long a request published while the broker was away is re-sent to a worker that has no
+/// subscription yet (it reconnects with its own backoff, up to 4 s).
+const REDELIVERY_WINDOW: Duration = Duration::from_secs(6);
+/// The pause between those re-sends.
+const REDELIVERY_STEP: Duration = Duration::from_millis(200);
 
 /// The NATS request transport. See the module docs.
 #[derive(Debug)]
@@ -145,7 +154,7 @@ impl RequestTransport for NatsTransport {
             .subscribe(inbox.clone())
             .await
             .map_err(|e| TransportError::Unreachable(format!("nats subscribe failed: {e}")))?;
-        let payload = encode_request(
+        let payload = Bytes::from(encode_request(
             req.path,
             req.stream,
             &[
@@ -153,9 +162,15 @@ impl RequestTransport for NatsTransport {
                 ("x-infera-request-id", &req.request_id),
             ],
             &req.body,
-        );
-        self.client
-            .publish_with_reply(subject.clone(), inbox.clone(), Bytes::from(payload))
+        ));
+        // Published while the broker is away, the request waits in the client's buffer and
+        // goes out on the reconnect, possibly before the worker has resubscribed.
+        let offline = self.client.connection_state() != async_nats::connection::State::Connected;
+        let publish = || {
+            self.client
+                .publish_with_reply(subject.clone(), inbox.clone(), payload.clone())
+        };
+        publish()
             .await
             .map_err(|e| TransportError::Unreachable(format!("nats publish failed: {e}")))?;
         let mut reply = Reply {
@@ -167,11 +182,27 @@ impl RequestTransport for NatsTransport {
             cancel: CancelOnDrop {
                 tx: self.cancels.clone(),
                 subject: Some(cancel_subject(worker)),
-                inbox,
+                inbox: inbox.clone(),
             },
             _permit: permit,
         };
-        let first = match reply.next().await {
+        let redeliver_until = offline.then(|| Instant::now() + REDELIVERY_WINDOW);
+        let first = loop {
+            match reply.next().await {
+                // No subscriber yet after a reconnect: give the worker time to resubscribe.
+                Err(TransportError::Unreachable(_))
+                    if redeliver_until.is_some_and(|t| Instant::now() < t) =>
+                {
+                    tokio::time::sleep(REDELIVERY_STEP).await;
+                    reply.cancel.subject = Some(cancel_subject(worker));
+                    publish().await.map_err(|e| {
+                        TransportError::Unreachable(format!("nats publish failed: {e}"))
+                    })?;
+                }
+                other => break other,
+            }
+        };
+        let first = match first {
             Ok(first) => first,
             Err(TransportError::Failed(e)) => {
                 return Err(TransportError::Unreachable(format!(
@@ -241,9 +272,59 @@ impl Drop for CancelOnDrop {
     }
 }
 
+#[derive(Debug, PartialEq)]
 enum Chunk {
     Data(Bytes),
     Done(axum::http::StatusCode),
+}
+
+/// Reads one reply message of `worker`: its `rs-seq` (checked against `next_seq`, which it
+/// advances), `rs-type` and `rs-status`. A missing `rs-type` is `data` and a missing or invalid
+/// `rs-status` is 200, as the Python Infera reads them; a missing `rs-seq` is not checked.
+fn parse_reply(
+    msg: &async_nats::Message,
+    next_seq: &mut u64,
+    worker: &str,
+) -> Result<Chunk, TransportError> {
+    if msg.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+        return Err(TransportError::Unreachable(format!(
+            "worker {worker} is not subscribed to {}",
+            request_subject(worker)
+        )));
+    }
+    let header = |name: &str| {
+        msg.headers
+            .as_ref()
+            .and_then(|h| h.get(name))
+            .map(|v| v.as_str().to_owned())
+    };
+    if let Some(seq) = header(HDR_SEQ) {
+        let expected = *next_seq;
+        match seq.trim().parse::<u64>() {
+            Ok(n) if n == expected => *next_seq += 1,
+            _ => {
+                return Err(TransportError::Sequence(format!(
+                    "worker {worker} sent reply {seq:?} where {expected} was due; a chunk was \
+                     lost or reordered, so the rest of the reply is dropped"
+                )));
+            }
+        }
+    }
+    match header(HDR_TYPE).as_deref().unwrap_or(TYPE_DATA) {
+        TYPE_DATA => Ok(Chunk::Data(msg.payload.clone())),
+        TYPE_DONE => Ok(Chunk::Done(
+            header(HDR_STATUS)
+                .and_then(|s| s.trim().parse::<u16>().ok())
+                .and_then(|s| axum::http::StatusCode::from_u16(s).ok())
+                .unwrap_or(axum::http::StatusCode::OK),
+        )),
+        TYPE_ERROR => Err(TransportError::Failed(
+            String::from_utf8_lossy(&msg.payload).into_owned(),
+        )),
+        other => Err(TransportError::Failed(format!(
+            "worker {worker} sent a reply of unknown {HDR_TYPE} {other:?}"
+        ))),
+    }
 }
 
 /// The replies of one request.
@@ -262,56 +343,18 @@ impl Reply {
     async fn next(&mut self) -> Result<Chunk, TransportError> {
         loop {
             let msg = self.recv().await?;
-            if msg.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+            let parsed = parse_reply(&msg, &mut self.next_seq, self.worker.as_str());
+            if matches!(
+                parsed,
+                Ok(Chunk::Done(_))
+                    | Err(TransportError::Failed(_) | TransportError::Unreachable(_))
+            ) {
+                // The worker is done with it (or never had it): nothing to cancel.
                 self.cancel.disarm();
-                return Err(TransportError::Unreachable(format!(
-                    "worker {} is not subscribed to {}",
-                    self.worker.as_str(),
-                    request_subject(self.worker.as_str())
-                )));
             }
-            let header = |name: &str| {
-                msg.headers
-                    .as_ref()
-                    .and_then(|h| h.get(name))
-                    .map(|v| v.as_str().to_owned())
-            };
-            if let Some(seq) = header(HDR_SEQ) {
-                let expected = self.next_seq;
-                match seq.trim().parse::<u64>() {
-                    Ok(n) if n == expected => self.next_seq += 1,
-                    _ => {
-                        return Err(TransportError::Sequence(format!(
-                            "worker {} sent reply {seq:?} where {expected} was due; a chunk \
-                             was lost or reordered, so the rest of the reply is dropped",
-                            self.worker.as_str()
-                        )));
-                    }
-                }
-            }
-            match header(HDR_TYPE).as_deref().unwrap_or(TYPE_DATA) {
-                TYPE_DATA if msg.payload.is_empty() => {}
-                TYPE_DATA => return Ok(Chunk::Data(msg.payload)),
-                TYPE_DONE => {
-                    self.cancel.disarm();
-                    let status = header(HDR_STATUS)
-                        .and_then(|s| s.trim().parse::<u16>().ok())
-                        .and_then(|s| axum::http::StatusCode::from_u16(s).ok())
-                        .unwrap_or(axum::http::StatusCode::OK);
-                    return Ok(Chunk::Done(status));
-                }
-                TYPE_ERROR => {
-                    self.cancel.disarm();
-                    return Err(TransportError::Failed(
-                        String::from_utf8_lossy(&msg.payload).into_owned(),
-                    ));
-                }
-                other => {
-                    return Err(TransportError::Failed(format!(
-                        "worker {} sent a reply of unknown {HDR_TYPE} {other:?}",
-                        self.worker.as_str()
-                    )));
-                }
+            match parsed {
+                Ok(Chunk::Data(data)) if data.is_empty() => {}
+                other => return other,
             }
         }
     }
@@ -358,5 +401,111 @@ impl Reply {
             }
         })
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(headers: &[(&str, &str)], payload: &str) -> async_nats::Message {
+        let mut map = async_nats::HeaderMap::new();
+        for (k, v) in headers {
+            map.insert(*k, *v);
+        }
+        async_nats::Message {
+            subject: "_INBOX.x".into(),
+            reply: None,
+            payload: Bytes::from(payload.to_owned()),
+            headers: (!headers.is_empty()).then_some(map),
+            status: None,
+            description: None,
+            length: payload.len(),
+        }
+    }
+
+    #[test]
+    fn replies_are_read_in_sequence() {
+        let mut seq = 0;
+        let data = parse_reply(
+            &msg(&[("rs-type", "data"), ("rs-seq", "0")], "a"),
+            &mut seq,
+            "w",
+        );
+        assert_eq!(data.unwrap(), Chunk::Data(Bytes::from_static(b"a")));
+        let done = parse_reply(
+            &msg(
+                &[("rs-type", "done"), ("rs-seq", "1"), ("rs-status", "429")],
+                "",
+            ),
+            &mut seq,
+            "w",
+        );
+        assert_eq!(
+            done.unwrap(),
+            Chunk::Done(axum::http::StatusCode::TOO_MANY_REQUESTS)
+        );
+        assert_eq!(seq, 2);
+    }
+
+    #[test]
+    fn a_skipped_repeated_or_garbled_seq_is_a_sequence_error() {
+        for (next, header) in [(0, "1"), (3, "2"), (1, "one"), (0, "-1"), (0, "")] {
+            let mut seq = next;
+            let err = parse_reply(
+                &msg(&[("rs-type", "data"), ("rs-seq", header)], "x"),
+                &mut seq,
+                "w",
+            )
+            .unwrap_err();
+            assert!(
+                matches!(err, TransportError::Sequence(_)),
+                "{header}: {err:?}"
+            );
+            assert_eq!(err.status(), 502);
+        }
+    }
+
+    #[test]
+    fn python_replies_without_our_headers_are_accepted() {
+        let mut seq = 0;
+        // No headers at all: a data chunk; a done without a status: 200; a bad status: 200.
+        assert_eq!(
+            parse_reply(&msg(&[], "raw"), &mut seq, "w").unwrap(),
+            Chunk::Data(Bytes::from_static(b"raw"))
+        );
+        assert_eq!(
+            parse_reply(&msg(&[("rs-type", "done")], ""), &mut seq, "w").unwrap(),
+            Chunk::Done(axum::http::StatusCode::OK)
+        );
+        assert_eq!(
+            parse_reply(
+                &msg(&[("rs-type", "done"), ("rs-status", "abc")], ""),
+                &mut seq,
+                "w"
+            )
+            .unwrap(),
+            Chunk::Done(axum::http::StatusCode::OK)
+        );
+        assert_eq!(seq, 0);
+    }
+
+    #[test]
+    fn errors_unknown_types_and_no_responders_are_told_apart() {
+        let mut seq = 0;
+        let err = parse_reply(&msg(&[("rs-type", "error")], "engine down"), &mut seq, "w");
+        assert_eq!(
+            err.unwrap_err(),
+            TransportError::Failed("engine down".to_owned())
+        );
+        let err = parse_reply(&msg(&[("rs-type", "bogus")], ""), &mut seq, "w").unwrap_err();
+        assert!(
+            matches!(err, TransportError::Failed(ref m) if m.contains("bogus")),
+            "{err:?}"
+        );
+        let mut none = msg(&[], "");
+        none.status = Some(async_nats::StatusCode::NO_RESPONDERS);
+        let err = parse_reply(&none, &mut seq, "w").unwrap_err();
+        assert!(err.retry_elsewhere(), "{err:?}");
     }
 }

@@ -10,8 +10,9 @@
 //!   disconnect and stops generating); nothing more is sent to that inbox.
 //! - `max_duration` bounds each request locally too (a backstop for a lost cancel): past it the
 //!   engine connection is dropped and an `error` reply sent.
-//! - [`NatsResponder::stop_accepting`] unsubscribes from requests (the broker then answers the
-//!   server "no responders", which fails over) while in-flight requests and cancels go on;
+//! - [`NatsResponder::stop_accepting`] unsubscribes from requests and returns once the broker
+//!   has it (the broker then answers the server "no responders", which fails over), while
+//!   in-flight requests and cancels go on;
 //!   [`NatsResponder::finish`] waits for them, bounded, then cancels the rest.
 //!
 //! One task owns the subscriptions and the request tasks (a `JoinSet`), so nothing outlives
@@ -50,6 +51,8 @@ pub struct ResponderConfig {
 #[derive(Debug)]
 pub struct NatsResponder {
     accepting: CancellationToken,
+    /// Cancelled once the broker has the unsubscribe (or the loop ended).
+    unsubscribed: CancellationToken,
     abort: CancellationToken,
     task: Option<JoinHandle<()>>,
 }
@@ -87,25 +90,31 @@ impl NatsResponder {
         tracing::info!(worker = %config.worker_id, subject = %request_subject(&config.worker_id),
             engine = %config.engine_url, "serving nats requests");
         let accepting = CancellationToken::new();
+        let unsubscribed = CancellationToken::new();
         let abort = CancellationToken::new();
         let task = tokio::spawn(run(
             client,
             config,
-            requests,
-            cancels,
-            accepting.clone(),
-            abort.clone(),
+            Subs { requests, cancels },
+            Tokens {
+                accepting: accepting.clone(),
+                unsubscribed: unsubscribed.clone(),
+                abort: abort.clone(),
+            },
         ));
         Ok(Self {
             accepting,
+            unsubscribed,
             abort,
             task: Some(task),
         })
     }
 
-    /// Unsubscribes from new requests; in-flight ones go on.
-    pub fn stop_accepting(&self) {
+    /// Unsubscribes from new requests and returns once the broker has the unsubscribe;
+    /// in-flight requests go on.
+    pub async fn stop_accepting(&self) {
         self.accepting.cancel();
+        self.unsubscribed.cancelled().await;
     }
 
     /// Stops accepting, waits up to `timeout` for in-flight requests, then cancels the rest.
@@ -134,14 +143,27 @@ impl Drop for NatsResponder {
     }
 }
 
-async fn run(
-    client: async_nats::Client,
-    config: ResponderConfig,
-    mut requests: async_nats::Subscriber,
-    mut cancels: async_nats::Subscriber,
+struct Subs {
+    requests: async_nats::Subscriber,
+    cancels: async_nats::Subscriber,
+}
+
+struct Tokens {
     accepting: CancellationToken,
+    unsubscribed: CancellationToken,
     abort: CancellationToken,
-) {
+}
+
+async fn run(client: async_nats::Client, config: ResponderConfig, subs: Subs, tokens: Tokens) {
+    let Subs {
+        mut requests,
+        mut cancels,
+    } = subs;
+    let Tokens {
+        accepting,
+        unsubscribed,
+        abort,
+    } = tokens;
     let http: HttpClient = Client::builder(TokioExecutor::new()).build_http();
     let inflight: Inflight = Arc::default();
     let mut tasks = JoinSet::new();
@@ -154,6 +176,10 @@ async fn run(
                 if let Err(e) = requests.unsubscribe().await {
                     tracing::warn!(error = %e, "cannot unsubscribe from nats requests");
                 }
+                if let Err(e) = client.flush().await {
+                    tracing::warn!(error = %e, "cannot flush the nats unsubscribe");
+                }
+                unsubscribed.cancel();
                 tracing::info!(worker = %config.worker_id, inflight = tasks.len(),
                     "stopped taking nats requests");
                 if tasks.is_empty() {
@@ -164,6 +190,7 @@ async fn run(
                 let Some(msg) = msg else {
                     tracing::error!("the nats request subscription ended");
                     subscribed = false;
+                    unsubscribed.cancel();
                     continue;
                 };
                 let Some(reply) = msg.reply.map(|s| s.to_string()) else {
@@ -215,6 +242,11 @@ async fn run(
         t.cancel();
     }
     while tasks.join_next().await.is_some() {}
+    // Replies are buffered by the client: send them before the worker process may exit.
+    if let Err(e) = client.flush().await {
+        tracing::warn!(error = %e, "cannot flush the last nats replies");
+    }
+    unsubscribed.cancel();
 }
 
 struct Job {

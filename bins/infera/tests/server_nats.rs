@@ -24,14 +24,19 @@ use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// `infera worker mock` with default transports.
+/// `infera worker mock` with default transports, 1000 times faster than real.
 fn mock_worker(tok: &str, etcd: &str, nats: &str, port: u16) -> Proc {
+    mock_worker_at(tok, etcd, nats, port, "1000")
+}
+
+/// `infera worker mock` with default transports at `speedup`.
+fn mock_worker_at(tok: &str, etcd: &str, nats: &str, port: u16, speedup: &str) -> Proc {
     Proc(
         Command::new(env!("CARGO_BIN_EXE_infera"))
             .args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
             .args(["--port", &port.to_string(), "--block-size", "16"])
             .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
-            .args(["--nats-server", nats, "--speedup", "1000"])
+            .args(["--nats-server", nats, "--speedup", speedup])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -495,6 +500,18 @@ async fn routing_resumes_after_a_nats_server_restart() {
         let (status, body) = post(server_port, req(i)).await;
         assert_eq!(status, 200, "{body}");
     }
+    // A request that arrives while the broker is down waits for it and is not lost.
+    nats.stop();
+    let picks = metric(server_port, "infera_router_picks_total");
+    let waiting = tokio::spawn(post(server_port, req(100)));
+    eventually(
+        "the request to be routed (and held by the transport)",
+        || metric(server_port, "infera_router_picks_total") > picks,
+    );
+    nats.restart().await.expect("nats-server starts again");
+    let (status, body) = waiting.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+
     // KV events flow again too: a new prompt's blocks reach the index.
     let before: u64 = cached_blocks(server_port).iter().map(|(_, n)| n).sum();
     let (status, body) = post(
@@ -644,4 +661,51 @@ async fn a_real_engine_worker_serves_over_nats_and_relays_its_zmq_kv_events() {
     eventually("the worker to leave", || {
         get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 0)
     });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_worker_finishes_its_nats_stream_and_takes_nothing_new() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let tok = tokenizer_dir();
+    let worker_port = free_mock_port(&[]);
+    // Real speed: 300 tokens take about two seconds.
+    let mut worker = mock_worker_at(&tok, &etcd.endpoint(), &nats.url(), worker_port, "1");
+    let server_port = free_port();
+    let _server = server(&tok, &etcd.endpoint(), &nats.url(), server_port, &[]);
+    eventually("the worker to be discovered", || {
+        get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 1)
+    });
+    let body = json!({"model": tok, "prompt": "drain", "max_tokens": 300, "stream": true,
+        "ignore_eos": true})
+    .to_string();
+    let mut s = TcpStream::connect(("127.0.0.1", server_port)).unwrap();
+    s.set_read_timeout(Some(common::DEADLINE)).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "closed before the first chunk");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    common::sigterm(&worker.0);
+    // The worker leaves routing at once …
+    eventually("the worker to leave routing", || {
+        get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 0)
+    });
+    // … and its in-flight stream still ends whole.
+    s.read_to_end(&mut seen).unwrap();
+    let text = String::from_utf8_lossy(&seen);
+    assert!(!text.contains("\"error\""), "{text}");
+    assert!(text.contains("data: [DONE]"), "{text}");
+    assert!(text.matches("data: {").count() >= 300, "{text}");
+    let status = worker.0.wait().unwrap();
+    assert!(status.success(), "worker exit: {status:?}");
 }

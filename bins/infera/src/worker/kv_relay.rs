@@ -107,4 +107,7 @@ async fn relay(
         }
     }
     sub.shutdown().await;
+    if let Err(e) = publisher.flush().await {
+        tracing::warn!(dp_rank, error = %e, "cannot flush the last kv events to nats");
+    }
 }

@@ -295,6 +295,9 @@ async fn start_publisher(kv: KvOut) -> anyhow::Result<(mpsc::Sender<EngineBatch>
                         }
                     }
                 }
+                if let Err(e) = publisher.flush().await {
+                    tracing::warn!(error = %e, "cannot flush the last kv events to nats");
+                }
             });
             return Ok((sink, forwarder));
         }

@@ -142,9 +142,9 @@ async fn start_responder(
 }
 
 /// Stops taking NATS requests (the first step of a drain).
-fn stop_accepting(responder: Option<&NatsResponder>) {
+async fn stop_accepting(responder: Option<&NatsResponder>) {
     if let Some(r) = responder {
-        r.stop_accepting();
+        r.stop_accepting().await;
     }
 }
 
@@ -206,7 +206,7 @@ async fn run_mock(
     tokio::select! {
         () = signals.recv() => {
             deregister(registration).await;
-            stop_accepting(responder.as_ref());
+            stop_accepting(responder.as_ref()).await;
             let stopped = running.stop().await;
             finish_responder(responder, config).await;
             stopped
@@ -285,7 +285,7 @@ async fn run_process(
         status = engine.exited() => Some(status),
     };
     deregister(registration).await;
-    stop_accepting(responder.as_ref());
+    stop_accepting(responder.as_ref()).await;
     if let Some(relay) = relay {
         relay.stop().await;
     }
