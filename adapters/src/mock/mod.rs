@@ -24,6 +24,9 @@
 //! per-process random [salt](MockServer::salt), as vLLM's differ per process. This crate does
 //! not know the transport: the binary connects the sink to the ZeroMQ publisher.
 //!
+//! # Connections
+//! Accepted connections set `TCP_NODELAY`, so that every streamed token leaves at once.
+//!
 //! # Shutdown
 //! [`MockServer::serve`] stops accepting when its shutdown future completes, lets in-flight
 //! requests finish for up to [`MockConfig::drain_timeout`], then stops the engine loop (streams
@@ -42,6 +45,7 @@ pub use openai::{DEFAULT_MAX_TOKENS, FILLER, filler};
 
 use crate::kv_events::EngineBatch;
 use crate::tokenize::Tokenizer;
+use axum::serve::ListenerExt as _;
 use infera_core::engine::{EngineConfig, EngineConfigError, EngineModel};
 use std::future::{Future, IntoFuture as _};
 use std::net::SocketAddr;
@@ -268,6 +272,13 @@ impl MockServer {
             }
         };
         let app = http::router(state, max_body_bytes);
+        // Streamed tokens are small writes: without TCP_NODELAY, Nagle's algorithm holds each
+        // one back until the client's (delayed, up to 40 ms) ACK of the previous write.
+        let listener = listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "cannot set TCP_NODELAY on a mock connection");
+            }
+        });
         let server = axum::serve(listener, app).with_graceful_shutdown(signal);
         let bound = async {
             draining.cancelled().await;

@@ -1,4 +1,4 @@
-//! Replay predicts the live fleet: the first 300 requests of the bundled Mooncake trace, ten
+//! Replay predicts the live fleet: the first 300 requests of the bundled Mooncake trace, five
 //! times faster than recorded, through `infera up` (4 mock engines) driven by `infera bench`,
 //! and through the simulator with the same fleet settings. Asserts the targets on hit
 //! rate (within 2 points) and per-worker share (within 5 points); TTFT is printed (a loaded CI
@@ -19,7 +19,7 @@ fn replay_and_live_agree_on_hit_rate_and_share() {
         workers: 4,
         gpu_blocks: 2048,
         block_size: 512,
-        speedup: 10.0,
+        speedup: 5.0,
     };
     let offline = offline(&setup);
     let live = live(env!("CARGO_BIN_EXE_infera"), &setup);

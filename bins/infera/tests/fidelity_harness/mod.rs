@@ -52,8 +52,15 @@ pub struct Side {
     pub ttft_p90_ms: f64,
 }
 
-/// Runs the slice live: `infera up` + `infera bench`, then reads each mock's request count.
-pub fn live(infera: &str, s: &Setup) -> Side {
+/// A running `infera up`: the process, the server's `host:port` and each mock's port.
+pub struct Fleet {
+    pub proc: Proc,
+    pub server: String,
+    pub workers: Vec<u16>,
+}
+
+/// Starts `infera up` with the setup's fleet and waits for its announcement.
+pub fn start_fleet(infera: &str, s: &Setup) -> Fleet {
     let mut up = Command::new(infera);
     up.args(["up", "--port", "0", "--model-name", "mock"])
         .args(["--workers", &s.workers.to_string()])
@@ -87,7 +94,20 @@ pub fn live(infera: &str, s: &Setup) -> Side {
     }
     let server = server.expect("server line");
     assert_eq!(workers.len(), usize::from(s.workers));
+    Fleet {
+        proc: fleet,
+        server,
+        workers,
+    }
+}
 
+/// Runs the slice live: `infera up` + `infera bench`, then reads each mock's request count.
+pub fn live(infera: &str, s: &Setup) -> Side {
+    let Fleet {
+        proc: mut fleet,
+        server,
+        workers,
+    } = start_fleet(infera, s);
     let out = Command::new(infera)
         .arg("bench")
         .arg(&s.trace)
