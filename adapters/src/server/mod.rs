@@ -324,6 +324,14 @@ pub async fn serve<F>(listener: TcpListener, state: ServerState, shutdown: F) ->
 where
     F: Future<Output = ()> + Send + 'static,
 {
+    use axum::serve::ListenerExt as _;
+    // Streamed tokens are small writes: without TCP_NODELAY, Nagle's algorithm holds each one
+    // until the client's delayed ACK (up to 40 ms of TTFT).
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY on an accepted connection");
+        }
+    });
     axum::serve(listener, state.router())
         .with_graceful_shutdown(shutdown)
         .await

@@ -99,7 +99,8 @@ pub(crate) async fn profile(
     if workers.is_empty() {
         return err(StatusCode::NOT_FOUND, "no registered worker matches");
     }
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let client: Client<_, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(super::transport::nodelay_connector());
     let calls = workers.iter().map(|w| {
         let client = client.clone();
         let uri = format!("{}{engine_path}", w.url.trim_end_matches('/'));

@@ -128,9 +128,17 @@ impl HttpTransport {
     /// A transport with its own connection pool.
     pub fn new() -> Self {
         Self {
-            client: Client::builder(TokioExecutor::new()).build_http(),
+            client: Client::builder(TokioExecutor::new()).build(nodelay_connector()),
         }
     }
+}
+
+/// An HTTP connector with `TCP_NODELAY`, so small writes (a request's head and body, streamed
+/// chunks) are not held back by Nagle's algorithm. Every client that talks to engines uses it.
+pub fn nodelay_connector() -> HttpConnector {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector
 }
 
 impl Default for HttpTransport {

@@ -164,7 +164,8 @@ async fn run(client: async_nats::Client, config: ResponderConfig, subs: Subs, to
         unsubscribed,
         abort,
     } = tokens;
-    let http: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let http: HttpClient = Client::builder(TokioExecutor::new())
+        .build(infera_adapters::server::transport::nodelay_connector());
     let inflight: Inflight = Arc::default();
     let mut tasks = JoinSet::new();
     let mut subscribed = true;

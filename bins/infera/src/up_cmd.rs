@@ -175,35 +175,6 @@ fn validate(args: &UpArgs) -> anyhow::Result<PathBuf> {
     }
 }
 
-/// Binds the server's listener with `TCP_NODELAY` set, which the connections it accepts inherit
-/// (Linux): streamed tokens are small writes that Nagle's algorithm would otherwise hold back
-/// until the client's delayed ACK (up to 40 ms, which `infera bench` saw as a TTFT floor).
-async fn bind_nodelay(addr: &str) -> std::io::Result<TcpListener> {
-    let mut last = None;
-    for a in tokio::net::lookup_host(addr).await? {
-        let socket = if a.is_ipv4() {
-            tokio::net::TcpSocket::new_v4()?
-        } else {
-            tokio::net::TcpSocket::new_v6()?
-        };
-        let bound = socket
-            .set_reuseaddr(true)
-            .and_then(|()| socket.set_nodelay(true))
-            .and_then(|()| socket.bind(a))
-            .and_then(|()| socket.listen(1024));
-        match bound {
-            Ok(listener) => return Ok(listener),
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(last.unwrap_or_else(|| {
-        std::io::Error::new(
-            std::io::ErrorKind::NotFound,
-            "the address resolves to nothing",
-        )
-    }))
-}
-
 /// One running mock engine and the task that forwards its KV events to the server.
 struct Worker {
     url: String,
@@ -230,7 +201,7 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
     let state = ServerState::new(options, Arc::clone(&tokenizer));
     let signals = Signals::register()?;
     let addr = socket_addr(&args.host, args.port);
-    let listener = bind_nodelay(&addr)
+    let listener = TcpListener::bind(&addr)
         .await
         .with_context(|| format!("cannot bind the server on {addr}"))?;
     let server_addr = listener.local_addr().context("server address")?;

@@ -232,11 +232,9 @@ async fn drive(
     trace: Arc<Vec<TraceRequest>>,
     planned: Vec<Planned>,
 ) -> Vec<RequestRecord> {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
     let client: HttpClient = Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(30))
-        .build(connector);
+        .build(infera_adapters::server::transport::nodelay_connector());
     let slots = args.max_concurrency.map(|n| Arc::new(Semaphore::new(n)));
     let shape = Arc::new(Shape {
         api: args.api,
