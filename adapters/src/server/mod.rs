@@ -111,21 +111,20 @@ impl Core {
         for env in &envs {
             self.fleet.apply(env);
         }
-        self.feed_taps(&envs);
+        let applied = envs.len();
+        let last = envs.last().map(|e| e.seq);
+        self.feed_taps(envs);
         if self.log.len() >= COMPACT_MIN_EVENTS.max(2 * self.snapshot_events)
-            && let Some(last) = envs.last()
+            && let Some(upto) = last
         {
             let events = self.fleet.dump();
             self.snapshot_events = events.len();
-            let snapshot = Snapshot {
-                upto: last.seq,
-                events,
-            };
+            let snapshot = Snapshot { upto, events };
             if let Err(e) = self.log.compact_sync(snapshot) {
                 tracing::error!(error = %e, "event log compaction failed");
             }
         }
-        envs.len()
+        applied
     }
 }
 

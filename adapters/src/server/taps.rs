@@ -71,13 +71,14 @@ pub fn write_family(out: &mut String, name: &str, kind: &str, help: &str, sample
 }
 
 impl Core {
-    /// Offers a committed batch to every tap, without waiting.
-    pub(crate) fn feed_taps(&mut self, batch: &[Envelope]) {
+    /// Offers a committed batch to every tap, without waiting. The batch is moved into one
+    /// shared allocation, never copied per tap or per event.
+    pub(crate) fn feed_taps(&mut self, batch: Vec<Envelope>) {
         if self.taps.is_empty() || batch.is_empty() {
             return;
         }
-        let shared: EventBatch = Arc::from(batch);
         let n = batch.len() as u64;
+        let shared: EventBatch = Arc::from(batch);
         self.taps
             .retain(|tap| match tap.tx.try_send(shared.clone()) {
                 Ok(()) => {
