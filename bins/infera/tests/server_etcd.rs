@@ -462,42 +462,73 @@ async fn replicas_sharing_a_jetstream_event_log_see_each_others_requests() {
     let tok = tokenizer_dir();
     let tok = tok.as_str();
     let log = format!("{}?stream=REPLICAS&max_bytes=64MiB", nats.url());
-    let worker_port = free_mock_port(&[]);
     // Real-time decoding: a long completion stays in flight while the test looks.
-    let _worker = mock_worker(tok, &etcd.endpoint(), worker_port, &["--speedup", "1"]);
+    let first_port = free_mock_port(&[]);
+    let ports = [first_port, free_mock_port(&[first_port])];
+    let _workers: Vec<Proc> = ports
+        .iter()
+        .map(|p| mock_worker(tok, &etcd.endpoint(), *p, &["--speedup", "1"]))
+        .collect();
     let (a, b) = (free_port(), free_port());
     let _a = server(tok, &etcd.endpoint(), a, &["--event-log", &log]);
     let _b = server(tok, &etcd.endpoint(), b, &["--event-log", &log]);
     for port in [a, b] {
-        eventually("the worker to be discovered", || {
-            get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
+        eventually("both workers to be discovered", || {
+            get_json(port, "/health").is_some_and(|h| h["active_workers"] == 2)
         });
     }
-    let inflight = |port: u16| load_of(port).and_then(|l| l["inflight"].as_u64());
-    assert_eq!(inflight(b), Some(0));
+    // In-flight requests per worker, as the server at `port` counts them.
+    let inflight = |port: u16| -> Vec<u64> {
+        let mut v: Vec<u64> = get_json(port, "/v1/workers")
+            .map(|w| {
+                w["data"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|d| d["load"][0]["inflight"].as_u64().unwrap_or(0))
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(inflight(b), [0, 0]);
+    let open_stream = |port: u16, prompt: &str| {
+        let body = json!({"model": tok, "prompt": prompt, "max_tokens": 100000, "stream": true})
+            .to_string();
+        let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(
+            stream,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut first = [0u8; 256];
+        let n = stream.read(&mut first).unwrap();
+        assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+        stream
+    };
 
-    // A streaming request through replica A...
-    let body = json!({"model": tok, "prompt": "share the load", "max_tokens": 100000,
-        "stream": true})
-    .to_string();
-    let mut stream = TcpStream::connect(("127.0.0.1", a)).unwrap();
-    write!(
-        stream,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut first = [0u8; 256];
-    let n = stream.read(&mut first).unwrap();
-    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
-    // ...is load on replica B too, and leaves it when the client goes away.
-    eventually("B to count A's request", || inflight(b) == Some(1));
-    assert_eq!(inflight(a), Some(1));
-    drop(stream);
-    eventually("B to see it finish", || inflight(b) == Some(0));
+    // A streaming request through replica A is load on replica B too...
+    let one = open_stream(a, "share the load");
+    eventually("B to count A's request", || inflight(b) == [0, 1]);
+    // ...so B sends the next request to the other worker, as one server would, and A counts it.
+    let two = open_stream(b, "a different prompt altogether");
+    eventually("A to count B's request on the other worker", || {
+        inflight(a) == [1, 1]
+    });
+    assert_eq!(inflight(b), [1, 1]);
+    // Both leave every replica's accounting when their clients go away.
+    drop(one);
+    drop(two);
+    for port in [a, b] {
+        eventually("the requests to finish everywhere", || {
+            inflight(port) == [0, 0]
+        });
+    }
     assert!(metric(b, "infera_event_log_peer_events_total") >= Some(2));
-    assert_eq!(metric(a, "infera_event_log_peer_events_total"), Some(0));
+    assert!(metric(a, "infera_event_log_peer_events_total") >= Some(2));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
