@@ -224,6 +224,7 @@ impl ServerState {
     /// A worker left routing.
     pub fn deregister_worker(&self, worker: WorkerId, reason: String) {
         tracing::info!(worker = %worker.as_str(), %reason, "worker deregistered");
+        self.inner.transport.worker_left(&worker);
         self.apply(vec![NewEvent::new(Event::WorkerDeregistered(
             WorkerDeregistered { worker, reason },
         ))]);

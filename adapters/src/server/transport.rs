@@ -114,6 +114,11 @@ pub trait RequestTransport: Send + Sync + std::fmt::Debug {
     /// # Errors
     /// [`TransportError`]; none of them has delivered a byte to the client.
     async fn send(&self, req: Outbound) -> Result<Inbound, TransportError>;
+
+    /// `worker` left the fleet (deregistered: its lease expired, its Pod went away). A
+    /// transport whose replies cannot notice a dead worker by themselves (NATS: no connection
+    /// breaks) ends that worker's requests still in flight now, instead of at a timeout.
+    fn worker_left(&self, _worker: &WorkerId) {}
 }
 
 /// `--request-transport http`: POST to `worker.url + path` with hyper-util's pooled HTTP/1

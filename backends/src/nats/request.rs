@@ -24,6 +24,9 @@
 //!   200 ms for up to 6 s before it counts as unreachable, so it is not lost to the race
 //!   between the two reconnects.
 //!
+//! - A worker that leaves the fleet (deregistered) ends its requests in flight at once with an
+//!   error ([`RequestTransport::worker_left`]): a killed worker breaks no connection here.
+//!
 //! Cancels are published by one task owned by the transport; it ends when the transport is
 //! dropped. A cancel that finds its queue full is logged and dropped.
 
@@ -43,6 +46,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 /// Limits of NATS requests (`--nats-req-*`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -70,6 +74,8 @@ pub struct NatsTransport {
     config: NatsRequestConfig,
     pending: Mutex<HashMap<WorkerId, Arc<AtomicU32>>>,
     cancels: mpsc::Sender<Cancel>,
+    /// Per worker, cancelled when it leaves the fleet ([`RequestTransport::worker_left`]).
+    present: Mutex<HashMap<WorkerId, CancellationToken>>,
 }
 
 #[derive(Debug)]
@@ -99,7 +105,18 @@ impl NatsTransport {
             config,
             pending: Mutex::new(HashMap::new()),
             cancels,
+            present: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The token that `worker`'s departure cancels.
+    fn presence(&self, worker: &WorkerId) -> CancellationToken {
+        self.present
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(worker.clone())
+            .or_default()
+            .clone()
     }
 
     fn admit(&self, worker: &WorkerId) -> Result<Option<Permit>, TransportError> {
@@ -144,6 +161,17 @@ impl RequestTransport for NatsTransport {
         "nats"
     }
 
+    fn worker_left(&self, worker: &WorkerId) {
+        let token = self
+            .present
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(worker);
+        if let Some(token) = token {
+            token.cancel();
+        }
+    }
+
     async fn send(&self, req: Outbound) -> Result<Inbound, TransportError> {
         let permit = self.admit(&req.worker)?;
         let worker = req.worker.as_str();
@@ -175,6 +203,7 @@ impl RequestTransport for NatsTransport {
             .map_err(|e| TransportError::Unreachable(format!("nats publish failed: {e}")))?;
         let mut reply = Reply {
             sub,
+            left: self.presence(&req.worker),
             worker: req.worker.clone(),
             next_seq: 0,
             started: Instant::now(),
@@ -330,6 +359,8 @@ fn parse_reply(
 /// The replies of one request.
 struct Reply {
     sub: async_nats::Subscriber,
+    /// Cancelled when the worker leaves the fleet.
+    left: CancellationToken,
     worker: WorkerId,
     next_seq: u64,
     started: Instant,
@@ -367,26 +398,41 @@ impl Reply {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        let msg = match deadline {
-            None => self.sub.next().await,
-            Some(at) => match tokio::time::timeout_at(at, self.sub.next()).await {
-                Ok(msg) => msg,
-                Err(_) => {
-                    let why = match (total, self.config.max_duration) {
-                        (Some(t), Some(d)) if t <= at => {
-                            format!("the request ran past --nats-req-max-duration ({d:?})")
-                        }
-                        _ => format!(
-                            "no reply for --nats-req-idle-timeout ({:?})",
-                            self.config.idle_timeout.unwrap_or_default()
-                        ),
-                    };
-                    return Err(TransportError::Timeout(format!(
-                        "worker {}: {why}; the worker was told to cancel",
-                        self.worker.as_str()
-                    )));
-                }
-            },
+        let left = self.left.clone();
+        let next = async {
+            tokio::select! {
+                msg = self.sub.next() => Ok(msg),
+                () = left.cancelled() => Err(()),
+            }
+        };
+        let next = match deadline {
+            None => Ok(next.await),
+            Some(at) => tokio::time::timeout_at(at, next).await,
+        };
+        let msg = match next {
+            Ok(Ok(msg)) => msg,
+            Ok(Err(())) => {
+                return Err(TransportError::Failed(format!(
+                    "worker {} left the fleet with the request in flight",
+                    self.worker.as_str()
+                )));
+            }
+            Err(_) => {
+                let at = deadline.unwrap_or_else(Instant::now);
+                let why = match (total, self.config.max_duration) {
+                    (Some(t), Some(d)) if t <= at => {
+                        format!("the request ran past --nats-req-max-duration ({d:?})")
+                    }
+                    _ => format!(
+                        "no reply for --nats-req-idle-timeout ({:?})",
+                        self.config.idle_timeout.unwrap_or_default()
+                    ),
+                };
+                return Err(TransportError::Timeout(format!(
+                    "worker {}: {why}; the worker was told to cancel",
+                    self.worker.as_str()
+                )));
+            }
         };
         msg.ok_or_else(|| TransportError::Failed("the nats reply subscription closed".to_owned()))
     }

@@ -26,17 +26,18 @@ use std::time::{Duration, Instant};
 
 /// `infera worker mock` with default transports, 1000 times faster than real.
 fn mock_worker(tok: &str, etcd: &str, nats: &str, port: u16) -> Proc {
-    mock_worker_at(tok, etcd, nats, port, "1000")
+    mock_worker_at(tok, etcd, nats, port, &["--speedup", "1000"])
 }
 
-/// `infera worker mock` with default transports at `speedup`.
-fn mock_worker_at(tok: &str, etcd: &str, nats: &str, port: u16, speedup: &str) -> Proc {
+/// `infera worker mock` with default transports and `extra` flags (e.g. `--speedup`).
+fn mock_worker_at(tok: &str, etcd: &str, nats: &str, port: u16, extra: &[&str]) -> Proc {
     Proc(
         Command::new(env!("CARGO_BIN_EXE_infera"))
             .args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
             .args(["--port", &port.to_string(), "--block-size", "16"])
             .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
-            .args(["--nats-server", nats, "--speedup", speedup])
+            .args(["--nats-server", nats])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -670,7 +671,13 @@ async fn a_draining_worker_finishes_its_nats_stream_and_takes_nothing_new() {
     let tok = tokenizer_dir();
     let worker_port = free_mock_port(&[]);
     // Real speed: 300 tokens take about two seconds.
-    let mut worker = mock_worker_at(&tok, &etcd.endpoint(), &nats.url(), worker_port, "1");
+    let mut worker = mock_worker_at(
+        &tok,
+        &etcd.endpoint(),
+        &nats.url(),
+        worker_port,
+        &["--speedup", "1"],
+    );
     let server_port = free_port();
     let _server = server(&tok, &etcd.endpoint(), &nats.url(), server_port, &[]);
     eventually("the worker to be discovered", || {
@@ -708,4 +715,62 @@ async fn a_draining_worker_finishes_its_nats_stream_and_takes_nothing_new() {
     assert!(text.matches("data: {").count() >= 300, "{text}");
     let status = worker.0.wait().unwrap();
     assert!(status.success(), "worker exit: {status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_ends_its_nats_stream_with_an_error_when_its_lease_expires() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let tok = tokenizer_dir();
+    let worker_port = free_mock_port(&[]);
+    let mut worker = mock_worker_at(
+        &tok,
+        &etcd.endpoint(),
+        &nats.url(),
+        worker_port,
+        &["--speedup", "1", "--etcd-lease-ttl", "2s"],
+    );
+    let port = free_port();
+    let _server = server(&tok, &etcd.endpoint(), &nats.url(), port, &[]);
+    eventually("the worker to be discovered", || {
+        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
+    });
+    let body = json!({"model": tok, "prompt": "keep talking", "max_tokens": 100000,
+        "stream": true})
+    .to_string();
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut head = [0u8; 256];
+    let n = stream.read(&mut head).unwrap();
+    assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 200"));
+    // The worker dies without a word: no deregistration, no reply, no broken connection.
+    let killed = Command::new("kill")
+        .args(["-KILL", &worker.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let _ = worker.0.wait();
+    // Its lease expires, it leaves the fleet, and the stream ends with an error — well before
+    // the 900 s idle timeout.
+    let start = Instant::now();
+    stream.set_read_timeout(Some(common::DEADLINE)).unwrap();
+    let mut rest = Vec::new();
+    let _ = stream.read_to_end(&mut rest);
+    let text = String::from_utf8_lossy(&rest);
+    assert!(start.elapsed() < common::DEADLINE, "the stream hung");
+    assert!(text.contains("left the fleet"), "{text}");
+    assert!(
+        text.trim_end().ends_with("data: [DONE]") || text.contains("data: [DONE]"),
+        "{text}"
+    );
+    assert_eq!(
+        get_json(port, "/health").map(|h| h["active_workers"].clone()),
+        Some(json!(0))
+    );
 }
