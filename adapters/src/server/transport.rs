@@ -115,9 +115,10 @@ pub trait RequestTransport: Send + Sync + std::fmt::Debug {
     /// [`TransportError`]; none of them has delivered a byte to the client.
     async fn send(&self, req: Outbound) -> Result<Inbound, TransportError>;
 
-    /// `worker` left the fleet (deregistered: its lease expired, its Pod went away). A
-    /// transport whose replies cannot notice a dead worker by themselves (NATS: no connection
-    /// breaks) ends that worker's requests still in flight now, instead of at a timeout.
+    /// `worker` left the fleet (deregistered: it drains, or its lease expired, or its Pod went
+    /// away). A transport whose replies cannot notice a dead worker by themselves (NATS: no
+    /// connection breaks) bounds the wait on that worker's requests still in flight, so a dead
+    /// worker's requests end soon while a draining worker's finish.
     fn worker_left(&self, _worker: &WorkerId) {}
 }
 

@@ -24,8 +24,10 @@
 //!   200 ms for up to 6 s before it counts as unreachable, so it is not lost to the race
 //!   between the two reconnects.
 //!
-//! - A worker that leaves the fleet (deregistered) ends its requests in flight at once with an
-//!   error ([`RequestTransport::worker_left`]): a killed worker breaks no connection here.
+//! - A worker that leaves the fleet (deregistered: drained, or dead with its lease expired) gets
+//!   at most [`LEFT_IDLE`] per reply from then on ([`RequestTransport::worker_left`]): a draining
+//!   worker finishes its streams, a killed one (which breaks no connection here) ends them with
+//!   a 504 error event soon after it leaves instead of at the idle timeout.
 //!
 //! Cancels are published by one task owned by the transport; it ends when the transport is
 //! dropped. A cancel that finds its queue full is logged and dropped.
@@ -66,6 +68,9 @@ const CANCEL_QUEUE: usize = 4096;
 const REDELIVERY_WINDOW: Duration = Duration::from_secs(6);
 /// The pause between those re-sends.
 const REDELIVERY_STEP: Duration = Duration::from_millis(200);
+/// Longest wait for each reply from a worker that left the fleet: one that drains keeps
+/// sending; one that died sends nothing, and its request ends this long after it left.
+pub const LEFT_IDLE: Duration = Duration::from_secs(5);
 
 /// The NATS request transport. See the module docs.
 #[derive(Debug)]
@@ -391,50 +396,61 @@ impl Reply {
     }
 
     async fn recv(&mut self) -> Result<async_nats::Message, TransportError> {
-        let now = Instant::now();
-        let idle = self.config.idle_timeout.map(|d| now + d);
-        let total = self.config.max_duration.map(|d| self.started + d);
-        let deadline = match (idle, total) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        let left = self.left.clone();
-        let next = async {
-            tokio::select! {
-                msg = self.sub.next() => Ok(msg),
-                () = left.cancelled() => Err(()),
-            }
-        };
-        let next = match deadline {
-            None => Ok(next.await),
-            Some(at) => tokio::time::timeout_at(at, next).await,
-        };
-        let msg = match next {
-            Ok(Ok(msg)) => msg,
-            Ok(Err(())) => {
-                return Err(TransportError::Failed(format!(
-                    "worker {} left the fleet with the request in flight",
-                    self.worker.as_str()
-                )));
-            }
-            Err(_) => {
-                let at = deadline.unwrap_or_else(Instant::now);
-                let why = match (total, self.config.max_duration) {
-                    (Some(t), Some(d)) if t <= at => {
-                        format!("the request ran past --nats-req-max-duration ({d:?})")
-                    }
-                    _ => format!(
-                        "no reply for --nats-req-idle-timeout ({:?})",
-                        self.config.idle_timeout.unwrap_or_default()
-                    ),
-                };
-                return Err(TransportError::Timeout(format!(
-                    "worker {}: {why}; the worker was told to cancel",
-                    self.worker.as_str()
-                )));
-            }
-        };
-        msg.ok_or_else(|| TransportError::Failed("the nats reply subscription closed".to_owned()))
+        loop {
+            let now = Instant::now();
+            // A worker that left the fleet may be draining (it still sends) or dead (it never
+            // will): it gets at most LEFT_IDLE per reply.
+            let left = self.left.is_cancelled();
+            let idle = match (self.config.idle_timeout, left) {
+                (Some(d), true) => Some(d.min(LEFT_IDLE)),
+                (None, true) => Some(LEFT_IDLE),
+                (d, false) => d,
+            };
+            let total = self.config.max_duration.map(|d| self.started + d);
+            let deadline = match (idle.map(|d| now + d), total) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let token = self.left.clone();
+            let next = async {
+                tokio::select! {
+                    msg = self.sub.next() => Some(msg),
+                    () = token.cancelled(), if !left => None,
+                }
+            };
+            let next = match deadline {
+                None => Ok(next.await),
+                Some(at) => tokio::time::timeout_at(at, next).await,
+            };
+            let msg = match next {
+                Ok(Some(msg)) => msg,
+                // The worker just left: wait again, on the shorter clock.
+                Ok(None) => continue,
+                Err(_) => {
+                    let at = deadline.unwrap_or(now);
+                    let why = match (total, self.config.max_duration) {
+                        (Some(t), Some(d)) if t <= at => {
+                            format!("the request ran past --nats-req-max-duration ({d:?})")
+                        }
+                        _ if left => format!(
+                            "it left the fleet and sent nothing for {:?}",
+                            idle.unwrap_or(LEFT_IDLE)
+                        ),
+                        _ => format!(
+                            "no reply for --nats-req-idle-timeout ({:?})",
+                            self.config.idle_timeout.unwrap_or_default()
+                        ),
+                    };
+                    return Err(TransportError::Timeout(format!(
+                        "worker {}: {why}; the worker was told to cancel",
+                        self.worker.as_str()
+                    )));
+                }
+            };
+            return msg.ok_or_else(|| {
+                TransportError::Failed("the nats reply subscription closed".to_owned())
+            });
+        }
     }
 
     fn into_stream(self) -> infera_adapters::server::transport::BodyStream {
