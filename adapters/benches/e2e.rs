@@ -93,10 +93,21 @@ fn record(state: &ServerState, dir: &std::path::Path) {
     let mut rx = state.tap("trace", 1 << 16);
     let clock = infera_core::clock::SystemClock;
     let mut recorder = Recorder::new(RecorderOptions::new(dir), clock.now_us()).expect("recorder");
+    // Drained in rounds every 50 ms, as the server's recorder thread does.
     std::thread::spawn(move || {
-        while let Some(batch) = rx.blocking_recv() {
-            batch.iter().for_each(|e| recorder.feed(e));
+        loop {
+            std::thread::sleep(Duration::from_millis(50));
+            let closed = loop {
+                match rx.try_recv() {
+                    Ok(batch) => batch.iter().for_each(|e| recorder.feed(e)),
+                    Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break false,
+                    Err(_) => break true,
+                }
+            };
             recorder.tick(clock.now_us());
+            if closed {
+                break;
+            }
         }
         recorder.finish(clock.now_us());
     });

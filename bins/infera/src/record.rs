@@ -16,8 +16,8 @@ use std::time::Duration;
 
 /// Batches of events the tap holds while the recorder is busy writing a segment.
 const TAP_CAPACITY: usize = 1 << 16;
-/// How often an idle recorder checks whether its segment is old enough to close.
-const TICK: Duration = Duration::from_secs(1);
+/// How often the recorder takes what its taps queued (and checks its segment's age).
+const DRAIN_EVERY: Duration = Duration::from_millis(50);
 
 /// The running recorder.
 #[derive(Debug)]
@@ -98,7 +98,6 @@ impl Recording {
         state.add_metrics(exported.clone());
         let mut rx = state.tap("trace", TAP_CAPACITY);
         let mut metas = state.tap_request_meta(TAP_CAPACITY, config.prompts);
-        let runtime = tokio::runtime::Handle::current();
         let dir = config.dir.clone();
         let thread = std::thread::Builder::new()
             .name("infera-recorder".into())
@@ -110,36 +109,30 @@ impl Recording {
                     *exported.0.lock().unwrap_or_else(PoisonError::into_inner) = rec.stats();
                     exported.1.store(rec.in_flight() as u64, Ordering::Relaxed);
                 };
-                enum Next {
-                    Events(infera_adapters::server::EventBatch),
-                    Meta(Option<infera_adapters::server::RequestMeta>),
-                    Closed,
-                    Tick,
-                }
-                let mut metas_open = true;
+                use tokio::sync::mpsc::error::TryRecvError;
+                // Drained in rounds, not woken per batch: on a busy server one wake-up takes
+                // hundreds of batches, which keeps the recorder's CPU off the request path.
                 loop {
-                    // The timer must be created inside the runtime's context.
-                    let next = runtime.block_on(async {
-                        tokio::select! {
-                            batch = rx.recv() => batch.map_or(Next::Closed, Next::Events),
-                            meta = metas.recv(), if metas_open => Next::Meta(meta),
-                            () = tokio::time::sleep(TICK) => Next::Tick,
+                    std::thread::sleep(DRAIN_EVERY);
+                    let now = clock.now_us();
+                    while let Ok(m) = metas.try_recv() {
+                        recorder.note_request(m.request_id, m.session_id, m.token_ids, now);
+                    }
+                    let closed = loop {
+                        match rx.try_recv() {
+                            Ok(batch) => batch.iter().for_each(|e| recorder.feed(e)),
+                            Err(TryRecvError::Empty) => break false,
+                            Err(TryRecvError::Disconnected) => break true,
                         }
-                    });
-                    match next {
-                        Next::Events(batch) => batch.iter().for_each(|e| recorder.feed(e)),
-                        Next::Meta(Some(m)) => recorder.note_request(
-                            m.request_id,
-                            m.session_id,
-                            m.token_ids,
-                            clock.now_us(),
-                        ),
-                        Next::Meta(None) => metas_open = false,
-                        Next::Closed => break,
-                        Next::Tick => {}
+                    };
+                    while let Ok(m) = metas.try_recv() {
+                        recorder.note_request(m.request_id, m.session_id, m.token_ids, now);
                     }
                     recorder.tick(clock.now_us());
                     publish(&mut recorder);
+                    if closed {
+                        break;
+                    }
                 }
                 let (stats, errors) = recorder.finish(clock.now_us());
                 for e in errors {
