@@ -490,50 +490,11 @@ async fn follow_peers(
 mod tests {
     use super::*;
     use crate::kv_events::EngineBatch;
-    use crate::server::ServerOptions;
-    use crate::tokenize::Tokenizer;
+    use crate::server::test_support::{record, state};
     use infera_core::clock::SystemClock;
-    use infera_core::event::{
-        Engine, KvBlocksStored, RequestTransport, Role, Tier, WorkerRegistered,
-    };
+    use infera_core::event::{KvBlocksStored, Role, Tier, WorkerRegistered};
     use infera_core::ids::{BlockHash, EngineHash};
     use infera_core::log::MemoryLog;
-    use infera_core::policy::RouterConfig;
-
-    fn state() -> ServerState {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../fixtures/tokenizers/deepseek-v4");
-        let options = ServerOptions {
-            max_body_bytes: 1 << 16,
-            request_max_retries: 0,
-            router: RouterConfig::default(),
-            fleet: Default::default(),
-            chat_template: None,
-            direct: false,
-        };
-        ServerState::new(
-            options,
-            Arc::new(Tokenizer::from_path(&dir).expect("fixture tokenizer")),
-        )
-    }
-
-    fn record(id: &str) -> WorkerRecord {
-        WorkerRecord {
-            worker_id: WorkerId::new(id),
-            url: format!("http://{id}"),
-            model_name: "m".into(),
-            engine: Engine::Vllm,
-            disagg_mode: Role::Mixed,
-            disagg_meta: None,
-            kv_events_endpoint: None,
-            kv_block_size: 16,
-            dp_rank: 0,
-            dp_size: 1,
-            request_transport: RequestTransport::Http,
-            kv: None,
-            extra: serde_json::Map::new(),
-        }
-    }
 
     /// A durable log in which `workers` registered and each stored 3 blocks at engine seq 5.
     async fn logged(workers: &[&str]) -> Arc<dyn EventLog> {

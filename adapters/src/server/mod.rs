@@ -42,6 +42,8 @@ mod prewarm;
 mod profile;
 mod relay;
 mod taps;
+#[cfg(test)]
+mod test_support;
 pub mod transport;
 
 pub use durable::{COMPACT_EVERY, DurableLog, REPLICA_PREFIX, attach as attach_event_log};
@@ -340,29 +342,10 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::test_support::record;
     use infera_core::event::RequestRouted;
-    use infera_core::event::{
-        Engine, RequestFinished, RequestStatus, RequestTransport, Role, RoutedLeg,
-    };
+    use infera_core::event::{RequestFinished, RequestStatus, Role, RoutedLeg};
     use infera_core::ids::RequestId;
-
-    fn record() -> WorkerRecord {
-        WorkerRecord {
-            worker_id: WorkerId::new("w:1"),
-            url: "http://w:1".into(),
-            model_name: "m".into(),
-            engine: Engine::Vllm,
-            disagg_mode: Role::Mixed,
-            disagg_meta: None,
-            kv_events_endpoint: None,
-            kv_block_size: 16,
-            dp_rank: 0,
-            dp_size: 1,
-            request_transport: RequestTransport::Http,
-            kv: None,
-            extra: serde_json::Map::new(),
-        }
-    }
 
     #[test]
     fn the_log_is_compacted_and_the_snapshot_rebuilds_the_fleet() {
@@ -375,7 +358,9 @@ mod tests {
             taps: Vec::new(),
         };
         core.commit(vec![NewEvent::new(Event::WorkerRegistered(
-            WorkerRegistered { record: record() },
+            WorkerRegistered {
+                record: record("w:1"),
+            },
         ))]);
         // Requests come and go; one stays in flight across every compaction.
         let routed = |id: &str, at_us: u64| {

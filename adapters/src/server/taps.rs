@@ -235,45 +235,9 @@ impl ServerState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::ServerOptions;
-    use crate::tokenize::Tokenizer;
-    use infera_core::event::{Engine, Event, RequestTransport, Role, WorkerRecord};
-    use infera_core::fleet::FleetConfig;
+    use crate::server::test_support::{record, state};
+    use infera_core::event::Event;
     use infera_core::ids::WorkerId;
-    use infera_core::policy::RouterConfig;
-    use std::path::Path;
-
-    fn state() -> ServerState {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/deepseek-v4");
-        let tokenizer = Tokenizer::from_path(&dir).expect("fixture tokenizer");
-        let options = ServerOptions {
-            max_body_bytes: 1 << 16,
-            request_max_retries: 0,
-            router: RouterConfig::default(),
-            fleet: FleetConfig::default(),
-            chat_template: None,
-            direct: false,
-        };
-        ServerState::new(options, Arc::new(tokenizer))
-    }
-
-    fn record(id: &str) -> WorkerRecord {
-        WorkerRecord {
-            worker_id: WorkerId::new(id),
-            url: format!("http://{id}"),
-            model_name: "m".into(),
-            engine: Engine::Vllm,
-            disagg_mode: Role::Mixed,
-            disagg_meta: None,
-            kv_events_endpoint: None,
-            kv_block_size: 16,
-            dp_rank: 0,
-            dp_size: 1,
-            request_transport: RequestTransport::Http,
-            kv: None,
-            extra: serde_json::Map::new(),
-        }
-    }
 
     #[derive(Debug)]
     struct Fixed;
