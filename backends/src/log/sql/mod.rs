@@ -260,6 +260,36 @@ fn utc_hour(ts_us: u64) -> String {
 
 /// Checks that rows read from `from` are the contiguous run the contract promises (the caller
 /// has already ruled out compaction, so a hole is a gap: rows deleted behind the log's back).
+/// What a read whose rows did not start at `from` does next, given the log state read after its
+/// select (`last`, `upto`) and whether it already selected twice.
+enum ReadMiss {
+    /// Select again: an append may have committed between the select and the state read.
+    Retry,
+    /// Nothing at `from` yet.
+    Empty,
+    Fail(LogError),
+}
+
+fn read_miss(
+    store: &str,
+    from: Seq,
+    first_found: Option<i64>,
+    (last, upto): (Seq, Seq),
+    raced: bool,
+) -> ReadMiss {
+    if from <= upto {
+        return ReadMiss::Fail(LogError::Compacted { upto });
+    }
+    match first_found {
+        // The state read sees every commit up to `last`, so a second select does too: only an
+        // empty second select is a real gap.
+        None if from <= last && !raced => ReadMiss::Retry,
+        None if from <= last => ReadMiss::Fail(super::codec::missing(store, from, last + 1, upto)),
+        None => ReadMiss::Empty,
+        Some(first) => ReadMiss::Fail(super::codec::missing(store, from, first as Seq, upto)),
+    }
+}
+
 fn check_contiguous(store: &str, from: Seq, envelopes: &[Envelope]) -> Result<(), LogError> {
     match (from..)
         .zip(envelopes)

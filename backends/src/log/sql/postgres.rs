@@ -7,7 +7,8 @@
 
 use super::{
     EventRow, HIT_RATE_QUERY, HitRateRow, HitRateTuple, NOTIFY_CHANNEL, POSTGRES_POLL,
-    ROWS_PER_INSERT, RequestChange, check_contiguous, decode_row, rows, sql_error,
+    ROWS_PER_INSERT, ReadMiss, RequestChange, check_contiguous, decode_row, read_miss, rows,
+    sql_error,
 };
 use crate::log::codec;
 use crate::log::config::redact;
@@ -296,8 +297,6 @@ impl EventLog for PostgresLog {
             .map_err(|e| self.err("reading", e))?;
         let from_i64 = super::to_i64(from, "seq")?;
         let store = &self.inner.store;
-        // An append that commits between the select and the state read looks like a gap; the
-        // state read sees it, so a second select does too: only then is a gap real.
         let mut raced = false;
         let found = loop {
             let found: Vec<(i64, String)> = sqlx::query_as(
@@ -312,15 +311,16 @@ impl EventLog for PostgresLog {
             if first_found == Some(from as i64) {
                 break found;
             }
-            let (last, upto) = self.state(&mut conn, false).await?;
-            if from <= upto {
-                return Err(LogError::Compacted { upto });
-            }
-            match first_found {
-                None if from <= last && !raced => raced = true,
-                None if from <= last => return Err(codec::missing(store, from, last + 1, upto)),
-                None => return Ok(Vec::new()),
-                Some(first) => return Err(codec::missing(store, from, first as Seq, upto)),
+            match read_miss(
+                store,
+                from,
+                first_found,
+                self.state(&mut conn, false).await?,
+                raced,
+            ) {
+                ReadMiss::Retry => raced = true,
+                ReadMiss::Empty => return Ok(Vec::new()),
+                ReadMiss::Fail(e) => return Err(e),
             }
         };
         let envelopes = found

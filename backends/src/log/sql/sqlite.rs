@@ -6,8 +6,8 @@
 //! other processes on the same file — queue on it (`busy_timeout`) instead of failing on upgrade.
 
 use super::{
-    EventRow, HIT_RATE_QUERY, HitRateRow, HitRateTuple, ROWS_PER_INSERT, RequestChange,
-    SQLITE_POLL, check_contiguous, decode_row, rows, sql_error,
+    EventRow, HIT_RATE_QUERY, HitRateRow, HitRateTuple, ROWS_PER_INSERT, ReadMiss, RequestChange,
+    SQLITE_POLL, check_contiguous, decode_row, read_miss, rows, sql_error,
 };
 use crate::log::codec;
 use crate::log::tail::{TipOrPoll, tail};
@@ -321,8 +321,6 @@ impl EventLog for SqliteLog {
             .map_err(|e| self.err("reading", e))?;
         let from_i64 = super::to_i64(from, "seq")?;
         let store = &self.inner.store;
-        // An append that commits between the select and the state read looks like a gap; the
-        // state read sees it, so a second select does too: only then is a gap real.
         let mut raced = false;
         let found = loop {
             let found: Vec<(i64, String)> = sqlx::query_as(
@@ -337,15 +335,16 @@ impl EventLog for SqliteLog {
             if first_found == Some(from as i64) {
                 break found;
             }
-            let (last, upto) = self.state(&mut conn).await?;
-            if from <= upto {
-                return Err(LogError::Compacted { upto });
-            }
-            match first_found {
-                None if from <= last && !raced => raced = true,
-                None if from <= last => return Err(codec::missing(store, from, last + 1, upto)),
-                None => return Ok(Vec::new()),
-                Some(first) => return Err(codec::missing(store, from, first as Seq, upto)),
+            match read_miss(
+                store,
+                from,
+                first_found,
+                self.state(&mut conn).await?,
+                raced,
+            ) {
+                ReadMiss::Retry => raced = true,
+                ReadMiss::Empty => return Ok(Vec::new()),
+                ReadMiss::Fail(e) => return Err(e),
             }
         };
         let envelopes = found
