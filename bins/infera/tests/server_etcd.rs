@@ -10,13 +10,13 @@
 mod common;
 
 use common::{
-    DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, tokenizer_dir,
+    DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, open_stream,
+    tokenizer_dir,
 };
 
 use infera_backends::testing::EtcdServer;
 use serde_json::{Value, json};
-use std::io::{Read as _, Write as _};
-use std::net::TcpStream;
+use std::io::Read as _;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -85,12 +85,19 @@ async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
         prompt.push_str(&format!(" word{}", i % 89));
     }
     let req = json!({"model": tok, "prompt": prompt, "max_tokens": 2}).to_string();
+    let blocks = || load_of(server_port).and_then(|l| l["cached_blocks"].as_u64());
+    // ZeroMQ subscribers miss what an engine publishes before they have joined: warm up until
+    // the subscription delivers.
+    send_until(server_port, tok, "the subscription to deliver", || {
+        blocks() > Some(0)
+    });
+    let indexed = blocks().unwrap_or(0);
+    let picks = metric(server_port, "infera_router_picks_total").unwrap();
     let (status, body) = http(server_port, "POST", "/v1/completions", &req).unwrap();
     assert_eq!(status, 200, "{body}");
     // The mock's KV events reach the server's index over ZeroMQ.
     eventually("the worker's blocks in the server's index", || {
-        get_json(server_port, "/v1/workers")
-            .is_some_and(|w| w["data"][0]["load"][0]["cached_blocks"].as_u64() > Some(10))
+        blocks() > Some(indexed + 10)
     });
     let (status, body) = http(server_port, "POST", "/v1/completions", &req).unwrap();
     assert_eq!(status, 200, "{body}");
@@ -99,8 +106,10 @@ async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
         again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0),
         "{again}"
     );
-    let (_, metrics) = http(server_port, "GET", "/metrics", "").unwrap();
-    assert!(metrics.contains("infera_router_picks_total 2"), "{metrics}");
+    assert_eq!(
+        metric(server_port, "infera_router_picks_total"),
+        Some(picks + 2)
+    );
 
     // A worker that shuts down deregisters first, so it leaves routing at once.
     let pid = worker.0.id().to_string();
@@ -148,22 +157,7 @@ async fn a_killed_worker_ends_its_stream_with_an_error_fails_over_and_leaves_wit
     let body = json!({"model": tok, "prompt": "tell me a long story", "max_tokens": 2000,
         "stream": true})
     .to_string();
-    let mut stream = TcpStream::connect(("127.0.0.1", server_port)).unwrap();
-    stream.set_read_timeout(Some(DEADLINE)).unwrap();
-    write!(
-        stream,
-        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("data: {") {
-        let n = stream.read(&mut buf).unwrap();
-        assert!(n > 0, "stream closed before its first event");
-        seen.extend_from_slice(&buf[..n]);
-    }
+    let (mut stream, mut seen) = open_stream(server_port, &body);
     // Kill the worker that serves it.
     let workers_json = get_json(server_port, "/v1/workers").unwrap();
     let serving = workers_json["data"]
@@ -493,28 +487,21 @@ async fn replicas_sharing_a_jetstream_event_log_see_each_others_requests() {
         v
     };
     assert_eq!(inflight(b), [0, 0]);
-    let open_stream = |port: u16, prompt: &str| {
-        let body = json!({"model": tok, "prompt": prompt, "max_tokens": 100000, "stream": true})
-            .to_string();
-        let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        write!(
-            stream,
-            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut first = [0u8; 256];
-        let n = stream.read(&mut first).unwrap();
-        assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    // Long prompts: a decoding request's blocks stay active load on its worker (a prompt shorter
+    // than a block would weigh only while its pick is recent).
+    let long_stream = |port: u16, topic: &str| {
+        let prompt: String = (0..300).map(|i| format!(" {topic}{}", i % 41)).collect();
+        let body = json!({"model": tok, "prompt": prompt, "max_tokens": 100000, "stream": true});
+        let (stream, head) = open_stream(port, &body.to_string());
+        assert!(String::from_utf8_lossy(&head).starts_with("HTTP/1.1 200"));
         stream
     };
 
     // A streaming request through replica A is load on replica B too...
-    let one = open_stream(a, "share the load");
+    let one = long_stream(a, "share");
     eventually("B to count A's request", || inflight(b) == [0, 1]);
     // ...so B sends the next request to the other worker, as one server would, and A counts it.
-    let two = open_stream(b, "a different prompt altogether");
+    let two = long_stream(b, "different");
     eventually("A to count B's request on the other worker", || {
         inflight(a) == [1, 1]
     });

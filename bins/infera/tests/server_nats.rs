@@ -19,8 +19,7 @@ use infera_backends::testing::{EtcdServer, NatsServer, sample_record};
 use infera_core::event::{RequestTransport, Tier};
 use infera_core::ids::EngineHash;
 use serde_json::{Value, json};
-use std::io::{Read as _, Write as _};
-use std::net::TcpStream;
+use std::io::Read as _;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -535,22 +534,7 @@ async fn a_client_that_disconnects_cancels_the_worker_request() {
     let (_etcd, _nats, _server, port, mut fake, tok) = fake_setup(&[]).await;
     let body = json!({"model": tok, "prompt": "bye", "max_tokens": 2, "stream": true}).to_string();
     let client = tokio::task::spawn_blocking(move || {
-        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        s.set_read_timeout(Some(common::DEADLINE)).unwrap();
-        write!(
-            s,
-            "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut seen = Vec::new();
-        let mut buf = [0u8; 1024];
-        while !String::from_utf8_lossy(&seen).contains("data: {") {
-            let n = s.read(&mut buf).unwrap();
-            assert!(n > 0, "closed before the first chunk");
-            seen.extend_from_slice(&buf[..n]);
-        }
+        let _open = common::open_stream(port, &body);
         // Dropping the socket is the client going away.
     });
     let got = fake.next_request().await;
@@ -686,22 +670,7 @@ async fn a_draining_worker_finishes_its_nats_stream_and_takes_nothing_new() {
     let body = json!({"model": tok, "prompt": "drain", "max_tokens": 300, "stream": true,
         "ignore_eos": true})
     .to_string();
-    let mut s = TcpStream::connect(("127.0.0.1", server_port)).unwrap();
-    s.set_read_timeout(Some(common::DEADLINE)).unwrap();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("data: {") {
-        let n = s.read(&mut buf).unwrap();
-        assert!(n > 0, "closed before the first chunk");
-        seen.extend_from_slice(&buf[..n]);
-    }
+    let (mut s, mut seen) = common::open_stream(server_port, &body);
     common::sigterm(&worker.0);
     // The worker leaves routing at once …
     eventually("the worker to leave routing", || {
@@ -738,17 +707,8 @@ async fn a_killed_worker_ends_its_nats_stream_with_an_error_when_its_lease_expir
     let body = json!({"model": tok, "prompt": "keep talking", "max_tokens": 100000,
         "stream": true})
     .to_string();
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(
-        stream,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-         Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut head = [0u8; 256];
-    let n = stream.read(&mut head).unwrap();
-    assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 200"));
+    let (mut stream, head) = common::open_stream(port, &body);
+    assert!(String::from_utf8_lossy(&head).starts_with("HTTP/1.1 200"));
     // The worker dies without a word: no deregistration, no reply, no broken connection.
     let killed = Command::new("kill")
         .args(["-KILL", &worker.0.id().to_string()])

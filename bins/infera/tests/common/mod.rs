@@ -106,3 +106,26 @@ pub fn eventually(what: &str, mut probe: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Sends a streaming `POST /v1/completions` of `body` to `port` and reads until its first SSE
+/// event. Returns the socket (read timeout [`DEADLINE`], `Connection: close`, so reading to the
+/// end ends with the stream) and what was read so far, status line included.
+pub fn open_stream(port: u16, body: &str) -> (TcpStream, Vec<u8>) {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.set_read_timeout(Some(DEADLINE)).unwrap();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let n = stream.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream closed before its first event");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    (stream, seen)
+}
