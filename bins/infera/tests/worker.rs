@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{DEADLINE, Proc, free_port, http, sigterm, tokenizer_dir};
+use common::{DEADLINE, Proc, eventually, free_port, http, sigterm, tokenizer_dir};
 
 use infera_backends::discovery::{
     Discovery as _, DiscoveryChange, DiscoveryStream, EtcdConfig, EtcdDiscovery,
@@ -323,6 +323,20 @@ async fn an_engine_that_dies_is_deregistered_and_the_worker_fails() {
     ));
     let status = launched.worker.0.wait().unwrap();
     assert_eq!(status.code(), Some(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_whose_launcher_is_killed_stops_too() {
+    let (etcd, mut stream) = etcd_and_watch().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut launched = launch(&etcd, &mut stream, dir.path(), "vllm", &[]).await;
+    // SIGKILL: the launcher gets no chance to stop its engine, which runs in its own process
+    // group, so only the parent-death signal can reach it.
+    launched.worker.0.kill().unwrap();
+    launched.worker.0.wait().unwrap();
+    eventually("the engine of a SIGKILLed launcher to exit", || {
+        !pid_alive(&launched.seen.pid)
+    });
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,7 @@
 //! A real engine as a child process: spawned in its own process group, probed until healthy,
 //! drained by watching its own queue gauges, and stopped with SIGTERM then SIGKILL to the whole
-//! group (engines fork workers per GPU; none may outlive the launcher's shutdown).
+//! group (engines fork workers per GPU; none may outlive the launcher's shutdown). A launcher
+//! killed outright still takes its engine with it: the engine gets SIGTERM on the launcher's death.
 
 use super::launch::LaunchPlan;
 use super::probe::{Probe, gauge_sum, label_value};
@@ -32,6 +33,29 @@ pub struct EngineProcess {
     status: Option<ExitStatus>,
 }
 
+/// Makes the engine receive SIGTERM when the launcher dies without stopping it (SIGKILL, OOM
+/// kill, a panic that aborts): an engine outliving its launcher holds GPUs and a port with no
+/// registration in front of it. SIGTERM rather than SIGKILL so the engine still stops its own
+/// per-GPU workers. The signal follows the thread that spawned the child; engines are spawned
+/// from the runtime's worker threads, which live as long as the launcher. A launcher that died
+/// between `fork` and the `prctl` is caught by the parent check, and the engine never execs.
+fn die_with_launcher(command: &mut Command) {
+    let launcher = rustix::process::getpid();
+    let hook = move || -> std::io::Result<()> {
+        rustix::process::set_parent_process_death_signal(Some(Signal::TERM))?;
+        if rustix::process::getppid() != Some(launcher) {
+            return Err(rustix::io::Errno::SRCH.into());
+        }
+        Ok(())
+    };
+    // SAFETY: the hook runs in the forked child before `exec`; it makes two system calls
+    // (prctl, getppid) and builds an error without allocating, all async-signal-safe.
+    #[allow(unsafe_code)]
+    unsafe {
+        command.pre_exec(hook);
+    }
+}
+
 impl EngineProcess {
     /// Starts the engine of `plan` in a new process group, its output going to ours.
     ///
@@ -49,6 +73,7 @@ impl EngineProcess {
             .envs(plan.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .process_group(0);
+        die_with_launcher(&mut command);
         let child = command
             .spawn()
             .with_context(|| format!("cannot start the {engine} engine `{}`", plan.program))?;
