@@ -212,18 +212,24 @@ async fn pipeline(
         Endpoint::Completions => parse_prompt(obj.get("prompt"))?,
         Endpoint::Chat | Endpoint::Messages => parse_messages(obj.get("messages"))?,
     };
-    let retention = stamp_retention(obj)?;
+    let (retention, stamped) = stamp_retention(obj)?;
     let direct = if st.inner.options.direct {
         Some(direct_pick(headers)?)
     } else {
         None
     };
-    let forward_body = Bytes::from(serde_json::to_vec(&json).map_err(|e| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("re-encoding the body: {e}"),
-        )
-    })?);
+    // The client's bytes go on as they came wherever the stamp allows: re-encoding a long
+    // prompt costs as much as parsing it.
+    let forward_body = match stamped {
+        Stamped::Kept if ep != Endpoint::Messages => bytes,
+        Stamped::Added(stamp) if ep != Endpoint::Messages => append_params(&bytes, stamp),
+        _ => Bytes::from(serde_json::to_vec(&json).map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("re-encoding the body: {e}"),
+            )
+        })?),
+    };
 
     let block_sizes: Vec<u32> = st.with_fleet(|f| {
         let mut v: Vec<u32> = f
@@ -404,11 +410,41 @@ pub(super) fn parse_messages(value: Option<&Value>) -> Result<Input, ApiError> {
     Ok(Input::Chat(messages))
 }
 
+/// How stamping the retention changed the body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stamped {
+    /// The client set `kv_transfer_params.infera_retention` itself.
+    Kept,
+    /// The body had no `kv_transfer_params`; it now holds just the stamp.
+    Added(&'static str),
+    /// An existing `kv_transfer_params` object gained the stamp.
+    Edited,
+}
+
+/// The client's JSON object `body` with `"kv_transfer_params":{"infera_retention":stamp}` as
+/// its last member: the object [`stamp_retention`] built, without re-encoding the rest.
+/// `body` parsed as a JSON object that has `model`, so it ends with `}` after optional
+/// whitespace and has a member before the new one.
+fn append_params(body: &[u8], stamp: &str) -> Bytes {
+    let end = body
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .unwrap_or(0);
+    let mut out = Vec::with_capacity(body.len() + 64);
+    out.extend_from_slice(&body[..end]);
+    out.extend_from_slice(b",\"kv_transfer_params\":{\"infera_retention\":\"");
+    out.extend_from_slice(stamp.as_bytes());
+    out.extend_from_slice(b"\"}}");
+    Bytes::from(out)
+}
+
 /// Reads the client's retention hint (PROTOCOLS §5) and stamps
 /// `kv_transfer_params.infera_retention` into the body (client value kept, else derived from
-/// `prompt_cache_retention`, else `long`). Returns the hint the router scales with.
-fn stamp_retention(obj: &mut Map<String, Value>) -> Result<Option<Retention>, ApiError> {
+/// `prompt_cache_retention`, else `long`). Returns the hint the router scales with and how the
+/// body changed.
+fn stamp_retention(obj: &mut Map<String, Value>) -> Result<(Option<Retention>, Stamped), ApiError> {
     let mut hint = None;
+    let absent = !obj.contains_key("kv_transfer_params");
     match obj.get("kv_transfer_params") {
         None | Some(Value::Null) => {}
         Some(Value::Object(p)) => match p.get("infera_retention") {
@@ -432,6 +468,8 @@ fn stamp_retention(obj: &mut Map<String, Value>) -> Result<Option<Retention>, Ap
             ));
         }
     }
+    // The client's own stamp leaves the body as it came.
+    let kept = hint.is_some();
     if hint.is_none() {
         hint = match obj.get("prompt_cache_retention").and_then(Value::as_str) {
             Some("24h" | "1h" | "long") => Some(Retention::Long),
@@ -453,7 +491,14 @@ fn stamp_retention(obj: &mut Map<String, Value>) -> Result<Option<Retention>, Ap
             *slot = Value::String(stamp.to_owned());
         }
     }
-    Ok(hint)
+    let stamped = if absent {
+        Stamped::Added(stamp)
+    } else if kept {
+        Stamped::Kept
+    } else {
+        Stamped::Edited
+    };
+    Ok((hint, stamped))
 }
 
 pub(super) async fn tokenize(st: &ServerState, input: Input) -> Result<Vec<u32>, ApiError> {
@@ -540,4 +585,82 @@ async fn metrics(State(st): State<ServerState>) -> Response {
     let mut text = st.inner.metrics.render(inflight, workers, active);
     st.render_extra_metrics(&mut text);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// What the engine receives for a client body: the stamped object, and the bytes forwarded.
+    fn forwarded(body: &str) -> (Option<Retention>, Value) {
+        let mut json: Value = serde_json::from_str(body).unwrap();
+        let obj = json.as_object_mut().unwrap();
+        let (hint, stamped) = stamp_retention(obj).unwrap();
+        let bytes = match stamped {
+            Stamped::Kept => Bytes::copy_from_slice(body.as_bytes()),
+            Stamped::Added(stamp) => append_params(body.as_bytes(), stamp),
+            Stamped::Edited => Bytes::from(serde_json::to_vec(&json).unwrap()),
+        };
+        let sent: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(
+            sent, json,
+            "the forwarded bytes say what the stamped object says"
+        );
+        (hint, sent)
+    }
+
+    #[test]
+    fn retention_is_stamped_for_the_engine() {
+        // No hint: `long`, appended after the client's own members (trailing space kept out).
+        let (hint, sent) = forwarded("{\"model\":\"m\",\"prompt\":\"hi\"}  \n");
+        assert_eq!(hint, None);
+        assert_eq!(
+            sent["kv_transfer_params"],
+            json!({"infera_retention": "long"})
+        );
+        assert_eq!(sent["prompt"], "hi");
+        // OpenAI's prompt_cache_retention maps onto a class.
+        let (hint, sent) = forwarded(r#"{"model":"m","prompt_cache_retention":"5m"}"#);
+        assert_eq!(hint, Some(Retention::Short));
+        assert_eq!(sent["kv_transfer_params"]["infera_retention"], "short");
+        // The client's own stamp wins and its other transfer params stay.
+        let (hint, sent) = forwarded(
+            r#"{"model":"m","prompt_cache_retention":"24h","kv_transfer_params":{"infera_retention":"none","x":1}}"#,
+        );
+        assert_eq!(hint, Some(Retention::None));
+        assert_eq!(
+            sent["kv_transfer_params"],
+            json!({"infera_retention": "none", "x": 1})
+        );
+        // Existing params without a stamp, or null, gain one.
+        let (_, sent) = forwarded(r#"{"model":"m","kv_transfer_params":{"x":1}}"#);
+        assert_eq!(
+            sent["kv_transfer_params"],
+            json!({"infera_retention": "long", "x": 1})
+        );
+        let (_, sent) = forwarded(r#"{"model":"m","kv_transfer_params":null}"#);
+        assert_eq!(
+            sent["kv_transfer_params"],
+            json!({"infera_retention": "long"})
+        );
+    }
+
+    #[test]
+    fn bad_retention_hints_are_refused_naming_the_field() {
+        for body in [
+            json!({"model": "m", "kv_transfer_params": 3}),
+            json!({"model": "m", "kv_transfer_params": {"infera_retention": 1}}),
+            json!({"model": "m", "kv_transfer_params": {"infera_retention": "forever"}}),
+        ] {
+            let mut body = body;
+            let err = stamp_retention(body.as_object_mut().unwrap()).unwrap_err();
+            assert_eq!(err.status, StatusCode::BAD_REQUEST);
+            assert!(
+                err.message.contains("kv_transfer_params"),
+                "{}",
+                err.message
+            );
+        }
+    }
 }
