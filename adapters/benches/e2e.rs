@@ -10,7 +10,9 @@
 //! * `e2e/throughput/kv-aware-1k-c32`: 1k-token completions from 32 connections; criterion's
 //!   rate is requests per second. Target ≥ 4,000 req/s on this 2-core machine.
 //!   `…-recorded` runs the same load with the trace recorder draining a tap, as
-//!   `infera server --record-trace` does: target at most 5 % fewer requests per second.
+//!   `infera server --record-trace` does: target at most 5 % fewer requests per second. Each of
+//!   its samples also runs the plain fleet on the same requests back to back, and the median of
+//!   the paired ratios is printed: the side-by-side figure, free of the machine's drift.
 //! * `e2e/throughput/{round-robin-c32,direct-c32}`: a request the router need not tokenize
 //!   (round-robin), and the same requests sent to the worker directly; target ≥ 20,000 req/s
 //!   and ≤ 150 µs added p50 (`e2e/added/{round-robin,direct}` at one connection).
@@ -325,14 +327,33 @@ fn throughput(c: &mut Criterion) {
     group.bench_function("kv-aware-1k-c32", |b| {
         b.iter_custom(|iters| concurrent(&kv, kv.front, &prompts, iters));
     });
-    drop(kv);
-    // The same load with the trace recorder on (target: at most 5 % fewer requests/s).
+    // The same load with the trace recorder on (target: at most 5 % fewer requests/s). The
+    // machine's load drifts between two benchmarks run one after the other, so every sample
+    // here runs the same requests through both fleets back to back (alternating which goes
+    // first) and keeps the pair's ratio; criterion reports the recorded fleet's rate.
     let dir = tempfile::tempdir().expect("tempdir");
     let recorded = fleet(PolicyKind::KvAware, &tok, Some(dir.path()));
+    let mut ratios = Vec::new();
     group.bench_function("kv-aware-1k-c32-recorded", |b| {
-        b.iter_custom(|iters| concurrent(&recorded, recorded.front, &prompts, iters));
+        b.iter_custom(|iters| {
+            let plain_first = ratios.len() % 2 == 0;
+            let plain = plain_first.then(|| concurrent(&kv, kv.front, &prompts, iters));
+            let with = concurrent(&recorded, recorded.front, &prompts, iters);
+            let plain = plain.unwrap_or_else(|| concurrent(&kv, kv.front, &prompts, iters));
+            ratios.push(plain.as_secs_f64() / with.as_secs_f64());
+            with
+        });
     });
-    drop(recorded);
+    ratios.sort_by(f64::total_cmp);
+    if let Some(median) = ratios.get(ratios.len() / 2) {
+        println!(
+            "e2e/throughput/kv-aware-1k-c32-recorded: paired over {} samples, the recorder \
+             costs {:.1} % of the plain rate (median; negative: faster)",
+            ratios.len(),
+            (1.0 - median) * 100.0
+        );
+    }
+    drop((kv, recorded));
 
     let rr = fleet(PolicyKind::RoundRobin, &tok, None);
     let short = vec![body("a request the router need not tokenize")];

@@ -12,7 +12,7 @@
 //!   tokens are recorded only when the server asks for them (`--record-prompts`).
 //! - `DIR/events/events-<session>-<n>.parquet`: every other event of the log in the same window
 //!   (worker registrations, draining, deregistrations, KV blocks stored / removed / cleared):
-//!   `seq`, `ts_us`, `type`, `source_worker`, `source_dp_rank`, `source_seq` and `event` (the
+//!   `seq`, `ts_us`, `kind` (`Event::kind`, as the SQL event store names it), `source_worker`, `source_dp_rank`, `source_seq` and `event` (the
 //!   event's JSON, as the event log stores it), for analytics; `infera replay` reads only the
 //!   request segments.
 //! - `session_id` and, with `--record-prompts`, `token_ids` come from [`Recorder::note_request`]
@@ -128,7 +128,7 @@ type Meta = (Option<String>, Option<Vec<u32>>, u64);
 struct EventRow {
     seq: u64,
     ts_us: u64,
-    kind: String,
+    kind: &'static str,
     source: Option<(String, u32, Option<u64>)>,
     json: String,
 }
@@ -269,15 +269,11 @@ impl Recorder {
                         .insert(w.record.worker_id.clone(), w.record.kv_block_size);
                 }
                 let json = serde_json::to_string(other).unwrap_or_default();
-                let kind = serde_json::from_str::<serde_json::Value>(&json)
-                    .ok()
-                    .and_then(|v| v.get("type").and_then(|t| t.as_str()).map(str::to_owned))
-                    .unwrap_or_default();
                 self.open(env.ts_us, json.len() as u64 + 64);
                 self.events.push(EventRow {
                     seq: env.seq,
                     ts_us: env.ts_us,
-                    kind,
+                    kind: other.kind(),
                     source: env
                         .source
                         .as_ref()
@@ -446,9 +442,10 @@ impl Recorder {
         if let Some(last) = rows.last() {
             self.written_upto_us = last.request.arrival_us;
             let path = self.opts.dir.join(format!("trace-{name}.parquet"));
-            match write_rows(&rows, self.session, &path) {
+            let written = rows.len() as u64;
+            match write_rows(rows, self.session, &path) {
                 Ok(()) => {
-                    self.stats.rows_written += rows.len() as u64;
+                    self.stats.rows_written += written;
                     self.stats.segments_written += 1;
                 }
                 Err(e) => {
@@ -474,12 +471,7 @@ impl Recorder {
     }
 }
 
-fn write_rows(rows: &[Row], session: u64, path: &Path) -> Result<(), TraceError> {
-    let trace = Trace {
-        requests: rows.iter().map(|r| r.request.clone()).collect(),
-        source: format!("infera server recording (session {session})"),
-        notes: vec!["recorded by infera server: arrival_us is Unix time in µs".to_owned()],
-    };
+fn write_rows(rows: Vec<Row>, session: u64, path: &Path) -> Result<(), TraceError> {
     let mut worker = StringBuilder::new();
     let mut decode = StringBuilder::new();
     let mut policy = StringBuilder::new();
@@ -490,7 +482,7 @@ fn write_rows(rows: &[Row], session: u64, path: &Path) -> Result<(), TraceError>
     let mut attempts = UInt32Builder::new();
     let mut ttft = UInt64Builder::new();
     let mut finish = UInt64Builder::new();
-    for r in rows {
+    for r in &rows {
         worker.append_value(&r.worker);
         decode.append_option(r.decode_worker.as_deref());
         policy.append_value(&r.policy);
@@ -544,6 +536,11 @@ fn write_rows(rows: &[Row], session: u64, path: &Path) -> Result<(), TraceError>
             Arc::new(attempts.finish()),
         ),
     ];
+    let trace = Trace {
+        requests: rows.into_iter().map(|r| r.request).collect(),
+        source: format!("infera server recording (session {session})"),
+        notes: vec!["recorded by infera server: arrival_us is Unix time in µs".to_owned()],
+    };
     write_parquet_with(&trace, &extra, path)
 }
 
@@ -551,7 +548,7 @@ fn write_events(events: &[EventRow], path: &Path) -> Result<(), TraceError> {
     let schema = Arc::new(Schema::new(vec![
         Field::new("seq", DataType::UInt64, false),
         Field::new("ts_us", DataType::UInt64, false),
-        Field::new("type", DataType::Utf8, false),
+        Field::new("kind", DataType::Utf8, false),
         Field::new("source_worker", DataType::Utf8, true),
         Field::new("source_dp_rank", DataType::UInt32, true),
         Field::new("source_seq", DataType::UInt64, true),
@@ -570,7 +567,7 @@ fn write_events(events: &[EventRow], path: &Path) -> Result<(), TraceError> {
             for e in chunk {
                 seq.append_value(e.seq);
                 ts.append_value(e.ts_us);
-                kind.append_value(&e.kind);
+                kind.append_value(e.kind);
                 worker.append_option(e.source.as_ref().map(|s| s.0.as_str()));
                 rank.append_option(e.source.as_ref().map(|s| s.1));
                 source_seq.append_option(e.source.as_ref().and_then(|s| s.2));

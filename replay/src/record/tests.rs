@@ -277,13 +277,13 @@ fn other_events_go_to_the_event_files() {
         .expect("batch")
         .expect("batch");
     let kinds = batch
-        .column_by_name("type")
+        .column_by_name("kind")
         .and_then(|c| c.as_any().downcast_ref::<arrow_array::StringArray>())
-        .expect("type column");
+        .expect("kind column");
     let kinds: Vec<&str> = (0..kinds.len()).map(|i| kinds.value(i)).collect();
     assert_eq!(
         kinds,
-        ["WorkerRegistered", "WorkerRegistered", "KvBlocksStored"]
+        ["worker_registered", "worker_registered", "kv_blocks_stored"]
     );
 }
 
