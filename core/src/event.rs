@@ -161,6 +161,33 @@ pub struct WorkerRecord {
     pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
+/// Our registration field (kept in [`WorkerRecord::extra`], which the Python server ignores):
+/// the engine's KV-event replay socket, `tcp://HOST:PORT` of rank `dp_rank` (higher ranks add
+/// their offset to the port, as for `kv_events_endpoint`).
+pub const KV_EVENTS_REPLAY_ENDPOINT: &str = "kv_events_replay_endpoint";
+
+impl WorkerRecord {
+    /// Where the engine replays KV-event batches it already published, if it says.
+    pub fn kv_events_replay_endpoint(&self) -> Option<&str> {
+        self.extra
+            .get(KV_EVENTS_REPLAY_ENDPOINT)
+            .and_then(serde_json::Value::as_str)
+    }
+
+    /// Advertises (or, with `None`, withdraws) the replay socket.
+    pub fn set_kv_events_replay_endpoint(&mut self, endpoint: Option<String>) {
+        match endpoint {
+            Some(e) => {
+                self.extra
+                    .insert(KV_EVENTS_REPLAY_ENDPOINT.to_owned(), e.into());
+            }
+            None => {
+                self.extra.remove(KV_EVENTS_REPLAY_ENDPOINT);
+            }
+        }
+    }
+}
+
 fn one() -> u32 {
     1
 }

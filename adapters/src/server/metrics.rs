@@ -30,7 +30,8 @@ pub struct ServerMetrics {
     pub(crate) transport_timeouts: AtomicU64,
     pub(crate) transport_rejected: AtomicU64,
     pub(crate) transport_sequence_errors: AtomicU64,
-    pub(crate) kv_gaps_repaired: AtomicU64,
+    pub(crate) kv_gaps: AtomicU64,
+    pub(crate) kv_gaps_replayed: AtomicU64,
 }
 
 fn get(c: &AtomicU64) -> u64 {
@@ -61,9 +62,13 @@ impl ServerMetrics {
         }
     }
 
-    /// A KV-event transport lost batches of a rank, whose blocks were cleared to rebuild.
-    pub fn kv_gap_repaired(&self) {
-        inc(&self.kv_gaps_repaired, 1);
+    /// A KV-event transport lost batches of a rank: `replayed` when the engine's replay socket
+    /// gave them back, else the rank's blocks were cleared for later batches to rebuild.
+    pub fn kv_gap(&self, replayed: bool) {
+        inc(&self.kv_gaps, 1);
+        if replayed {
+            inc(&self.kv_gaps_replayed, 1);
+        }
     }
 
     /// Total routing picks so far.
@@ -226,8 +231,15 @@ impl ServerMetrics {
         metric(
             "infera_kv_event_gaps_total",
             "counter",
-            "KV-event gaps detected (the rank's blocks were cleared and rebuilt from later events).",
-            get(&self.kv_gaps_repaired),
+            "KV-event gaps detected (filled from the engine's replay socket where it has one, else \
+             the rank's blocks were cleared and rebuilt from later events).",
+            get(&self.kv_gaps),
+        );
+        metric(
+            "infera_kv_event_gaps_replayed_total",
+            "counter",
+            "KV-event gaps filled from the engine's replay socket, no blocks cleared.",
+            get(&self.kv_gaps_replayed),
         );
         out
     }

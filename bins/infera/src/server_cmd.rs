@@ -29,6 +29,7 @@ use crate::config::{KvEventTransport, RequestTransport, ServerConfig};
 use crate::record::Recording;
 use crate::signals::Signals;
 use anyhow::Context as _;
+use infera_adapters::kv_events::{EngineBatch, decode_batch};
 use infera_adapters::server::{
     DurableLog, HttpTransport, RequestTransport as Transport, ServerOptions, ServerState,
     attach_event_log, serve,
@@ -38,7 +39,7 @@ use infera_backends::discovery::{DiscoveryChange, DiscoveryStream};
 use infera_backends::log::{EventLogConfig, open_event_log_with};
 use infera_backends::nats::kv::KvItem;
 use infera_backends::nats::{self, NatsRequestConfig, NatsTransport};
-use infera_backends::zmq::{KvEventSubscriber, SubscriberConfig, SubscriberItem};
+use infera_backends::zmq::{KvEventSubscriber, SubscriberConfig, SubscriberItem, replay_from};
 use infera_core::clock::SystemClock;
 use infera_core::event::{Event, KvCacheCleared, Source, WorkerRecord};
 use infera_core::fleet::FleetConfig;
@@ -315,12 +316,16 @@ fn start_subscribers(
     let mut tasks = Vec::new();
     for offset in 0..record.dp_size.max(1) {
         let rank = WorkerRank::new(record.worker_id.clone(), record.dp_rank + offset);
+        let replay = record
+            .kv_events_replay_endpoint()
+            .and_then(|r| rank_endpoint(r, &record.url, offset));
         match rank_endpoint(endpoint, &record.url, offset) {
             Some(ep) => {
                 tracing::info!(worker = %record.worker_id.as_str(), dp_rank = rank.dp_rank,
                     endpoint = %ep, "subscribing to kv events");
                 tasks.push(tokio::spawn(run_subscriber(
                     ep,
+                    replay,
                     rank,
                     state.clone(),
                     cancel.clone(),
@@ -358,6 +363,7 @@ pub(crate) fn rank_endpoint(endpoint: &str, worker_url: &str, offset: u32) -> Op
 
 async fn run_subscriber(
     endpoint: String,
+    replay: Option<String>,
     rank: WorkerRank,
     state: ServerState,
     cancel: CancellationToken,
@@ -376,13 +382,9 @@ async fn run_subscriber(
                     tracing::debug!(worker, "kv batch of an unregistered worker dropped");
                 }
             }
+            // Sent before the batch that revealed it, so the lost batches go in first.
             SubscriberItem::Gap { missing } => {
-                tracing::warn!(
-                    worker,
-                    dp_rank = rank.dp_rank,
-                    ?missing,
-                    "kv events lost; the index may hold stale blocks for this rank"
-                );
+                repair_gap(&state, &rank, replay.as_deref(), missing).await;
             }
             SubscriberItem::Restart { expected, got } => {
                 tracing::warn!(
@@ -400,6 +402,76 @@ async fn run_subscriber(
         }
     }
     sub.shutdown().await;
+}
+
+/// How long a gap repair waits for the engine's replay socket.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Batches `missing` of `rank` were lost. They are fetched from the engine's replay socket and
+/// applied in order; where that cannot be done (no replay socket, no answer, the engine no
+/// longer holds them all, a batch that does not decode) the rank's blocks are forgotten and the
+/// batches that follow rebuild them. Either way the index never keeps blocks the engine may
+/// have evicted in a batch nobody saw.
+async fn repair_gap(
+    state: &ServerState,
+    rank: &WorkerRank,
+    replay: Option<&str>,
+    missing: std::ops::RangeInclusive<u64>,
+) {
+    let worker = rank.worker.as_str();
+    let why = match replay {
+        None => "the engine has no replay socket".to_owned(),
+        Some(ep) => match replayed(ep, &missing).await {
+            Ok(batches) => {
+                for (seq, batch) in &batches {
+                    state.ingest_kv_batch(rank, Some(*seq), batch);
+                }
+                state.metrics().kv_gap(true);
+                tracing::info!(
+                    worker,
+                    dp_rank = rank.dp_rank,
+                    ?missing,
+                    endpoint = ep,
+                    "kv events lost in transit were replayed by the engine"
+                );
+                return;
+            }
+            Err(why) => why,
+        },
+    };
+    tracing::warn!(worker, dp_rank = rank.dp_rank, ?missing, reason = %why,
+        "kv events lost; clearing the rank's blocks for later events to rebuild");
+    clear_rank(state, rank, None);
+    state.metrics().kv_gap(false);
+}
+
+/// Exactly the batches `missing`, in order, from the replay socket at `endpoint`.
+async fn replayed(
+    endpoint: &str,
+    missing: &std::ops::RangeInclusive<u64>,
+) -> Result<Vec<(u64, EngineBatch)>, String> {
+    let got = replay_from(endpoint, *missing.start(), REPLAY_TIMEOUT)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    let mut want = *missing.start();
+    for (seq, payload) in got {
+        if seq > *missing.end() {
+            break;
+        }
+        if seq != want {
+            return Err(format!(
+                "the engine replayed batch {seq} where {want} belonged (it no longer holds it)"
+            ));
+        }
+        let batch = decode_batch(&payload).map_err(|e| format!("replayed batch {seq}: {e}"))?;
+        out.push((seq, batch));
+        want += 1;
+    }
+    if want <= *missing.end() {
+        return Err(format!("the engine did not replay batch {want}"));
+    }
+    Ok(out)
 }
 
 /// Forgets every block of `rank` (its engine restarted, or its events can no longer be trusted);
@@ -462,7 +534,7 @@ async fn run_nats_subscriber(
                     ?missing,
                     "kv events lost; clearing the rank's blocks so they rebuild"
                 );
-                state.metrics().kv_gap_repaired();
+                state.metrics().kv_gap(false);
                 clear_rank(&state, &WorkerRank::new(worker.clone(), dp_rank), None);
             }
             KvItem::Restart { dp_rank } => {

@@ -14,7 +14,12 @@ use common::{
     tokenizer_dir,
 };
 
-use infera_backends::testing::EtcdServer;
+use infera_adapters::kv_events::{EngineBatch, EngineEvent};
+use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _};
+use infera_backends::testing::{EtcdServer, sample_record};
+use infera_backends::zmq::{KvEventPublisher, PublisherConfig};
+use infera_core::event::Tier;
+use infera_core::ids::EngineHash;
 use serde_json::{Value, json};
 use std::io::Read as _;
 use std::process::{Command, Stdio};
@@ -593,4 +598,96 @@ async fn prewarm_hints_reach_the_kv_cache_daemon() {
     kvd.terminate();
     let (status, body) = prewarm(json!({"model": tok, "block_hashes": ["00"]}));
     assert_eq!(status, 503, "{body}");
+}
+
+/// A vLLM-shaped batch storing `blocks` blocks with engine hashes `first..first + blocks`.
+fn stored(first: u64, blocks: u64) -> EngineBatch {
+    EngineBatch {
+        ts: 1.0,
+        events: vec![EngineEvent::BlockStored {
+            block_hashes: (first..first + blocks).map(EngineHash).collect(),
+            parent: None,
+            token_ids: (16 * first as u32..16 * (first + blocks) as u32).collect(),
+            block_size: 16,
+            tier: Tier::Gpu,
+            lora_id: None,
+            indexable: true,
+        }],
+        ..EngineBatch::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_zmq_kv_batch_is_replayed_from_the_engine_or_the_rank_rebuilt() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let tok = tokenizer_dir();
+    // The engine's sockets: `live` is the PUB socket the server subscribes to; `kept` holds the
+    // replay ring. Both publish every batch with the same seqs, so skipping one on `live` only
+    // is a batch lost in transit that the engine can still replay.
+    let publisher = async |replay: Option<&str>| {
+        KvEventPublisher::bind(PublisherConfig::new(
+            "tcp://127.0.0.1:0",
+            replay.map(str::to_owned),
+        ))
+        .await
+        .unwrap()
+    };
+    let mut live = publisher(None).await;
+    let mut kept = publisher(Some("tcp://127.0.0.1:0")).await;
+    let id = format!("127.0.0.1:{}", free_port());
+    let mut record = sample_record(&id);
+    record.model_name = tok.clone();
+    record.kv_events_endpoint = Some(live.endpoint().to_owned());
+    record.set_kv_events_replay_endpoint(kept.replay_endpoint().map(str::to_owned));
+    let discovery = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
+        .await
+        .unwrap();
+    let _registration = discovery.register(&record).await.unwrap();
+    let port = free_port();
+    let _server = server(&tok, &etcd.endpoint(), port, &[]);
+    let blocks = || load_of(port).and_then(|l| l["cached_blocks"].as_u64());
+    // ZeroMQ subscribers miss what is published before they join: repeat a one-block batch
+    // until the server has it.
+    let deadline = Instant::now() + DEADLINE;
+    while blocks() != Some(1) {
+        assert!(
+            Instant::now() < deadline,
+            "the subscription never delivered"
+        );
+        for p in [&mut live, &mut kept] {
+            p.publish_batch(&stored(1000, 1)).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let gaps = || metric(port, "infera_kv_event_gaps_total");
+    let replayed = || metric(port, "infera_kv_event_gaps_replayed_total");
+    assert_eq!((gaps(), replayed()), (Some(0), Some(0)));
+
+    // Batch 2 is lost in transit: batch 3 reveals the gap, the engine replays 2, and the index
+    // holds every block (clearing would have left only batch 3's).
+    for p in [&mut live, &mut kept] {
+        p.publish_batch(&stored(2000, 2)).await.unwrap();
+    }
+    kept.publish_batch(&stored(3000, 3)).await.unwrap();
+    live.set_next_seq(kept.next_seq());
+    for p in [&mut live, &mut kept] {
+        p.publish_batch(&stored(4000, 4)).await.unwrap();
+    }
+    eventually("the lost batch replayed", || {
+        blocks() == Some(1 + 2 + 3 + 4)
+    });
+    assert_eq!((gaps(), replayed()), (Some(1), Some(1)));
+
+    // A batch the engine no longer holds: the rank is cleared and rebuilt from what follows.
+    for p in [&mut live, &mut kept] {
+        let next = p.next_seq() + 1;
+        p.set_next_seq(next);
+        p.publish_batch(&stored(5000, 5)).await.unwrap();
+    }
+    eventually("the rank rebuilt from the batch after the gap", || {
+        blocks() == Some(5)
+    });
+    assert_eq!((gaps(), replayed()), (Some(2), Some(1)));
+    live.shutdown().await;
+    kept.shutdown().await;
 }

@@ -56,6 +56,8 @@ pub struct LaunchPlan {
     pub env: Vec<(String, String)>,
     /// The KV-event endpoint to advertise (`tcp://ADVERTISE_HOST:P`), if events are on.
     pub kv_events_endpoint: Option<String>,
+    /// The engine's KV-event replay socket to advertise, where it has one.
+    pub kv_events_replay_endpoint: Option<String>,
     /// The model name requests use (`--served-model-name`, else the model).
     pub served_model: String,
     /// The PD role.
@@ -130,8 +132,9 @@ pub fn plan(
         Some(rank) => (rank, 1),
         None => (0, process.data_parallel_size.unwrap_or(1).max(1)),
     };
-    let kv_events_endpoint = if config.kv_events.enabled {
-        let port = kv_events(
+    let (kv_events_endpoint, kv_events_replay_endpoint) = if config.kv_events.enabled {
+        let at = |p: u32| format!("tcp://{}:{p}", url_host(&config.advertise_host));
+        match kv_events(
             engine,
             passthrough,
             env,
@@ -139,10 +142,12 @@ pub fn plan(
             &mut args,
             &mut env_out,
             dp_rank,
-        )?;
-        port.map(|p| format!("tcp://{}:{p}", url_host(&config.advertise_host)))
+        )? {
+            Some((events, replay)) => (Some(at(events)), replay.map(at)),
+            None => (None, None),
+        }
     } else {
-        None
+        (None, None)
     };
 
     let served_model = flag_value(passthrough, &["--served-model-name"])
@@ -160,6 +165,7 @@ pub fn plan(
         args,
         env: env_out,
         kv_events_endpoint,
+        kv_events_replay_endpoint,
         served_model,
         role,
         disagg_meta,
@@ -169,8 +175,8 @@ pub fn plan(
     })
 }
 
-/// Adds the KV-event settings the engine needs and returns the port it publishes rank
-/// `dp_rank` on.
+/// Adds the KV-event settings the engine needs and returns the ports rank `dp_rank` publishes
+/// and replays on (vLLM's replay socket, or one a user-given config names).
 fn kv_events(
     engine: EngineKind,
     passthrough: &[String],
@@ -179,14 +185,20 @@ fn kv_events(
     args: &mut Vec<String>,
     env_out: &mut Vec<(String, String)>,
     dp_rank: u32,
-) -> Result<Option<u32>, LaunchError> {
+) -> Result<Option<(u32, Option<u32>)>, LaunchError> {
     let offset = |port: u32| port + dp_rank;
     match engine {
         EngineKind::Vllm | EngineKind::Sglang => {
             if let Some(given) = flag_value(passthrough, &["--kv-events-config"]) {
                 let object = json_object("--kv-events-config", given)?;
-                let endpoint = object.get("endpoint").and_then(Value::as_str);
-                return Ok(endpoint.and_then(endpoint_port).map(offset));
+                let port = |key: &str| {
+                    object
+                        .get(key)
+                        .and_then(Value::as_str)
+                        .and_then(endpoint_port)
+                        .map(offset)
+                };
+                return Ok(port("endpoint").map(|events| (events, port("replay_endpoint"))));
             }
             let mut config = Map::new();
             if engine == EngineKind::Vllm {
@@ -206,11 +218,12 @@ fn kv_events(
             config.insert("topic".into(), KV_EVENTS_TOPIC.into());
             args.push("--kv-events-config".to_owned());
             args.push(Value::Object(config).to_string());
-            Ok(Some(offset(u32::from(ports.events))))
+            let replay = (engine == EngineKind::Vllm).then(|| offset(u32::from(ports.replay)));
+            Ok(Some((offset(u32::from(ports.events)), replay)))
         }
         EngineKind::Atom => {
             if let Some(given) = env("ATOM_KV_EVENTS_ENDPOINT") {
-                return Ok(endpoint_port(&given).map(offset));
+                return Ok(endpoint_port(&given).map(|p| (offset(p), None)));
             }
             let endpoint = format!("tcp://*:{}", ports.events);
             env_out.push(("ATOM_KV_EVENTS_ENABLE".to_owned(), "1".to_owned()));
@@ -219,7 +232,7 @@ fn kv_events(
                 "ATOM_KV_EVENTS_TOPIC".to_owned(),
                 KV_EVENTS_TOPIC.to_owned(),
             ));
-            Ok(Some(offset(u32::from(ports.events))))
+            Ok(Some((offset(u32::from(ports.events)), None)))
         }
         EngineKind::Mock => Ok(None),
     }

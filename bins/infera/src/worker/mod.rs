@@ -175,15 +175,16 @@ async fn run_mock(
             config.port,
         )?)),
     };
-    let kv_events_endpoint = matches!(kv, Some(mock::KvOut::Zmq(_))).then(|| {
-        format!(
-            "tcp://{}",
-            crate::net::socket_addr(
-                &config.advertise_host,
-                config.port + mock::KV_EVENTS_PORT_OFFSET
+    let advertised = |offset: u16| {
+        matches!(kv, Some(mock::KvOut::Zmq(_))).then(|| {
+            format!(
+                "tcp://{}",
+                crate::net::socket_addr(&config.advertise_host, config.port + offset)
             )
-        )
-    });
+        })
+    };
+    let kv_events_endpoint = advertised(mock::KV_EVENTS_PORT_OFFSET);
+    let kv_events_replay_endpoint = advertised(mock::KV_REPLAY_PORT_OFFSET);
     let mut running = mock::RunningMock::start(config, engine, &config.model, kv).await?;
     let responder = match start_responder(config, nats.as_ref()).await {
         Ok(r) => r,
@@ -196,6 +197,7 @@ async fn run_mock(
     record.kv_events_endpoint = kv_events_endpoint;
     record.kv_block_size = engine.block_size;
     record.extra = running.registration_extra();
+    record.set_kv_events_replay_endpoint(kv_events_replay_endpoint);
     let registration = match register(&registrar, &record).await {
         Ok(registration) => registration,
         Err(e) => {
@@ -345,6 +347,7 @@ pub fn process_record(
     record.disagg_mode = plan.role;
     record.disagg_meta = plan.disagg_meta.clone();
     record.kv_events_endpoint = plan.kv_events_endpoint.clone();
+    record.set_kv_events_replay_endpoint(plan.kv_events_replay_endpoint.clone());
     record.kv_block_size = block_size.unwrap_or(0);
     record.dp_rank = plan.dp_rank;
     record.dp_size = plan.dp_size;
