@@ -38,6 +38,7 @@ mod anthropic;
 mod durable;
 mod http;
 mod metrics;
+mod pd;
 mod prewarm;
 mod profile;
 mod relay;

@@ -288,10 +288,7 @@ fn disaggregation(
                 let engine_id = transfer
                     .get("engine_id")
                     .and_then(Value::as_str)
-                    .map_or_else(
-                        || format!("infera-{}-{}", config.advertise_host, config.port),
-                        str::to_owned,
-                    );
+                    .map_or_else(|| default_engine_id(config), str::to_owned);
                 if transfer.get("engine_id").is_none() {
                     transfer.insert("engine_id".into(), engine_id.clone().into());
                     replace_flag_value(
@@ -352,6 +349,53 @@ fn vllm_meta(host: &str, transfer: &Map<String, Value>, mori_read: bool) -> Opti
             format!("http://{}:{VLLM_MOONCAKE_BOOTSTRAP_PORT}", url_host(host)).into();
     }
     Some(json!({ "protocol": protocol, "params": params }))
+}
+
+/// The engine id a vLLM PD worker registers when its `--kv-transfer-config` names none.
+pub fn default_engine_id(config: &WorkerConfig) -> String {
+    format!("infera-{}-{}", config.advertise_host, config.port)
+}
+
+/// The `disagg_meta` of a PD-role mock: the shape the launcher registers for the protocol's
+/// engine, with `bootstrap_port` as its bootstrap (SGLang, vLLM Mooncake) or handshake (MoRI,
+/// ATOM) port and `bootstrap_port + 1` as MoRI's notify port.
+pub fn mock_disagg_meta(config: &WorkerConfig, protocol: &str, bootstrap_port: u16) -> Value {
+    let host = config.advertise_host.as_str();
+    let params = match protocol {
+        "sglang-bootstrap" => json!({
+            "bootstrap_host": host,
+            "bootstrap_port": bootstrap_port,
+            "transfer_backend": "mock",
+        }),
+        "atom-mooncake" => json!({
+            "host": host,
+            "http_port": config.port,
+            "handshake_port": bootstrap_port,
+            "tp_size": 1,
+            "dp_size": 1,
+        }),
+        _ => {
+            let mut params = json!({
+                "engine_id": default_engine_id(config),
+                "kv_ip": null,
+                "kv_port": null,
+                "kv_connector_extra_config": {},
+            });
+            if protocol.starts_with("vllm-mori") {
+                params["kv_connector_extra_config"] = json!({
+                    "handshake_port": bootstrap_port,
+                    "notify_port": u32::from(bootstrap_port) + 1,
+                    "tp_size": 1,
+                });
+            }
+            if protocol == "vllm-mooncake" {
+                params["bootstrap_addr"] =
+                    format!("http://{}:{bootstrap_port}", url_host(host)).into();
+            }
+            params
+        }
+    };
+    json!({ "protocol": protocol, "params": params })
 }
 
 /// The PD protocol of a vLLM connector; MoRIIO reads instead of writing when vLLM's
