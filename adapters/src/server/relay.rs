@@ -11,6 +11,12 @@
 //! arrive; a worker failure mid-stream (a broken connection, a lost or reordered chunk, a
 //! timeout) ends the client's stream with an SSE error event (`code` 502 or 504) and
 //! `data: [DONE]`, never with a silently truncated or corrupted body.
+//!
+//! A decision with a prefill and a decode leg is sent by [`pd`] (both legs, per their
+//! protocol) and relayed as the decode leg's response. A leg the worker did not take (or a
+//! prefill that answered 5xx) fails over like a single worker, excluding that leg's rank; a
+//! prefill's 4xx is the client's answer; a pair that cannot be driven (protocols differ, a
+//! registration lacks a parameter, the prefill's answer lacks the hand-off) is not retried.
 
 use super::http::{ApiError, route_error};
 use super::metrics::inc;
