@@ -72,6 +72,7 @@ fn outbound(body: Value, stream: bool) -> Outbound {
         body: Bytes::from(body.to_string()),
         stream,
         request_id: "r-1".to_owned(),
+        engine_request_id: None,
     }
 }
 

@@ -1,5 +1,5 @@
 //! The mock's HTTP surface (axum): OpenAI completions and chat (streaming and not), models,
-//! health and metrics.
+//! health and metrics, and the PD legs a PD-role mock accepted (`GET /mock/pd-legs`).
 //!
 //! A generation request is parsed, tokenized off the async threads (`spawn_blocking`), hashed
 //! into router block hashes, checked against the cache size, and submitted to the engine loop;
@@ -41,6 +41,8 @@ pub(crate) struct AppState {
     pub info: StaticInfo,
     pub id_prefix: u64,
     pub next_id: AtomicU64,
+    pub pd: Option<super::pd::MockPd>,
+    pub pd_log: super::pd::LegLog,
 }
 
 /// The routes, with the body limit applied to every one.
@@ -49,10 +51,28 @@ pub(crate) fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/mock/pd-legs", get(pd_legs))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)
+}
+
+async fn pd_legs(State(st): State<Arc<AppState>>) -> Response {
+    axum::Json(json!({ "legs": st.pd_log.snapshot() })).into_response()
+}
+
+/// The PD role's check of one request (see [`super::pd`]); a mixed mock accepts anything.
+fn pd_accept(
+    st: &AppState,
+    fields: &super::pd::PdFields,
+    max_tokens: Option<i64>,
+    stream: bool,
+) -> Result<super::pd::Accepted, ApiError> {
+    match &st.pd {
+        Some(pd) => super::pd::accept(pd, &st.pd_log, fields, max_tokens, stream),
+        None => Ok(super::pd::Accepted::default()),
+    }
 }
 
 async fn health() -> Response {
@@ -95,7 +115,9 @@ async fn completions(
     let result = async {
         let req: CompletionRequest = parse_body(body)?;
         check_model(&st, req.model.as_deref())?;
+        let pd = pd_accept(&st, &req.pd, req.max_tokens, req.stream.unwrap_or(false))?;
         let out = output_tokens(req.max_tokens, req.n)?;
+        let out = pd.cap.map_or(out, |cap| out.min(cap));
         let tokens = match parse_prompt(&req.prompt)? {
             Prompt::Tokens(ids) => ids,
             Prompt::Text(text) => tokenize_text(&st, text).await?,
@@ -108,6 +130,7 @@ async fn completions(
             out,
             req.stream.unwrap_or(false),
             include_usage.unwrap_or(false),
+            pd.handoff,
         )
         .await
     }
@@ -122,7 +145,10 @@ async fn chat_completions(
     let result = async {
         let req: ChatRequest = parse_body(body)?;
         check_model(&st, req.model.as_deref())?;
-        let out = output_tokens(req.max_completion_tokens.or(req.max_tokens), req.n)?;
+        let max_tokens = req.max_completion_tokens.or(req.max_tokens);
+        let pd = pd_accept(&st, &req.pd, max_tokens, req.stream.unwrap_or(false))?;
+        let out = output_tokens(max_tokens, req.n)?;
+        let out = pd.cap.map_or(out, |cap| out.min(cap));
         if req.messages.is_empty() {
             return Err(ApiError::bad_request("`messages` must not be empty"));
         }
@@ -135,6 +161,7 @@ async fn chat_completions(
             out,
             req.stream.unwrap_or(false),
             include_usage.unwrap_or(false),
+            pd.handoff,
         )
         .await
     }
@@ -236,6 +263,7 @@ async fn generate(
     out: u32,
     stream: bool,
     include_usage: bool,
+    handoff: Option<Value>,
 ) -> Result<Response, ApiError> {
     if tokens.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty (0 tokens)"));
@@ -298,7 +326,10 @@ async fn generate(
     } else {
         let p = wait_outcome(rx).await?;
         let text = filler(0, p.tokens);
-        let body = meta.full(text, usage(prompt_tokens, p.tokens, p.cached_tokens));
+        let mut body = meta.full(text, usage(prompt_tokens, p.tokens, p.cached_tokens));
+        if let (Some(h), Some(obj)) = (handoff, body.as_object_mut()) {
+            obj.insert("kv_transfer_params".into(), h);
+        }
         Ok(axum::Json(body).into_response())
     }
 }

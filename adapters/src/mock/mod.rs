@@ -9,6 +9,8 @@
 //!   a bounded channel, that turns each step into tokens for the clients and a KV-event batch.
 //! - `openai`: request parsing, response and error shapes, the filler text.
 //! - `metrics`: vLLM-named Prometheus metrics.
+//! - `pd`: the prefill/decode roles ([`MockConfig::pd`]): what each leg must carry per PD
+//!   protocol (400 otherwise), the prefill's hand-off, and `GET /mock/pd-legs`.
 //!
 //! # Tokens and hashes
 //! With a tokenizer ([`MockConfig::tokenizer`], loaded from `--model-path` by the binary),
@@ -40,8 +42,10 @@ mod engine;
 mod http;
 mod metrics;
 mod openai;
+mod pd;
 
 pub use openai::{DEFAULT_MAX_TOKENS, FILLER, filler};
+pub use pd::{MockPd, PROTOCOLS as PD_PROTOCOLS};
 
 use crate::kv_events::EngineBatch;
 use crate::tokenize::Tokenizer;
@@ -78,6 +82,8 @@ pub struct MockConfig {
     pub drain_timeout: Duration,
     /// The engine-hash salt; `None` draws a random one (tests fix it).
     pub salt: Option<u64>,
+    /// A leg of a PD pair to play (see the `pd` module); `None`: a mixed engine.
+    pub pd: Option<MockPd>,
 }
 
 impl MockConfig {
@@ -91,6 +97,7 @@ impl MockConfig {
             queue_capacity: 4096,
             drain_timeout: Duration::from_secs(30),
             salt: None,
+            pd: None,
         }
     }
 }
@@ -214,6 +221,8 @@ impl MockServer {
             metrics,
             id_prefix: engine::process_random(),
             next_id: AtomicU64::new(0),
+            pd: config.pd,
+            pd_log: pd::LegLog::default(),
         });
         Ok(Self {
             listener,

@@ -92,6 +92,9 @@ pub struct StreamOptions {
 pub struct CompletionRequest {
     #[serde(default)]
     pub model: Option<String>,
+    /// PD fields (a PD-role mock checks them).
+    #[serde(flatten)]
+    pub pd: super::pd::PdFields,
     pub prompt: Value,
     #[serde(default)]
     pub max_tokens: Option<i64>,
@@ -108,6 +111,9 @@ pub struct CompletionRequest {
 pub struct ChatRequest {
     #[serde(default)]
     pub model: Option<String>,
+    /// PD fields (a PD-role mock checks them).
+    #[serde(flatten)]
+    pub pd: super::pd::PdFields,
     pub messages: Vec<ChatMessage>,
     #[serde(default)]
     pub max_tokens: Option<i64>,

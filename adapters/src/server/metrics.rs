@@ -32,6 +32,9 @@ pub struct ServerMetrics {
     pub(crate) transport_sequence_errors: AtomicU64,
     pub(crate) kv_gaps: AtomicU64,
     pub(crate) kv_gaps_replayed: AtomicU64,
+    pub(crate) pd_requests: AtomicU64,
+    pub(crate) pd_prefill_failures: AtomicU64,
+    pub(crate) pd_pair_errors: AtomicU64,
 }
 
 fn get(c: &AtomicU64) -> u64 {
@@ -240,6 +243,24 @@ impl ServerMetrics {
             "counter",
             "KV-event gaps filled from the engine's replay socket, no blocks cleared.",
             get(&self.kv_gaps_replayed),
+        );
+        metric(
+            "infera_pd_requests_total",
+            "counter",
+            "Attempts dispatched to a prefill/decode pair (each leg is recorded with its role in RequestRouted).",
+            get(&self.pd_requests),
+        );
+        metric(
+            "infera_pd_prefill_failures_total",
+            "counter",
+            "PD attempts whose prefill leg failed before the first byte (the decode leg was dropped or never sent).",
+            get(&self.pd_prefill_failures),
+        );
+        metric(
+            "infera_pd_pair_errors_total",
+            "counter",
+            "PD attempts refused because the pair's protocols differ or a registration lacks a parameter (500) or the prefill's answer lacks the hand-off (502).",
+            get(&self.pd_pair_errors),
         );
         out
     }

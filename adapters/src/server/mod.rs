@@ -29,8 +29,16 @@
 //! `x-prefill-instance-id`, `x-dp-rank`): a missing header is a 400, a worker that is not
 //! registered a 503, a worker of another model a 400. The named worker is not failed over.
 //!
-//! # Limits of this step
-//! PD-disaggregated models are forwarded to the first leg only (no two-leg protocol yet).
+//! # Prefill/decode
+//! A model served by prefill and decode workers is decided onto one of each (one
+//! `RequestRouted` with both legs, each with its role, so both count as load); the private `pd`
+//! module drives the pair per the protocol both registered in `disagg_meta.protocol`
+//! (PROTOCOLS §7): concurrent legs (`sglang-bootstrap`, `vllm-mori-write`) or a one-token
+//! prefill whose answer builds the decode leg (`vllm-nixl`, `vllm-mooncake`, `vllm-mori-read`,
+//! `atom-mooncake`). The client gets the decode leg's response; a failed prefill fails the
+//! attempt before the first byte and is failed over like a single worker.
+//!
+//! # Other endpoints
 //! `/v1/messages` is translated by the private `anthropic` module; `/v1/cache/prewarm` and
 //! `/v1/admin/profile/{start,stop}` are served by the `prewarm` and `profile` modules.
 
@@ -38,6 +46,7 @@ mod anthropic;
 mod durable;
 mod http;
 mod metrics;
+mod pd;
 mod prewarm;
 mod profile;
 mod relay;

@@ -11,29 +11,47 @@
 //! arrive; a worker failure mid-stream (a broken connection, a lost or reordered chunk, a
 //! timeout) ends the client's stream with an SSE error event (`code` 502 or 504) and
 //! `data: [DONE]`, never with a silently truncated or corrupted body.
+//!
+//! A decision with a prefill and a decode leg is sent by [`pd`] (both legs, per their
+//! protocol) and relayed as the decode leg's response. A leg the worker did not take (or a
+//! prefill that answered 5xx) fails over like a single worker, excluding that leg's rank; a
+//! prefill's 4xx is the client's answer; a pair that cannot be driven (protocols differ, a
+//! registration lacks a parameter, the prefill's answer lacks the hand-off) is not retried.
 
 use super::http::{ApiError, route_error};
 use super::metrics::inc;
+use super::pd;
 use super::transport::{BodyStream, Inbound, Outbound, TransportError};
 use super::{Core, ServerState};
 use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
 use axum::response::Response;
 use futures::StreamExt as _;
-use infera_core::event::{Event, RequestFinished, RequestPrefilled, RequestStatus};
+use infera_core::event::{
+    Event, RequestFinished, RequestPrefilled, RequestStatus, Role, RoutedLeg,
+};
 use infera_core::ids::{RequestId, WorkerRank};
 use infera_core::log::NewEvent;
 use infera_core::policy::{DirectPick, RouteError, RouteRequest};
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 use std::convert::Infallible;
 use std::time::Instant;
 
-/// Decides, appends `RequestRouted` and applies it; returns the chosen rank and its URL.
+/// Where one attempt goes.
+enum Route {
+    /// One worker (a mixed model, or a direct pick of one worker).
+    Single(WorkerRank, String),
+    /// A prefill and a decode worker, driven by their PD protocol ([`pd`]).
+    Pd(Box<pd::Pair>),
+}
+
+/// Decides, appends `RequestRouted` (both legs of a PD pair, each with its role) and applies
+/// it; returns the chosen worker(s).
 fn decide(
     st: &ServerState,
     req: &RouteRequest,
     direct: Option<&DirectPick>,
-) -> Result<(WorkerRank, String), RouteError> {
+) -> Result<Route, RouteError> {
     let now = st.inner.clock.now_us();
     let metrics = &st.inner.metrics;
     let mut core = st.lock();
@@ -52,26 +70,47 @@ fn decide(
             return Err(e);
         }
     };
-    let Some(leg) = routed.legs.first().cloned() else {
+    let target = |leg: &RoutedLeg| {
+        fleet.worker(&leg.worker.worker).map(|w| pd::Leg {
+            rank: leg.worker.clone(),
+            url: w.url.trim_end_matches('/').to_owned(),
+            record: w.clone(),
+        })
+    };
+    let route = match routed.legs.as_slice() {
+        [p, d] if p.role == Role::Prefill && d.role == Role::Decode => {
+            match (target(p), target(d)) {
+                (Some(prefill), Some(decode)) => {
+                    Some(Route::Pd(Box::new(pd::Pair { prefill, decode })))
+                }
+                _ => None,
+            }
+        }
+        [leg, ..] => Some(Route::Single(
+            leg.worker.clone(),
+            fleet
+                .worker(&leg.worker.worker)
+                .map(|w| w.url.trim_end_matches('/').to_owned())
+                .unwrap_or_default(),
+        )),
+        [] => None,
+    };
+    let Some(route) = route else {
         inc(&metrics.decisions_no_worker, 1);
         return Err(RouteError::NoWorker {
             model: req.model.clone(),
             role: "mixed",
         });
     };
-    let url = fleet
-        .worker(&leg.worker.worker)
-        .map(|w| w.url.trim_end_matches('/').to_owned())
-        .unwrap_or_default();
     inc(&metrics.picks, 1);
     inc(&metrics.pick_request_blocks, routed.blocks.len() as u64);
-    if leg.overlap_blocks > 0 {
+    if routed.legs.iter().any(|l| l.overlap_blocks > 0) {
         inc(&metrics.pick_cache_hits, 1);
     }
     let applied = core.commit(vec![NewEvent::new(Event::RequestRouted(routed))]);
     drop(core);
     metrics.events_applied(applied as u64);
-    Ok((leg.worker, url))
+    Ok(route)
 }
 
 /// One attempt's lifecycle in the fleet. See the module docs.
@@ -184,12 +223,14 @@ pub(crate) async fn forward(
     };
     let transport = &st.inner.transport;
     let mut last_error: Option<TransportError> = None;
+    // The client's body as JSON, parsed once for the legs of a PD pair.
+    let mut pd_base: Option<Map<String, Value>> = None;
     for attempt in 0..attempts {
         if attempt > 0 {
             req.request_id = RequestId::new(format!("{base_id}#{attempt}"));
             inc(&st.inner.metrics.retries, 1);
         }
-        let (rank, url) = match decide(st, &req, direct.as_ref()) {
+        let route = match decide(st, &req, direct.as_ref()) {
             Ok(x) => x,
             Err(RouteError::NoWorker { .. }) if last_error.is_some() => break,
             Err(e) => return Err(route_error(&e)),
@@ -202,27 +243,99 @@ pub(crate) async fn forward(
             ttft_us: None,
             done: false,
         };
-        let outbound = Outbound {
-            worker: rank.worker.clone(),
-            url,
-            path,
-            body: body.clone(),
-            stream,
-            request_id: base_id.clone(),
+        let (rank, outcome) = match route {
+            Route::Single(rank, url) => {
+                let outbound = Outbound {
+                    worker: rank.worker.clone(),
+                    url,
+                    path,
+                    body: body.clone(),
+                    stream,
+                    request_id: base_id.clone(),
+                    engine_request_id: None,
+                };
+                let outcome =
+                    transport
+                        .send(outbound)
+                        .await
+                        .map_err(|error| pd::LegError::Transport {
+                            role: Role::Mixed,
+                            rank: rank.clone(),
+                            error,
+                        });
+                (rank, outcome)
+            }
+            Route::Pd(pair) => {
+                let base: &Map<String, Value> = match &mut pd_base {
+                    Some(b) => b,
+                    slot @ None => slot.insert(pd_body(&body)?),
+                };
+                let outcome = match pd::resolve(&pair.prefill.record, &pair.decode.record) {
+                    Ok(protocol) => {
+                        inc(&st.inner.metrics.pd_requests, 1);
+                        let shape = pd::Shape {
+                            protocol,
+                            pair: &pair,
+                            room: pd::new_room(st.inner.id_prefix),
+                            chat: path == "/v1/chat/completions",
+                        };
+                        let max = st.inner.options.max_body_bytes;
+                        pd::send(
+                            transport.as_ref(),
+                            shape,
+                            path,
+                            base,
+                            stream,
+                            &req.request_id.0,
+                            max,
+                        )
+                        .await
+                    }
+                    Err(e) => Err(pd::LegError::Pd(e)),
+                };
+                (pair.decode.rank, outcome)
+            }
         };
         let last_attempt = attempt + 1 == attempts;
-        match transport.send(outbound).await {
-            Err(e) => {
-                st.inner.metrics.transport_error(&e);
-                guard.finish(failure_status(&e), Usage::default());
-                if !e.retry_elsewhere() {
-                    return Err(transport_error(e));
+        match outcome {
+            Err(pd::LegError::Transport { role, rank, error }) => {
+                st.inner.metrics.transport_error(&error);
+                if role == Role::Prefill {
+                    inc(&st.inner.metrics.pd_prefill_failures, 1);
+                }
+                guard.finish(failure_status(&error), Usage::default());
+                if !error.retry_elsewhere() {
+                    return Err(transport_error(error));
                 }
                 tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
-                    dp_rank = rank.dp_rank, transport = transport.name(), error = %e,
-                    "worker did not take the request; failing over");
-                last_error = Some(e);
+                    dp_rank = rank.dp_rank, leg = role.as_str(), transport = transport.name(),
+                    error = %error, "worker did not take the request; failing over");
+                last_error = Some(error);
                 req.exclude.push(rank);
+            }
+            Err(pd::LegError::Status { rank, response }) => {
+                inc(&st.inner.metrics.pd_prefill_failures, 1);
+                if response.status.is_server_error() && !last_attempt {
+                    tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
+                        status = %response.status,
+                        "PD prefill leg answered 5xx before any byte; failing over");
+                    guard.finish(RequestStatus::WorkerError, Usage::default());
+                    last_error = Some(TransportError::Unreachable(format!(
+                        "prefill worker {} answered {}",
+                        rank.worker.as_str(),
+                        response.status
+                    )));
+                    req.exclude.push(rank);
+                } else {
+                    // The prefill's own error is the client's answer; the decode leg is gone.
+                    return Ok(relay(guard, response, false).await);
+                }
+            }
+            Err(pd::LegError::Pd(e)) => {
+                tracing::error!(request_id = %base_id, error = %e, "PD pair cannot be driven");
+                inc(&st.inner.metrics.pd_pair_errors, 1);
+                guard.finish(RequestStatus::WorkerError, Usage::default());
+                return Err(ApiError::new(e.status(), e.to_string()));
             }
             Ok(resp) if resp.status.is_server_error() && !last_attempt => {
                 tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
@@ -248,6 +361,17 @@ pub(crate) async fn forward(
             ),
         ),
     })
+}
+
+/// The client's (already stamped) body as an object, for rewriting into PD legs.
+fn pd_body(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        _ => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the forwarded body is not a JSON object",
+        )),
+    }
 }
 
 /// The request status a transport failure is recorded with.

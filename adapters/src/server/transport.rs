@@ -41,6 +41,9 @@ pub struct Outbound {
     pub stream: bool,
     /// The client-facing request id (`x-infera-request-id`).
     pub request_id: String,
+    /// The engine's own request id (`X-Request-Id`), set on the legs of a PD pair: some KV
+    /// connectors correlate the legs, or find their peers, through it.
+    pub engine_request_id: Option<String>,
 }
 
 /// The body of a response, chunk by chunk.
@@ -164,6 +167,13 @@ impl RequestTransport for HttpTransport {
         let mut builder = Request::post(&target).header(header::CONTENT_TYPE, "application/json");
         if let Ok(v) = HeaderValue::from_str(&req.request_id) {
             builder = builder.header(super::http::REQUEST_ID, v);
+        }
+        if let Some(v) = req
+            .engine_request_id
+            .as_deref()
+            .and_then(|v| HeaderValue::from_str(v).ok())
+        {
+            builder = builder.header("x-request-id", v);
         }
         let http_req = builder.body(Full::new(req.body)).map_err(|e| {
             TransportError::Failed(format!("cannot build the request to {target}: {e}"))

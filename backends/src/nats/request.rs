@@ -187,15 +187,14 @@ impl RequestTransport for NatsTransport {
             .subscribe(inbox.clone())
             .await
             .map_err(|e| TransportError::Unreachable(format!("nats subscribe failed: {e}")))?;
-        let payload = Bytes::from(encode_request(
-            req.path,
-            req.stream,
-            &[
-                ("content-type", "application/json"),
-                ("x-infera-request-id", &req.request_id),
-            ],
-            &req.body,
-        ));
+        let mut headers = vec![
+            ("content-type", "application/json"),
+            ("x-infera-request-id", req.request_id.as_str()),
+        ];
+        if let Some(id) = &req.engine_request_id {
+            headers.push(("x-request-id", id.as_str()));
+        }
+        let payload = Bytes::from(encode_request(req.path, req.stream, &headers, &req.body));
         // Published while the broker is away, the request waits in the client's buffer and
         // goes out on the reconnect, possibly before the worker has resubscribed.
         let offline = self.client.connection_state() != async_nats::connection::State::Connected;

@@ -280,4 +280,21 @@ pub struct MockWorkerArgs {
         help_heading = MOCK
     )]
     pub decode_coeffs: TimingCoeffs,
+
+    /// Play one leg of a prefill/decode pair: `prefill`, `decode`, or `null` (mixed), as
+    /// SGLang spells it. A PD-role mock checks each request carries its leg's PD fields (400
+    /// otherwise) and registers `disagg_mode` and `disagg_meta` as the launcher does for the
+    /// protocol's engine.
+    #[arg(long, default_value = "null", value_name = "MODE", help_heading = MOCK)]
+    pub disaggregation_mode: String,
+
+    /// The PD protocol a PD-role mock speaks and registers: sglang-bootstrap, vllm-mooncake,
+    /// vllm-nixl, vllm-mori-read, vllm-mori-write or atom-mooncake.
+    #[arg(long, default_value = "sglang-bootstrap", value_name = "PROTOCOL", help_heading = MOCK)]
+    pub disaggregation_protocol: String,
+
+    /// The bootstrap (SGLang, vLLM Mooncake) or handshake (MoRI, ATOM) port a PD-role mock
+    /// registers; nothing listens there.
+    #[arg(long, default_value_t = 8998, value_name = "PORT", help_heading = MOCK)]
+    pub disaggregation_bootstrap_port: u16,
 }

@@ -263,6 +263,21 @@ pub struct MockEngineConfig {
     pub prefill_coeffs: TimingCoeffs,
     /// Decode step time over the fraction x of KV blocks in use.
     pub decode_coeffs: TimingCoeffs,
+    /// The leg of a PD pair the mock plays (`--disaggregation-mode`); `None`: mixed.
+    #[serde(default)]
+    pub pd: Option<MockPdConfig>,
+}
+
+/// A PD-role mock (`--disaggregation-mode prefill|decode`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MockPdConfig {
+    /// Prefill or decode.
+    pub role: infera_core::event::Role,
+    /// `--disaggregation-protocol`.
+    pub protocol: String,
+    /// `--disaggregation-bootstrap-port`.
+    pub bootstrap_port: u16,
 }
 
 /// How the engine is run.
@@ -363,8 +378,42 @@ fn from_mock(args: MockWorkerArgs) -> Result<WorkerConfig, ConfigError> {
         speedup: positive_f64("--speedup", args.speedup)?,
         prefill_coeffs: args.prefill_coeffs,
         decode_coeffs: args.decode_coeffs,
+        pd: mock_pd(
+            &args.disaggregation_mode,
+            &args.disaggregation_protocol,
+            args.disaggregation_bootstrap_port,
+        )?,
     });
     Ok(shared.into_config(EngineKind::Mock, launch))
+}
+
+fn mock_pd(mode: &str, protocol: &str, port: u16) -> Result<Option<MockPdConfig>, ConfigError> {
+    use infera_core::event::Role;
+    let role = match mode {
+        "null" | "mixed" => return Ok(None),
+        "prefill" => Role::Prefill,
+        "decode" => Role::Decode,
+        other => {
+            return Err(ConfigError::new(
+                "--disaggregation-mode",
+                format!("{other}: expected prefill, decode or null"),
+            ));
+        }
+    };
+    if !infera_adapters::mock::PD_PROTOCOLS.contains(&protocol) {
+        return Err(ConfigError::new(
+            "--disaggregation-protocol",
+            format!(
+                "{protocol}: expected one of {}",
+                infera_adapters::mock::PD_PROTOCOLS.join(", ")
+            ),
+        ));
+    }
+    Ok(Some(MockPdConfig {
+        role,
+        protocol: protocol.to_owned(),
+        bootstrap_port: port,
+    }))
 }
 
 /// The validated flags every engine shares.

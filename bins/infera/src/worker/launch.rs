@@ -18,7 +18,9 @@
 //! `--kv-transfer-config` `kv_role` give the role; the connector gives the protocol the server's
 //! two-leg dispatch speaks (`sglang-bootstrap`, `vllm-mooncake`, `vllm-mori-read|write`,
 //! `vllm-nixl`, `atom-mooncake`). A vLLM PD worker's `engine_id` is pinned into the forwarded
-//! `--kv-transfer-config`, so the id registered is the one the engine uses.
+//! `--kv-transfer-config`, so the id registered is the one the engine uses. A PD-role mock
+//! (`infera worker mock --disaggregation-mode`) registers the same shapes
+//! ([`mock_disagg_meta`]), so the server's dispatch is tested against what real workers say.
 
 use crate::config::worker::{EngineKind, EngineProcessConfig, WorkerConfig};
 use crate::net::url_host;
@@ -301,10 +303,7 @@ fn disaggregation(
                 let engine_id = transfer
                     .get("engine_id")
                     .and_then(Value::as_str)
-                    .map_or_else(
-                        || format!("infera-{}-{}", config.advertise_host, config.port),
-                        str::to_owned,
-                    );
+                    .map_or_else(|| default_engine_id(config), str::to_owned);
                 if transfer.get("engine_id").is_none() {
                     transfer.insert("engine_id".into(), engine_id.clone().into());
                     replace_flag_value(
@@ -365,6 +364,53 @@ fn vllm_meta(host: &str, transfer: &Map<String, Value>, mori_read: bool) -> Opti
             format!("http://{}:{VLLM_MOONCAKE_BOOTSTRAP_PORT}", url_host(host)).into();
     }
     Some(json!({ "protocol": protocol, "params": params }))
+}
+
+/// The engine id a vLLM PD worker registers when its `--kv-transfer-config` names none.
+pub fn default_engine_id(config: &WorkerConfig) -> String {
+    format!("infera-{}-{}", config.advertise_host, config.port)
+}
+
+/// The `disagg_meta` of a PD-role mock: the shape the launcher registers for the protocol's
+/// engine, with `bootstrap_port` as its bootstrap (SGLang, vLLM Mooncake) or handshake (MoRI,
+/// ATOM) port and `bootstrap_port + 1` as MoRI's notify port.
+pub fn mock_disagg_meta(config: &WorkerConfig, protocol: &str, bootstrap_port: u16) -> Value {
+    let host = config.advertise_host.as_str();
+    let params = match protocol {
+        "sglang-bootstrap" => json!({
+            "bootstrap_host": host,
+            "bootstrap_port": bootstrap_port,
+            "transfer_backend": "mock",
+        }),
+        "atom-mooncake" => json!({
+            "host": host,
+            "http_port": config.port,
+            "handshake_port": bootstrap_port,
+            "tp_size": 1,
+            "dp_size": 1,
+        }),
+        _ => {
+            let mut params = json!({
+                "engine_id": default_engine_id(config),
+                "kv_ip": null,
+                "kv_port": null,
+                "kv_connector_extra_config": {},
+            });
+            if protocol.starts_with("vllm-mori") {
+                params["kv_connector_extra_config"] = json!({
+                    "handshake_port": bootstrap_port,
+                    "notify_port": u32::from(bootstrap_port) + 1,
+                    "tp_size": 1,
+                });
+            }
+            if protocol == "vllm-mooncake" {
+                params["bootstrap_addr"] =
+                    format!("http://{}:{bootstrap_port}", url_host(host)).into();
+            }
+            params
+        }
+    };
+    json!({ "protocol": protocol, "params": params })
 }
 
 /// The PD protocol of a vLLM connector; MoRIIO reads instead of writing when vLLM's
@@ -726,6 +772,103 @@ mod tests {
         let forwarded = flag_value(&plan.args, &["--kv-transfer-config"]).unwrap();
         let forwarded: Value = serde_json::from_str(forwarded).unwrap();
         assert_eq!(forwarded["engine_id"], "infera-h1-8003");
+    }
+
+    fn mock_config(extra: &[&str]) -> Result<WorkerConfig, crate::config::ConfigError> {
+        let mut argv = vec![
+            "infera",
+            "worker",
+            "mock",
+            "--model-path",
+            "m",
+            "--port",
+            "8003",
+        ];
+        argv.extend_from_slice(&["--advertise-host", "h1"]);
+        argv.extend_from_slice(extra);
+        let Command::Worker(command) = parse_from(argv).unwrap().command else {
+            panic!("not a worker command");
+        };
+        WorkerConfig::try_from(command)
+    }
+
+    #[test]
+    fn a_pd_mock_registers_what_the_launcher_registers_for_its_protocol() {
+        let config = mock_config(&[]).unwrap();
+        let LaunchConfig::Mock(mock) = &config.launch else {
+            panic!("not a mock");
+        };
+        assert_eq!(mock.pd, None, "a mock is mixed unless told otherwise");
+        // vLLM Mooncake: the same engine id and bootstrap address a launched vLLM registers.
+        let transfer = r#"{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}"#;
+        let launched = plan_for(
+            &[
+                "vllm",
+                "--model",
+                "m",
+                "--port",
+                "8003",
+                "--advertise-host",
+                "h1",
+            ]
+            .into_iter()
+            .chain(["--kv-transfer-config", transfer])
+            .collect::<Vec<_>>(),
+            &[],
+        )
+        .unwrap()
+        .disagg_meta
+        .unwrap();
+        let meta = mock_disagg_meta(&config, "vllm-mooncake", 8998);
+        assert_eq!(meta["protocol"], launched["protocol"]);
+        assert_eq!(meta["params"]["engine_id"], launched["params"]["engine_id"]);
+        assert_eq!(
+            meta["params"]["bootstrap_addr"],
+            launched["params"]["bootstrap_addr"]
+        );
+        // SGLang: the prefill's bootstrap host and port.
+        let meta = mock_disagg_meta(&config, "sglang-bootstrap", 9000);
+        assert_eq!(meta["params"]["bootstrap_host"], "h1");
+        assert_eq!(meta["params"]["bootstrap_port"], 9000);
+        // MoRI: the side-channel ports its forged request ids name.
+        let meta = mock_disagg_meta(&config, "vllm-mori-read", 9000);
+        assert_eq!(
+            meta["params"]["kv_connector_extra_config"],
+            json!({"handshake_port": 9000, "notify_port": 9001, "tp_size": 1})
+        );
+        let config = mock_config(&[
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-protocol",
+            "atom-mooncake",
+        ])
+        .unwrap();
+        let LaunchConfig::Mock(mock) = &config.launch else {
+            panic!("not a mock");
+        };
+        let pd = mock.pd.as_ref().unwrap();
+        assert_eq!(
+            (pd.role, pd.protocol.as_str()),
+            (Role::Decode, "atom-mooncake")
+        );
+        let meta = mock_disagg_meta(&config, &pd.protocol, pd.bootstrap_port);
+        assert_eq!(meta["params"]["http_port"], 8003);
+        assert_eq!(meta["params"]["handshake_port"], 8998);
+    }
+
+    #[test]
+    fn a_pd_mock_refuses_an_unknown_mode_or_protocol() {
+        let e = mock_config(&["--disaggregation-mode", "both"]).unwrap_err();
+        assert_eq!(e.flag, "--disaggregation-mode");
+        let e = mock_config(&[
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-protocol",
+            "carrier-pigeon",
+        ])
+        .unwrap_err();
+        assert_eq!(e.flag, "--disaggregation-protocol");
+        assert!(e.reason.contains("vllm-nixl"), "{}", e.reason);
     }
 
     #[test]

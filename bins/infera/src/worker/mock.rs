@@ -23,7 +23,7 @@ use anyhow::{Context, bail};
 use bytes::Bytes;
 use clap::Args;
 use infera_adapters::kv_events::{EngineBatch, encode_batch_vllm};
-use infera_adapters::mock::{MockConfig, MockServer};
+use infera_adapters::mock::{MockConfig, MockPd, MockServer};
 use infera_adapters::tokenize::Tokenizer;
 use infera_backends::nats::kv::KvEventPublisher as NatsKvPublisher;
 use infera_backends::zmq::{KvEventPublisher, PublisherConfig};
@@ -105,6 +105,13 @@ impl RunningMock {
         let mut mock_config = MockConfig::new(served_model, engine_config(mock));
         mock_config.tokenizer = load_tokenizer(&config.model)?;
         mock_config.drain_timeout = config.drain_timeout.0;
+        mock_config.pd = mock.pd.as_ref().map(|pd| MockPd {
+            role: pd.role,
+            protocol: pd.protocol.clone(),
+            engine_id: super::launch::default_engine_id(config),
+            host: config.advertise_host.clone(),
+            port: config.port,
+        });
         let (sink, forwarder) = match kv {
             Some(kv) => {
                 let (sink, forwarder) = start_publisher(kv).await?;

@@ -198,6 +198,14 @@ async fn run_mock(
     record.kv_block_size = engine.block_size;
     record.extra = running.registration_extra();
     record.set_kv_events_replay_endpoint(kv_events_replay_endpoint);
+    if let Some(pd) = &engine.pd {
+        record.disagg_mode = pd.role;
+        record.disagg_meta = Some(launch::mock_disagg_meta(
+            config,
+            &pd.protocol,
+            pd.bootstrap_port,
+        ));
+    }
     let registration = match register(&registrar, &record).await {
         Ok(registration) => registration,
         Err(e) => {
