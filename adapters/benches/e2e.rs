@@ -95,7 +95,13 @@ fn tokenizer() -> Arc<Tokenizer> {
 fn record(state: &ServerState, dir: &std::path::Path) {
     let mut rx = state.tap("trace", 1 << 16);
     let clock = infera_core::clock::SystemClock;
-    let mut recorder = Recorder::new(RecorderOptions::new(dir), clock.now_us()).expect("recorder");
+    // Segments of at most 2 s, so the Parquet writes fall inside every measurement (a server's
+    // 60 s default would defer them past a bench run while costing the same per row).
+    let options = RecorderOptions {
+        segment_max_age_us: 2_000_000,
+        ..RecorderOptions::new(dir)
+    };
+    let mut recorder = Recorder::new(options, clock.now_us()).expect("recorder");
     // Drained in rounds every 50 ms, as the server's recorder thread does.
     std::thread::spawn(move || {
         loop {
