@@ -416,7 +416,7 @@ pub struct Checkpoint {
     pub replay_from: u64,
     pub next_generation: u64,
     pub namespaces: Vec<(u32, Namespace)>,
-    /// Lowest class first, least recently used first.
+    /// Least recently used first (within each class).
     pub entries: Vec<PutRecord>,
 }
 
