@@ -10,7 +10,8 @@
 //!   entries runs beside them (p50, p99 and max of each, beside the same loop without one).
 //!
 //! `KVD_BENCH_DIR` picks the file system (default: the system temp directory);
-//! `KVD_BENCH_ONLY=restart` runs only the restart and checkpoint measurements of the summary.
+//! `KVD_BENCH_ONLY=restart` runs only the restart and checkpoint measurements of the summary,
+//! `KVD_BENCH_ONLY=throughput` only the sequential ones.
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group};
@@ -305,6 +306,9 @@ fn summary() {
         );
     }
     drop(dir);
+    if only == "throughput" {
+        return;
+    }
     let entries = 1_000_000;
     let (cp, journal) = restart(&rt, entries);
     println!(
