@@ -11,7 +11,8 @@
 //!
 //! `KVD_BENCH_DIR` picks the file system (default: the system temp directory);
 //! `KVD_BENCH_ONLY=restart` runs only the restart and checkpoint measurements of the summary,
-//! `KVD_BENCH_ONLY=throughput` only the sequential ones.
+//! `KVD_BENCH_ONLY=throughput` only the sequential ones; `KVD_BENCH_WORKERS=N` sets the I/O
+//! workers per shard (`--long-workers-per-shard`, default 8).
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group};
@@ -37,6 +38,12 @@ fn bench_dir() -> tempfile::TempDir {
 fn config(dir: &Path, bytes: u64, mode: IoMode) -> TablespaceConfig {
     let mut c = TablespaceConfig::new(vec![dir.join("l3")], bytes);
     c.io_mode = mode;
+    if let Some(w) = std::env::var("KVD_BENCH_WORKERS")
+        .ok()
+        .and_then(|w| w.parse().ok())
+    {
+        c.workers_per_shard = w;
+    }
     c
 }
 
