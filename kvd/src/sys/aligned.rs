@@ -37,6 +37,12 @@ impl AlignedBuf {
     /// When the kernel refuses the mapping (out of memory, like `Vec`).
     pub fn new(capacity: usize) -> Self {
         let capacity = capacity.max(1).div_ceil(ALIGN) * ALIGN;
+        // Small pages are populated in one call rather than faulted in one by one.
+        let flags = if capacity >= HUGE {
+            MapFlags::PRIVATE
+        } else {
+            MapFlags::PRIVATE | MapFlags::POPULATE
+        };
         // SAFETY: a fresh private anonymous mapping, not aliasing any Rust object; the kernel
         // picks the (page-aligned) address.
         let mapped = unsafe {
@@ -44,7 +50,7 @@ impl AlignedBuf {
                 std::ptr::null_mut(),
                 capacity,
                 ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
+                flags,
             )
         };
         let Some(ptr) = mapped.ok().and_then(|p| NonNull::new(p.cast::<u8>())) else {
