@@ -106,7 +106,7 @@ pub struct Shard {
 }
 
 /// Index entries a checkpoint copies per hold of the shard lock.
-const CHECKPOINT_CHUNK: usize = 2048;
+const CHECKPOINT_CHUNK: usize = 256;
 
 impl Shard {
     /// A shard over a recovered index.
