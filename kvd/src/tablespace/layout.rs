@@ -29,7 +29,18 @@
 
 use crate::proto::Namespace;
 use infera_core::event::Retention;
-use xxhash_rust::xxh3::{Xxh3, xxh3_64, xxh3_64_with_seed};
+use std::hash::Hasher;
+use twox_hash::XxHash3_64;
+
+/// XXH3-64 of `b` (the reference algorithm; twox-hash picks AVX2 or SSE2 at run time).
+fn xxh3_64(b: &[u8]) -> u64 {
+    XxHash3_64::oneshot(b)
+}
+
+/// XXH3-64 of `b` with `seed`.
+fn xxh3_64_with_seed(b: &[u8], seed: u64) -> u64 {
+    XxHash3_64::oneshot_with_seed(seed, b)
+}
 
 /// The allocation unit and alignment of blocks, in bytes.
 pub const UNIT: u64 = crate::sys::aligned::ALIGN as u64;
@@ -178,7 +189,7 @@ impl BlockParts<'_> {
         h[42..44].copy_from_slice(&(self.ns.compat_key.len() as u16).to_le_bytes());
         h[44..48].copy_from_slice(&(self.key.len() as u32).to_le_bytes());
         h[56..64].fill(0);
-        let mut sum = Xxh3::with_seed(xxh3_64(&out[..48]));
+        let mut sum = XxHash3_64::with_seed(xxh3_64(&out[..48]));
         let mut at = BLOCK_HEADER;
         for part in [
             self.ns.model.as_bytes(),
@@ -190,13 +201,13 @@ impl BlockParts<'_> {
             for slice in part.chunks(HASH_SLICE) {
                 let to = &mut out[at..at + slice.len()];
                 to.copy_from_slice(slice);
-                sum.update(to);
+                sum.write(to);
                 at += slice.len();
             }
         }
         let padded = (total as u64).div_ceil(UNIT) as usize * UNIT as usize;
         out[total..padded].fill(0);
-        out[48..56].copy_from_slice(&sum.digest().to_le_bytes());
+        out[48..56].copy_from_slice(&sum.finish().to_le_bytes());
     }
 }
 

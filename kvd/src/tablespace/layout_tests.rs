@@ -160,3 +160,13 @@ fn a_value_summed_slice_by_slice_carries_the_documented_checksum() {
         assert_eq!(&buf[range], &value[..]);
     }
 }
+
+#[test]
+fn checksums_are_the_reference_xxh3_64_so_old_regions_stay_readable() {
+    assert_eq!(xxh3_64(b"infera kvd"), 0xc1d62c43d5e9b019);
+    let data: Vec<u8> = (0..300_000usize).map(|i| (i * 31 % 251) as u8).collect();
+    assert_eq!(
+        xxh3_64_with_seed(&data, 0x1234_5678_9abc_def0),
+        0xb0552057e7152d8a
+    );
+}
