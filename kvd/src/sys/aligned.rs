@@ -1,19 +1,17 @@
 //! [`AlignedBuf`]: a buffer whose start, and capacity, are multiples of [`ALIGN`], as O_DIRECT
-//! requires: an anonymous mapping of its own, so it starts zeroed by the kernel (every byte is
-//! always initialized, and no pass of `memset` is paid for it) and, from [`HUGE`] bytes up, is
-//! offered transparent huge pages (a 4 MiB block then faults in a few pages, not a thousand).
+//! requires: an anonymous mapping of its own, populated at once, so it starts zeroed by the
+//! kernel (every byte is always initialized, and no pass of `memset` is paid for it) and its pages
+//! arrive in one call rather than one fault each. (No huge pages: where the kernel compacts
+//! memory for them on demand, a fault could stall for milliseconds.)
 //! Buffers are meant to be pooled and reused (see `tablespace::io`), which also avoids paying
 //! the page faults of fresh memory on every block.
 
-use rustix::mm::{Advice, MapFlags, ProtFlags};
+use rustix::mm::{MapFlags, ProtFlags};
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
 /// The alignment of every buffer, offset and length of the O_DIRECT data path.
 pub const ALIGN: usize = 4096;
-
-/// Buffers from this size up ask for transparent huge pages.
-pub const HUGE: usize = 2 << 20;
 
 /// See the module docs. `len` (the bytes in use) never exceeds `capacity`.
 #[derive(Debug)]
@@ -37,12 +35,6 @@ impl AlignedBuf {
     /// When the kernel refuses the mapping (out of memory, like `Vec`).
     pub fn new(capacity: usize) -> Self {
         let capacity = capacity.max(1).div_ceil(ALIGN) * ALIGN;
-        // Small pages are populated in one call rather than faulted in one by one.
-        let flags = if capacity >= HUGE {
-            MapFlags::PRIVATE
-        } else {
-            MapFlags::PRIVATE | MapFlags::POPULATE
-        };
         // SAFETY: a fresh private anonymous mapping, not aliasing any Rust object; the kernel
         // picks the (page-aligned) address.
         let mapped = unsafe {
@@ -50,7 +42,7 @@ impl AlignedBuf {
                 std::ptr::null_mut(),
                 capacity,
                 ProtFlags::READ | ProtFlags::WRITE,
-                flags,
+                MapFlags::PRIVATE | MapFlags::POPULATE,
             )
         };
         let Some(ptr) = mapped.ok().and_then(|p| NonNull::new(p.cast::<u8>())) else {
@@ -59,13 +51,6 @@ impl AlignedBuf {
                 Err(_) => panic!("buffer of {capacity} bytes is too large to allocate"),
             }
         };
-        if capacity >= HUGE {
-            // SAFETY: advice about the mapping just made, which this buffer owns; failing only
-            // leaves small pages.
-            let _ = unsafe {
-                rustix::mm::madvise(ptr.as_ptr().cast(), capacity, Advice::LinuxHugepage)
-            };
-        }
         Self {
             ptr,
             len: 0,
@@ -134,8 +119,8 @@ mod tests {
         b.as_mut_slice().copy_from_slice(b"abc");
         assert_eq!(b.as_slice(), b"abc");
         assert!(std::panic::catch_unwind(move || b.set_len(8193)).is_err());
-        let mut big = AlignedBuf::new(HUGE + 1);
-        assert_eq!(big.capacity(), HUGE + ALIGN);
+        let mut big = AlignedBuf::new((4 << 20) + 1);
+        assert_eq!(big.capacity(), (4 << 20) + ALIGN);
         assert_eq!(big.full_mut().as_ptr() as usize % ALIGN, 0);
         assert!(big.full_mut().iter().all(|x| *x == 0));
     }
