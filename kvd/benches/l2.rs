@@ -10,6 +10,11 @@
 //! Criterion cycles over 4 keys (4 MiB: hot in the caches, like its memcpy of one buffer). The
 //! closing lines print MB/s and ratios to memcpy for that hot working set and for a cold one (64
 //! keys, beside a memcpy that cycles over 64 buffers), and the 5 MB get's p50/p99.
+//!
+//! Beside them, the machine's own limits for the socket: a bare Unix socket pair between two
+//! threads moving 1 MiB one way per 1-byte reply (what any inline value must cross: one copy
+//! into the kernel, one out), and a 16-byte ping-pong (the wake-up round trip every request
+//! pays, which bounds the arena get's latency from below).
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group};
@@ -204,7 +209,61 @@ fn rate(mut f: impl FnMut(u64)) -> f64 {
     (n as f64 * MIB as f64) / start.elapsed().as_secs_f64() / 1e6
 }
 
+/// A thread that answers each `len`-byte message on `b` with one byte, until `a` closes.
+fn echo(len: usize) -> (std::os::unix::net::UnixStream, std::thread::JoinHandle<()>) {
+    use std::io::{Read, Write};
+    let (a, mut b) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+    for s in [&a, &b] {
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size(s, 4 << 20);
+        let _ = rustix::net::sockopt::set_socket_recv_buffer_size(s, 4 << 20);
+    }
+    let peer = std::thread::spawn(move || {
+        let mut buf = vec![0u8; len];
+        while b.read_exact(&mut buf).is_ok() {
+            if b.write_all(&[1]).is_err() {
+                break;
+            }
+        }
+    });
+    (a, peer)
+}
+
+/// One message of `msg` bytes and its 1-byte reply over `a`.
+fn exchange(a: &mut std::os::unix::net::UnixStream, msg: &[u8]) {
+    use std::io::{Read, Write};
+    a.write_all(msg).expect("send");
+    let mut ack = [0u8; 1];
+    a.read_exact(&mut ack).expect("reply");
+}
+
+/// The bare socket: MB/s of 1 MiB messages, and the p50 of a 16-byte round trip.
+fn socket_limits() -> (f64, Duration) {
+    let (mut a, peer) = echo(MIB);
+    let msg = vec![7u8; MIB];
+    let mb = rate(|_| exchange(&mut a, &msg));
+    drop(a);
+    let _ = peer.join();
+    let (mut a, peer) = echo(16);
+    let mut lat: Vec<Duration> = (0..20_000)
+        .map(|_| {
+            let t = Instant::now();
+            exchange(&mut a, &[3u8; 16]);
+            t.elapsed()
+        })
+        .collect();
+    drop(a);
+    let _ = peer.join();
+    lat.sort();
+    (mb, lat[lat.len() / 2])
+}
+
 fn summary() {
+    let (socket_mb, round_trip) = socket_limits();
+    println!(
+        "l2 summary: bare Unix socket: 1 MiB messages {socket_mb:.0} MB/s, 16-byte round trip \
+         p50 {:.1} us",
+        round_trip.as_secs_f64() * 1e6
+    );
     let mut inline = setup(false);
     let mut shared = setup(true);
     for keys in [HOT, COLD] {
@@ -224,10 +283,12 @@ fn summary() {
         });
         println!("l2 summary ({keys} keys of 1 MiB): memcpy {copy:.0} MB/s");
         println!(
-            "l2 summary ({keys} keys): inline set {set_rate:.0} MB/s ({:.2} of memcpy), get \
-             {get_rate:.0} MB/s ({:.2})",
+            "l2 summary ({keys} keys): inline set {set_rate:.0} MB/s ({:.2} of memcpy, {:.2} of \
+             the bare socket), get {get_rate:.0} MB/s ({:.2}, {:.2})",
             set_rate / copy,
-            get_rate / copy
+            set_rate / socket_mb,
+            get_rate / copy,
+            get_rate / socket_mb
         );
         println!(
             "l2 summary ({keys} keys): arena put {put_rate:.0} MB/s ({:.2} of memcpy), get with \
@@ -247,10 +308,26 @@ fn summary() {
         .collect();
     lat.sort();
     let p = |q: f64| lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)];
+    // Where the time goes: the same request for a key that is not there (the protocol and
+    // both runtimes, without the store's hit and the slot's validation).
+    let mut miss: Vec<Duration> = (0..20_000)
+        .map(|_| {
+            let t = Instant::now();
+            let got = shared
+                .rt
+                .block_on(shared.client.get_shared(&ns(), b"absent"));
+            assert!(got.expect("get").is_none());
+            t.elapsed()
+        })
+        .collect();
+    miss.sort();
     println!(
-        "l2 summary: arena get of a 5 MB block: p50 {:.1} us, p99 {:.1} us",
+        "l2 summary: arena get of a 5 MB block: p50 {:.1} us, p99 {:.1} us (a miss: p50 {:.1} \
+         us; the bare socket's round trip: p50 {:.1} us)",
         p(0.5).as_secs_f64() * 1e6,
-        p(0.99).as_secs_f64() * 1e6
+        p(0.99).as_secs_f64() * 1e6,
+        miss[miss.len() / 2].as_secs_f64() * 1e6,
+        round_trip.as_secs_f64() * 1e6
     );
 }
 

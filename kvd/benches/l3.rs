@@ -5,10 +5,14 @@
 //!   read (gets in key order, sixteen in flight) of 256 MiB in 64 KiB, 1 MiB and 4 MiB blocks,
 //!   O_DIRECT, beside `dd oflag=direct` / `dd iflag=direct` with the same block size;
 //! - summary: reopening a tablespace of 1 M entries, from its checkpoint and (as after a crash)
-//!   from its journal alone.
+//!   from its journal alone;
+//! - summary: how long puts and gets of that tablespace wait while a checkpoint of its 1 M
+//!   entries runs beside them (p50, p99 and max of each, beside the same loop without one).
 //!
 //! `KVD_BENCH_DIR` picks the file system (default: the system temp directory);
-//! `KVD_BENCH_ONLY=restart` runs only the restart measurement of the summary.
+//! `KVD_BENCH_ONLY=restart` runs only the restart and checkpoint measurements of the summary,
+//! `KVD_BENCH_ONLY=throughput` only the sequential ones; `KVD_BENCH_WORKERS=N` sets the I/O
+//! workers per shard (`--long-workers-per-shard`, default 8).
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group};
@@ -19,6 +23,7 @@ use infera_kvd::{IoMode, LongBackendConfig, Namespace, TablespaceConfig};
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 const NOW: u64 = 1;
@@ -33,6 +38,12 @@ fn bench_dir() -> tempfile::TempDir {
 fn config(dir: &Path, bytes: u64, mode: IoMode) -> TablespaceConfig {
     let mut c = TablespaceConfig::new(vec![dir.join("l3")], bytes);
     c.io_mode = mode;
+    if let Some(w) = std::env::var("KVD_BENCH_WORKERS")
+        .ok()
+        .and_then(|w| w.parse().ok())
+    {
+        c.workers_per_shard = w;
+    }
     c
 }
 
@@ -173,6 +184,69 @@ fn throughput(rt: &tokio::runtime::Runtime, bs: usize, total: usize, mode: IoMod
     (w, r)
 }
 
+/// Latencies of a put (overwriting a key with its value) then a get of another key, in a loop
+/// until `done` (at least `min` rounds).
+fn data_path(
+    rt: &tokio::runtime::Runtime,
+    ts: &Arc<dyn LongStore>,
+    entries: u64,
+    min: usize,
+    done: &AtomicBool,
+) -> (Vec<Duration>, Vec<Duration>) {
+    let value = Bytes::from_static(b"sixteen bytes!!!");
+    let (mut puts, mut gets) = (Vec::new(), Vec::new());
+    let mut i = 0u64;
+    while puts.len() < min || !done.load(Ordering::Acquire) {
+        i = (i + 7919) % entries;
+        let t = Instant::now();
+        rt.block_on(put(ts, i, &value));
+        puts.push(t.elapsed());
+        let t = Instant::now();
+        assert_eq!(rt.block_on(read(ts, (i + 1) % entries)), value.len());
+        gets.push(t.elapsed());
+    }
+    (puts, gets)
+}
+
+fn quantiles(mut v: Vec<Duration>) -> String {
+    v.sort();
+    let q = |f: f64| v[((v.len() as f64 * f) as usize).min(v.len() - 1)].as_secs_f64() * 1e6;
+    format!(
+        "p50 {:.0} us, p99 {:.0} us, max {:.0} us ({} ops)",
+        q(0.5),
+        q(0.99),
+        q(1.0),
+        v.len()
+    )
+}
+
+/// Puts and gets beside a checkpoint of `ts` (holding `entries`), and the same loop alone.
+fn checkpoint_stall(rt: &tokio::runtime::Runtime, ts: &Arc<dyn LongStore>, entries: u64) {
+    let (puts, gets) = data_path(rt, ts, entries, 2000, &AtomicBool::new(true));
+    println!(
+        "l3 summary: without a checkpoint: put {}; get {}",
+        quantiles(puts),
+        quantiles(gets)
+    );
+    let done = AtomicBool::new(false);
+    let (took, (puts, gets)) = std::thread::scope(|s| {
+        let checkpoint = s.spawn(|| {
+            let t = Instant::now();
+            rt.block_on(ts.checkpoint()).expect("checkpoint");
+            done.store(true, Ordering::Release);
+            t.elapsed()
+        });
+        let ops = data_path(rt, ts, entries, 1, &done);
+        (checkpoint.join().expect("checkpoint thread"), ops)
+    });
+    println!(
+        "l3 summary: during a checkpoint of {entries} entries ({:.2} s): put {}; get {}",
+        took.as_secs_f64(),
+        quantiles(puts),
+        quantiles(gets)
+    );
+}
+
 fn restart(rt: &tokio::runtime::Runtime, entries: u64) -> (Duration, Duration) {
     let dir = bench_dir();
     let mut c = config(dir.path(), entries * 4096 + (64 << 20), IoMode::Buffered);
@@ -190,6 +264,9 @@ fn restart(rt: &tokio::runtime::Runtime, entries: u64) -> (Duration, Duration) {
     let t = Instant::now();
     let ts = rt.block_on(open(&c));
     let from_journal = t.elapsed();
+    assert_eq!(ts.stats().entries, entries);
+    rt.block_on(ts.flush()).expect("flush");
+    checkpoint_stall(rt, &ts, entries);
     assert_eq!(ts.stats().entries, entries);
     rt.block_on(ts.close()).expect("close");
     drop(ts);
@@ -236,6 +313,9 @@ fn summary() {
         );
     }
     drop(dir);
+    if only == "throughput" {
+        return;
+    }
     let entries = 1_000_000;
     let (cp, journal) = restart(&rt, entries);
     println!(

@@ -4,7 +4,9 @@
 //! `infera_core::retention::ClassedLru` for that).
 //!
 //! A slab of nodes linked into one doubly-linked list per class plus a key map: every
-//! operation is O(1).
+//! operation is O(1). Each node also carries a recency stamp (a counter bumped on every insert
+//! and touch), so a walk of the slab in chunks ([`ClassLru::slot_range`], with a lock released
+//! between chunks) can still restore the recency order afterwards by sorting on it.
 
 use infera_core::event::Retention;
 use rustc_hash::FxHashMap;
@@ -17,6 +19,8 @@ struct Node<T> {
     class: Retention,
     prev: u32,
     next: u32,
+    /// The value of `clock` when the node last became the most recent of its class.
+    stamp: u64,
     value: Option<T>,
 }
 
@@ -40,6 +44,7 @@ pub struct ClassLru<T> {
     free: Vec<u32>,
     map: FxHashMap<u128, u32>,
     lists: [List; 4],
+    clock: u64,
 }
 
 impl<T> Default for ClassLru<T> {
@@ -63,6 +68,7 @@ impl<T> ClassLru<T> {
             free: Vec::new(),
             map,
             lists: [EMPTY; 4],
+            clock: 0,
         }
     }
 
@@ -92,6 +98,7 @@ impl<T> ClassLru<T> {
             class,
             prev: NIL,
             next: NIL,
+            stamp: 0,
             value: Some(value),
         };
         let i = match self.free.pop() {
@@ -149,6 +156,29 @@ impl<T> ClassLru<T> {
         })
     }
 
+    /// Slab positions in use so far (held or free); [`ClassLru::slot_range`] walks them.
+    pub fn slots(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// The entries held at slab positions `range` (clamped to [`ClassLru::slots`]), with their
+    /// recency stamps: within a class, a larger stamp was used more recently.
+    ///
+    /// An entry keeps its position from insert to removal (a touch relinks it in place), so a
+    /// walk over every position in chunks, with changes between chunks, sees each entry that
+    /// stayed held throughout exactly once; entries inserted meanwhile may or may not be seen
+    /// (possibly twice, when re-inserted), and removed ones may have been seen before they left.
+    pub fn slot_range(
+        &self,
+        range: std::ops::Range<usize>,
+    ) -> impl Iterator<Item = (u128, Retention, u64, &T)> + '_ {
+        let end = range.end.min(self.nodes.len());
+        let start = range.start.min(end);
+        self.nodes[start..end]
+            .iter()
+            .filter_map(|n| Some((n.key, n.class, n.stamp, n.value.as_ref()?)))
+    }
+
     fn unlink(&mut self, i: u32) {
         let (prev, next, class) = {
             let n = &self.nodes[i as usize];
@@ -171,6 +201,8 @@ impl<T> ClassLru<T> {
     fn push_tail(&mut self, i: u32) {
         let class = self.nodes[i as usize].class as usize;
         let tail = self.lists[class].tail;
+        self.clock += 1;
+        self.nodes[i as usize].stamp = self.clock;
         self.nodes[i as usize].prev = tail;
         self.nodes[i as usize].next = NIL;
         match tail {
@@ -210,5 +242,46 @@ mod tests {
             lru.remove(k);
         }
         assert!(lru.len() == 0 && lru.lowest(Long).is_none());
+    }
+
+    #[test]
+    fn a_slab_walk_in_chunks_sees_held_entries_once_and_restores_recency() {
+        let mut lru = ClassLru::new();
+        for k in 0..10u128 {
+            lru.insert(k, if k % 2 == 0 { Short } else { Long }, k * 10);
+        }
+        lru.touch(2);
+        lru.touch(1);
+        let mut seen: Vec<(u128, Retention, u64, u128)> = Vec::new();
+        let mut at = 0;
+        while at < lru.slots() {
+            seen.extend(lru.slot_range(at..at + 3).map(|(k, c, s, v)| (k, c, s, *v)));
+            at += 3;
+            if at == 3 {
+                // Between chunks: a visited entry leaves, an unvisited one leaves, a new one
+                // arrives (into a freed position already walked).
+                lru.remove(7);
+                lru.remove(0);
+                lru.insert(42, Short, 420);
+            }
+        }
+        let keys: Vec<u128> = seen.iter().map(|e| e.0).collect();
+        assert_eq!(keys, [0, 1, 2, 3, 4, 5, 6, 8, 9], "7 left before its chunk");
+        assert!(seen.iter().all(|(k, _, _, v)| *v == k * 10));
+        // Sorting by stamp gives the recency order within each class.
+        let mut short: Vec<(u64, u128)> = seen
+            .iter()
+            .filter(|e| e.1 == Short && e.0 != 0)
+            .map(|e| (e.2, e.0))
+            .collect();
+        short.sort_unstable();
+        let want: Vec<u128> = lru
+            .iter()
+            .filter(|(k, c, _)| *c == Short && *k != 42)
+            .map(|(k, _, _)| k)
+            .collect();
+        assert_eq!(short.iter().map(|e| e.1).collect::<Vec<_>>(), want);
+        assert_eq!(want, [4, 6, 8, 2]);
+        assert!(lru.slot_range(100..200).next().is_none());
     }
 }

@@ -146,11 +146,11 @@ pub fn key_hash(ns: &Namespace, key: &[u8]) -> KeyHash {
     let mut stack = [0u8; 256];
     if total <= stack.len() {
         fill(&mut stack[..total]);
-        xxhash_rust::xxh3::xxh3_128(&stack[..total])
+        twox_hash::XxHash3_128::oneshot(&stack[..total])
     } else {
         let mut heap = vec![0u8; total];
         fill(&mut heap);
-        xxhash_rust::xxh3::xxh3_128(&heap)
+        twox_hash::XxHash3_128::oneshot(&heap)
     }
 }
 

@@ -105,3 +105,11 @@ fn too_large_is_refused() {
     let ack = store.set(&ns(), &item("a", 100, Long), 0);
     assert_eq!(ack, SetAck::rejected(REASON_TOO_LARGE));
 }
+
+#[test]
+fn key_hashes_are_the_reference_xxh3_128_so_stored_keys_stay_valid() {
+    // XXH3-128 of the length-prefixed parts, as every build before computed it: an L3 region
+    // written then still finds its keys.
+    let h = key_hash(&Namespace::new("model", "fp8"), b"key");
+    assert_eq!(h, 0x7d5c05efc32db4c9a70d7a975ad74e77);
+}

@@ -25,8 +25,10 @@ use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
 /// Most jobs one worker submits together.
 pub const BATCH: usize = 16;
-/// Most bytes one worker submits together (one job at least).
-pub const BATCH_BYTES: u64 = 16 << 20;
+/// Most bytes of blocks to write one worker takes together (one job at least). A worker encodes
+/// (copies and checksums) every block of its batch before submitting any, so a small batch
+/// starts the disk sooner; reads need no such work and are bounded by [`BATCH`] alone.
+pub const BATCH_WRITE_BYTES: u64 = 4 << 20;
 
 /// `--io-mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -343,17 +345,6 @@ pub enum Job {
     Read(ReadJob),
 }
 
-impl Job {
-    /// The bytes the job moves.
-    pub fn bytes(&self) -> u64 {
-        let units = match self {
-            Job::Write(w) => w.units,
-            Job::Read(r) => r.units,
-        };
-        u64::from(units) * UNIT
-    }
-}
-
 /// A shard's job queue. Its length is bounded by the shard's write permits and read permits,
 /// which callers hold before pushing.
 #[derive(Debug, Default)]
@@ -377,7 +368,8 @@ impl IoQueue {
 
     /// Waits for jobs and takes this worker's share of them: at most `max`, at most a
     /// `1/workers` share of the queue (so idle workers get the rest), and at most
-    /// [`BATCH_BYTES`] of blocks (at least one job). `None` once closed and drained.
+    /// [`BATCH_WRITE_BYTES`] of blocks to write (at least one job). `None` once closed and
+    /// drained.
     pub fn pop_batch(&self, max: usize, workers: usize) -> Option<Vec<Job>> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         loop {
@@ -385,8 +377,10 @@ impl IoQueue {
                 let share = s.0.len().div_ceil(workers.max(1)).min(max);
                 let mut bytes = 0u64;
                 let mut n = 0;
-                while n < share && (n == 0 || bytes < BATCH_BYTES) {
-                    bytes += s.0[n].bytes();
+                while n < share && (n == 0 || bytes < BATCH_WRITE_BYTES) {
+                    if let Job::Write(w) = &s.0[n] {
+                        bytes += u64::from(w.units) * UNIT;
+                    }
                     n += 1;
                 }
                 return Some(s.0.drain(..n).collect());
@@ -602,5 +596,55 @@ mod tests {
         let queue = IoQueue::default();
         queue.close();
         assert!(queue.pop_batch(4, 2).is_none());
+    }
+
+    fn write(units: u32) -> Job {
+        Job::Write(WriteJob {
+            generation: 1,
+            hash: 1,
+            class: Retention::Long,
+            container: 0,
+            start: 0,
+            units,
+            ns: Namespace::new("m", ""),
+            key: Bytes::from_static(b"k"),
+            metadata: None,
+            value: Bytes::new(),
+            _permit: WritePermit::unbounded(),
+        })
+    }
+
+    #[tokio::test]
+    async fn a_batch_holds_a_few_mib_of_writes_but_up_to_a_full_batch_of_reads() {
+        let queue = IoQueue::default();
+        let mib = (1 << 20) / UNIT as u32 + 1;
+        for _ in 0..10 {
+            queue.push(write(mib)).unwrap();
+        }
+        let writes = queue.pop_batch(BATCH, 1).unwrap();
+        assert_eq!(
+            writes.len(),
+            4,
+            "four blocks of just over 1 MiB reach 4 MiB"
+        );
+        assert_eq!(queue.pop_batch(BATCH, 1).unwrap().len(), 4);
+        assert_eq!(queue.pop_batch(BATCH, 1).unwrap().len(), 2);
+        let permits = Arc::new(tokio::sync::Semaphore::new(BATCH + 1));
+        let mut replies = Vec::new();
+        for _ in 0..=BATCH {
+            let (reply, rx) = oneshot::channel();
+            replies.push(rx);
+            queue
+                .push(Job::Read(ReadJob {
+                    container: 0,
+                    start: 0,
+                    units: mib,
+                    reply,
+                    _permit: permits.clone().acquire_owned().await.unwrap(),
+                }))
+                .unwrap();
+        }
+        assert_eq!(queue.pop_batch(BATCH, 1).unwrap().len(), BATCH);
+        assert_eq!(queue.pop_batch(BATCH, 2).unwrap().len(), 1);
     }
 }

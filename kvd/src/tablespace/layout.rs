@@ -29,7 +29,18 @@
 
 use crate::proto::Namespace;
 use infera_core::event::Retention;
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use std::hash::Hasher;
+use twox_hash::XxHash3_64;
+
+/// XXH3-64 of `b` (the reference algorithm; twox-hash picks AVX2 or SSE2 at run time).
+fn xxh3_64(b: &[u8]) -> u64 {
+    XxHash3_64::oneshot(b)
+}
+
+/// XXH3-64 of `b` with `seed`.
+fn xxh3_64_with_seed(b: &[u8], seed: u64) -> u64 {
+    XxHash3_64::oneshot_with_seed(seed, b)
+}
 
 /// The allocation unit and alignment of blocks, in bytes.
 pub const UNIT: u64 = crate::sys::aligned::ALIGN as u64;
@@ -160,22 +171,11 @@ impl BlockParts<'_> {
     }
 
     /// Writes the block into `out` (at least `units() * UNIT` bytes, which it fills, padding
-    /// with zeros).
+    /// with zeros). The body is copied [`HASH_SLICE`] bytes at a time and each slice is summed
+    /// right after its copy, while it is still in the cache, so a large value crosses memory
+    /// once rather than once for the copy and again for the checksum.
     pub fn encode_into(&self, out: &mut [u8]) {
         let total = self.stored_len();
-        let mut at = BLOCK_HEADER;
-        for part in [
-            self.ns.model.as_bytes(),
-            self.ns.compat_key.as_bytes(),
-            self.key,
-            self.metadata,
-            self.value,
-        ] {
-            out[at..at + part.len()].copy_from_slice(part);
-            at += part.len();
-        }
-        let padded = (total as u64).div_ceil(UNIT) as usize * UNIT as usize;
-        out[total..padded].fill(0);
         let h = &mut out[..BLOCK_HEADER];
         h[0..4].copy_from_slice(&BLOCK_MAGIC.to_le_bytes());
         h[4..6].copy_from_slice(&1u16.to_le_bytes());
@@ -189,11 +189,30 @@ impl BlockParts<'_> {
         h[42..44].copy_from_slice(&(self.ns.compat_key.len() as u16).to_le_bytes());
         h[44..48].copy_from_slice(&(self.key.len() as u32).to_le_bytes());
         h[56..64].fill(0);
-        let seed = xxh3_64(&out[..48]);
-        let sum = xxh3_64_with_seed(&out[BLOCK_HEADER..total], seed);
-        out[48..56].copy_from_slice(&sum.to_le_bytes());
+        let mut sum = XxHash3_64::with_seed(xxh3_64(&out[..48]));
+        let mut at = BLOCK_HEADER;
+        for part in [
+            self.ns.model.as_bytes(),
+            self.ns.compat_key.as_bytes(),
+            self.key,
+            self.metadata,
+            self.value,
+        ] {
+            for slice in part.chunks(HASH_SLICE) {
+                let to = &mut out[at..at + slice.len()];
+                to.copy_from_slice(slice);
+                sum.write(to);
+                at += slice.len();
+            }
+        }
+        let padded = (total as u64).div_ceil(UNIT) as usize * UNIT as usize;
+        out[total..padded].fill(0);
+        out[48..56].copy_from_slice(&sum.finish().to_le_bytes());
     }
 }
+
+/// Bytes [`BlockParts::encode_into`] copies before summing them (well inside an L2 cache).
+const HASH_SLICE: usize = 64 << 10;
 
 /// What a read expects of a block.
 #[derive(Debug, Clone, Copy)]
@@ -416,7 +435,7 @@ pub struct Checkpoint {
     pub replay_from: u64,
     pub next_generation: u64,
     pub namespaces: Vec<(u32, Namespace)>,
-    /// Lowest class first, least recently used first.
+    /// Least recently used first (within each class).
     pub entries: Vec<PutRecord>,
 }
 

@@ -124,3 +124,49 @@ fn checkpoints_and_meta_round_trip_and_detect_damage() {
     assert_eq!(parse_journal_header(&h, 1), Some(42));
     assert_eq!(parse_journal_header(&h, 2), None);
 }
+
+#[test]
+fn a_value_summed_slice_by_slice_carries_the_documented_checksum() {
+    let ns = Namespace::new("model", "fp8");
+    for len in [0usize, 1, HASH_SLICE - 1, HASH_SLICE, 3 * HASH_SLICE + 17] {
+        let value: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        let parts = BlockParts {
+            generation: 9,
+            hash: 1 << 100,
+            class: Retention::Long,
+            ns: &ns,
+            key: b"k",
+            metadata: b"\x81\xa1a\x01",
+            value: &value,
+        };
+        let mut buf = vec![0xeeu8; parts.units() as usize * UNIT as usize];
+        parts.encode_into(&mut buf);
+        let total = parts.stored_len();
+        let seed = xxh3_64(&buf[..48]);
+        assert_eq!(
+            u64_at(&buf, 48),
+            xxh3_64_with_seed(&buf[BLOCK_HEADER..total], seed),
+            "{len}"
+        );
+        assert!(buf[total..].iter().all(|b| *b == 0), "padding is zeroed");
+        let want = Expect {
+            generation: 9,
+            hash: 1 << 100,
+            value_len: len as u32,
+            ns: &ns,
+            key: b"k",
+        };
+        let range = verify(&buf, &want).unwrap();
+        assert_eq!(&buf[range], &value[..]);
+    }
+}
+
+#[test]
+fn checksums_are_the_reference_xxh3_64_so_old_regions_stay_readable() {
+    assert_eq!(xxh3_64(b"infera kvd"), 0xc1d62c43d5e9b019);
+    let data: Vec<u8> = (0..300_000usize).map(|i| (i * 31 % 251) as u8).collect();
+    assert_eq!(
+        xxh3_64_with_seed(&data, 0x1234_5678_9abc_def0),
+        0xb0552057e7152d8a
+    );
+}

@@ -8,7 +8,8 @@
 //! tablespace.meta            geometry (shard, shards, container size and count) + checksum
 //! container-0000.dat ...     preallocated (fallocate), blocks at 4 KiB units (layout.rs)
 //! journal-000000000007.log   every put and every eviction since the checkpoint
-//! checkpoint                 the index as of a journal segment boundary
+//! checkpoint                 the index as of a journal segment boundary (copied a chunk at a
+//!                            time; replaying the journal from that boundary completes it)
 //! ```
 //! A region whose meta file disagrees with the flags (another size or stripe count) is
 //! reinitialized with a warning: the blocks are a cache, and reading them under another

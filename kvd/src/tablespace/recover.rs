@@ -60,7 +60,6 @@ pub fn recover(dir: &Path, geo: &Geometry, now: u64) -> io::Result<Recovered> {
     let replay_from = checkpoint.as_ref().map_or(0, |c| c.replay_from);
 
     let mut namespaces: FxHashMap<u32, Namespace> = FxHashMap::default();
-    let mut live: FxHashMap<u128, (PutRecord, u64)> = FxHashMap::default();
     let journal_bytes: u64 = segments
         .iter()
         .filter(|s| **s >= replay_from)
@@ -69,14 +68,12 @@ pub fn recover(dir: &Path, geo: &Geometry, now: u64) -> io::Result<Recovered> {
         .sum();
     let expected =
         checkpoint.as_ref().map_or(0, |c| c.entries.len()) + (journal_bytes / 69) as usize;
-    live.reserve(expected);
-    let mut order = 0u64;
+    let mut live = Live::with_capacity(expected);
     let mut next_generation = 1;
     if let Some(c) = &checkpoint {
         namespaces.extend(c.namespaces.iter().cloned());
         for e in &c.entries {
-            live.insert(e.hash, (*e, order));
-            order += 1;
+            live.put(*e);
         }
         next_generation = c.next_generation;
     }
@@ -116,17 +113,9 @@ pub fn recover(dir: &Path, geo: &Geometry, now: u64) -> io::Result<Recovered> {
             match record {
                 Record::Put(p) => {
                     next_generation = next_generation.max(p.generation + 1);
-                    live.insert(p.hash, (p, order));
-                    order += 1;
+                    live.put(p);
                 }
-                Record::Evict { generation, hash } => {
-                    if live
-                        .get(&hash)
-                        .is_some_and(|(p, _)| p.generation == generation)
-                    {
-                        live.remove(&hash);
-                    }
-                }
+                Record::Evict { generation, hash } => live.evict(generation, hash),
                 Record::Namespace { id, ns } => {
                     namespaces.insert(id, ns);
                 }
@@ -134,34 +123,40 @@ pub fn recover(dir: &Path, geo: &Geometry, now: u64) -> io::Result<Recovered> {
         }
     }
 
-    let before = live.len();
-    let mut entries: Vec<(PutRecord, u64)> = live
-        .into_values()
-        .filter(|(p, _)| p.expires_at.is_none_or(|t| t > now))
-        .filter(|(p, _)| namespaces.contains_key(&p.ns))
+    let before = live.at.len();
+    // In put order: least recently used first.
+    let mut entries: Vec<PutRecord> = live
+        .entries
+        .into_iter()
+        .flatten()
+        .filter(|p| p.expires_at.is_none_or(|t| t > now))
+        .filter(|p| namespaces.contains_key(&p.ns))
         .collect();
     let extents: Vec<(u32, u32, u32)> = entries
         .iter()
-        .map(|(p, _)| (p.container, p.start, p.units))
+        .map(|p| (p.container, p.start, p.units))
         .collect();
-    let priority: Vec<u64> = entries.iter().map(|(p, _)| p.generation).collect();
+    let priority: Vec<u64> = entries.iter().map(|p| p.generation).collect();
     let units = geo.container_units();
-    for i in Allocator::conflicts(&extents, &priority, geo.containers, units)
-        .into_iter()
-        .rev()
-    {
-        entries.swap_remove(i);
+    let conflicts = Allocator::conflicts(&extents, &priority, geo.containers, units);
+    if !conflicts.is_empty() {
+        let mut doomed = conflicts.into_iter().peekable();
+        let mut i = 0;
+        entries.retain(|_| {
+            let gone = doomed.next_if_eq(&i).is_some();
+            i += 1;
+            !gone
+        });
     }
-    entries.sort_unstable_by_key(|(_, o)| *o);
     let used = entries
         .iter()
-        .map(|(p, _)| (p.container, p.start, p.units))
+        .map(|p| (p.container, p.start, p.units))
         .collect();
     let mut namespaces: Vec<(u32, Namespace)> = namespaces.into_iter().collect();
     namespaces.sort_unstable_by_key(|(id, _)| *id);
     Ok(Recovered {
         dropped: (before - entries.len()) as u64,
-        entries: entries.into_iter().map(|(p, _)| p).collect(),
+        entries,
         namespaces,
         next_generation,
         next_segment: segments
@@ -170,4 +165,41 @@ pub fn recover(dir: &Path, geo: &Geometry, now: u64) -> io::Result<Recovered> {
         allocator: Allocator::with_used(geo.containers, units, used),
         replayed,
     })
+}
+
+/// The live entries during replay, in put order: a vector with holes where an entry was
+/// replaced or evicted, and each key hash's position in it — so the result needs no sort, and
+/// the map holds positions, not records.
+struct Live {
+    entries: Vec<Option<PutRecord>>,
+    at: FxHashMap<u128, usize>,
+}
+
+impl Live {
+    fn with_capacity(n: usize) -> Self {
+        let mut at = FxHashMap::default();
+        at.reserve(n);
+        Self {
+            entries: Vec::with_capacity(n),
+            at,
+        }
+    }
+
+    /// `p` replaces whatever its key held.
+    fn put(&mut self, p: PutRecord) {
+        if let Some(old) = self.at.insert(p.hash, self.entries.len()) {
+            self.entries[old] = None;
+        }
+        self.entries.push(Some(p));
+    }
+
+    /// Removes the entry for `hash` if it is still generation `generation`.
+    fn evict(&mut self, generation: u64, hash: u128) {
+        if let Some(&i) = self.at.get(&hash)
+            && self.entries[i].is_some_and(|p| p.generation == generation)
+        {
+            self.entries[i] = None;
+            self.at.remove(&hash);
+        }
+    }
 }

@@ -11,6 +11,9 @@
 //! Room is made lowest class first, least recently used first, never by evicting a class above
 //! the incoming block's; if the classes at or below it cannot free enough units, the put is
 //! refused and nothing is evicted.
+//!
+//! A checkpoint copies the index a chunk at a time, releasing the lock in between, so it never
+//! stalls the data path for longer than one chunk's copy ([`Shard::checkpoint`]).
 
 use super::alloc::Allocator;
 use super::io::{IoCounters, IoQueue, Job, ReadJob, WriteJob};
@@ -98,7 +101,12 @@ pub struct Shard {
     reads: Arc<Semaphore>,
     direct: bool,
     uring: bool,
+    /// Held by the one checkpoint that may run at a time.
+    checkpointing: Mutex<()>,
 }
+
+/// Index entries a checkpoint copies per hold of the shard lock.
+const CHECKPOINT_CHUNK: usize = 256;
 
 impl Shard {
     /// A shard over a recovered index.
@@ -152,6 +160,7 @@ impl Shard {
             reads: Arc::new(Semaphore::new(p.read_permits)),
             direct: p.direct,
             uring: p.uring,
+            checkpointing: Mutex::new(()),
         }
     }
 
@@ -459,39 +468,69 @@ impl Shard {
     }
 
     /// Writes a checkpoint of the index and removes the journal segments it replaces
-    /// (blocking).
+    /// (blocking). The index is copied [`CHECKPOINT_CHUNK`] entries per hold of the shard lock,
+    /// yielding the CPU in between, so puts and gets wait at most one chunk's copy, never the
+    /// whole walk (see [`Shard::checkpoint_in_chunks`]).
     ///
     /// # Errors
     /// The I/O error; the previous checkpoint and the journal then stay in force.
     pub fn checkpoint(&self) -> io::Result<()> {
-        let (cp, segment) = {
+        self.checkpoint_in_chunks(CHECKPOINT_CHUNK, |_| std::thread::yield_now())
+    }
+
+    /// [`Shard::checkpoint`], copying `chunk` entries per hold of the lock and calling
+    /// `between(n)` after the `n`th chunk with the lock released (where tests change the index).
+    ///
+    /// Why a walk in chunks is a valid checkpoint: one short hold rotates the journal and notes
+    /// the first generation not yet given out, and the namespaces. Every change after that is
+    /// in the new segment, which recovery replays over the checkpoint. The walk then keeps only
+    /// entries of older generations: each existed at the rotation and keeps its slab position
+    /// until removed, so it is copied once if still held when its chunk is walked, and if it left
+    /// before, its eviction is in the replayed segment (which also ignores evictions of entries
+    /// the checkpoint lacks). Newer entries are skipped: their puts are all in the replayed
+    /// segment. The recency stamps sort the copy back into least-recently-used order.
+    fn checkpoint_in_chunks(&self, chunk: usize, mut between: impl FnMut(usize)) -> io::Result<()> {
+        let _only = self.checkpointing.lock().unwrap_or_else(|p| p.into_inner());
+        let (segment, first_new, namespaces, slots) = {
             let st = self.lock();
             let segment = self.journal.rotate();
-            let entries = st
-                .index
-                .iter()
-                .map(|(hash, class, s)| PutRecord {
-                    generation: s.generation,
-                    hash,
-                    ns: s.ns,
-                    class,
-                    expires_at: s.expires_at,
-                    container: s.container,
-                    start: s.start,
-                    units: s.units,
-                    value_len: s.value_len,
-                })
-                .collect();
             let mut namespaces: Vec<(u32, Namespace)> =
                 st.ns_names.iter().map(|(i, n)| (*i, n.clone())).collect();
             namespaces.sort_unstable_by_key(|(i, _)| *i);
-            let cp = Checkpoint {
-                replay_from: segment,
-                next_generation: st.next_generation,
-                namespaces,
-                entries,
-            };
-            (cp, segment)
+            (segment, st.next_generation, namespaces, st.index.slots())
+        };
+        let mut entries: Vec<(u64, PutRecord)> = Vec::with_capacity(slots);
+        for (n, at) in (0..slots).step_by(chunk.max(1)).enumerate() {
+            {
+                let st = self.lock();
+                let held = st
+                    .index
+                    .slot_range(at..(at + chunk).min(slots))
+                    .filter(|(_, _, _, s)| s.generation < first_new)
+                    .map(|(hash, class, stamp, s)| {
+                        let record = PutRecord {
+                            generation: s.generation,
+                            hash,
+                            ns: s.ns,
+                            class,
+                            expires_at: s.expires_at,
+                            container: s.container,
+                            start: s.start,
+                            units: s.units,
+                            value_len: s.value_len,
+                        };
+                        (stamp, record)
+                    });
+                entries.extend(held);
+            }
+            between(n);
+        }
+        entries.sort_unstable_by_key(|(stamp, _)| *stamp);
+        let cp = Checkpoint {
+            replay_from: segment,
+            next_generation: first_new,
+            namespaces,
+            entries: entries.into_iter().map(|(_, e)| e).collect(),
         };
         self.sync()?;
         let bytes = cp.encode(self.id);
@@ -559,3 +598,7 @@ impl State {
         true
     }
 }
+
+#[cfg(test)]
+#[path = "shard_tests.rs"]
+mod tests;
