@@ -1,13 +1,16 @@
-//! End to end through the router on loopback, against the live-fleet issue's targets: two mock
-//! engines at (practically) infinite speed behind one `infera server` front, the fixture
-//! tokenizer, `/v1/completions` with `max_tokens: 1`.
+//! End to end through the router on loopback, against the live-fleet issue's targets: two
+//! engines behind one `infera server` front, the fixture tokenizer, `/v1/completions` with
+//! `max_tokens: 1`. Latency and round-robin runs use engines at infinite speed, as the issue's
+//! anchors were measured (an HTTP server that reads the body and answers one token at once);
+//! the kv-aware throughput runs use mock engines (the engine model at practically infinite
+//! speed, a token per byte, so their cache and load accounting are real).
 //!
 //! * `e2e/cold/{1k,8k,32k}`: latency of one request at one connection, each prompt never seen
 //!   before (every paragraph carries the iteration's tag). Target p50 ≤ 0.6 / 3 / 10 ms.
-//!   `e2e/cold/engine-only/…` sends such bodies straight to a mock: the engine's share.
+//!   `e2e/cold/engine-only/…` sends such bodies straight to an engine: the hop's floor.
 //! * `e2e/warm32k`: a ~32k-token prompt whose first ~30k tokens were sent before (a multi-turn
-//!   chat): target ≤ 1 ms; `e2e/warm32k-engine-only` sends the same bodies straight to a mock,
-//!   the engine's share of that time.
+//!   chat): target ≤ 1 ms; `e2e/warm32k-engine-only` sends the same bodies straight to an
+//!   engine.
 //! * `e2e/throughput/kv-aware-1k-c32`: 1k-token completions from 32 connections; criterion's
 //!   rate is requests per second. Target ≥ 4,000 req/s on this 2-core machine.
 //!   `…-recorded` runs the same load with the trace recorder draining a tap, as
@@ -15,11 +18,8 @@
 //!   its samples also runs the plain fleet on the same requests back to back, and the median of
 //!   the paired ratios is printed: the side-by-side figure, free of the machine's drift.
 //! * `e2e/throughput/{round-robin-c32,direct-c32}`: a request the router need not tokenize
-//!   (round-robin), and the same requests sent to the worker directly; target ≥ 20,000 req/s
+//!   (round-robin), and the same requests sent to the engine directly; target ≥ 20,000 req/s
 //!   and ≤ 150 µs added p50 (`e2e/added/{round-robin,direct}` at one connection).
-//!
-//! The mocks run without a tokenizer (one token per byte), so their own work stays small and
-//! constant; the router side does the real tokenization.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -122,7 +122,69 @@ fn record(state: &ServerState, dir: &std::path::Path) {
     });
 }
 
-fn fleet(policy: PolicyKind, tok: &Arc<Tokenizer>, recording: Option<&std::path::Path>) -> Fleet {
+/// A one-token completion, the whole answer of an [`instant_engine`].
+const INSTANT_REPLY: &str = r#"{"id":"cmpl-0","object":"text_completion","model":"bench","choices":[{"index":0,"text":"a","finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+
+/// An engine at infinite speed, as the live-fleet issue's anchors were measured: it reads the
+/// request body whole and answers [`INSTANT_REPLY`] at once, doing no per-token work.
+async fn instant_engine() -> SocketAddr {
+    use axum::serve::ListenerExt as _;
+    let app = axum::Router::new()
+        .route(
+            "/v1/completions",
+            axum::routing::post(|body: Bytes| async move {
+                drop(body);
+                (
+                    [(axum::http::header::CONTENT_TYPE, "application/json")],
+                    INSTANT_REPLY,
+                )
+            }),
+        )
+        .layer(axum::extract::DefaultBodyLimit::disable());
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+/// A mock engine at (practically) infinite speed, without a tokenizer.
+async fn mock_engine() -> SocketAddr {
+    let engine = EngineConfig {
+        gpu_blocks: 1 << 20,
+        block_size: 16,
+        max_batched_tokens: 1 << 20,
+        max_seqs: 1024,
+        speedup: 1e9,
+        ..EngineConfig::default()
+    };
+    let mut config = MockConfig::new(MODEL, engine);
+    config.max_body_bytes = 64 << 20;
+    let mock = MockServer::bind("127.0.0.1:0", config, None)
+        .await
+        .expect("mock binds");
+    let addr = mock.local_addr();
+    tokio::spawn(mock.serve(std::future::pending()));
+    addr
+}
+
+/// What serves behind the router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Engines {
+    /// Mock engines (the engine model, a token per byte): their cache and load are real.
+    Mock,
+    /// [`instant_engine`]s: the latency is the router's and the HTTP hops'.
+    Instant,
+}
+
+fn fleet(
+    policy: PolicyKind,
+    tok: &Arc<Tokenizer>,
+    recording: Option<&std::path::Path>,
+    engines: Engines,
+) -> Fleet {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -145,21 +207,10 @@ fn fleet(policy: PolicyKind, tok: &Arc<Tokenizer>, recording: Option<&std::path:
         }
         let mut workers = Vec::new();
         for _ in 0..2 {
-            let engine = EngineConfig {
-                gpu_blocks: 1 << 20,
-                block_size: 16,
-                max_batched_tokens: 1 << 20,
-                max_seqs: 1024,
-                speedup: 1e9,
-                ..EngineConfig::default()
+            let addr = match engines {
+                Engines::Mock => mock_engine().await,
+                Engines::Instant => instant_engine().await,
             };
-            let mut config = MockConfig::new(MODEL, engine);
-            config.max_body_bytes = 64 << 20;
-            let mock = MockServer::bind("127.0.0.1:0", config, None)
-                .await
-                .expect("mock binds");
-            let addr = mock.local_addr();
-            tokio::spawn(mock.serve(std::future::pending()));
             state.register_worker(WorkerRecord {
                 worker_id: WorkerId::new(addr.to_string()),
                 url: format!("http://{addr}"),
@@ -211,7 +262,7 @@ fn body(text: &str) -> Bytes {
 
 fn cold(c: &mut Criterion) {
     let tok = tokenizer();
-    let fleet = fleet(PolicyKind::KvAware, &tok, None);
+    let fleet = fleet(PolicyKind::KvAware, &tok, None, Engines::Instant);
     let mut group = c.benchmark_group("e2e/cold");
     group
         .sample_size(20)
@@ -330,7 +381,7 @@ fn concurrent(fleet: &Fleet, target: SocketAddr, bodies: &[Bytes], iters: u64) -
 fn throughput(c: &mut Criterion) {
     let tok = tokenizer();
     // Distinct 1k-token prompts, cycled: the kv-aware router hashes each of them.
-    let kv = fleet(PolicyKind::KvAware, &tok, None);
+    let kv = fleet(PolicyKind::KvAware, &tok, None, Engines::Mock);
     let prompts: Vec<Bytes> = (0..256)
         .map(|i| body(&prompt(&tok, &format!("tp{i}"), 1_000)))
         .collect();
@@ -347,7 +398,7 @@ fn throughput(c: &mut Criterion) {
     // here runs the same requests through both fleets back to back (alternating which goes
     // first) and keeps the pair's ratio; criterion reports the recorded fleet's rate.
     let dir = tempfile::tempdir().expect("tempdir");
-    let recorded = fleet(PolicyKind::KvAware, &tok, Some(dir.path()));
+    let recorded = fleet(PolicyKind::KvAware, &tok, Some(dir.path()), Engines::Mock);
     let mut ratios = Vec::new();
     group.bench_function("kv-aware-1k-c32-recorded", |b| {
         b.iter_custom(|iters| {
@@ -370,7 +421,7 @@ fn throughput(c: &mut Criterion) {
     }
     drop((kv, recorded));
 
-    let rr = fleet(PolicyKind::RoundRobin, &tok, None);
+    let rr = fleet(PolicyKind::RoundRobin, &tok, None, Engines::Instant);
     let short = vec![body("a request the router need not tokenize")];
     group.bench_function("round-robin-c32", |b| {
         b.iter_custom(|iters| concurrent(&rr, rr.front, &short, iters));

@@ -16,7 +16,7 @@
 
 use std::ops::Range;
 
-use aho_corasick::{AhoCorasick, MatchKind};
+use aho_corasick::{AhoCorasick, Anchored, Input, MatchKind, StartKind};
 
 /// One unit of a prompt: an added token (its id is known) or a run of ordinary text.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,14 +29,67 @@ pub(crate) enum Piece {
 /// for an identity normalizer and tokens without `lstrip`/`rstrip`/`single_word`.
 #[derive(Debug)]
 pub(crate) struct AddedTokenSplitter {
-    raw: Option<(AhoCorasick, Vec<u32>)>,
-    normalized: Option<(AhoCorasick, Vec<u32>)>,
+    raw: Option<Matcher>,
+    normalized: Option<Matcher>,
+}
+
+/// One leftmost-longest automaton over a set of added tokens, with their ids.
+///
+/// When the tokens start with at most three distinct bytes (DeepSeek's 1,283 all start with `<`
+/// or the first byte of `｜`), the text is scanned for those bytes with `memchr` and the
+/// automaton runs anchored at each candidate only: trying candidates left to right and taking
+/// the longest match at the first one that has any is the leftmost-longest rule, and it skips
+/// the automaton's own prefilter, which stops at every CJK punctuation mark.
+#[derive(Debug)]
+struct Matcher {
+    automaton: AhoCorasick,
+    ids: Vec<u32>,
+    /// The distinct first bytes of the tokens, when there are at most three.
+    starts: Option<Vec<u8>>,
+}
+
+impl Matcher {
+    /// The leftmost-longest match in `hay` at or after `from`, as (start, end, id).
+    fn next(&self, hay: &str, from: usize) -> Option<(usize, usize, u32)> {
+        let found = match &self.starts {
+            // Empty matches (an empty added token) are skipped rather than looped on.
+            None => self
+                .automaton
+                .find_iter(Input::new(hay).span(from..hay.len()))
+                .find(|m| !m.is_empty()),
+            Some(starts) => {
+                let mut at = from;
+                loop {
+                    let rest = &hay.as_bytes()[at..];
+                    let hit = match starts.as_slice() {
+                        [a] => memchr::memchr(*a, rest),
+                        [a, b] => memchr::memchr2(*a, *b, rest),
+                        [a, b, c] => memchr::memchr3(*a, *b, *c, rest),
+                        _ => None,
+                    }?;
+                    let candidate = at + hit;
+                    let input = Input::new(hay)
+                        .span(candidate..hay.len())
+                        .anchored(Anchored::Yes);
+                    if let Some(m) = self.automaton.find(input) {
+                        break Some(m);
+                    }
+                    at = candidate + 1;
+                }
+            }
+        }?;
+        Some((
+            found.start(),
+            found.end(),
+            self.ids[found.pattern().as_usize()],
+        ))
+    }
 }
 
 impl AddedTokenSplitter {
     /// Builds the two automata from `(content, id, normalized)` triples.
     pub(crate) fn new(tokens: &[(String, u32, bool)]) -> Result<Self, String> {
-        let build = |want_normalized: bool| -> Result<Option<(AhoCorasick, Vec<u32>)>, String> {
+        let build = |want_normalized: bool| -> Result<Option<Matcher>, String> {
             let selected: Vec<&(String, u32, bool)> =
                 tokens.iter().filter(|t| t.2 == want_normalized).collect();
             if selected.is_empty() {
@@ -44,9 +97,22 @@ impl AddedTokenSplitter {
             }
             let automaton = AhoCorasick::builder()
                 .match_kind(MatchKind::LeftmostLongest)
+                .start_kind(StartKind::Both)
                 .build(selected.iter().map(|t| t.0.as_str()))
                 .map_err(|e| format!("cannot build the added-token matcher: {e}"))?;
-            Ok(Some((automaton, selected.iter().map(|t| t.1).collect())))
+            let mut starts: Vec<u8> = selected
+                .iter()
+                .filter_map(|t| t.0.as_bytes().first().copied())
+                .collect();
+            starts.sort_unstable();
+            starts.dedup();
+            // An empty token would match anywhere: leave that to the automaton.
+            let all_start = selected.iter().all(|t| !t.0.is_empty());
+            Ok(Some(Matcher {
+                automaton,
+                ids: selected.iter().map(|t| t.1).collect(),
+                starts: (all_start && starts.len() <= 3).then_some(starts),
+            }))
         };
         Ok(Self {
             raw: build(false)?,
@@ -72,30 +138,25 @@ impl AddedTokenSplitter {
     }
 }
 
-fn find_into(
-    matcher: Option<&(AhoCorasick, Vec<u32>)>,
-    text: &str,
-    range: Range<usize>,
-    out: &mut Vec<Piece>,
-) {
-    let Some((automaton, ids)) = matcher else {
+fn find_into(matcher: Option<&Matcher>, text: &str, range: Range<usize>, out: &mut Vec<Piece>) {
+    let Some(matcher) = matcher else {
         if !range.is_empty() {
             out.push(Piece::Text(range));
         }
         return;
     };
+    let hay = &text[range.clone()];
     let base = range.start;
-    let mut cursor = base;
-    for found in automaton.find_iter(&text[range.clone()]) {
-        let (start, end) = (base + found.start(), base + found.end());
+    let mut cursor = 0;
+    while let Some((start, end, id)) = matcher.next(hay, cursor) {
         if cursor < start {
-            out.push(Piece::Text(cursor..start));
+            out.push(Piece::Text(base + cursor..base + start));
         }
-        out.push(Piece::Added(ids[found.pattern().as_usize()]));
+        out.push(Piece::Added(id));
         cursor = end;
     }
-    if cursor < range.end {
-        out.push(Piece::Text(cursor..range.end));
+    if base + cursor < range.end {
+        out.push(Piece::Text(base + cursor..range.end));
     }
 }
 
@@ -193,6 +254,37 @@ mod tests {
         assert_eq!(out.last().map(|r| r.end), Some(text.len()));
         assert!(out.windows(2).all(|w| w[0].end == w[1].start));
         assert!(out.len() > 5);
+    }
+
+    proptest::proptest! {
+        /// The first-byte scan finds exactly what the automaton's own leftmost-longest
+        /// iteration finds, on text dense with partial and overlapping tokens.
+        #[test]
+        fn first_byte_scan_matches_the_automaton(
+            picks in proptest::collection::vec(0usize..7, 0..60)
+        ) {
+            const PARTS: [&str; 7] = ["<", "a", "b", ">", "｜", "，", "<｜"];
+            let text: String = picks.iter().map(|&i| PARTS[i]).collect();
+            let tokens = ["<a>", "<ab>", "<a", "ab", "<｜b｜>", "｜b"];
+            let splitter = AddedTokenSplitter::new(
+                &tokens.iter().enumerate().map(|(i, t)| ((*t).to_owned(), i as u32, false))
+                    .collect::<Vec<_>>(),
+            ).expect("matcher");
+            let matcher = splitter.raw.as_ref().expect("raw tokens");
+            proptest::prop_assert_eq!(matcher.starts.as_deref(), Some(&b"<a\xef"[..]));
+            let mut found = Vec::new();
+            let mut cursor = 0;
+            while let Some(m) = matcher.next(&text, cursor) {
+                found.push(m);
+                cursor = m.1;
+            }
+            let reference: Vec<(usize, usize, u32)> = matcher
+                .automaton
+                .find_iter(text.as_str())
+                .map(|m| (m.start(), m.end(), m.pattern().as_u32()))
+                .collect();
+            proptest::prop_assert_eq!(found, reference);
+        }
     }
 
     #[test]
