@@ -52,12 +52,20 @@ async fn engine(speedup: f64) -> (String, oneshot::Sender<()>, JoinHandle<()>) {
 }
 
 async fn responder(client: &nats::Client, engine_url: &str) -> NatsResponder {
+    bounded_responder(client, engine_url, None).await
+}
+
+async fn bounded_responder(
+    client: &nats::Client,
+    engine_url: &str,
+    max_duration: Option<Duration>,
+) -> NatsResponder {
     NatsResponder::start(
         client.clone(),
         ResponderConfig {
             worker_id: WORKER.to_owned(),
             engine_url: engine_url.to_owned(),
-            max_duration: None,
+            max_duration,
         },
     )
     .await
@@ -166,6 +174,55 @@ async fn a_dropped_reply_stream_cancels_the_engine_request() {
     )
     .await
     .expect("the cancelled request is not still generating");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_responders_own_max_duration_ends_a_request_with_a_timeout() {
+    let broker = NatsServer::start().await.unwrap();
+    let client = nats::connect(&broker.url(), "test").await.unwrap();
+    // Real speed: 4000 tokens take minutes; the responder gives each request 1 s.
+    let (url, _stop, _engine) = engine(1.0).await;
+    let responder = bounded_responder(&client, &url, Some(Duration::from_secs(1))).await;
+    // The server side has no timer of its own.
+    let transport = NatsTransport::new(client.clone(), NatsRequestConfig::default());
+
+    let err = timeout(
+        DEADLINE,
+        transport.send(outbound(
+            json!({"model": "m", "prompt": "long", "max_tokens": 4000}),
+            false,
+        )),
+    )
+    .await
+    .unwrap()
+    .unwrap_err();
+    assert!(matches!(err, TransportError::Timeout(_)), "{err:?}");
+    assert!(err.to_string().contains("--nats-req-max-duration"), "{err}");
+    assert!(!err.retry_elsewhere());
+
+    // A stream that already sent data ends with the timeout as its last item.
+    let resp = transport
+        .send(outbound(
+            json!({"model": "m", "prompt": "long", "max_tokens": 4000, "stream": true}),
+            true,
+        ))
+        .await
+        .unwrap();
+    let mut body = resp.body;
+    let mut last = None;
+    while let Some(item) = timeout(DEADLINE, body.next()).await.unwrap() {
+        last = Some(item);
+    }
+    let err = last.unwrap().unwrap_err();
+    assert!(matches!(err, TransportError::Timeout(_)), "{err:?}");
+    drop(body);
+    // The worker ended both itself: nothing is left generating.
+    timeout(
+        Duration::from_secs(10),
+        responder.finish(Duration::from_secs(60)),
+    )
+    .await
+    .expect("the timed-out requests are not still generating");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,7 +14,8 @@
 //! reply     worker → inbox, one message per chunk, header rs-type:
 //!             data   payload = raw engine bytes (an SSE chunk, or the whole JSON body)
 //!             done   payload empty, header rs-status = the engine's HTTP status
-//!             error  payload = UTF-8 text of a transport or proxy failure
+//!             error  payload = UTF-8 text of a transport or proxy failure; ours adds
+//!                    rs-status 504 when the worker's own --nats-req-max-duration ended it
 //!           ours adds rs-seq: 0, 1, 2 … over the replies of one request; a reply whose seq
 //!           is not the next one ends the request with an error (a peer without rs-seq is
 //!           not checked)

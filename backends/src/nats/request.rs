@@ -12,7 +12,9 @@
 //!   anything else (a non-stream request, or an engine that answered a stream request with a
 //!   JSON body) is collected until `done`, whose `rs-status` becomes the status.
 //! - Timeouts: `idle_timeout` bounds the wait for each reply, `max_duration` the whole request;
-//!   either one ends it with [`TransportError::Timeout`] (504).
+//!   either one ends it with [`TransportError::Timeout`] (504). So does an `error` reply with
+//!   `rs-status: 504`, the worker's own max duration (it has cancelled the engine request
+//!   itself, so no cancel is sent and no other worker is tried).
 //! - Order: replies carrying `rs-seq` must arrive as 0, 1, 2 …; anything else ends the request
 //!   with [`TransportError::Sequence`], so a lost chunk is never relayed as a complete stream.
 //! - Cancel: a reply stream dropped before `done` or `error` (client gone, timeout, sequence
@@ -351,6 +353,13 @@ fn parse_reply(
                 .and_then(|s| axum::http::StatusCode::from_u16(s).ok())
                 .unwrap_or(axum::http::StatusCode::OK),
         )),
+        // The worker's own --nats-req-max-duration ended it: a timeout, not a failed worker.
+        TYPE_ERROR if header(HDR_STATUS).is_some_and(|s| s.trim() == "504") => {
+            Err(TransportError::Timeout(format!(
+                "worker {worker}: {}",
+                String::from_utf8_lossy(&msg.payload)
+            )))
+        }
         TYPE_ERROR => Err(TransportError::Failed(
             String::from_utf8_lossy(&msg.payload).into_owned(),
         )),
@@ -382,7 +391,9 @@ impl Reply {
             if matches!(
                 parsed,
                 Ok(Chunk::Done(_))
-                    | Err(TransportError::Failed(_) | TransportError::Unreachable(_))
+                    | Err(TransportError::Failed(_)
+                        | TransportError::Unreachable(_)
+                        | TransportError::Timeout(_))
             ) {
                 // The worker is done with it (or never had it): nothing to cancel.
                 self.cancel.disarm();
@@ -549,6 +560,31 @@ mod tests {
             Chunk::Done(axum::http::StatusCode::OK)
         );
         assert_eq!(seq, 0);
+    }
+
+    #[test]
+    fn a_worker_timeout_is_a_504_not_a_failed_worker() {
+        let mut seq = 0;
+        let err = parse_reply(
+            &msg(&[("rs-type", "error"), ("rs-status", "504")], "ran past 1s"),
+            &mut seq,
+            "w",
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, TransportError::Timeout(ref m) if m.contains("ran past 1s")),
+            "{err:?}"
+        );
+        assert_eq!(err.status(), 504);
+        assert!(!err.retry_elsewhere());
+        // Any other status on an error is still a failure of the worker.
+        let err = parse_reply(
+            &msg(&[("rs-type", "error"), ("rs-status", "500")], "boom"),
+            &mut seq,
+            "w",
+        )
+        .unwrap_err();
+        assert_eq!(err, TransportError::Failed("boom".to_owned()));
     }
 
     #[test]

@@ -8,8 +8,10 @@
 //!   `error` reply (never a panic); a message without a reply subject is logged and dropped.
 //! - A cancel naming a request's inbox drops its engine connection (the engine sees a client
 //!   disconnect and stops generating); nothing more is sent to that inbox.
-//! - `max_duration` bounds each request locally too (a backstop for a lost cancel): past it the
-//!   engine connection is dropped and an `error` reply sent.
+//! - `max_duration` (the worker's `--nats-req-max-duration`) bounds each request locally, a
+//!   backstop for a server that died or a cancel that was lost: past it the engine connection is
+//!   dropped (the engine aborts the request) and the reply ends with an `error` carrying
+//!   `rs-status: 504`, which the server reports as a timeout, not as a failed worker.
 //! - [`NatsResponder::stop_accepting`] unsubscribes from requests and returns once the broker
 //!   has it (the broker then answers the server "no responders", which fails over), while
 //!   in-flight requests and cancels go on;
@@ -250,6 +252,14 @@ async fn run(client: async_nats::Client, config: ResponderConfig, subs: Subs, to
     unsubscribed.cancel();
 }
 
+/// Why a request ended without `done`.
+enum Failure {
+    /// It ran past the worker's `max_duration` (the engine request was dropped).
+    Timeout(Duration),
+    /// The payload, the engine or the link failed; the text says how.
+    Other(String),
+}
+
 struct Job {
     client: async_nats::Client,
     http: HttpClient,
@@ -269,7 +279,16 @@ impl Job {
         match outcome {
             None => {} // the server gave up on it; nothing more to send
             Some(Ok(())) => {}
-            Some(Err(text)) => {
+            Some(Err(Failure::Timeout(d))) => {
+                let text = format!(
+                    "the worker ended the request at its --nats-req-max-duration ({d:?}) and \
+                     cancelled it in the engine"
+                );
+                tracing::warn!(reply = %self.reply, limit = ?d, "nats request timed out");
+                self.publish(&mut seq, TYPE_ERROR, Some(504), Bytes::from(text))
+                    .await;
+            }
+            Some(Err(Failure::Other(text))) => {
                 tracing::warn!(reply = %self.reply, error = %text, "nats request failed");
                 self.publish(&mut seq, TYPE_ERROR, None, Bytes::from(text))
                     .await;
@@ -281,12 +300,13 @@ impl Job {
             .remove(&self.reply);
     }
 
-    async fn bounded(&self, payload: &[u8], seq: &mut u64) -> Result<(), String> {
+    async fn bounded(&self, payload: &[u8], seq: &mut u64) -> Result<(), Failure> {
         match self.max_duration {
-            None => self.proxy(payload, seq).await,
-            Some(d) => tokio::time::timeout(d, self.proxy(payload, seq))
-                .await
-                .unwrap_or_else(|_| Err(format!("the request ran past its {d:?} limit"))),
+            None => self.proxy(payload, seq).await.map_err(Failure::Other),
+            Some(d) => match tokio::time::timeout(d, self.proxy(payload, seq)).await {
+                Ok(r) => r.map_err(Failure::Other),
+                Err(_) => Err(Failure::Timeout(d)),
+            },
         }
     }
 

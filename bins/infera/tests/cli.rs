@@ -174,6 +174,10 @@ const WORKER_SEED_FLAGS: &[FlagSpec] = &[
 
 const WORKER_EXTENSION_FLAGS: &[FlagSpec] = &[
     ("--drain-timeout", &["[default: 30s]", "0 = do not wait"]),
+    (
+        "--nats-req-max-duration",
+        &["[default: 0]", "0 = off", "504"],
+    ),
     ("--etcd-prefix", &["[default: /infera/workers/]"]),
     (
         "--nats-server",
@@ -982,4 +986,15 @@ fn mock_worker_registers_its_simulation() {
         json!([-25.74, 54.01, 5.74])
     );
     assert_eq!(config["drain_timeout"], json!("30s"));
+    assert_eq!(config["nats_req_max_duration"], Value::Null);
+
+    let config = check_config(&[
+        "worker",
+        "mock",
+        "--model",
+        "m",
+        "--nats-req-max-duration",
+        "90s",
+    ]);
+    assert_eq!(config["nats_req_max_duration"], json!("90s"));
 }

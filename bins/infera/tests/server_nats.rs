@@ -734,3 +734,103 @@ async fn a_killed_worker_ends_its_nats_stream_with_an_error_when_its_lease_expir
         Some(json!(0))
     );
 }
+
+/// A metric of the mock engine at `port` (its lines carry a `model_name` label).
+fn engine_metric(port: u16, name: &str) -> Option<u64> {
+    let (_, text) = http(port, "GET", "/metrics", "")?;
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{'))
+        })
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// The mock engine at `port` aborted one request whose client (the worker's proxy) went away,
+/// and runs nothing.
+fn engine_aborted_one(port: u16) -> bool {
+    engine_metric(port, "infera_mock_requests_detached_total") == Some(1)
+        && engine_metric(port, "vllm:num_requests_running") == Some(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_ends_a_request_at_its_own_max_duration_when_the_server_has_no_timer() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let tok = tokenizer_dir();
+    let worker_port = free_mock_port(&[]);
+    // Real speed: 4000 tokens take minutes; the worker gives each request 1 s.
+    let _worker = mock_worker_at(
+        &tok,
+        &etcd.endpoint(),
+        &nats.url(),
+        worker_port,
+        &["--speedup", "1", "--nats-req-max-duration", "1s"],
+    );
+    let port = free_port();
+    // The server waits for ever: no idle timeout, no max duration, no retry.
+    let _server = server(
+        &tok,
+        &etcd.endpoint(),
+        &nats.url(),
+        port,
+        &["--nats-req-idle-timeout", "0", "--request-max-retries", "0"],
+    );
+    eventually("the worker to be discovered", || {
+        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
+    });
+    let (status, body) = post(
+        port,
+        json!({"model": tok, "prompt": "go on", "max_tokens": 4000}),
+    )
+    .await;
+    assert_eq!(status, 504, "{body}");
+    assert!(body.contains("--nats-req-max-duration (1s)"), "{body}");
+    assert!(body.contains(&format!("127.0.0.1:{worker_port}")), "{body}");
+    eventually("the engine to abort the request", || {
+        engine_aborted_one(worker_port)
+    });
+    assert_eq!(metric(port, "infera_transport_timeouts_total"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_bounds_a_stream_whose_server_was_killed() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let tok = tokenizer_dir();
+    let worker_port = free_mock_port(&[]);
+    let _worker = mock_worker_at(
+        &tok,
+        &etcd.endpoint(),
+        &nats.url(),
+        worker_port,
+        &["--speedup", "1", "--nats-req-max-duration", "2s"],
+    );
+    let port = free_port();
+    let mut server = server(&tok, &etcd.endpoint(), &nats.url(), port, &[]);
+    eventually("the worker to be discovered", || {
+        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
+    });
+    let body = json!({"model": tok, "prompt": "keep talking", "max_tokens": 100000,
+        "stream": true})
+    .to_string();
+    let (_stream, head) = tokio::task::spawn_blocking(move || common::open_stream(port, &body))
+        .await
+        .unwrap();
+    assert!(String::from_utf8_lossy(&head).starts_with("HTTP/1.1 200"));
+    assert_eq!(
+        engine_metric(worker_port, "vllm:num_requests_running"),
+        Some(1)
+    );
+    // The server dies mid-stream: no cancel will ever come.
+    let killed = Command::new("kill")
+        .args(["-KILL", &server.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let _ = server.0.wait();
+    // The worker's own bound ends the engine request (100000 tokens would take hours).
+    eventually("the engine to abort the orphaned stream", || {
+        engine_aborted_one(worker_port)
+    });
+}

@@ -184,6 +184,12 @@ pub struct WorkerArgs {
     )]
     pub nats_server: String,
 
+    /// Infera extension: NATS requests: the worker's own wall-clock cap per request (0 = off).
+    /// Past it the engine request is cancelled and the reply ends with a 504 error, even if the
+    /// server that sent it died or its cancel was lost.
+    #[arg(long, default_value = "0", value_name = "DURATION", help_heading = EXTENSIONS)]
+    pub nats_req_max_duration: HumanDuration,
+
     /// Infera extension: namespace of this worker's Pod (kubernetes discovery).
     /// [default: the Pod's own namespace]
     #[arg(long, value_name = "NAMESPACE", help_heading = EXTENSIONS)]

@@ -312,6 +312,8 @@ pub struct WorkerConfig {
     pub kv_events: KvEventsConfig,
     /// NATS broker URL.
     pub nats_server: String,
+    /// The worker's own cap on each NATS request (`--nats-req-max-duration`); `None` is off.
+    pub nats_req_max_duration: Option<HumanDuration>,
     /// How long in-flight requests may finish on shutdown; 0 = do not wait.
     pub drain_timeout: HumanDuration,
     /// TTL of the etcd lease the registration is attached to.
@@ -427,6 +429,7 @@ struct Shared {
     request_transport: RequestTransport,
     kv_events: KvEventsConfig,
     nats_server: String,
+    nats_req_max_duration: Option<HumanDuration>,
     drain_timeout: HumanDuration,
     etcd_lease_ttl: HumanDuration,
 }
@@ -469,6 +472,7 @@ impl Shared {
                 transport: args.kv_event_transport,
             },
             nats_server: args.nats_server,
+            nats_req_max_duration: args.nats_req_max_duration.non_zero(),
             drain_timeout: args.drain_timeout,
             etcd_lease_ttl: positive_duration("--etcd-lease-ttl", args.etcd_lease_ttl, 1)?,
         })
@@ -485,6 +489,7 @@ impl Shared {
             request_transport: self.request_transport,
             kv_events: self.kv_events,
             nats_server: self.nats_server,
+            nats_req_max_duration: self.nats_req_max_duration,
             drain_timeout: self.drain_timeout,
             etcd_lease_ttl: self.etcd_lease_ttl,
             launch,

@@ -13,7 +13,9 @@
 //!    metadata, `kv_events_endpoint`, block size, data-parallel ranks, request transport;
 //! 4. serve until SIGTERM / Ctrl-C or until the engine exits; with `--request-transport nats`
 //!    the worker also subscribes to `infera.req.<token>` (before registering) and proxies each
-//!    request to the engine's HTTP port ([`infera_backends::nats::NatsResponder`]); with
+//!    request to the engine's HTTP port ([`infera_backends::nats::NatsResponder`]), each one
+//!    bounded by the worker's own `--nats-req-max-duration` when set (a backstop that holds even
+//!    when the server died or its cancel was lost); with
 //!    `--kv-event-transport nats` the KV events go to `infera.kv.events.<token>.<rank>`
 //!    (the mock publishes there; a real engine's ZeroMQ events are relayed by [`kv_relay`]);
 //! 5. deregister first and stop taking NATS requests (no new work arrives), drain in-flight work bounded by
@@ -134,7 +136,7 @@ async fn start_responder(
         ResponderConfig {
             worker_id: worker_id(config),
             engine_url,
-            max_duration: None,
+            max_duration: config.nats_req_max_duration.map(|d| d.0),
         },
     )
     .await?;
