@@ -10,8 +10,8 @@
 mod common;
 
 use common::{
-    DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, open_stream,
-    tokenizer_dir,
+    DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, mock_worker,
+    open_stream, server, tokenizer_dir,
 };
 
 use infera_adapters::kv_events::{EngineBatch, EngineEvent};
@@ -24,44 +24,6 @@ use serde_json::{Value, json};
 use std::io::Read as _;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// Starts `infera worker mock` on `port`, registering itself in etcd, with `extra` flags.
-fn mock_worker(tok: &str, etcd: &str, port: u16, extra: &[&str]) -> Proc {
-    Proc(
-        Command::new(env!("CARGO_BIN_EXE_infera"))
-            .args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
-            .args(["--port", &port.to_string(), "--block-size", "16"])
-            .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
-            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
-}
-
-/// Starts `infera server` on `port`, discovering workers in etcd, with `extra` flags.
-fn server(tok: &str, etcd: &str, port: u16, extra: &[&str]) -> Proc {
-    Proc(
-        Command::new(env!("CARGO_BIN_EXE_infera"))
-            .args([
-                "server",
-                "--router-tokenizer-path",
-                tok,
-                "--host",
-                "127.0.0.1",
-            ])
-            .args(["--port", &port.to_string()])
-            .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
-            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {

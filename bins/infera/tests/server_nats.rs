@@ -648,25 +648,59 @@ async fn a_real_engine_worker_serves_over_nats_and_relays_its_zmq_kv_events() {
     });
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_draining_worker_finishes_its_nats_stream_and_takes_nothing_new() {
+/// etcd, nats-server, one `infera worker mock` with `worker_flags` and `infera server` with
+/// `server_flags`, both on default transports, once the server has discovered the worker.
+/// Bind every field (no `..`): a field left out is dropped, and its process or service with it.
+struct OneWorker {
+    _etcd: EtcdServer,
+    _nats: NatsServer,
+    tok: String,
+    worker: Proc,
+    worker_port: u16,
+    server: Proc,
+    port: u16,
+}
+
+async fn one_worker(worker_flags: &[&str], server_flags: &[&str]) -> OneWorker {
     let etcd = EtcdServer::start().await.expect("etcd starts");
     let nats = NatsServer::start().await.expect("nats-server starts");
     let tok = tokenizer_dir();
     let worker_port = free_mock_port(&[]);
-    // Real speed: 300 tokens take about two seconds.
-    let mut worker = mock_worker_at(
+    let worker = mock_worker_at(
         &tok,
         &etcd.endpoint(),
         &nats.url(),
         worker_port,
-        &["--speedup", "1"],
+        worker_flags,
     );
-    let server_port = free_port();
-    let _server = server(&tok, &etcd.endpoint(), &nats.url(), server_port, &[]);
+    let port = free_port();
+    let server = server(&tok, &etcd.endpoint(), &nats.url(), port, server_flags);
     eventually("the worker to be discovered", || {
-        get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 1)
+        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
     });
+    OneWorker {
+        _etcd: etcd,
+        _nats: nats,
+        tok,
+        worker,
+        worker_port,
+        server,
+        port,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_worker_finishes_its_nats_stream_and_takes_nothing_new() {
+    // Real speed: 300 tokens take about two seconds.
+    let OneWorker {
+        _etcd,
+        _nats,
+        tok,
+        mut worker,
+        worker_port: _,
+        server: _server,
+        port: server_port,
+    } = one_worker(&["--speedup", "1"], &[]).await;
     let body = json!({"model": tok, "prompt": "drain", "max_tokens": 300, "stream": true,
         "ignore_eos": true})
     .to_string();
@@ -688,22 +722,15 @@ async fn a_draining_worker_finishes_its_nats_stream_and_takes_nothing_new() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_worker_ends_its_nats_stream_with_an_error_when_its_lease_expires() {
-    let etcd = EtcdServer::start().await.expect("etcd starts");
-    let nats = NatsServer::start().await.expect("nats-server starts");
-    let tok = tokenizer_dir();
-    let worker_port = free_mock_port(&[]);
-    let mut worker = mock_worker_at(
-        &tok,
-        &etcd.endpoint(),
-        &nats.url(),
-        worker_port,
-        &["--speedup", "1", "--etcd-lease-ttl", "2s"],
-    );
-    let port = free_port();
-    let _server = server(&tok, &etcd.endpoint(), &nats.url(), port, &[]);
-    eventually("the worker to be discovered", || {
-        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
-    });
+    let OneWorker {
+        _etcd,
+        _nats,
+        tok,
+        mut worker,
+        worker_port: _,
+        server: _server,
+        port,
+    } = one_worker(&["--speedup", "1", "--etcd-lease-ttl", "2s"], &[]).await;
     let body = json!({"model": tok, "prompt": "keep talking", "max_tokens": 100000,
         "stream": true})
     .to_string();
@@ -755,30 +782,21 @@ fn engine_aborted_one(port: u16) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_ends_a_request_at_its_own_max_duration_when_the_server_has_no_timer() {
-    let etcd = EtcdServer::start().await.expect("etcd starts");
-    let nats = NatsServer::start().await.expect("nats-server starts");
-    let tok = tokenizer_dir();
-    let worker_port = free_mock_port(&[]);
-    // Real speed: 4000 tokens take minutes; the worker gives each request 1 s.
-    let _worker = mock_worker_at(
-        &tok,
-        &etcd.endpoint(),
-        &nats.url(),
+    // Real speed: 4000 tokens take minutes; the worker gives each request 1 s. The server
+    // waits for ever: no idle timeout, no max duration, no retry.
+    let OneWorker {
+        _etcd,
+        _nats,
+        tok,
+        worker: _worker,
         worker_port,
-        &["--speedup", "1", "--nats-req-max-duration", "1s"],
-    );
-    let port = free_port();
-    // The server waits for ever: no idle timeout, no max duration, no retry.
-    let _server = server(
-        &tok,
-        &etcd.endpoint(),
-        &nats.url(),
+        server: _server,
         port,
+    } = one_worker(
+        &["--speedup", "1", "--nats-req-max-duration", "1s"],
         &["--nats-req-idle-timeout", "0", "--request-max-retries", "0"],
-    );
-    eventually("the worker to be discovered", || {
-        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
-    });
+    )
+    .await;
     let (status, body) = post(
         port,
         json!({"model": tok, "prompt": "go on", "max_tokens": 4000}),
@@ -795,22 +813,15 @@ async fn a_worker_ends_a_request_at_its_own_max_duration_when_the_server_has_no_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_bounds_a_stream_whose_server_was_killed() {
-    let etcd = EtcdServer::start().await.expect("etcd starts");
-    let nats = NatsServer::start().await.expect("nats-server starts");
-    let tok = tokenizer_dir();
-    let worker_port = free_mock_port(&[]);
-    let _worker = mock_worker_at(
-        &tok,
-        &etcd.endpoint(),
-        &nats.url(),
+    let OneWorker {
+        _etcd,
+        _nats,
+        tok,
+        worker: _worker,
         worker_port,
-        &["--speedup", "1", "--nats-req-max-duration", "2s"],
-    );
-    let port = free_port();
-    let mut server = server(&tok, &etcd.endpoint(), &nats.url(), port, &[]);
-    eventually("the worker to be discovered", || {
-        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
-    });
+        mut server,
+        port,
+    } = one_worker(&["--speedup", "1", "--nats-req-max-duration", "2s"], &[]).await;
     let body = json!({"model": tok, "prompt": "keep talking", "max_tokens": 100000,
         "stream": true})
     .to_string();

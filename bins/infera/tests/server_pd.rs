@@ -9,51 +9,25 @@
 
 mod common;
 
-use common::{Proc, eventually, free_mock_port, free_port, get_json, http, tokenizer_dir};
+use common::{
+    Proc, eventually, free_mock_port, free_port, get_json, http, mock_worker, server, tokenizer_dir,
+};
 
 use infera_backends::testing::EtcdServer;
 use serde_json::{Value, json};
-use std::process::{Command, Stdio};
 
 /// Starts `infera worker mock` in the PD `role` of `protocol` on `port`, with `extra` flags.
 fn pd_mock(tok: &str, etcd: &str, port: u16, role: &str, protocol: &str, extra: &[&str]) -> Proc {
-    Proc(
-        Command::new(env!("CARGO_BIN_EXE_infera"))
-            .args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
-            .args(["--port", &port.to_string(), "--block-size", "16"])
-            .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
-            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
-            .args(["--disaggregation-mode", role])
-            .args(["--disaggregation-protocol", protocol])
-            .args(["--disaggregation-bootstrap-port", "18998"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
-}
-
-/// Starts `infera server` on `port`, discovering workers in etcd, with `extra` flags.
-fn server(tok: &str, etcd: &str, port: u16, extra: &[&str]) -> Proc {
-    Proc(
-        Command::new(env!("CARGO_BIN_EXE_infera"))
-            .args([
-                "server",
-                "--router-tokenizer-path",
-                tok,
-                "--host",
-                "127.0.0.1",
-            ])
-            .args(["--port", &port.to_string()])
-            .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
-            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
+    let pd = [
+        "--disaggregation-mode",
+        role,
+        "--disaggregation-protocol",
+        protocol,
+        "--disaggregation-bootstrap-port",
+        "18998",
+    ];
+    let flags: Vec<&str> = pd.iter().chain(extra).copied().collect();
+    mock_worker(tok, etcd, port, &flags)
 }
 
 fn legs(port: u16) -> Vec<Value> {

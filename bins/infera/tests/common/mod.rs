@@ -7,7 +7,7 @@ use serde_json::Value;
 use std::io::{Read as _, Write as _};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 /// Upper bound of every wait: a guard against a hung test, never a synchronisation.
@@ -128,4 +128,44 @@ pub fn open_stream(port: u16, body: &str) -> (TcpStream, Vec<u8>) {
         seen.extend_from_slice(&buf[..n]);
     }
     (stream, seen)
+}
+
+/// Starts `infera worker mock` on `port`, registering itself in etcd, serving requests over
+/// HTTP and publishing KV events on ZeroMQ, with `extra` flags.
+pub fn mock_worker(tok: &str, etcd: &str, port: u16, extra: &[&str]) -> Proc {
+    Proc(
+        Command::new(env!("CARGO_BIN_EXE_infera"))
+            .args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
+            .args(["--port", &port.to_string(), "--block-size", "16"])
+            .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
+            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// Starts `infera server` on `port`, discovering workers in etcd, requests over HTTP and KV
+/// events over ZeroMQ, with `extra` flags.
+pub fn server(tok: &str, etcd: &str, port: u16, extra: &[&str]) -> Proc {
+    Proc(
+        Command::new(env!("CARGO_BIN_EXE_infera"))
+            .args([
+                "server",
+                "--router-tokenizer-path",
+                tok,
+                "--host",
+                "127.0.0.1",
+            ])
+            .args(["--port", &port.to_string()])
+            .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
+            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
 }
