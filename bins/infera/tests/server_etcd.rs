@@ -11,15 +11,12 @@ mod common;
 
 use common::{
     DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, mock_worker,
-    open_stream, server, tokenizer_dir,
+    open_stream, server, stored, tokenizer_dir,
 };
 
-use infera_adapters::kv_events::{EngineBatch, EngineEvent};
 use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _};
 use infera_backends::testing::{EtcdServer, sample_record};
 use infera_backends::zmq::{KvEventPublisher, PublisherConfig};
-use infera_core::event::Tier;
-use infera_core::ids::EngineHash;
 use serde_json::{Value, json};
 use std::io::Read as _;
 use std::process::{Command, Stdio};
@@ -560,23 +557,6 @@ async fn prewarm_hints_reach_the_kv_cache_daemon() {
     kvd.terminate();
     let (status, body) = prewarm(json!({"model": tok, "block_hashes": ["00"]}));
     assert_eq!(status, 503, "{body}");
-}
-
-/// A vLLM-shaped batch storing `blocks` blocks with engine hashes `first..first + blocks`.
-fn stored(first: u64, blocks: u64) -> EngineBatch {
-    EngineBatch {
-        ts: 1.0,
-        events: vec![EngineEvent::BlockStored {
-            block_hashes: (first..first + blocks).map(EngineHash).collect(),
-            parent: None,
-            token_ids: (16 * first as u32..16 * (first + blocks) as u32).collect(),
-            block_size: 16,
-            tier: Tier::Gpu,
-            lora_id: None,
-            indexable: true,
-        }],
-        ..EngineBatch::default()
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

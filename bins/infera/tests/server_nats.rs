@@ -11,13 +11,12 @@ mod common;
 use common::{Proc, eventually, free_mock_port, free_port, get_json, http, tokenizer_dir};
 
 use futures::StreamExt as _;
-use infera_adapters::kv_events::{EngineBatch, EngineEvent, encode_batch_vllm};
+use infera_adapters::kv_events::encode_batch_vllm;
 use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _, Registration};
 use infera_backends::nats::kv::{HDR_KV_EPOCH, HDR_KV_SEQ, kv_subject};
 use infera_backends::nats::{self, HDR_SEQ, HDR_STATUS, HDR_TYPE, RequestPayload};
 use infera_backends::testing::{EtcdServer, NatsServer, sample_record};
-use infera_core::event::{RequestTransport, Tier};
-use infera_core::ids::EngineHash;
+use infera_core::event::RequestTransport;
 use serde_json::{Value, json};
 use std::io::Read as _;
 use std::process::{Command, Stdio};
@@ -547,22 +546,8 @@ async fn a_client_that_disconnects_cancels_the_worker_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_kv_event_batch_clears_the_rank_and_later_batches_rebuild_it() {
     let (_etcd, _nats, _server, port, fake, _tok) = fake_setup(&[]).await;
-    let stored = |first: u64, blocks: u64| {
-        let batch = EngineBatch {
-            ts: 1.0,
-            events: vec![EngineEvent::BlockStored {
-                block_hashes: (first..first + blocks).map(EngineHash).collect(),
-                parent: None,
-                token_ids: (16 * first as u32..16 * (first + blocks) as u32).collect(),
-                block_size: 16,
-                tier: Tier::Gpu,
-                lora_id: None,
-                indexable: true,
-            }],
-            ..EngineBatch::default()
-        };
-        bytes::Bytes::from(encode_batch_vllm(&batch))
-    };
+    let stored =
+        |first, blocks| bytes::Bytes::from(encode_batch_vllm(&common::stored(first, blocks)));
     let publish = async |seq: u64, payload| {
         let mut headers = nats::HeaderMap::new();
         headers.insert(HDR_KV_SEQ, seq.to_string().as_str());

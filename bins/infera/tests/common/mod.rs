@@ -3,6 +3,9 @@
 //! HTTP/1.1 exchanges and bounded polling of another process's status pages.
 #![allow(dead_code, clippy::unwrap_used)] // each test binary uses its own subset
 
+use infera_adapters::kv_events::{EngineBatch, EngineEvent};
+use infera_core::event::Tier;
+use infera_core::ids::EngineHash;
 use serde_json::Value;
 use std::io::{Read as _, Write as _};
 use std::net::{TcpListener, TcpStream};
@@ -168,4 +171,21 @@ pub fn server(tok: &str, etcd: &str, port: u16, extra: &[&str]) -> Proc {
             .spawn()
             .unwrap(),
     )
+}
+
+/// A vLLM-shaped batch storing `blocks` blocks with engine hashes `first..first + blocks`.
+pub fn stored(first: u64, blocks: u64) -> EngineBatch {
+    EngineBatch {
+        ts: 1.0,
+        events: vec![EngineEvent::BlockStored {
+            block_hashes: (first..first + blocks).map(EngineHash).collect(),
+            parent: None,
+            token_ids: (16 * first as u32..16 * (first + blocks) as u32).collect(),
+            block_size: 16,
+            tier: Tier::Gpu,
+            lora_id: None,
+            indexable: true,
+        }],
+        ..EngineBatch::default()
+    }
 }
