@@ -14,13 +14,14 @@
 //! |---|---|---|
 //! | 1 | `v1.jsonl` | the first eight kinds |
 //! | 2 | `v2.jsonl` | [`Event::WorkerDraining`] |
+//! | 3 | `v3.jsonl` | [`Event::RecentLoad`] |
 
 use crate::clock::Micros;
 use crate::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
 use serde::{Deserialize, Serialize};
 
 /// The version written into every envelope (see the module docs for what each version added).
-pub const EVENT_FORMAT_VERSION: u16 = 2;
+pub const EVENT_FORMAT_VERSION: u16 = 3;
 
 /// Position of an event in one log. Starts at 1; 0 means "before the first event".
 pub type Seq = u64;
@@ -69,6 +70,8 @@ pub enum Event {
     RequestRouted(RequestRouted),
     RequestPrefilled(RequestPrefilled),
     RequestFinished(RequestFinished),
+    /// Since v3; written by snapshots only.
+    RecentLoad(RecentLoad),
 }
 
 impl Event {
@@ -84,6 +87,7 @@ impl Event {
             Event::RequestRouted(_) => "request_routed",
             Event::RequestPrefilled(_) => "request_prefilled",
             Event::RequestFinished(_) => "request_finished",
+            Event::RecentLoad(_) => "recent_load",
         }
     }
 }
@@ -223,6 +227,35 @@ pub struct WorkerDraining {
     /// Why it drains, for operators.
     #[serde(default)]
     pub reason: String,
+}
+
+/// The recent-pick window of the load model (`recent_blocks`, [`crate::fleet`]) as a snapshot
+/// keeps it: the blocks charged to each rank per time bucket. Folding it replaces the window, so
+/// a snapshot writes it after the requests still in flight (whose picks it already counts) and
+/// need not keep the requests that finished inside the window one by one: its size is
+/// O(buckets × ranks) whatever the request rate. Charges to ranks that are not registered are
+/// ignored. Since format v3.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecentLoad {
+    /// When the latest pick was made: where the window ends.
+    pub latest_us: Micros,
+    /// Oldest first.
+    pub buckets: Vec<RecentLoadBucket>,
+}
+
+/// One time bucket of a [`RecentLoad`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecentLoadBucket {
+    /// The bucket's start.
+    pub at_us: Micros,
+    pub charges: Vec<RecentCharge>,
+}
+
+/// The blocks that picks in one bucket charged to one rank.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecentCharge {
+    pub worker: WorkerRank,
+    pub blocks: u64,
 }
 
 /// Where a cached block lives, fastest first.
@@ -471,16 +504,27 @@ mod tests {
     }
 
     #[test]
-    fn golden_v2_event_log_covers_every_kind() {
+    fn golden_v2_event_log_still_parses() {
         let kinds = golden_kinds(include_str!("../../fixtures/events/v2.jsonl"), 2);
         assert_eq!(
-            EVENT_FORMAT_VERSION, 2,
+            kinds.len(),
+            9,
+            "v2 golden file covers v2's kinds: {kinds:?}"
+        );
+        assert!(!kinds.contains("recent_load"));
+    }
+
+    #[test]
+    fn golden_v3_event_log_covers_every_kind() {
+        let kinds = golden_kinds(include_str!("../../fixtures/events/v3.jsonl"), 3);
+        assert_eq!(
+            EVENT_FORMAT_VERSION, 3,
             "a new version needs its own golden file"
         );
         assert_eq!(
             kinds.len(),
-            9,
-            "v2 golden file covers every kind: {kinds:?}"
+            10,
+            "v3 golden file covers every kind: {kinds:?}"
         );
     }
 

@@ -8,6 +8,10 @@
 //!   so that a burst decided before any KV event arrives still spreads;
 //! - `queued_prefill_tokens`: prompt tokens routed to a rank and not yet prefilled.
 //!
+//! The recent charge is kept per time bucket and rank, never per request: a finished request
+//! leaves nothing behind but its share of a bucket, and a dump writes the window as one
+//! `RecentLoad`, so memory and snapshots scale with the fleet, not with the request rate.
+//!
 //! # Draining
 //! A `WorkerDraining` marks a registered worker as shutting down: it stays listed
 //! ([`FleetState::workers`], [`FleetState::worker`]), keeps its index entries and the load of its
@@ -22,8 +26,8 @@
 //! replay is deterministic.
 
 use crate::event::{
-    Envelope, Event, RequestFinished, RequestPrefilled, RequestRouted, RequestStatus, Role,
-    WorkerDraining, WorkerRecord, WorkerRegistered,
+    Envelope, Event, RecentCharge, RecentLoad, RecentLoadBucket, RequestFinished, RequestPrefilled,
+    RequestRouted, Role, WorkerDraining, WorkerRecord, WorkerRegistered,
 };
 use crate::ids::{BlockHash, RequestId, WorkerId, WorkerRank};
 use crate::index::{KvIndex, WorkerSlot};
@@ -99,10 +103,6 @@ pub struct FleetState {
     candidates: FxHashMap<(String, Role), Vec<Candidate>>,
     inflight: FxHashMap<RequestId, InFlight>,
     recent: VecDeque<RecentBucket>,
-    /// Finished requests still inside the recent window, kept so a dump can reproduce `recent`;
-    /// keyed by (bucket, pick order) so that pruning the window pops from the front in
-    /// O(pruned), whatever the request rate.
-    recent_finished: BTreeMap<(u64, u64), RequestRouted>,
     latest_bucket: u64,
     picks: u64,
 }
@@ -345,7 +345,15 @@ impl FleetState {
     /// them: their legs are stripped from the stored decisions, so that a dump (which re-applies the
     /// stored decisions) reproduces exactly this state.
     fn drop_ranks(&mut self, gone: impl Fn(&WorkerRank) -> bool) {
-        let gone_slots: Vec<WorkerSlot> = (0..self.load.len() as u32)
+        // Every slot that carries load: in-flight load, or a recent charge only (a window
+        // restored from a snapshot charges ranks that have no request in flight).
+        let charged = self.recent.iter().flat_map(|b| &b.per_slot);
+        let slots = charged
+            .map(|(s, _)| s.index() + 1)
+            .max()
+            .unwrap_or(0)
+            .max(self.load.len());
+        let gone_slots: Vec<WorkerSlot> = (0..slots as u32)
             .map(WorkerSlot)
             .filter(|s| self.index.worker_of(*s).is_some_and(&gone))
             .collect();
@@ -361,9 +369,6 @@ impl FleetState {
             let mut k = keep.iter();
             f.queued_tokens
                 .retain(|_| k.next().copied().unwrap_or(true));
-        }
-        for r in self.recent_finished.values_mut() {
-            r.legs.retain(|l| !gone(&l.worker));
         }
         for b in self.recent.iter_mut() {
             b.per_slot.retain(|(slot, _)| !gone_slots.contains(slot));
@@ -424,6 +429,9 @@ impl FleetState {
     }
 
     fn charge_recent(&mut self, at_us: u64, slot: WorkerSlot, blocks: u64) {
+        if blocks == 0 {
+            return;
+        }
         let bucket = at_us / self.bucket_width_us();
         // Buckets stay sorted; a late pick (older timestamp) lands in its own bucket.
         let pos = self.recent.partition_point(|b| b.bucket < bucket);
@@ -451,11 +459,6 @@ impl FleetState {
         let start = self.window_start_bucket();
         while self.recent.front().is_some_and(|b| b.bucket < start) {
             self.recent.pop_front();
-        }
-        while let Some(entry) = self.recent_finished.first_entry()
-            && entry.key().0 < start
-        {
-            entry.remove();
         }
     }
 
@@ -502,10 +505,23 @@ impl FleetState {
                 }
             }
         }
-        let bucket = f.routed.at_us / self.bucket_width_us();
-        if bucket >= self.window_start_bucket() {
-            self.recent_finished.insert((bucket, f.order), f.routed);
+    }
+
+    /// Replaces the recent window with a snapshot's (see [`RecentLoad`]).
+    fn recent_load(&mut self, r: &RecentLoad) {
+        let width = self.bucket_width_us();
+        self.latest_bucket = self.latest_bucket.max(r.latest_us / width);
+        self.recent.clear();
+        for b in &r.buckets {
+            for c in &b.charges {
+                if let Some(slot) = self.index.slot(&c.worker)
+                    && self.serves(&c.worker)
+                {
+                    self.charge_recent(b.at_us, slot, c.blocks);
+                }
+            }
         }
+        self.prune_recent();
     }
 }
 
@@ -525,13 +541,15 @@ impl Projection for FleetState {
             Event::RequestRouted(r) => self.routed(r),
             Event::RequestPrefilled(p) => self.prefilled(p),
             Event::RequestFinished(f) => self.finished(f),
+            Event::RecentLoad(r) => self.recent_load(r),
         }
     }
 
-    /// Workers (each draining one followed by its `WorkerDraining`), then the index, then routed
-    /// requests in pick order (each followed by its `RequestPrefilled` / `RequestFinished` when it
-    /// had them), so that rebuilding reproduces the drains, the in-flight load and the recent-pick
-    /// window exactly.
+    /// Workers (each draining one followed by its `WorkerDraining`), then the index, then the
+    /// requests in flight in pick order (each followed by its `RequestPrefilled` when it had
+    /// one), then the recent-pick window ([`RecentLoad`]), so that rebuilding reproduces the
+    /// drains, the in-flight load and the recent window exactly. Its size is the fleet's state
+    /// (workers, cached blocks, requests in flight), not the request rate.
     fn dump(&self) -> Vec<Event> {
         let mut out: Vec<Event> = Vec::with_capacity(self.workers.len() + self.draining.len());
         for w in self.workers.values() {
@@ -546,34 +564,40 @@ impl Projection for FleetState {
             }
         }
         out.extend(self.index.dump());
-        let mut picks: Vec<(u64, &RequestRouted, bool, bool)> = self
-            .inflight
-            .values()
-            .map(|f| (f.order, &f.routed, f.prefilled, false))
-            .chain(
-                self.recent_finished
-                    .iter()
-                    .map(|((_, order), r)| (*order, r, true, true)),
-            )
-            .collect();
-        picks.sort_by_key(|p| p.0);
-        for (_, routed, prefilled, finished) in picks {
-            out.push(Event::RequestRouted(routed.clone()));
-            if prefilled {
+        let mut picks: Vec<&InFlight> = self.inflight.values().collect();
+        picks.sort_by_key(|f| f.order);
+        out.reserve(2 * picks.len() + 1);
+        for f in picks {
+            out.push(Event::RequestRouted(f.routed.clone()));
+            if f.prefilled {
                 out.push(Event::RequestPrefilled(RequestPrefilled {
-                    request_id: routed.request_id.clone(),
+                    request_id: f.routed.request_id.clone(),
                 }));
             }
-            if finished {
-                out.push(Event::RequestFinished(RequestFinished {
-                    request_id: routed.request_id.clone(),
-                    status: RequestStatus::Ok,
-                    ttft_us: None,
-                    tokens_in: 0,
-                    tokens_out: 0,
-                    cached_tokens: None,
-                }));
-            }
+        }
+        if self.latest_bucket > 0 || !self.recent.is_empty() {
+            let width = self.bucket_width_us();
+            let buckets = self
+                .recent
+                .iter()
+                .map(|b| RecentLoadBucket {
+                    at_us: b.bucket * width,
+                    charges: b
+                        .per_slot
+                        .iter()
+                        .filter_map(|(slot, blocks)| {
+                            Some(RecentCharge {
+                                worker: self.index.worker_of(*slot)?.clone(),
+                                blocks: *blocks,
+                            })
+                        })
+                        .collect(),
+                })
+                .collect();
+            out.push(Event::RecentLoad(RecentLoad {
+                latest_us: self.latest_bucket * width,
+                buckets,
+            }));
         }
         out
     }
@@ -627,11 +651,8 @@ impl PartialEq for FleetState {
                 })
                 .collect()
         };
-        let finished =
-            |s: &Self| -> Vec<RequestRouted> { s.recent_finished.values().cloned().collect() };
         self.config == other.config
             && self.latest_bucket == other.latest_bucket
-            && finished(self) == finished(other)
             && self.workers == other.workers
             && self.draining == other.draining
             && self.index == other.index
@@ -645,7 +666,8 @@ impl PartialEq for FleetState {
 mod tests {
     use super::*;
     use crate::event::{
-        Engine, KvBlocksStored, RequestTransport, RoutedLeg, Tier, WorkerDeregistered,
+        Engine, KvBlocksStored, RequestStatus, RequestTransport, RoutedLeg, Tier,
+        WorkerDeregistered,
     };
     use crate::ids::EngineHash;
 
@@ -822,6 +844,72 @@ mod tests {
             g.candidates("m", Role::Mixed),
             f.candidates("m", Role::Mixed)
         );
+    }
+
+    #[test]
+    fn a_dump_keeps_finished_requests_only_as_their_recent_charge() {
+        let (mut f, a, b) = fleet_with_two();
+        let finish = |id: String| {
+            Event::RequestFinished(RequestFinished {
+                request_id: RequestId::new(id),
+                status: RequestStatus::Ok,
+                ttft_us: None,
+                tokens_in: 0,
+                tokens_out: 0,
+                cached_tokens: None,
+            })
+        };
+        // 10k requests over 2 s (inside the 8 s window), every one finished but the last.
+        let mut seq = 3;
+        for i in 0..10_000u64 {
+            let rank = if i % 3 == 0 { &b } else { &a };
+            f.apply(&env(
+                seq,
+                routed(&format!("r{i}"), rank, &[i, i + 1], i * 200),
+            ));
+            if i < 9_999 {
+                f.apply(&env(seq + 1, finish(format!("r{i}"))));
+            }
+            seq += 2;
+        }
+        let dump = f.dump();
+        // Two workers, the one request in flight, and the window.
+        assert_eq!(
+            dump.len(),
+            4,
+            "{:?}",
+            dump.iter().map(Event::kind).collect::<Vec<_>>()
+        );
+        let Some(Event::RecentLoad(window)) = dump.last() else {
+            panic!("the dump ends with the recent window: {:?}", dump.last());
+        };
+        let charged: u64 = window
+            .buckets
+            .iter()
+            .flat_map(|b| &b.charges)
+            .map(|c| c.blocks)
+            .sum();
+        assert_eq!(charged, 20_000);
+        let mut g = FleetState::new(FleetConfig::default());
+        for (i, e) in dump.into_iter().enumerate() {
+            g.apply(&env(i as u64 + 1, e));
+        }
+        assert_eq!(f, g);
+        for rank in [&a, &b] {
+            let (live, rebuilt) = (
+                f.recent_blocks(rank, 2_500_000),
+                g.recent_blocks(rank, 2_500_000),
+            );
+            assert!(
+                live > 1_000.0 && (live - rebuilt).abs() < 1e-9,
+                "{live} vs {rebuilt}"
+            );
+        }
+        // The window keeps moving in the rebuilt state as in the live one.
+        f.apply(&env(seq, routed("late", &a, &[1], 30_000_000)));
+        g.apply(&env(seq, routed("late", &a, &[1], 30_000_000)));
+        assert_eq!(f, g);
+        assert!(g.recent_blocks(&b, 30_000_000) < 1e-9);
     }
 
     fn drain(id: &str, reason: &str) -> Event {

@@ -30,7 +30,8 @@ impl Projection for KvIndex {
             | Event::WorkerDraining(_)
             | Event::RequestRouted(_)
             | Event::RequestPrefilled(_)
-            | Event::RequestFinished(_) => {}
+            | Event::RequestFinished(_)
+            | Event::RecentLoad(_) => {}
         }
     }
 
