@@ -46,6 +46,10 @@ use infera_replay::record::{Recorder, RecorderOptions};
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 
+/// The allocator the `infera` binary serves with: the router's cost here is the shipped one.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const MODEL: &str = "bench";
 const CONNECTIONS: usize = 32;
 

@@ -143,8 +143,9 @@ struct MemoryInner {
 
 /// The in-memory log: the live server's default and replay's only log.
 ///
-/// Appends also have a synchronous form ([`MemoryLog::append_sync`]) for the single-threaded
-/// simulator, which must not pay for an async runtime per event.
+/// Appends also have synchronous forms ([`MemoryLog::append_sync`], [`MemoryLog::append_with`])
+/// for the single-threaded simulator, which must not pay for an async runtime per event, and for
+/// the server's core, which applies what it appends under its own lock.
 #[derive(Debug, Clone)]
 pub struct MemoryLog {
     inner: Arc<RwLock<MemoryInner>>,
@@ -167,10 +168,18 @@ impl MemoryLog {
 
     /// Appends without awaiting; returns the envelopes as stored (for applying them at once).
     pub fn append_sync(&self, batch: Vec<NewEvent>) -> Vec<Envelope> {
+        self.append_with(batch, <[Envelope]>::to_vec)
+    }
+
+    /// Appends without awaiting and hands `f` the envelopes as stored, before any reader can see
+    /// them: a caller that applies them at once (the server's core, the simulator) reads them in
+    /// place instead of paying for a copy of every event.
+    pub fn append_with<T>(&self, batch: Vec<NewEvent>, f: impl FnOnce(&[Envelope]) -> T) -> T {
         let ts_us = self.clock.now_us();
         let mut inner = self.inner.write().unwrap_or_else(|p| p.into_inner());
         let mut seq = inner.base + inner.entries.len() as Seq;
         let start = inner.entries.len();
+        inner.entries.reserve(batch.len());
         for e in batch {
             inner.entries.push(Envelope {
                 v: EVENT_FORMAT_VERSION,
@@ -181,7 +190,7 @@ impl MemoryLog {
             });
             seq += 1;
         }
-        let out = inner.entries[start..].to_vec();
+        let out = f(&inner.entries[start..]);
         drop(inner);
         self.tip.send_replace(seq - 1);
         out

@@ -118,13 +118,18 @@ impl Core {
     /// `max(COMPACT_MIN_EVENTS, 2 × snapshot size)` new events, so its cost is amortized O(1)
     /// per event. Returns how many events were applied.
     pub(crate) fn commit(&mut self, events: Vec<NewEvent>) -> usize {
-        let envs = self.log.append_sync(events);
-        for env in &envs {
-            self.fleet.apply(env);
+        let (fleet, tapped) = (&mut self.fleet, !self.taps.is_empty());
+        let (applied, last, copy) = self.log.append_with(events, |envs| {
+            for env in envs {
+                fleet.apply(env);
+            }
+            let last = envs.last().map(|e| e.seq);
+            // The taps get their own copy; without taps nothing is copied.
+            (envs.len(), last, tapped.then(|| envs.to_vec()))
+        });
+        if let Some(envs) = copy {
+            self.feed_taps(envs);
         }
-        let applied = envs.len();
-        let last = envs.last().map(|e| e.seq);
-        self.feed_taps(envs);
         if self.log.len() >= COMPACT_MIN_EVENTS.max(2 * self.snapshot_events)
             && let Some(upto) = last
         {

@@ -182,16 +182,31 @@ struct Usage {
     cached_tokens: Option<u32>,
 }
 
+/// The `usage` object of a response body (or of one SSE chunk's payload). Everything else in
+/// the body is skipped, not built: a response parsed into a `Value` cost as much as the rest
+/// of relaying it. A count that is not a u32 is absent, as is a body that is not JSON.
 fn usage_of(body: &[u8]) -> Usage {
-    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+    #[derive(serde::Deserialize)]
+    struct Body {
+        usage: Option<UsageWire>,
+    }
+    #[derive(serde::Deserialize)]
+    struct UsageWire {
+        prompt_tokens: Option<Value>,
+        completion_tokens: Option<Value>,
+        prompt_tokens_details: Option<Value>,
+    }
+    let Ok(Body { usage: Some(u) }) = serde_json::from_slice::<Body>(body) else {
         return Usage::default();
     };
-    let u = &v["usage"];
-    let n = |v: &Value| v.as_u64().and_then(|n| u32::try_from(n).ok());
+    let n = |v: Option<&Value>| v?.as_u64().and_then(|n| u32::try_from(n).ok());
     Usage {
-        prompt_tokens: n(&u["prompt_tokens"]),
-        completion_tokens: n(&u["completion_tokens"]),
-        cached_tokens: n(&u["prompt_tokens_details"]["cached_tokens"]),
+        prompt_tokens: n(u.prompt_tokens.as_ref()),
+        completion_tokens: n(u.completion_tokens.as_ref()),
+        cached_tokens: n(u
+            .prompt_tokens_details
+            .as_ref()
+            .and_then(|d| d.get("cached_tokens"))),
     }
 }
 
@@ -498,6 +513,45 @@ impl StreamRelay {
                     self.usage = u;
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::usage_of;
+
+    #[test]
+    fn usage_is_read_from_a_whole_response_and_odd_counts_are_absent() {
+        let u = usage_of(
+            br#"{"id":"x","choices":[{"index":0,"text":"a \"usage\": {}","logprobs":null}],
+               "usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15,
+                        "prompt_tokens_details":{"cached_tokens":8}}}"#,
+        );
+        assert_eq!(
+            (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+            (Some(12), Some(3), Some(8))
+        );
+        let u = usage_of(
+            br#"{"usage":{"prompt_tokens":1.5,"completion_tokens":-1,"prompt_tokens_details":7}}"#,
+        );
+        assert_eq!(
+            (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+            (None, None, None)
+        );
+        let u = usage_of(br#"{"usage":{"prompt_tokens":4294967296,"completion_tokens":2}}"#);
+        assert_eq!((u.prompt_tokens, u.completion_tokens), (None, Some(2)));
+        for body in [
+            &b"not json"[..],
+            br#"{"usage":null}"#,
+            br#"{"usage":"x"}"#,
+            b"[]",
+        ] {
+            let u = usage_of(body);
+            assert_eq!(
+                (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+                (None, None, None)
+            );
         }
     }
 }

@@ -24,7 +24,7 @@ use crate::trace::Trace;
 use infera_core::clock::{Clock, VirtualClock};
 use infera_core::engine::{EngineConfig, EngineModel, KvChange, SimRequest, StepReport};
 use infera_core::event::{
-    Engine, Envelope, Event, KvBlocksRemoved, KvBlocksStored, RequestFinished, RequestPrefilled,
+    Engine, Event, KvBlocksRemoved, KvBlocksStored, RequestFinished, RequestPrefilled,
     RequestStatus, RequestTransport, Retention, Role, Tier, WorkerRecord, WorkerRegistered,
 };
 use infera_core::fleet::{FleetConfig, FleetState};
@@ -333,13 +333,12 @@ impl Sim<'_> {
 
     fn append(&mut self, batch: Vec<NewEvent>) {
         self.events += batch.len() as u64;
-        for env in self.log.append_sync(batch) {
-            self.apply(&env);
-        }
-    }
-
-    fn apply(&mut self, env: &Envelope) {
-        self.fleet.apply(env);
+        let fleet = &mut self.fleet;
+        self.log.append_with(batch, |envs| {
+            for env in envs {
+                fleet.apply(env);
+            }
+        });
     }
 
     fn arrival_us(&self, i: usize) -> u64 {
