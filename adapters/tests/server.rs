@@ -7,9 +7,11 @@
 
 mod common;
 
+use axum::body::Bytes;
 use common::{TIMEOUT, body_of, exchange, get, post, post_raw, request, request_with};
+use futures::StreamExt as _;
 use infera_adapters::kv_events::EngineBatch;
-use infera_adapters::mock::{MockConfig, MockError, MockServer};
+use infera_adapters::mock::{MockConfig, MockError, MockPd, MockServer};
 use infera_adapters::server::{ServerOptions, ServerState, serve};
 use infera_adapters::tokenize::Tokenizer;
 use infera_core::engine::EngineConfig;
@@ -46,6 +48,22 @@ struct Mock {
 
 impl Mock {
     async fn start() -> Self {
+        Self::start_as(None).await
+    }
+
+    /// A mock playing one leg of a PD pair.
+    async fn start_pd(role: Role, protocol: &str) -> Self {
+        Self::start_as(Some(MockPd {
+            role,
+            protocol: protocol.to_owned(),
+            engine_id: format!("eng-{}", role.as_str()),
+            host: "127.0.0.1".to_owned(),
+            port: 18998,
+        }))
+        .await
+    }
+
+    async fn start_as(pd: Option<MockPd>) -> Self {
         let engine = EngineConfig {
             gpu_blocks: 4096,
             block_size: BLOCK,
@@ -55,6 +73,7 @@ impl Mock {
         let mut config = MockConfig::new(MODEL, engine);
         config.tokenizer = Some(tokenizer());
         config.drain_timeout = Duration::from_secs(5);
+        config.pd = pd;
         let (sink, events) = mpsc::channel(4096);
         let server = MockServer::bind("127.0.0.1:0", config, Some(sink))
             .await
@@ -120,6 +139,21 @@ fn record(addr: SocketAddr) -> WorkerRecord {
     }
 }
 
+fn options(policy: PolicyKind, max_retries: u32, direct: bool) -> ServerOptions {
+    ServerOptions {
+        max_body_bytes: 64 << 10,
+        request_max_retries: max_retries,
+        router: RouterConfig {
+            policy,
+            overlap_weight: 10.0,
+            ..RouterConfig::default()
+        },
+        fleet: FleetConfig::default(),
+        chat_template: None,
+        direct,
+    }
+}
+
 struct Front {
     addr: SocketAddr,
     state: ServerState,
@@ -133,19 +167,14 @@ impl Front {
     }
 
     async fn start_with(policy: PolicyKind, max_retries: u32, direct: bool) -> Self {
-        let options = ServerOptions {
-            max_body_bytes: 64 << 10,
-            request_max_retries: max_retries,
-            router: RouterConfig {
-                policy,
-                overlap_weight: 10.0,
-                ..RouterConfig::default()
-            },
-            fleet: FleetConfig::default(),
-            chat_template: None,
-            direct,
-        };
-        let state = ServerState::new(options, tokenizer());
+        Self::serve(ServerState::new(
+            options(policy, max_retries, direct),
+            tokenizer(),
+        ))
+        .await
+    }
+
+    async fn serve(state: ServerState) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (stop, stopped) = oneshot::channel::<()>();
@@ -380,10 +409,15 @@ async fn bad_requests_get_honest_statuses() {
 
 /// A scripted worker: answers each of `n` connections with `reply` (raw HTTP bytes) after
 /// reading the request head and body, then closes the socket (mid-body if `reply` is cut).
-async fn scripted_worker(reply: &'static [u8], n: usize) -> (SocketAddr, JoinHandle<()>) {
+/// Each request's head (lowercased) is reported on the returned channel.
+async fn scripted_worker(
+    reply: &'static [u8],
+    n: usize,
+) -> (SocketAddr, mpsc::Receiver<String>, JoinHandle<()>) {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
+    let (heads, heads_rx) = mpsc::channel(n.max(1));
     let task = tokio::spawn(async move {
         for _ in 0..n {
             let (mut s, _) = listener.accept().await.expect("accept");
@@ -412,15 +446,17 @@ async fn scripted_worker(reply: &'static [u8], n: usize) -> (SocketAddr, JoinHan
             s.write_all(reply).await.expect("write");
             s.flush().await.expect("flush");
             drop(s);
+            // Room for every head: a test that does not read them never blocks the worker.
+            let _ = heads.try_send(head);
         }
     });
-    (addr, task)
+    (addr, heads_rx, task)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_5xx_before_the_first_byte_fails_over_and_a_broken_stream_ends_with_an_error() {
     let mock = Mock::start().await;
-    let (failing, failing_task) = scripted_worker(
+    let (failing, _, failing_task) = scripted_worker(
         b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
         1,
     )
@@ -448,7 +484,7 @@ async fn a_5xx_before_the_first_byte_fails_over_and_a_broken_stream_ends_with_an
     mock.stop().await;
 
     // A stream that breaks after its first event.
-    let (broken, broken_task) = scripted_worker(
+    let (broken, _, broken_task) = scripted_worker(
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n\
           f\r\ndata: {\"a\":1}\n\n\r\n",
         1,
@@ -685,5 +721,277 @@ async fn profiling_fans_out_to_the_chosen_engines_only_when_enabled() {
     assert_eq!(status, 404);
     let (status, _) = post(front.addr, "/v1/admin/profile/start", &json!({"role": 3})).await;
     assert_eq!(status, 400);
+    front.stop().await;
+}
+
+/// A unary completion of one token, as raw HTTP.
+const ONE_TOKEN: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+content-length: 166\r\nconnection: close\r\n\r\n\
+{\"id\":\"c\",\"object\":\"text_completion\",\"choices\":[{\"index\":0,\"text\":\" ok\",\
+\"finish_reason\":\"length\"}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1,\"total_tokens\":4}}";
+
+fn dp_header(head: &str) -> Option<&str> {
+    head.lines()
+        .find_map(|l| l.strip_prefix("x-data-parallel-rank:"))
+        .map(str::trim)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_of_several_dp_ranks_is_pinned_to_the_chosen_rank() {
+    let (multi, mut multi_heads, multi_task) = scripted_worker(ONE_TOKEN, 2).await;
+    let (single, mut single_heads, single_task) = scripted_worker(ONE_TOKEN, 1).await;
+    let front = Front::start_with(PolicyKind::KvAware, 0, true).await;
+    // Ranks 4..8 behind one endpoint (a vLLM with --data-parallel-start-rank 4, say).
+    let mut rec = record(multi);
+    rec.dp_rank = 4;
+    rec.dp_size = 4;
+    front.state.register_worker(rec);
+    front.state.register_worker(record(single));
+    let body = json!({"model": MODEL, "prompt": "pinned", "max_tokens": 1}).to_string();
+    let send = |worker: SocketAddr, rank: Option<&'static str>| {
+        let body = body.clone().into_bytes();
+        async move {
+            let worker = worker.to_string();
+            let mut headers = vec![("x-worker-instance-id", worker.as_str())];
+            if let Some(r) = rank {
+                headers.push(("x-dp-rank", r));
+            }
+            let ex = request_with(front.addr, "POST", "/v1/completions", &headers, body).await;
+            body_of(ex).await
+        }
+    };
+    for (rank, engine_rank) in [("6", "2"), ("4", "0")] {
+        let (status, text) = send(multi, Some(rank)).await;
+        assert_eq!(status, 200, "{text}");
+        let head = multi_heads.recv().await.expect("request seen");
+        assert_eq!(
+            dp_header(&head),
+            Some(engine_rank),
+            "rank {rank} is the engine's rank {engine_rank}: {head}"
+        );
+    }
+    // A worker of one rank is not steered.
+    let (status, text) = send(single, None).await;
+    assert_eq!(status, 200, "{text}");
+    let head = single_heads.recv().await.expect("request seen");
+    assert_eq!(dp_header(&head), None, "{head}");
+    multi_task.await.expect("worker task");
+    single_task.await.expect("worker task");
+    front.stop().await;
+}
+
+/// A PD record of `mock` in `role` for `protocol` with `params`, fronting two DP ranks.
+fn pd_record(mock: &Mock, role: Role, protocol: &str, params: Value) -> WorkerRecord {
+    let mut rec = record(mock.addr);
+    rec.disagg_mode = role;
+    rec.disagg_meta = Some(json!({"protocol": protocol, "params": params}));
+    rec.dp_size = 2;
+    rec
+}
+
+async fn legs_of(mock: &Mock) -> Vec<Value> {
+    let (status, text) = get(mock.addr, "/mock/pd-legs").await;
+    assert_eq!(status, 200, "{text}");
+    serde_json::from_str::<Value>(&text).expect("json")["legs"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_legs_are_pinned_to_their_dp_ranks_and_the_decode_names_the_prefill_rank() {
+    for (protocol, params) in [
+        (
+            "sglang-bootstrap",
+            json!({"bootstrap_host": "127.0.0.1", "bootstrap_port": 18998}),
+        ),
+        (
+            "vllm-mooncake",
+            json!({"engine_id": "eng-p", "bootstrap_addr": "http://127.0.0.1:18998"}),
+        ),
+    ] {
+        let prefill = Mock::start_pd(Role::Prefill, protocol).await;
+        let decode = Mock::start_pd(Role::Decode, protocol).await;
+        let front = Front::start_with(PolicyKind::KvAware, 0, true).await;
+        front
+            .state
+            .register_worker(pd_record(&prefill, Role::Prefill, protocol, params));
+        front
+            .state
+            .register_worker(pd_record(&decode, Role::Decode, protocol, json!({})));
+        let body = json!({"model": MODEL, "prompt": long_prompt("dp", 40), "max_tokens": 4});
+        let (p, d) = (prefill.addr.to_string(), decode.addr.to_string());
+        for rank in ["1", "0"] {
+            let headers = [
+                ("x-prefill-instance-id", p.as_str()),
+                ("x-worker-instance-id", d.as_str()),
+                ("x-dp-rank", rank),
+            ];
+            let ex = request_with(
+                front.addr,
+                "POST",
+                "/v1/completions",
+                &headers,
+                body.to_string().into_bytes(),
+            )
+            .await;
+            let (status, text) = body_of(ex).await;
+            assert_eq!(status, 200, "{protocol}: {text}");
+        }
+        let (p_legs, d_legs) = (legs_of(&prefill).await, legs_of(&decode).await);
+        assert_eq!(p_legs.len(), 2, "{p_legs:?}");
+        assert_eq!(d_legs.len(), 2, "{d_legs:?}");
+        for (i, rank) in [1u64, 0].into_iter().enumerate() {
+            let (pl, dl) = (&p_legs[i], &d_legs[i]);
+            assert_eq!(pl["dp_rank"], rank, "{protocol}: {pl}");
+            assert_eq!(dl["dp_rank"], rank, "{protocol}: {dl}");
+            if protocol == "sglang-bootstrap" {
+                let room = pl["bootstrap_room"].as_u64().expect("room");
+                assert_eq!(room % 2, rank, "the room addresses the prefill rank: {pl}");
+                assert_eq!(dl["disagg_prefill_dp_rank"], rank, "{dl}");
+                assert_eq!(pl["disagg_prefill_dp_rank"], Value::Null, "{pl}");
+                assert_eq!(pl["rid"], dl["rid"], "one rid for both legs");
+            } else {
+                assert_eq!(
+                    dl["kv_transfer_params"]["remote_engine_id"],
+                    format!("eng-p_dp{rank}"),
+                    "the decode pulls from the chosen prefill rank: {dl}"
+                );
+            }
+        }
+        front.stop().await;
+        prefill.stop().await;
+        decode.stop().await;
+    }
+}
+
+/// A serial PD pair whose legs the test releases: the prefill's answer and the decode's body
+/// wait until the test sends them (dropping a sender ends that body).
+#[derive(Debug)]
+struct HeldPair {
+    prefill: String,
+    calls: mpsc::Sender<String>,
+    bodies: std::sync::Mutex<Vec<(String, mpsc::Receiver<Bytes>)>>,
+}
+
+#[async_trait::async_trait]
+impl infera_adapters::server::RequestTransport for HeldPair {
+    fn name(&self) -> &'static str {
+        "held"
+    }
+
+    async fn send(
+        &self,
+        req: infera_adapters::server::transport::Outbound,
+    ) -> Result<
+        infera_adapters::server::transport::Inbound,
+        infera_adapters::server::transport::TransportError,
+    > {
+        let worker = req.worker.as_str().to_owned();
+        let rx = {
+            let mut bodies = self.bodies.lock().expect("lock");
+            let i = bodies
+                .iter()
+                .position(|(w, _)| *w == worker)
+                .expect("a body for every leg");
+            bodies.remove(i).1
+        };
+        self.calls.send(worker.clone()).await.expect("test listens");
+        let body =
+            futures::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|b| (Ok(b), rx)) },
+            )
+            .boxed();
+        let content_type = if worker == self.prefill {
+            "application/json"
+        } else {
+            "text/event-stream"
+        };
+        Ok(infera_adapters::server::transport::Inbound {
+            status: axum::http::StatusCode::OK,
+            content_type: Some(axum::http::HeaderValue::from_static(content_type)),
+            body,
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pd_request_is_prefilled_when_the_prefill_answers_not_at_the_first_byte() {
+    let (p_tx, p_rx) = mpsc::channel(4);
+    let (d_tx, d_rx) = mpsc::channel(4);
+    let (calls, mut called) = mpsc::channel(4);
+    let (p, d) = ("10.0.0.1:8000".to_owned(), "10.0.0.2:8000".to_owned());
+    let transport = HeldPair {
+        prefill: p.clone(),
+        calls,
+        bodies: std::sync::Mutex::new(vec![(p.clone(), p_rx), (d.clone(), d_rx)]),
+    };
+    let state = ServerState::with_transport(
+        options(PolicyKind::KvAware, 0, false),
+        tokenizer(),
+        Arc::new(transport),
+    );
+    let front = Front::serve(state).await;
+    for (id, role) in [(&p, Role::Prefill), (&d, Role::Decode)] {
+        let mut rec = record(id.parse().expect("addr"));
+        rec.disagg_mode = role;
+        rec.disagg_meta = Some(json!({"protocol": "vllm-nixl", "params": {}}));
+        front.state.register_worker(rec);
+    }
+    let queued = |id: &str| {
+        front
+            .state
+            .with_fleet(|f| f.queued_prefill_tokens(&WorkerRank::new(id, 0)))
+    };
+    let inflight = |id: &str| {
+        front
+            .state
+            .with_fleet(|f| f.inflight_on(&WorkerRank::new(id, 0)))
+    };
+    let body = json!({"model": MODEL, "prompt": long_prompt("held", 64), "max_tokens": 4,
+        "stream": true});
+    let addr = front.addr;
+    let client = tokio::spawn(async move {
+        body_of(
+            request(
+                addr,
+                "POST",
+                "/v1/completions",
+                body.to_string().into_bytes(),
+            )
+            .await,
+        )
+        .await
+    });
+
+    assert_eq!(called.recv().await.as_deref(), Some(p.as_str()));
+    assert!(
+        queued(&p) > 0,
+        "the prompt queues on the prefill until it answers"
+    );
+    p_tx.send(Bytes::from_static(
+        br#"{"kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "e"}}"#,
+    ))
+    .await
+    .expect("prefill body");
+    drop(p_tx);
+
+    // The decode leg is sent and has not answered a byte: the request is prefilled already.
+    assert_eq!(called.recv().await.as_deref(), Some(d.as_str()));
+    assert_eq!(queued(&p), 0, "prefilled when the prefill answered");
+    assert_eq!(queued(&d), 0);
+    assert_eq!(inflight(&d), 1, "still in flight");
+
+    d_tx.send(Bytes::from_static(
+        b"data: {\"choices\":[{\"text\":\" ok\"}]}\n\ndata: [DONE]\n\n",
+    ))
+    .await
+    .expect("decode body");
+    drop(d_tx);
+    let (status, text) = client.await.expect("client task");
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains("data: [DONE]"), "{text}");
+    assert_eq!(inflight(&d), 0);
     front.stop().await;
 }

@@ -8,7 +8,7 @@ use futures::StreamExt as _;
 use infera_adapters::kv_events::{EngineBatch, EngineEvent, encode_batch_vllm};
 use infera_adapters::mock::{MockConfig, MockServer};
 use infera_adapters::server::RequestTransport as _;
-use infera_adapters::server::transport::{Outbound, TransportError};
+use infera_adapters::server::transport::{DP_RANK_HEADER, Outbound, TransportError};
 use infera_backends::nats::kv::{
     HDR_KV_EPOCH, HDR_KV_SEQ, KvEventPublisher, KvEventSubscription, KvItem, kv_subject,
 };
@@ -81,6 +81,7 @@ fn outbound(body: Value, stream: bool) -> Outbound {
         stream,
         request_id: "r-1".to_owned(),
         engine_request_id: None,
+        dp_rank: None,
     }
 }
 
@@ -416,4 +417,38 @@ async fn kv_event_gaps_and_restarts_are_detected_per_rank() {
             ..
         }
     ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_pinned_to_a_dp_rank_reaches_the_engine_with_its_rank_header() {
+    // An engine that reports each request's X-data-parallel-rank (`None` without one).
+    let (tx, mut ranks) = tokio::sync::mpsc::channel(4);
+    let app = axum::Router::new().fallback(move |headers: axum::http::HeaderMap| {
+        let tx = tx.clone();
+        async move {
+            let rank = headers
+                .get(DP_RANK_HEADER)
+                .map(|v| v.to_str().unwrap().to_owned());
+            tx.send(rank).await.unwrap();
+            axum::Json(json!({}))
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let broker = NatsServer::start().await.unwrap();
+    let client = nats::connect(&broker.url(), "test").await.unwrap();
+    let _responder = responder(&client, &url).await;
+    let transport = NatsTransport::new(client.clone(), NatsRequestConfig::default());
+    for rank in [Some(3), None] {
+        let mut out = outbound(json!({"model": "m", "prompt": "x"}), false);
+        out.dp_rank = rank;
+        let resp = transport.send(out).await.unwrap();
+        assert_eq!(resp.status, 200);
+        collect(resp.body).await;
+        assert_eq!(
+            timeout(DEADLINE, ranks.recv()).await.unwrap().unwrap(),
+            rank.map(|r| r.to_string())
+        );
+    }
 }

@@ -1,5 +1,6 @@
 //! The mock's HTTP surface (axum): OpenAI completions and chat (streaming and not), models,
-//! health and metrics, and the PD legs a PD-role mock accepted (`GET /mock/pd-legs`).
+//! health and metrics, the PD legs a PD-role mock accepted (`GET /mock/pd-legs`), and SGLang's
+//! `POST /abort_request` with the aborts it received (`GET /mock/pd-aborts`).
 //!
 //! A generation request is parsed, tokenized off the async threads (`spawn_blocking`), hashed
 //! into router block hashes, checked against the cache size, and submitted to the engine loop;
@@ -19,7 +20,7 @@ use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use infera_core::hashing::hash_blocks;
@@ -43,6 +44,7 @@ pub(crate) struct AppState {
     pub next_id: AtomicU64,
     pub pd: Option<super::pd::MockPd>,
     pub pd_log: super::pd::LegLog,
+    pub aborts: super::abort::Aborts,
 }
 
 /// The routes, with the body limit applied to every one.
@@ -52,6 +54,8 @@ pub(crate) fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/mock/pd-legs", get(pd_legs))
+        .route("/abort_request", post(abort_request))
+        .route("/mock/pd-aborts", get(pd_aborts))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(max_body_bytes))
@@ -62,16 +66,67 @@ async fn pd_legs(State(st): State<Arc<AppState>>) -> Response {
     axum::Json(json!({ "legs": st.pd_log.snapshot() })).into_response()
 }
 
+async fn pd_aborts(State(st): State<Arc<AppState>>) -> Response {
+    axum::Json(json!({ "aborts": st.aborts.snapshot() })).into_response()
+}
+
+/// SGLang's `POST /abort_request` (see [`super::abort`]).
+async fn abort_request(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let result = parse_body::<Value>(body)
+        .and_then(|v| st.aborts.abort(&v))
+        .map(|v| axum::Json(v).into_response());
+    respond(&st, result)
+}
+
 /// The PD role's check of one request (see [`super::pd`]); a mixed mock accepts anything.
 fn pd_accept(
     st: &AppState,
+    headers: &HeaderMap,
     fields: &super::pd::PdFields,
     max_tokens: Option<i64>,
     stream: bool,
 ) -> Result<super::pd::Accepted, ApiError> {
+    let dp_rank = dp_rank_header(headers)?;
     match &st.pd {
-        Some(pd) => super::pd::accept(pd, &st.pd_log, fields, max_tokens, stream),
+        Some(pd) => super::pd::accept(pd, &st.pd_log, fields, dp_rank, max_tokens, stream),
         None => Ok(super::pd::Accepted::default()),
+    }
+}
+
+/// The DP rank a request is pinned to (`X-data-parallel-rank`), if any.
+///
+/// # Errors
+/// 400 when the header is not a non-negative integer (vLLM and SGLang read it as one).
+fn dp_rank_header(headers: &HeaderMap) -> Result<Option<u32>, ApiError> {
+    let Some(v) = headers.get(crate::server::transport::DP_RANK_HEADER) else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .map(Some)
+        .ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "header {} must be a non-negative integer",
+                crate::server::transport::DP_RANK_HEADER
+            ))
+        })
+}
+
+/// SGLang's request id of a request (`rid`), if its body names one.
+///
+/// # Errors
+/// 400 when `rid` is not a non-empty string.
+fn rid_of(fields: &super::pd::PdFields) -> Result<Option<String>, ApiError> {
+    match &fields.rid {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(r)) if !r.is_empty() => Ok(Some(r.clone())),
+        Some(other) => Err(ApiError::bad_request(format!(
+            "`rid` must be a non-empty string, got {other}"
+        ))),
     }
 }
 
@@ -110,12 +165,20 @@ async fn models(State(st): State<Arc<AppState>>) -> Response {
 
 async fn completions(
     State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let result = async {
         let req: CompletionRequest = parse_body(body)?;
         check_model(&st, req.model.as_deref())?;
-        let pd = pd_accept(&st, &req.pd, req.max_tokens, req.stream.unwrap_or(false))?;
+        let rid = rid_of(&req.pd)?;
+        let pd = pd_accept(
+            &st,
+            &headers,
+            &req.pd,
+            req.max_tokens,
+            req.stream.unwrap_or(false),
+        )?;
         let out = output_tokens(req.max_tokens, req.n)?;
         let out = pd.cap.map_or(out, |cap| out.min(cap));
         let tokens = match parse_prompt(&req.prompt)? {
@@ -130,7 +193,10 @@ async fn completions(
             out,
             req.stream.unwrap_or(false),
             include_usage.unwrap_or(false),
-            pd.handoff,
+            Extras {
+                handoff: pd.handoff,
+                rid,
+            },
         )
         .await
     }
@@ -140,13 +206,21 @@ async fn completions(
 
 async fn chat_completions(
     State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let result = async {
         let req: ChatRequest = parse_body(body)?;
         check_model(&st, req.model.as_deref())?;
+        let rid = rid_of(&req.pd)?;
         let max_tokens = req.max_completion_tokens.or(req.max_tokens);
-        let pd = pd_accept(&st, &req.pd, max_tokens, req.stream.unwrap_or(false))?;
+        let pd = pd_accept(
+            &st,
+            &headers,
+            &req.pd,
+            max_tokens,
+            req.stream.unwrap_or(false),
+        )?;
         let out = output_tokens(max_tokens, req.n)?;
         let out = pd.cap.map_or(out, |cap| out.min(cap));
         if req.messages.is_empty() {
@@ -161,7 +235,10 @@ async fn chat_completions(
             out,
             req.stream.unwrap_or(false),
             include_usage.unwrap_or(false),
-            pd.handoff,
+            Extras {
+                handoff: pd.handoff,
+                rid,
+            },
         )
         .await
     }
@@ -255,6 +332,14 @@ fn internal(message: String) -> ApiError {
     ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)
 }
 
+/// What a request adds to its answer beyond the generation.
+struct Extras {
+    /// A PD prefill's hand-off, as the unary answer's top-level `kv_transfer_params`.
+    handoff: Option<Value>,
+    /// SGLang's `rid`: `/abort_request` can end the request.
+    rid: Option<String>,
+}
+
 /// Submits the request to the engine and answers it.
 async fn generate(
     st: &AppState,
@@ -263,8 +348,9 @@ async fn generate(
     out: u32,
     stream: bool,
     include_usage: bool,
-    handoff: Option<Value>,
+    extras: Extras,
 ) -> Result<Response, ApiError> {
+    let Extras { handoff, rid } = extras;
     if tokens.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty (0 tokens)"));
     }
@@ -281,6 +367,7 @@ async fn generate(
         )));
     }
     let blocks = hash_blocks(&tokens, st.info.block_size as usize, None);
+    let live = rid.as_deref().map(|r| st.aborts.register(r));
     let seq = st.next_id.fetch_add(1, Ordering::Relaxed);
     let (progress, rx) = watch::channel(Progress::default());
     st.engine
@@ -322,11 +409,29 @@ async fn generate(
             sent: 0,
             queue: VecDeque::new(),
             done: false,
+            live,
         }))
     } else {
-        let p = wait_outcome(rx).await?;
+        let (p, aborted) = match &live {
+            None => (wait_outcome(rx).await?, false),
+            Some(live) => {
+                let mut rx = rx;
+                tokio::select! {
+                    p = wait_outcome(rx.clone()) => (p?, false),
+                    () = live.token.cancelled() => {
+                        let p = *rx.borrow_and_update();
+                        // Dropping the receivers detaches the request: the engine aborts it.
+                        drop(rx);
+                        (p, true)
+                    }
+                }
+            }
+        };
         let text = filler(0, p.tokens);
         let mut body = meta.full(text, usage(prompt_tokens, p.tokens, p.cached_tokens));
+        if aborted {
+            body["choices"][0]["finish_reason"] = "abort".into();
+        }
         if let (Some(h), Some(obj)) = (handoff, body.as_object_mut()) {
             obj.insert("kv_transfer_params".into(), h);
         }
@@ -369,6 +474,8 @@ struct StreamState {
     sent: u32,
     queue: VecDeque<Bytes>,
     done: bool,
+    /// The request's `rid` registration, when it named one: an abort ends the stream.
+    live: Option<super::abort::LiveRid>,
 }
 
 impl StreamState {
@@ -381,6 +488,16 @@ impl StreamState {
         self.queue
             .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
         self.done = true;
+    }
+
+    /// `/abort_request` named this request: a last chunk with `finish_reason` `"abort"`, then
+    /// `[DONE]`; the request leaves the engine once the stream (its receiver) is dropped.
+    fn abort(&mut self) {
+        let mut chunk = self.meta.chunk("", self.sent == 0, true);
+        chunk["choices"][0]["finish_reason"] = "abort".into();
+        self.push_json(&chunk);
+        self.push_done();
+        self.live = None;
     }
 
     /// Turns new progress into chunks; `closed`: the engine dropped the request's channel.
@@ -429,9 +546,21 @@ fn sse_response(state: StreamState) -> Response {
             if s.done {
                 return None;
             }
-            let closed = s.rx.changed().await.is_err();
-            let p = *s.rx.borrow_and_update();
-            s.advance(p, closed);
+            let token = s.live.as_ref().map(|l| l.token.clone());
+            let aborted = async {
+                match token {
+                    Some(t) => t.cancelled_owned().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                changed = s.rx.changed() => {
+                    let closed = changed.is_err();
+                    let p = *s.rx.borrow_and_update();
+                    s.advance(p, closed);
+                }
+                () = aborted => s.abort(),
+            }
         }
     });
     (

@@ -11,6 +11,7 @@
 //! - `metrics`: vLLM-named Prometheus metrics.
 //! - `pd`: the prefill/decode roles ([`MockConfig::pd`]): what each leg must carry per PD
 //!   protocol (400 otherwise), the prefill's hand-off, and `GET /mock/pd-legs`.
+//! - `abort`: SGLang's `POST /abort_request` by `rid`, and `GET /mock/pd-aborts`.
 //!
 //! # Tokens and hashes
 //! With a tokenizer ([`MockConfig::tokenizer`], loaded from `--model-path` by the binary),
@@ -38,6 +39,7 @@
 //! A request whose client disconnects is aborted in the engine at the end of the step in which
 //! that is noticed: its batch slot and blocks are freed (its published blocks stay cached).
 
+mod abort;
 mod engine;
 mod http;
 mod metrics;
@@ -223,6 +225,7 @@ impl MockServer {
             next_id: AtomicU64::new(0),
             pd: config.pd,
             pd_log: pd::LegLog::default(),
+            aborts: abort::Aborts::default(),
         });
         Ok(Self {
             listener,

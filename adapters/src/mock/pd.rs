@@ -15,7 +15,8 @@
 //! `remote_block_ids`; `atom-mooncake`: `transfer_id`, `first_token_id`, its address, `dp_rank`;
 //! `vllm-mooncake` answers none, as vLLM's in-tree connector). Every accepted PD leg is logged
 //! (the last [`LOG_LEN`]) and served at `GET /mock/pd-legs`, for tests to see which worker saw
-//! which leg with which parameters.
+//! which leg with which parameters (and the DP rank its `X-data-parallel-rank` header pinned
+//! it to, `null` without one; SGLang legs also log their `rid` and `disagg_prefill_dp_rank`).
 
 use super::openai::ApiError;
 use infera_core::event::Role;
@@ -63,6 +64,12 @@ pub struct PdFields {
     pub bootstrap_port: Option<Value>,
     #[serde(default)]
     pub bootstrap_room: Option<Value>,
+    /// SGLang's request id (`/abort_request` names it).
+    #[serde(default)]
+    pub rid: Option<Value>,
+    /// SGLang's DP rank of the prefill that holds a decode leg's KV.
+    #[serde(default)]
+    pub disagg_prefill_dp_rank: Option<Value>,
 }
 
 /// What an accepted leg changes in the answer.
@@ -112,6 +119,7 @@ pub(crate) fn accept(
     pd: &MockPd,
     log: &LegLog,
     fields: &PdFields,
+    dp_rank: Option<u32>,
     max_tokens: Option<i64>,
     stream: bool,
 ) -> Result<Accepted, ApiError> {
@@ -132,7 +140,8 @@ pub(crate) fn accept(
         };
         log.push(
             json!({"role": role, "protocol": pd.protocol, "bootstrap_host": host,
-            "bootstrap_port": port, "bootstrap_room": room}),
+            "bootstrap_port": port, "bootstrap_room": room, "rid": fields.rid,
+            "disagg_prefill_dp_rank": fields.disagg_prefill_dp_rank, "dp_rank": dp_rank}),
         );
         return Ok(Accepted {
             cap: (pd.role == Role::Prefill).then_some(1),
@@ -195,7 +204,7 @@ pub(crate) fn accept(
     };
     log.push(
         json!({"role": role, "protocol": pd.protocol, "kv_transfer_params": kv,
-        "max_tokens": max_tokens, "stream": stream}),
+        "max_tokens": max_tokens, "stream": stream, "dp_rank": dp_rank}),
     );
     Ok(Accepted { cap: None, handoff })
 }
@@ -260,19 +269,32 @@ mod tests {
         let log = LegLog::default();
         let p = mock(Role::Prefill, "sglang-bootstrap");
         let ok = fields(json!({"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 5}));
-        assert_eq!(accept(&p, &log, &ok, Some(64), true).unwrap().cap, Some(1));
+        assert_eq!(
+            accept(&p, &log, &ok, None, Some(64), true).unwrap().cap,
+            Some(1)
+        );
         let d = mock(Role::Decode, "sglang-bootstrap");
-        assert_eq!(accept(&d, &log, &ok, Some(64), true).unwrap().cap, None);
+        assert_eq!(
+            accept(&d, &log, &ok, Some(1), Some(64), true).unwrap().cap,
+            None
+        );
         let e = accept(
             &d,
             &log,
             &fields(json!({"bootstrap_host": "h"})),
             None,
+            None,
             true,
         )
         .unwrap_err();
         assert!(e.message.contains("bootstrap_room"), "{}", e.message);
-        assert_eq!(log.snapshot().len(), 2);
+        let logged = log.snapshot();
+        assert_eq!(logged.len(), 2);
+        assert_eq!(logged[0]["dp_rank"], Value::Null);
+        assert_eq!(
+            logged[1]["dp_rank"], 1,
+            "the decode leg was pinned to rank 1"
+        );
     }
 
     #[test]
@@ -280,21 +302,21 @@ mod tests {
         let log = LegLog::default();
         let p = mock(Role::Prefill, "vllm-nixl");
         let kv = fields(json!({"kv_transfer_params": {"do_remote_decode": true}}));
-        let ok = accept(&p, &log, &kv, Some(1), false).unwrap();
+        let ok = accept(&p, &log, &kv, None, Some(1), false).unwrap();
         assert_eq!(ok.handoff.unwrap()["remote_engine_id"], "eng");
         assert!(
-            accept(&p, &log, &kv, Some(5), false).is_err(),
+            accept(&p, &log, &kv, None, Some(5), false).is_err(),
             "more than one token"
         );
-        assert!(accept(&p, &log, &fields(json!({})), Some(1), false).is_err());
+        assert!(accept(&p, &log, &fields(json!({})), None, Some(1), false).is_err());
         let d = mock(Role::Decode, "vllm-nixl");
         let partial = fields(json!({"kv_transfer_params": {"do_remote_prefill": true,
             "remote_engine_id": "e"}}));
-        let e = accept(&d, &log, &partial, Some(9), true).unwrap_err();
+        let e = accept(&d, &log, &partial, None, Some(9), true).unwrap_err();
         assert!(e.message.contains("remote_block_ids"), "{}", e.message);
         let mooncake = mock(Role::Decode, "vllm-mooncake");
         let full = fields(json!({"kv_transfer_params": {"do_remote_prefill": true,
             "remote_engine_id": "e", "remote_bootstrap_addr": "http://h:1", "transfer_id": "x"}}));
-        assert!(accept(&mooncake, &log, &full, Some(9), true).is_ok());
+        assert!(accept(&mooncake, &log, &full, None, Some(9), true).is_ok());
     }
 }

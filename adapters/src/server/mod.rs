@@ -19,9 +19,13 @@
 //! 5xx before the first response byte finishes that attempt (`RequestFinished` with `worker_error`) and re-decides with the
 //! failed rank excluded, up to `request_max_retries` more times; each attempt has its own request
 //! id (`<id>` then `<id>#<n>`) so the fleet's in-flight accounting never mixes attempts.
-//! `RequestPrefilled` is appended at the first response byte and `RequestFinished` at the end
-//! (or when the client goes away: `cancelled`). A stream that fails midway ends with an SSE
-//! `data: {"error": ...}` event and `data: [DONE]`.
+//! `RequestPrefilled` is appended at the first response byte (for a prefill/decode pair: when
+//! the prefill leg's answer has arrived) and `RequestFinished` at the end (or when the client
+//! goes away: `cancelled`), never `RequestPrefilled` after it. A stream that fails midway ends
+//! with an SSE `data: {"error": ...}` event and `data: [DONE]`. A worker registered with
+//! `dp_size > 1` fronts several DP ranks: the request is pinned to the chosen one with the
+//! `X-data-parallel-rank` header (its rank within the registration), which vLLM, SGLang and ATOM
+//! read.
 //!
 //! # Direct mode
 //! With [`ServerOptions::direct`], the pipeline is the same (tokenize, hash, record), but the
@@ -36,7 +40,9 @@
 //! (PROTOCOLS §7): concurrent legs (`sglang-bootstrap`, `vllm-mori-write`) or a one-token
 //! prefill whose answer builds the decode leg (`vllm-nixl`, `vllm-mooncake`, `vllm-mori-read`,
 //! `atom-mooncake`). The client gets the decode leg's response; a failed prefill fails the
-//! attempt before the first byte and is failed over like a single worker.
+//! attempt before the first byte and is failed over like a single worker. An SGLang leg left
+//! running when its pair is given up gets SGLang's `POST /abort_request` (private `pd_abort`
+//! module).
 //!
 //! # Other endpoints
 //! `/v1/messages` is translated by the private `anthropic` module; `/v1/cache/prewarm` and
@@ -47,6 +53,7 @@ mod durable;
 mod http;
 mod metrics;
 mod pd;
+mod pd_abort;
 mod prewarm;
 mod profile;
 mod relay;

@@ -4,12 +4,12 @@
 //!
 //! | protocol | legs | prefill body | decode body |
 //! |---|---|---|---|
-//! | `sglang-bootstrap` | both at once | the client's, plus `bootstrap_host`, `bootstrap_port` (the prefill's registration) and a fresh random u63 `bootstrap_room` | the same |
+//! | `sglang-bootstrap` | both at once | the client's, plus `bootstrap_host`, `bootstrap_port` (the prefill's registration), a fresh random u63 `bootstrap_room` and `rid` `infera-<room, 16 hex digits>` | the same, plus `disagg_prefill_dp_rank` (the prefill's rank) when the prefill fronts several DP ranks |
 //! | `vllm-mori-write` | both at once | one token, not streamed; `kv_transfer_params {do_remote_decode: true, transfer_id, remote_dp_size, tp_size, remote_tp_size}` of the decode | the client's; `{do_remote_prefill: true, transfer_id, …}` of the prefill |
 //! | `vllm-nixl` | prefill, then decode | one token, not streamed; `{do_remote_decode: true, do_remote_prefill: false, remote_engine_id: null, remote_block_ids: null, remote_host: null, remote_port: null}` | the client's, with the `kv_transfer_params` the prefill answered |
-//! | `vllm-mooncake` | prefill, then decode | one token; `{do_remote_decode: true, do_remote_prefill: false, transfer_id}` | the client's; `{do_remote_prefill: true, remote_bootstrap_addr, remote_engine_id, transfer_id}` from the prefill's registration, overlaid by whatever the prefill answered |
+//! | `vllm-mooncake` | prefill, then decode | one token; `{do_remote_decode: true, do_remote_prefill: false, transfer_id}` | the client's; `{do_remote_prefill: true, remote_bootstrap_addr, remote_engine_id, transfer_id}` from the prefill's registration (`remote_engine_id` is `<engine_id>_dp<rank>` for a prefill of several DP ranks, as vLLM registers each rank), overlaid by whatever the prefill answered |
 //! | `vllm-mori-read` | prefill, then decode | as `vllm-mori-write` | the client's; the prefill's `transfer_id`, `remote_engine_id`, `remote_block_ids`, plus its parallelism |
-//! | `atom-mooncake` | prefill, then decode | one token; the decode's `remote_host`, `remote_port`, `remote_handshake_port`, `remote_dp_size`, `remote_tp_size` | the client's; the prefill's answer verbatim plus its `remote_dp_size`, `remote_tp_size`, `remote_dp_rank` |
+//! | `atom-mooncake` | prefill, then decode (completions and chat alike: ATOM answers `kv_transfer_params` on both) | one token; the decode's `remote_host`, `remote_port`, `remote_handshake_port`, `remote_dp_size`, `remote_tp_size` | the client's; the prefill's answer verbatim plus its `remote_dp_size`, `remote_tp_size`, `remote_dp_rank` (the rank it answered) |
 //!
 //! "One token" is `max_tokens: 1` (and `max_completion_tokens: 1` on chat), `stream: false`,
 //! no `stream_options`, no `min_tokens` (vLLM's disaggregated proxy does the same). The decode
@@ -19,24 +19,37 @@
 //! (`___prefill_addr_host:H,handshake:P,notify:N___decode_addr_…_<room>`); the other
 //! protocols get the attempt's request id there, the same on both legs.
 //!
+//! # DP ranks
+//! A leg whose worker fronts several DP ranks (`dp_size > 1`) is pinned to the rank the router
+//! chose with `X-data-parallel-rank` (its rank within the worker's registration), every
+//! protocol alike. For a prefill of several ranks the room's residue modulo its `dp_size` is
+//! that rank (SGLang's `follow_bootstrap_room` balancer places a PD request by it), and the
+//! decode leg names it where its connector needs it (SGLang's `disagg_prefill_dp_rank`,
+//! Mooncake's per-rank engine id); ATOM reports the rank that served its prefill itself.
+//!
 //! # Failures
 //! Everything here happens before the client's first byte. The relay ([`super::relay`]) retries
 //! a [`LegError`] on another pair when the failed leg's worker could not take the request (or
 //! answered 5xx), as it does for one leg. A concurrent dispatch drops the other leg as soon as
-//! one fails — for HTTP that closes its connection, which an engine takes as an abort — and
-//! the client gets the decode leg's response only once the prefill leg has answered with a
-//! success status. The prefill's body is then drained in the background (a failure there is
-//! logged and counted; the decode leg reports its own outcome). A pair whose protocols differ,
-//! or whose registration lacks a parameter the protocol needs, is a 500 naming both workers;
-//! a prefill answer the decode leg cannot be built from is a 502.
+//! one fails — for HTTP that closes its connection, which vLLM takes as an abort; SGLang also
+//! gets `POST /abort_request` for each leg left running, then and whenever the client goes away
+//! or the decode stream fails later ([`super::pd_abort`]) — and the client gets the decode
+//! leg's response only once the prefill leg has answered with a success status. The prefill's
+//! body is then drained in the background (a failure there is logged; the decode leg reports
+//! its own outcome). The prefill leg has completed (`RequestPrefilled`) when its whole answer
+//! arrived. A pair whose protocols differ, or whose registration lacks a parameter the
+//! protocol needs, is a 500 naming both workers; a prefill answer the decode leg cannot be
+//! built from is a 502.
 
-use super::transport::{Inbound, Outbound, RequestTransport, TransportError};
+use super::pd_abort::{AbortGuard, LegTarget, PrefillMark};
+use super::transport::{Inbound, Outbound, RequestTransport, TransportError, engine_dp_rank};
 use axum::body::Bytes;
 use futures::StreamExt as _;
 use infera_core::event::{Role, WorkerRecord};
 use infera_core::ids::WorkerRank;
 use infera_core::rng::splitmix64;
 use serde_json::{Map, Value, json};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A PD protocol, named as workers register it in `disagg_meta.protocol`.
@@ -89,6 +102,14 @@ pub(crate) struct Leg {
     /// The worker's URL, without a trailing slash.
     pub(crate) url: String,
     pub(crate) record: WorkerRecord,
+}
+
+impl Leg {
+    /// The engine-side DP rank this leg is steered to, when its worker fronts several
+    /// ([`engine_dp_rank`]).
+    pub(crate) fn engine_dp_rank(&self) -> Option<u32> {
+        engine_dp_rank(&self.rank, &self.record)
+    }
 }
 
 /// The two workers of one decision.
@@ -200,6 +221,43 @@ pub(crate) struct Shape<'a> {
     pub(crate) room: u64,
     /// A chat completion (`max_completion_tokens` is capped too).
     pub(crate) chat: bool,
+}
+
+impl<'a> Shape<'a> {
+    /// The shape of one attempt, its `room` drawn by [`new_room`] and aligned to the prefill's
+    /// DP rank ([`align_room`]).
+    pub(crate) fn new(protocol: Protocol, pair: &'a Pair, room: u64, chat: bool) -> Self {
+        Shape {
+            protocol,
+            pair,
+            room: align_room(room, &pair.prefill),
+            chat,
+        }
+    }
+}
+
+/// `room` with its residue modulo the prefill's DP size set to the prefill leg's engine rank,
+/// the high bits kept: SGLang's default `follow_bootstrap_room` balancer sends a PD request to
+/// DP rank `bootstrap_room % dp_size` and fails a leg that lands elsewhere. The result stays a
+/// u63. A prefill of one rank keeps the room as drawn.
+pub(crate) fn align_room(room: u64, prefill: &Leg) -> u64 {
+    let Some(rank) = prefill.engine_dp_rank() else {
+        return room;
+    };
+    let size = u64::from(prefill.record.dp_size);
+    let aligned = room - room % size + u64::from(rank);
+    if aligned >= 1 << 63 {
+        aligned - size
+    } else {
+        aligned
+    }
+}
+
+/// SGLang's request id of both legs of a room (`rid`), which `POST /abort_request` names. The
+/// engine matches an abort's `rid` as a prefix, so every id has the same length (16 hex
+/// digits): no id is a prefix of another.
+pub(crate) fn sglang_rid(room: u64) -> String {
+    format!("infera-{room:016x}")
 }
 
 fn params(record: &WorkerRecord) -> Option<&Map<String, Value>> {
@@ -320,7 +378,7 @@ impl Shape<'_> {
         base: &Map<String, Value>,
     ) -> Result<Map<String, Value>, PdError> {
         let params = match self.protocol {
-            Protocol::SglangBootstrap => return self.sglang_body(base),
+            Protocol::SglangBootstrap => return self.sglang_body(base, Role::Prefill),
             Protocol::VllmNixl => object(json!({
                 "do_remote_decode": true,
                 "do_remote_prefill": false,
@@ -350,13 +408,39 @@ impl Shape<'_> {
         Ok(with_kv(single_token(base, self.chat), params, base))
     }
 
-    fn sglang_body(&self, base: &Map<String, Value>) -> Result<Map<String, Value>, PdError> {
+    /// An SGLang leg: the client's body with the prefill's bootstrap, the room and the legs'
+    /// shared `rid`; the decode leg also names the prefill's DP rank that holds its KV
+    /// (`disagg_prefill_dp_rank`) when the prefill fronts several.
+    fn sglang_body(
+        &self,
+        base: &Map<String, Value>,
+        role: Role,
+    ) -> Result<Map<String, Value>, PdError> {
         let (host, port) = self.bootstrap()?;
         let mut out = base.clone();
         out.insert("bootstrap_host".into(), host.into());
         out.insert("bootstrap_port".into(), port.into());
         out.insert("bootstrap_room".into(), self.room.into());
+        out.insert("rid".into(), sglang_rid(self.room).into());
+        if role == Role::Decode
+            && let Some(rank) = self.pair.prefill.engine_dp_rank()
+        {
+            out.insert("disagg_prefill_dp_rank".into(), rank.into());
+        }
         Ok(out)
+    }
+
+    /// The Mooncake engine id of the prefill rank that holds the KV: vLLM suffixes each DP
+    /// rank's `kv_transfer_config.engine_id` with `_dp{local rank}` (and registers that in the
+    /// prefill's bootstrap server), so a prefill of several ranks is addressed by its chosen
+    /// rank's id; one of one rank keeps the registered id.
+    fn mooncake_engine_id(&self) -> Result<Value, PdError> {
+        let id = self.param(Role::Prefill, "engine_id")?;
+        match (self.pair.prefill.engine_dp_rank(), id.as_str()) {
+            (None, _) => Ok(id.clone()),
+            (Some(rank), Some(id)) => Ok(format!("{id}_dp{rank}").into()),
+            (Some(_), None) => Err(self.meta_error(Role::Prefill, "engine_id")),
+        }
     }
 
     fn mooncake_transfer_id(&self) -> String {
@@ -374,10 +458,10 @@ impl Shape<'_> {
             handoff.ok_or_else(|| self.handoff_error("its answer carries no kv_transfer_params"))
         };
         let params = match self.protocol {
-            Protocol::SglangBootstrap => return self.sglang_body(base),
+            Protocol::SglangBootstrap => return self.sglang_body(base, Role::Decode),
             Protocol::VllmNixl => need(handoff)?,
             Protocol::VllmMooncake => {
-                let engine_id = self.param(Role::Prefill, "engine_id")?;
+                let engine_id = self.mooncake_engine_id()?;
                 let mut p = object(json!({
                     "do_remote_decode": false,
                     "do_remote_prefill": true,
@@ -541,14 +625,19 @@ impl From<PdError> for LegError {
 }
 
 /// Sends one attempt's two legs and resolves to the decode leg's response. See the module docs.
+///
+/// `prefilled` runs once the prefill leg has completed (its whole answer arrived with a success
+/// status), at most once, and not at all when it failed.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn send(
-    transport: &dyn RequestTransport,
+    transport: &Arc<dyn RequestTransport>,
     shape: Shape<'_>,
     path: &'static str,
     base: &Map<String, Value>,
     stream: bool,
     request_id: &str,
     max_handoff_bytes: usize,
+    prefilled: impl FnOnce() + Send + 'static,
 ) -> Result<Inbound, LegError> {
     let pair = shape.pair;
     let engine_id = shape
@@ -562,6 +651,7 @@ pub(crate) async fn send(
         stream,
         request_id: request_id.to_owned(),
         engine_request_id: Some(engine_id.clone()),
+        dp_rank: leg.engine_dp_rank(),
     };
     let prefill_body = shape.prefill_body(base)?;
     let prefill_stream = prefill_body
@@ -595,10 +685,60 @@ pub(crate) async fn send(
     };
     if shape.protocol.concurrent() {
         let decode_body = shape.decode_body(base, None)?;
-        // The first leg to fail drops the other (its connection closes: the engine aborts it).
-        let (prefill, decode) =
-            futures::future::try_join(prefill, send_decode(decode_body)).await?;
-        tokio::spawn(drain_prefill(prefill, pair.prefill.rank.clone()));
+        // SGLang needs an explicit abort of a leg left running (see `pd_abort`); for the
+        // others, dropping a leg closes its connection, which the engine takes as an abort.
+        let mut guard = (shape.protocol == Protocol::SglangBootstrap).then(|| {
+            let target = |leg: &Leg| LegTarget {
+                worker: leg.rank.worker.clone(),
+                url: leg.url.clone(),
+            };
+            AbortGuard::new(
+                transport.clone(),
+                sglang_rid(shape.room),
+                request_id.to_owned(),
+                target(&pair.prefill),
+                target(&pair.decode),
+            )
+        });
+        let mark = guard.as_ref().map(AbortGuard::prefill);
+        let prefill = async {
+            let r = prefill.await;
+            if r.is_err()
+                && let Some(mark) = &mark
+            {
+                mark.ended();
+            }
+            r
+        };
+        // The first leg to fail drops the other; the guard (dropped with this attempt) aborts
+        // the leg that was left running.
+        let (prefill, mut decode) =
+            match futures::future::try_join(prefill, send_decode(decode_body)).await {
+                Ok(legs) => legs,
+                Err(e) => {
+                    if let (Some(g), LegError::Transport { role, .. }) = (&mut guard, &e)
+                        && *role == Role::Decode
+                    {
+                        g.decode_failed();
+                    }
+                    return Err(e);
+                }
+            };
+        tokio::spawn(drain_prefill(
+            prefill,
+            pair.prefill.rank.clone(),
+            mark,
+            prefilled,
+        ));
+        if let Some(mut g) = guard {
+            if decode.status.is_success() {
+                decode.body = g.guard_body(decode.body);
+            } else {
+                // The decode leg refused the request: nothing runs there, and a prefill still
+                // running waits for a peer that never comes (the guard aborts it here).
+                g.decode_failed();
+            }
+        }
         return Ok(decode);
     }
     let prefill = prefill.await?;
@@ -610,6 +750,7 @@ pub(crate) async fn send(
                 rank: pair.prefill.rank.clone(),
                 error: on_leg(Role::Prefill, error),
             })?;
+    prefilled();
     let handoff = shape.handoff(&answer)?;
     send_decode(shape.decode_body(base, handoff)?).await
 }
@@ -647,8 +788,15 @@ async fn collect(response: Inbound, max: usize) -> Result<Vec<u8>, TransportErro
     Ok(out)
 }
 
-/// Reads a concurrent prefill leg's answer to its end, so the engine finishes the hand-off.
-async fn drain_prefill(response: Inbound, rank: WorkerRank) {
+/// Reads a concurrent prefill leg's answer to its end, so the engine finishes the hand-off;
+/// then the leg has completed (`prefilled`) and is no longer running (`mark`). A failure
+/// midway is logged; the leg then counts as running (an SGLang abort still reaches it).
+async fn drain_prefill(
+    response: Inbound,
+    rank: WorkerRank,
+    mark: Option<PrefillMark>,
+    prefilled: impl FnOnce(),
+) {
     let mut body = response.body;
     while let Some(chunk) = body.next().await {
         if let Err(e) = chunk {
@@ -657,6 +805,10 @@ async fn drain_prefill(response: Inbound, rank: WorkerRank) {
             return;
         }
     }
+    if let Some(mark) = mark {
+        mark.ended();
+    }
+    prefilled();
 }
 
 #[cfg(test)]
@@ -965,6 +1117,299 @@ mod tests {
         let rooms: std::collections::HashSet<u64> = (0..1000).map(|_| new_room(42)).collect();
         assert_eq!(rooms.len(), 1000);
         assert!(rooms.iter().all(|r| *r < 1 << 63));
+    }
+
+    /// `pair` with the prefill fronting `p_size` ranks from `p_first`, steered to `p_rank`, and
+    /// the decode fronting `d_size` ranks, steered to `d_rank`.
+    fn dp(
+        mut pair: Pair,
+        (p_first, p_size, p_rank): (u32, u32, u32),
+        (d_size, d_rank): (u32, u32),
+    ) -> Pair {
+        pair.prefill.record.dp_rank = p_first;
+        pair.prefill.record.dp_size = p_size;
+        pair.prefill.rank.dp_rank = p_rank;
+        pair.decode.record.dp_size = d_size;
+        pair.decode.rank.dp_rank = d_rank;
+        pair
+    }
+
+    #[test]
+    fn an_sglang_dp_prefill_gets_a_room_of_its_rank_and_the_decode_names_it() {
+        let pair = dp(
+            pair(
+                "sglang-bootstrap",
+                json!({"bootstrap_host": "node1", "bootstrap_port": 9000}),
+                json!({}),
+            ),
+            (0, 4, 2),
+            (2, 1),
+        );
+        for drawn in [0, 1, 2, 3, 0xabc, (1 << 63) - 1] {
+            let s = Shape::new(Protocol::SglangBootstrap, &pair, drawn, false);
+            assert_eq!(s.room % 4, 2, "room {drawn}");
+            assert!(s.room < 1 << 63, "room {drawn} stays a u63");
+            let b = base(json!({}));
+            let p = s.prefill_body(&b).unwrap();
+            let d = s.decode_body(&b, None).unwrap();
+            assert_eq!(p["bootstrap_room"], s.room);
+            assert_eq!(d["bootstrap_room"], s.room);
+            assert_eq!(p["rid"], sglang_rid(s.room));
+            assert_eq!(d["rid"], p["rid"], "one rid for both legs");
+            assert_eq!(d["disagg_prefill_dp_rank"], 2);
+            assert!(p.get("disagg_prefill_dp_rank").is_none());
+        }
+        assert_eq!(pair.prefill.engine_dp_rank(), Some(2));
+        assert_eq!(pair.decode.engine_dp_rank(), Some(1));
+        // A prefill of one rank: the room as drawn, no rank named.
+        let one = self::pair(
+            "sglang-bootstrap",
+            json!({"bootstrap_addr": "h:1"}),
+            json!({}),
+        );
+        let s = Shape::new(Protocol::SglangBootstrap, &one, 0xabc, false);
+        assert_eq!(s.room, 0xabc);
+        let d = s.decode_body(&base(json!({})), None).unwrap();
+        assert!(d.get("disagg_prefill_dp_rank").is_none());
+        assert_eq!(one.prefill.engine_dp_rank(), None);
+    }
+
+    #[test]
+    fn sglang_rids_have_one_length_so_none_prefixes_another() {
+        assert_eq!(sglang_rid(0xab), "infera-00000000000000ab");
+        assert_eq!(sglang_rid((1 << 63) - 1).len(), sglang_rid(1).len());
+    }
+
+    #[test]
+    fn mooncake_decode_names_the_chosen_prefill_ranks_engine_id() {
+        let meta = json!({"engine_id": "eng-p", "bootstrap_addr": "http://10.0.0.1:8998"});
+        // The worker registered ranks 4..6 and the router chose rank 5: vLLM's local rank 1.
+        let pair = dp(
+            pair("vllm-mooncake", meta.clone(), json!({})),
+            (4, 2, 5),
+            (1, 0),
+        );
+        let s = Shape::new(Protocol::VllmMooncake, &pair, 0xabc, false);
+        let d = s.decode_body(&base(json!({})), None).unwrap();
+        assert_eq!(d["kv_transfer_params"]["remote_engine_id"], "eng-p_dp1");
+        // One rank: the registered id as is.
+        let one = self::pair("vllm-mooncake", meta, json!({}));
+        let d = Shape::new(Protocol::VllmMooncake, &one, 0xabc, false)
+            .decode_body(&base(json!({})), None)
+            .unwrap();
+        assert_eq!(d["kv_transfer_params"]["remote_engine_id"], "eng-p");
+        // An engine id that is not a string cannot be suffixed: a registration error.
+        let bad = dp(
+            self::pair(
+                "vllm-mooncake",
+                json!({"engine_id": 7, "bootstrap_addr": "http://h:1"}),
+                json!({}),
+            ),
+            (0, 2, 1),
+            (1, 0),
+        );
+        let e = Shape::new(Protocol::VllmMooncake, &bad, 1, false)
+            .decode_body(&base(json!({})), None)
+            .unwrap_err();
+        assert!(e.to_string().contains("engine_id"), "{e}");
+    }
+
+    /// Records every request; answers each leg with its status and a nixl-shaped hand-off,
+    /// and an abort with 200 (reported on `aborts`).
+    #[derive(Debug)]
+    struct Fake {
+        sent: std::sync::Mutex<Vec<Outbound>>,
+        prefill_status: axum::http::StatusCode,
+        decode_status: axum::http::StatusCode,
+        aborts: tokio::sync::mpsc::Sender<Outbound>,
+        events: Arc<std::sync::Mutex<Vec<String>>>,
+    }
+
+    #[async_trait::async_trait]
+    impl RequestTransport for Fake {
+        fn name(&self) -> &'static str {
+            "fake"
+        }
+
+        async fn send(&self, req: Outbound) -> Result<Inbound, TransportError> {
+            let worker = req.worker.as_str().to_owned();
+            let is_abort = req.path == super::super::pd_abort::ABORT_PATH;
+            self.events
+                .lock()
+                .unwrap()
+                .push(format!("{worker} {}", req.path));
+            self.sent.lock().unwrap().push(req.clone());
+            if is_abort {
+                let _ = self.aborts.send(req).await;
+            }
+            let status = match (worker.as_str(), is_abort) {
+                (_, true) => axum::http::StatusCode::OK,
+                ("10.0.0.1:8000", false) => self.prefill_status,
+                _ => self.decode_status,
+            };
+            let body = br#"{"kv_transfer_params": {"do_remote_prefill": true}}"#;
+            Ok(Inbound {
+                status,
+                content_type: None,
+                body: futures::stream::iter([Ok(Bytes::from_static(body))]).boxed(),
+            })
+        }
+    }
+
+    /// A [`Fake`] whose prefill (`10.0.0.1:8000`) answers `prefill_status` and whose decode
+    /// answers `decode_status`.
+    fn fake(
+        prefill_status: axum::http::StatusCode,
+        decode_status: axum::http::StatusCode,
+    ) -> (Arc<Fake>, tokio::sync::mpsc::Receiver<Outbound>) {
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        let f = Fake {
+            sent: std::sync::Mutex::new(Vec::new()),
+            prefill_status,
+            decode_status,
+            aborts: tx,
+            events: Arc::default(),
+        };
+        (Arc::new(f), rx)
+    }
+
+    async fn drive(
+        f: &Arc<Fake>,
+        shape: Shape<'_>,
+        prefilled: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<Inbound, LegError> {
+        let transport: Arc<dyn RequestTransport> = f.clone();
+        let events = f.events.clone();
+        send(
+            &transport,
+            shape,
+            "/v1/completions",
+            &base(json!({})),
+            true,
+            "req-1",
+            1 << 16,
+            move || {
+                events.lock().unwrap().push("prefilled".into());
+                let _ = prefilled.send(());
+            },
+        )
+        .await
+    }
+
+    #[tokio::test]
+    async fn each_leg_is_pinned_to_its_dp_rank_and_a_serial_prefill_completes_before_decode() {
+        let pair = dp(pair("vllm-nixl", json!({}), json!({})), (0, 4, 3), (2, 1));
+        let (f, _aborts) = fake(axum::http::StatusCode::OK, axum::http::StatusCode::OK);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let shape = Shape::new(Protocol::VllmNixl, &pair, 7, false);
+        let decode = drive(&f, shape, tx).await.unwrap();
+        assert_eq!(decode.status, axum::http::StatusCode::OK);
+        rx.await.unwrap();
+        let ranks: Vec<Option<u32>> = f.sent.lock().unwrap().iter().map(|o| o.dp_rank).collect();
+        assert_eq!(ranks, [Some(3), Some(1)], "prefill, then decode");
+        assert_eq!(
+            *f.events.lock().unwrap(),
+            [
+                "10.0.0.1:8000 /v1/completions",
+                "prefilled",
+                "10.0.0.2:8000 /v1/completions"
+            ],
+            "the prefill leg completed before the decode leg was sent"
+        );
+        // Workers of one rank are not steered.
+        let plain = pair_one();
+        let (f, _aborts) = fake(axum::http::StatusCode::OK, axum::http::StatusCode::OK);
+        let (tx, _rx) = tokio::sync::oneshot::channel();
+        drive(&f, Shape::new(Protocol::VllmNixl, &plain, 7, false), tx)
+            .await
+            .unwrap();
+        assert!(f.sent.lock().unwrap().iter().all(|o| o.dp_rank.is_none()));
+    }
+
+    fn pair_one() -> Pair {
+        pair("vllm-nixl", json!({}), json!({}))
+    }
+
+    #[tokio::test]
+    async fn a_concurrent_prefill_is_prefilled_when_its_answer_ends() {
+        let pair = pair(
+            "sglang-bootstrap",
+            json!({"bootstrap_addr": "h:1"}),
+            json!({}),
+        );
+        let (f, aborts) = fake(axum::http::StatusCode::OK, axum::http::StatusCode::OK);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let shape = Shape::new(Protocol::SglangBootstrap, &pair, 7, false);
+        let decode = drive(&f, shape, tx).await.unwrap();
+        // The prefill's answer is drained in the background; then it counts as prefilled.
+        rx.await.unwrap();
+        // Reading the decode leg to its end aborts nothing: once the pair is gone, no abort
+        // task holds the transport (whose `aborts` sender then closes).
+        let (mut body, mut aborts) = (decode.body, aborts);
+        while body.next().await.is_some() {}
+        drop((body, f));
+        assert!(aborts.recv().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn an_sglang_prefill_that_fails_aborts_the_decode_leg_it_left_running() {
+        let pair = pair(
+            "sglang-bootstrap",
+            json!({"bootstrap_addr": "h:1"}),
+            json!({}),
+        );
+        let (f, mut aborts) = fake(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            axum::http::StatusCode::OK,
+        );
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let shape = Shape::new(Protocol::SglangBootstrap, &pair, 7, false);
+        let rid = sglang_rid(shape.room);
+        let e = drive(&f, shape, tx).await.unwrap_err();
+        assert!(matches!(e, LegError::Status { .. }), "{e:?}");
+        assert!(rx.await.is_err(), "a failed prefill is never prefilled");
+        // Every abort, once the last abort task let go of the transport.
+        drop(f);
+        let mut aborted = Vec::new();
+        while let Some(abort) = aborts.recv().await {
+            assert_eq!(
+                serde_json::from_slice::<Value>(&abort.body).unwrap(),
+                json!({"rid": rid})
+            );
+            aborted.push(abort.worker.as_str().to_owned());
+        }
+        assert_eq!(
+            aborted,
+            ["10.0.0.2:8000"],
+            "the decode leg, not the failed prefill"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_sglang_decode_that_refuses_aborts_the_prefill_leg_still_running() {
+        let pair = pair(
+            "sglang-bootstrap",
+            json!({"bootstrap_addr": "h:1"}),
+            json!({}),
+        );
+        let (f, mut aborts) = fake(
+            axum::http::StatusCode::OK,
+            axum::http::StatusCode::BAD_REQUEST,
+        );
+        let (tx, _rx) = tokio::sync::oneshot::channel();
+        let shape = Shape::new(Protocol::SglangBootstrap, &pair, 7, false);
+        let decode = drive(&f, shape, tx).await.unwrap();
+        assert_eq!(decode.status, axum::http::StatusCode::BAD_REQUEST);
+        drop((decode, f));
+        let mut aborted = Vec::new();
+        while let Some(abort) = aborts.recv().await {
+            aborted.push(abort.worker.as_str().to_owned());
+        }
+        assert_eq!(
+            aborted,
+            ["10.0.0.1:8000"],
+            "the prefill leg, not the decode"
+        );
     }
 
     #[test]

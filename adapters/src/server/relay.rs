@@ -6,9 +6,13 @@
 //! 429 with `Retry-After`.
 //!
 //! Each attempt is an [`Attempt`] that owns the request's load in the fleet: it appends
-//! `RequestPrefilled` at the first response byte and exactly one `RequestFinished` — explicitly,
-//! or on drop (`cancelled`) when the client goes away. Streams are relayed frame by frame as they
-//! arrive; a worker failure mid-stream (a broken connection, a lost or reordered chunk, a
+//! `RequestPrefilled` at the first response byte — for a PD pair, when the prefill leg's answer
+//! has arrived instead (the prompt is processed then, which the fleet's queued-prefill load and
+//! the recorder mean; the TTFT stays the client's first byte) — and exactly one
+//! `RequestFinished`, explicitly or on drop (`cancelled`) when the client goes away; a
+//! `RequestPrefilled` never follows it. Each leg is pinned to the DP rank the router chose
+//! (`X-data-parallel-rank`) when its worker fronts several. Streams are relayed frame by frame
+//! as they arrive; a worker failure mid-stream (a broken connection, a lost or reordered chunk, a
 //! timeout) ends the client's stream with an SSE error event (`code` 502 or 504) and
 //! `data: [DONE]`, never with a silently truncated or corrupted body.
 //!
@@ -30,17 +34,18 @@ use futures::StreamExt as _;
 use infera_core::event::{
     Event, RequestFinished, RequestPrefilled, RequestStatus, Role, RoutedLeg,
 };
-use infera_core::ids::{RequestId, WorkerRank};
+use infera_core::ids::RequestId;
 use infera_core::log::NewEvent;
 use infera_core::policy::{DirectPick, RouteError, RouteRequest};
 use serde_json::{Map, Value, json};
 use std::convert::Infallible;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 /// Where one attempt goes.
 enum Route {
     /// One worker (a mixed model, or a direct pick of one worker).
-    Single(WorkerRank, String),
+    Single(Box<pd::Leg>),
     /// A prefill and a decode worker, driven by their PD protocol ([`pd`]).
     Pd(Box<pd::Pair>),
 }
@@ -86,13 +91,7 @@ fn decide(
                 _ => None,
             }
         }
-        [leg, ..] => Some(Route::Single(
-            leg.worker.clone(),
-            fleet
-                .worker(&leg.worker.worker)
-                .map(|w| w.url.trim_end_matches('/').to_owned())
-                .unwrap_or_default(),
-        )),
+        [leg, ..] => target(leg).map(|l| Route::Single(Box::new(l))),
         [] => None,
     };
     let Some(route) = route else {
@@ -122,19 +121,71 @@ struct Attempt {
     prompt_tokens: u32,
     ttft_us: Option<u64>,
     done: bool,
+    prefill: PrefillState,
+    /// A PD attempt: `RequestPrefilled` waits for the prefill leg, not the first byte.
+    pd: bool,
+}
+
+/// Whether an attempt's `RequestPrefilled` was appended, or can no longer be (the attempt
+/// finished first). Shared with a PD attempt's prefill leg, which may complete on another
+/// task; the lock is held across the append, so `RequestPrefilled` never follows
+/// `RequestFinished`.
+#[derive(Debug, Clone)]
+struct PrefillState {
+    st: ServerState,
+    id: RequestId,
+    settled: Arc<Mutex<bool>>,
+}
+
+impl PrefillState {
+    /// Appends `RequestPrefilled`, once, unless the attempt already finished.
+    fn prefilled(&self) {
+        let mut settled = self.settled.lock().unwrap_or_else(PoisonError::into_inner);
+        if !std::mem::replace(&mut *settled, true) {
+            self.st.apply(vec![NewEvent::new(Event::RequestPrefilled(
+                RequestPrefilled {
+                    request_id: self.id.clone(),
+                },
+            ))]);
+        }
+    }
+
+    /// Appends `RequestFinished` (built by `finished`); no `RequestPrefilled` after it.
+    fn finish(&self, finished: RequestFinished) {
+        let mut settled = self.settled.lock().unwrap_or_else(PoisonError::into_inner);
+        *settled = true;
+        self.st
+            .apply(vec![NewEvent::new(Event::RequestFinished(finished))]);
+    }
 }
 
 impl Attempt {
-    fn prefilled(&mut self) {
+    fn new(st: &ServerState, req: &RouteRequest, pd: bool) -> Self {
+        Attempt {
+            st: st.clone(),
+            id: req.request_id.clone(),
+            started: Instant::now(),
+            prompt_tokens: req.prompt_tokens,
+            ttft_us: None,
+            done: false,
+            prefill: PrefillState {
+                st: st.clone(),
+                id: req.request_id.clone(),
+                settled: Arc::new(Mutex::new(false)),
+            },
+            pd,
+        }
+    }
+
+    /// The client's first byte: the TTFT; for one leg, the prompt is processed too.
+    fn first_byte(&mut self) {
         if self.ttft_us.is_some() {
             return;
         }
         self.ttft_us = Some(self.started.elapsed().as_micros() as u64);
-        self.st.apply(vec![NewEvent::new(Event::RequestPrefilled(
-            RequestPrefilled {
-                request_id: self.id.clone(),
-            },
-        ))]);
+        if !self.pd {
+            self.prefill.prefilled();
+        }
     }
 
     fn finish(&mut self, status: RequestStatus, usage: Usage) {
@@ -156,16 +207,14 @@ impl Attempt {
             self.started.elapsed().as_micros() as u64,
         );
         inc(&m.request_duration_count, 1);
-        self.st.apply(vec![NewEvent::new(Event::RequestFinished(
-            RequestFinished {
-                request_id: self.id.clone(),
-                status,
-                ttft_us: self.ttft_us,
-                tokens_in: usage.prompt_tokens.unwrap_or(self.prompt_tokens),
-                tokens_out: usage.completion_tokens.unwrap_or(0),
-                cached_tokens: usage.cached_tokens,
-            },
-        ))]);
+        self.prefill.finish(RequestFinished {
+            request_id: self.id.clone(),
+            status,
+            ttft_us: self.ttft_us,
+            tokens_in: usage.prompt_tokens.unwrap_or(self.prompt_tokens),
+            tokens_out: usage.completion_tokens.unwrap_or(0),
+            cached_tokens: usage.cached_tokens,
+        });
     }
 }
 
@@ -250,19 +299,14 @@ pub(crate) async fn forward(
             Err(RouteError::NoWorker { .. }) if last_error.is_some() => break,
             Err(e) => return Err(route_error(&e)),
         };
-        let mut guard = Attempt {
-            st: st.clone(),
-            id: req.request_id.clone(),
-            started: Instant::now(),
-            prompt_tokens: req.prompt_tokens,
-            ttft_us: None,
-            done: false,
-        };
+        let mut guard = Attempt::new(st, &req, matches!(route, Route::Pd(_)));
         let (rank, outcome) = match route {
-            Route::Single(rank, url) => {
+            Route::Single(leg) => {
+                let rank = leg.rank.clone();
                 let outbound = Outbound {
                     worker: rank.worker.clone(),
-                    url,
+                    dp_rank: leg.engine_dp_rank(),
+                    url: leg.url,
                     path,
                     body: body.clone(),
                     stream,
@@ -288,21 +332,23 @@ pub(crate) async fn forward(
                 let outcome = match pd::resolve(&pair.prefill.record, &pair.decode.record) {
                     Ok(protocol) => {
                         inc(&st.inner.metrics.pd_requests, 1);
-                        let shape = pd::Shape {
+                        let shape = pd::Shape::new(
                             protocol,
-                            pair: &pair,
-                            room: pd::new_room(st.inner.id_prefix),
-                            chat: path == "/v1/chat/completions",
-                        };
+                            &pair,
+                            pd::new_room(st.inner.id_prefix),
+                            path == "/v1/chat/completions",
+                        );
                         let max = st.inner.options.max_body_bytes;
+                        let prefill = guard.prefill.clone();
                         pd::send(
-                            transport.as_ref(),
+                            transport,
                             shape,
                             path,
                             base,
                             stream,
                             &req.request_id.0,
                             max,
+                            move || prefill.prefilled(),
                         )
                         .await
                     }
@@ -437,7 +483,7 @@ async fn relay(mut guard: Attempt, resp: Inbound, stream: bool) -> Response {
                 }
             }
         }
-        guard.prefilled();
+        guard.first_byte();
         guard.finish(status_of(code), usage_of(&bytes));
         return out
             .body(Body::from(bytes))
@@ -459,7 +505,7 @@ async fn relay(mut guard: Attempt, resp: Inbound, stream: bool) -> Response {
                     if data.is_empty() {
                         continue;
                     }
-                    r.guard.prefilled();
+                    r.guard.first_byte();
                     r.scan_usage(&data);
                     r.last_byte = data.last().copied().unwrap_or(b'\n');
                     return Some((Ok::<Bytes, Infallible>(data), Some(r)));

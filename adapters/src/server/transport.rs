@@ -14,6 +14,9 @@
 //! - The body stream yields chunks in order; an `Err` item ends it (the relay stops reading). A
 //!   transport that can cancel the worker's work does so when the stream is dropped before its
 //!   end (the client went away) or ends with an error.
+//! - The engine sees [`Outbound::engine_request_id`] as `X-Request-Id` and [`Outbound::dp_rank`]
+//!   as [`DP_RANK_HEADER`], whichever transport carried the request (NATS puts them in the
+//!   request's headers, which the worker's responder forwards).
 
 use async_trait::async_trait;
 use axum::body::Bytes;
@@ -24,7 +27,8 @@ use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use infera_core::ids::WorkerId;
+use infera_core::event::WorkerRecord;
+use infera_core::ids::{WorkerId, WorkerRank};
 
 /// One request for one worker.
 #[derive(Debug, Clone)]
@@ -44,6 +48,22 @@ pub struct Outbound {
     /// The engine's own request id (`X-Request-Id`), set on the legs of a PD pair: some KV
     /// connectors correlate the legs, or find their peers, through it.
     pub engine_request_id: Option<String>,
+    /// The data-parallel rank to pin the request to, for a worker that fronts several ranks
+    /// behind one endpoint (its rank within the worker's registration, see
+    /// [`engine_dp_rank`]): sent as [`DP_RANK_HEADER`], which vLLM, SGLang and ATOM read.
+    pub dp_rank: Option<u32>,
+}
+
+/// The header that pins a request to one of an engine's data-parallel ranks: vLLM's API server
+/// reads `X-data-parallel-rank`, SGLang's `X-Data-Parallel-Rank` (it wins over the body's
+/// `routed_dp_rank`), ATOM's proxy sends it too; HTTP header names are case-insensitive.
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+
+/// The engine-side rank of `rank` on the worker `record`: its index among the ranks the worker
+/// registered (`rank - record.dp_rank`), when the worker fronts more than one (`dp_size > 1`).
+/// A worker of one rank needs no steering (`None`), whatever rank number it registered.
+pub fn engine_dp_rank(rank: &WorkerRank, record: &WorkerRecord) -> Option<u32> {
+    (record.dp_size > 1).then(|| rank.dp_rank.saturating_sub(record.dp_rank))
 }
 
 /// The body of a response, chunk by chunk.
@@ -174,6 +194,9 @@ impl RequestTransport for HttpTransport {
             .and_then(|v| HeaderValue::from_str(v).ok())
         {
             builder = builder.header("x-request-id", v);
+        }
+        if let Some(rank) = req.dp_rank {
+            builder = builder.header(DP_RANK_HEADER, rank);
         }
         let http_req = builder.body(Full::new(req.body)).map_err(|e| {
             TransportError::Failed(format!("cannot build the request to {target}: {e}"))

@@ -42,7 +42,7 @@ use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt as _;
 use infera_adapters::server::RequestTransport;
-use infera_adapters::server::transport::{Inbound, Outbound, TransportError};
+use infera_adapters::server::transport::{DP_RANK_HEADER, Inbound, Outbound, TransportError};
 use infera_core::ids::WorkerId;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -195,6 +195,10 @@ impl RequestTransport for NatsTransport {
         ];
         if let Some(id) = &req.engine_request_id {
             headers.push(("x-request-id", id.as_str()));
+        }
+        let dp_rank = req.dp_rank.map(|r| r.to_string());
+        if let Some(rank) = &dp_rank {
+            headers.push((DP_RANK_HEADER, rank.as_str()));
         }
         let payload = Bytes::from(encode_request(req.path, req.stream, &headers, &req.body));
         // Published while the broker is away, the request waits in the client's buffer and

@@ -10,7 +10,8 @@
 mod common;
 
 use common::{
-    Proc, eventually, free_mock_port, free_port, get_json, http, mock_worker, server, tokenizer_dir,
+    Proc, eventually, free_mock_port, free_port, get_json, http, mock_worker, open_stream, server,
+    tokenizer_dir,
 };
 
 use infera_backends::testing::EtcdServer;
@@ -34,6 +35,20 @@ fn legs(port: u16) -> Vec<Value> {
     get_json(port, "/mock/pd-legs")
         .and_then(|v| v["legs"].as_array().cloned())
         .unwrap_or_default()
+}
+
+/// The SGLang aborts `port` received (`GET /mock/pd-aborts`): each `{"rid", "found"}`.
+fn aborts(port: u16) -> Vec<Value> {
+    get_json(port, "/mock/pd-aborts")
+        .and_then(|v| v["aborts"].as_array().cloned())
+        .unwrap_or_default()
+}
+
+fn aborted_rids(port: u16) -> Vec<String> {
+    aborts(port)
+        .iter()
+        .filter_map(|a| a["rid"].as_str().map(str::to_owned))
+        .collect()
 }
 
 /// A sample of `name` on `port`'s `/metrics` (its labels, if any, ignored).
@@ -362,6 +377,100 @@ async fn a_failed_concurrent_prefill_errors_before_the_first_byte_and_drops_the_
         let detached = metric(f.decode_port, "infera_mock_requests_detached_total");
         running == Some(0) && accepted.is_some() && accepted == detached
     });
+    // And SGLang was told so: every decode leg it accepted got /abort_request by its rid.
+    let rids: Vec<String> = legs(f.decode_port)
+        .iter()
+        .map(|l| l["rid"].as_str().unwrap().to_owned())
+        .collect();
+    eventually("an abort for every decode leg", || {
+        let aborted = aborted_rids(f.decode_port);
+        rids.iter().all(|r| aborted.contains(r))
+    });
+    assert!(
+        rids.iter()
+            .all(|r| r.starts_with("infera-") && r.len() == 23),
+        "{rids:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_client_that_goes_away_gets_its_running_legs_aborted() {
+    // Real speed: the decode leg streams thousands of tokens that it must not finish.
+    let f = fleet("sglang-bootstrap", "sglang-bootstrap", &[], &[]).await;
+    let req = json!({"model": f.tok, "prompt": "the client leaves", "max_tokens": 2000,
+        "stream": true})
+    .to_string();
+    let (stream, head) = open_stream(f.server_port, &req);
+    assert!(
+        String::from_utf8_lossy(&head).starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    drop(stream);
+    let decode = legs(f.decode_port);
+    let prefill = legs(f.prefill_port);
+    assert_eq!(decode.len(), 1, "{decode:?}");
+    assert_eq!(prefill.len(), 1, "{prefill:?}");
+    let rid = decode[0]["rid"].as_str().unwrap().to_owned();
+    assert_eq!(prefill[0]["rid"], rid.as_str(), "both legs carry one rid");
+    eventually("the decode leg to be aborted by its rid", || {
+        aborted_rids(f.decode_port).contains(&rid)
+    });
+    eventually("the decode leg to leave the engine", || {
+        metric(f.decode_port, "vllm:num_requests_running") == Some(0)
+    });
+    // The prefill leg made its one token: it is aborted only if it had not answered yet.
+    assert!(
+        aborted_rids(f.prefill_port).iter().all(|r| *r == rid),
+        "{:?}",
+        aborts(f.prefill_port)
+    );
+    assert!(metric(f.decode_port, "infera_mock_requests_total") == Some(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn atom_mooncake_serves_a_streamed_chat_through_the_hand_off() {
+    let f = fleet(
+        "atom-mooncake",
+        "atom-mooncake",
+        &["--speedup", "1000"],
+        &[],
+    )
+    .await;
+    let chat = json!({"model": f.tok, "max_completion_tokens": MAX_TOKENS, "stream": true,
+        "stream_options": {"include_usage": true},
+        "messages": [{"role": "user", "content": "Hand this chat over to the decode worker."}]})
+    .to_string();
+    let (status, body) = http(f.server_port, "POST", "/v1/chat/completions", &chat).unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("chat.completion.chunk"), "{body}");
+    assert!(
+        body.contains("data: [DONE]") && !body.contains("\"error\""),
+        "{body}"
+    );
+    assert!(
+        body.contains(&format!("\"completion_tokens\":{MAX_TOKENS}")),
+        "the decode leg's whole budget: {body}"
+    );
+    let (prefill, decode) = (legs(f.prefill_port), legs(f.decode_port));
+    assert_eq!(
+        (prefill.len(), decode.len()),
+        (1, 1),
+        "{prefill:?} {decode:?}"
+    );
+    let (p, d) = (&prefill[0], &decode[0]);
+    // One unstreamed token on the prefill (the mock logs max_completion_tokens for chat).
+    assert_eq!(p["max_tokens"], 1, "{p}");
+    assert_eq!(p["stream"], false, "{p}");
+    assert_eq!(p["kv_transfer_params"]["remote_port"], f.decode_port, "{p}");
+    // The decode leg streams the client's budget with the prefill's hand-off.
+    assert_eq!(d["max_tokens"], MAX_TOKENS, "{d}");
+    assert_eq!(d["stream"], true, "{d}");
+    let kv = &d["kv_transfer_params"];
+    assert_eq!(kv["transfer_id"], 1, "{d}");
+    assert_eq!(kv["first_token_id"], 0, "{d}");
+    assert_eq!(kv["remote_dp_rank"], 0, "{d}");
+    assert_eq!(kv["remote_port"], f.prefill_port, "{d}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
