@@ -147,6 +147,95 @@ enum RequestChange {
     },
 }
 
+/// Writes one request change to the `requests` table, in SQL both SQLite and PostgreSQL take
+/// (`$n` placeholders, `ON CONFLICT … DO UPDATE`). A routed request starts (or restarts) its row;
+/// a finished one fills in its outcome.
+async fn apply_change<DB>(
+    conn: &mut DB::Connection,
+    change: RequestChange,
+) -> Result<(), sqlx::Error>
+where
+    DB: sqlx::Database,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'t> String: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    for<'t> &'static str: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    for<'t> i64: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    for<'t> Option<i64>: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+{
+    match change {
+        RequestChange::Routed {
+            request_id,
+            model,
+            worker,
+            dp_rank,
+            role,
+            hour,
+            seq,
+            ts_us,
+            policy,
+            prompt_tokens,
+            request_blocks,
+            overlap_blocks,
+        } => {
+            sqlx::query::<DB>(
+                "INSERT INTO requests (request_id, model, worker, dp_rank, role, hour, routed_seq, \
+                 routed_us, policy, prompt_tokens, request_blocks, overlap_blocks) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+                 ON CONFLICT (request_id) DO UPDATE SET model = excluded.model, \
+                 worker = excluded.worker, dp_rank = excluded.dp_rank, role = excluded.role, \
+                 hour = excluded.hour, routed_seq = excluded.routed_seq, \
+                 routed_us = excluded.routed_us, policy = excluded.policy, \
+                 prompt_tokens = excluded.prompt_tokens, request_blocks = excluded.request_blocks, \
+                 overlap_blocks = excluded.overlap_blocks, finished_seq = NULL, \
+                 finished_us = NULL, status = NULL, ttft_us = NULL, tokens_in = NULL, \
+                 tokens_out = NULL, cached_tokens = NULL",
+            )
+            .bind(request_id)
+            .bind(model)
+            .bind(worker)
+            .bind(dp_rank)
+            .bind(role)
+            .bind(hour)
+            .bind(seq)
+            .bind(ts_us)
+            .bind(policy)
+            .bind(prompt_tokens)
+            .bind(request_blocks)
+            .bind(overlap_blocks)
+            .execute(conn)
+            .await?;
+        }
+        RequestChange::Finished {
+            request_id,
+            seq,
+            ts_us,
+            status,
+            ttft_us,
+            tokens_in,
+            tokens_out,
+            cached_tokens,
+        } => {
+            sqlx::query::<DB>(
+                "UPDATE requests SET finished_seq = $1, finished_us = $2, status = $3, \
+                 ttft_us = $4, tokens_in = $5, tokens_out = $6, cached_tokens = $7 \
+                 WHERE request_id = $8",
+            )
+            .bind(seq)
+            .bind(ts_us)
+            .bind(status)
+            .bind(ttft_us)
+            .bind(tokens_in)
+            .bind(tokens_out)
+            .bind(cached_tokens)
+            .bind(request_id)
+            .execute(conn)
+            .await?;
+        }
+    }
+    Ok(())
+}
+
 fn to_i64(v: u64, what: &str) -> Result<i64, LogError> {
     i64::try_from(v).map_err(|_| LogError::Backend(format!("{what} {v} does not fit a SQL BIGINT")))
 }

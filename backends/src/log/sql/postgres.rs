@@ -7,7 +7,7 @@
 
 use super::{
     EventRow, HIT_RATE_QUERY, HitRateRow, HitRateTuple, NOTIFY_CHANNEL, POSTGRES_POLL,
-    ROWS_PER_INSERT, ReadMiss, RequestChange, check_contiguous, decode_row, read_miss, rows,
+    ROWS_PER_INSERT, ReadMiss, apply_change, check_contiguous, decode_row, read_miss, rows,
     sql_error,
 };
 use crate::log::codec;
@@ -152,80 +152,6 @@ async fn insert_events(conn: &mut PgConnection, rows: &[EventRow]) -> Result<(),
     Ok(())
 }
 
-async fn apply_change(conn: &mut PgConnection, change: RequestChange) -> Result<(), sqlx::Error> {
-    match change {
-        RequestChange::Routed {
-            request_id,
-            model,
-            worker,
-            dp_rank,
-            role,
-            hour,
-            seq,
-            ts_us,
-            policy,
-            prompt_tokens,
-            request_blocks,
-            overlap_blocks,
-        } => {
-            sqlx::query(
-                "INSERT INTO requests (request_id, model, worker, dp_rank, role, hour, routed_seq, \
-                 routed_us, policy, prompt_tokens, request_blocks, overlap_blocks) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
-                 ON CONFLICT (request_id) DO UPDATE SET model = excluded.model, \
-                 worker = excluded.worker, dp_rank = excluded.dp_rank, role = excluded.role, \
-                 hour = excluded.hour, routed_seq = excluded.routed_seq, \
-                 routed_us = excluded.routed_us, policy = excluded.policy, \
-                 prompt_tokens = excluded.prompt_tokens, request_blocks = excluded.request_blocks, \
-                 overlap_blocks = excluded.overlap_blocks, finished_seq = NULL, \
-                 finished_us = NULL, status = NULL, ttft_us = NULL, tokens_in = NULL, \
-                 tokens_out = NULL, cached_tokens = NULL",
-            )
-            .bind(request_id)
-            .bind(model)
-            .bind(worker)
-            .bind(dp_rank)
-            .bind(role)
-            .bind(hour)
-            .bind(seq)
-            .bind(ts_us)
-            .bind(policy)
-            .bind(prompt_tokens)
-            .bind(request_blocks)
-            .bind(overlap_blocks)
-            .execute(conn)
-            .await?;
-        }
-        RequestChange::Finished {
-            request_id,
-            seq,
-            ts_us,
-            status,
-            ttft_us,
-            tokens_in,
-            tokens_out,
-            cached_tokens,
-        } => {
-            sqlx::query(
-                "UPDATE requests SET finished_seq = $1, finished_us = $2, status = $3, \
-                 ttft_us = $4, tokens_in = $5, tokens_out = $6, cached_tokens = $7 \
-                 WHERE request_id = $8",
-            )
-            .bind(seq)
-            .bind(ts_us)
-            .bind(status)
-            .bind(ttft_us)
-            .bind(tokens_in)
-            .bind(tokens_out)
-            .bind(cached_tokens)
-            .bind(request_id)
-            .execute(conn)
-            .await?;
-        }
-    }
-    Ok(())
-}
-
 #[async_trait]
 impl EventLog for PostgresLog {
     async fn append(&self, batch: Vec<NewEvent>) -> Result<SeqRange, LogError> {
@@ -265,7 +191,7 @@ impl EventLog for PostgresLog {
             .await
             .map_err(|e| self.err(what, e))?;
         for change in changes {
-            apply_change(&mut tx, change)
+            apply_change::<Postgres>(&mut tx, change)
                 .await
                 .map_err(|e| self.err(what, e))?;
         }

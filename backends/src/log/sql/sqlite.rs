@@ -6,8 +6,8 @@
 //! other processes on the same file — queue on it (`busy_timeout`) instead of failing on upgrade.
 
 use super::{
-    EventRow, HIT_RATE_QUERY, HitRateRow, HitRateTuple, ROWS_PER_INSERT, ReadMiss, RequestChange,
-    SQLITE_POLL, check_contiguous, decode_row, read_miss, rows, sql_error,
+    EventRow, HIT_RATE_QUERY, HitRateRow, HitRateTuple, ROWS_PER_INSERT, ReadMiss, SQLITE_POLL,
+    apply_change, check_contiguous, decode_row, read_miss, rows, sql_error,
 };
 use crate::log::codec;
 use crate::log::tail::{TipOrPoll, tail};
@@ -178,82 +178,6 @@ async fn insert_events(conn: &mut SqliteConnection, rows: &[EventRow]) -> Result
     Ok(())
 }
 
-async fn apply_change(
-    conn: &mut SqliteConnection,
-    change: RequestChange,
-) -> Result<(), sqlx::Error> {
-    match change {
-        RequestChange::Routed {
-            request_id,
-            model,
-            worker,
-            dp_rank,
-            role,
-            hour,
-            seq,
-            ts_us,
-            policy,
-            prompt_tokens,
-            request_blocks,
-            overlap_blocks,
-        } => {
-            sqlx::query(
-                "INSERT INTO requests (request_id, model, worker, dp_rank, role, hour, routed_seq, \
-                 routed_us, policy, prompt_tokens, request_blocks, overlap_blocks) \
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
-                 ON CONFLICT (request_id) DO UPDATE SET model = excluded.model, \
-                 worker = excluded.worker, dp_rank = excluded.dp_rank, role = excluded.role, \
-                 hour = excluded.hour, routed_seq = excluded.routed_seq, \
-                 routed_us = excluded.routed_us, policy = excluded.policy, \
-                 prompt_tokens = excluded.prompt_tokens, request_blocks = excluded.request_blocks, \
-                 overlap_blocks = excluded.overlap_blocks, finished_seq = NULL, \
-                 finished_us = NULL, status = NULL, ttft_us = NULL, tokens_in = NULL, \
-                 tokens_out = NULL, cached_tokens = NULL",
-            )
-            .bind(request_id)
-            .bind(model)
-            .bind(worker)
-            .bind(dp_rank)
-            .bind(role)
-            .bind(hour)
-            .bind(seq)
-            .bind(ts_us)
-            .bind(policy)
-            .bind(prompt_tokens)
-            .bind(request_blocks)
-            .bind(overlap_blocks)
-            .execute(conn)
-            .await?;
-        }
-        RequestChange::Finished {
-            request_id,
-            seq,
-            ts_us,
-            status,
-            ttft_us,
-            tokens_in,
-            tokens_out,
-            cached_tokens,
-        } => {
-            sqlx::query(
-                "UPDATE requests SET finished_seq = ?, finished_us = ?, status = ?, ttft_us = ?, \
-                 tokens_in = ?, tokens_out = ?, cached_tokens = ? WHERE request_id = ?",
-            )
-            .bind(seq)
-            .bind(ts_us)
-            .bind(status)
-            .bind(ttft_us)
-            .bind(tokens_in)
-            .bind(tokens_out)
-            .bind(cached_tokens)
-            .bind(request_id)
-            .execute(conn)
-            .await?;
-        }
-    }
-    Ok(())
-}
-
 #[async_trait]
 impl EventLog for SqliteLog {
     async fn append(&self, batch: Vec<NewEvent>) -> Result<SeqRange, LogError> {
@@ -286,7 +210,7 @@ impl EventLog for SqliteLog {
             .await
             .map_err(|e| self.err(what, e))?;
         for change in changes {
-            apply_change(&mut tx, change)
+            apply_change::<Sqlite>(&mut tx, change)
                 .await
                 .map_err(|e| self.err(what, e))?;
         }
