@@ -28,7 +28,7 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, watch};
 
 /// What every handler shares.
@@ -112,6 +112,7 @@ async fn completions(
     State(st): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let received = Instant::now();
     let result = async {
         let req: CompletionRequest = parse_body(body)?;
         check_model(&st, req.model.as_deref())?;
@@ -123,16 +124,13 @@ async fn completions(
             Prompt::Text(text) => tokenize_text(&st, text).await?,
         };
         let include_usage = req.stream_options.and_then(|o| o.include_usage);
-        generate(
-            &st,
-            Endpoint::Completions,
-            tokens,
-            out,
-            req.stream.unwrap_or(false),
-            include_usage.unwrap_or(false),
-            pd.handoff,
-        )
-        .await
+        let reply = Reply {
+            endpoint: Endpoint::Completions,
+            stream: req.stream.unwrap_or(false),
+            include_usage: include_usage.unwrap_or(false),
+            handoff: pd.handoff,
+        };
+        generate(&st, tokens, out, reply, received).await
     }
     .await;
     respond(&st, result)
@@ -142,6 +140,7 @@ async fn chat_completions(
     State(st): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let received = Instant::now();
     let result = async {
         let req: ChatRequest = parse_body(body)?;
         check_model(&st, req.model.as_deref())?;
@@ -154,16 +153,13 @@ async fn chat_completions(
         }
         let tokens = tokenize_chat(&st, req.messages).await?;
         let include_usage = req.stream_options.and_then(|o| o.include_usage);
-        generate(
-            &st,
-            Endpoint::Chat,
-            tokens,
-            out,
-            req.stream.unwrap_or(false),
-            include_usage.unwrap_or(false),
-            pd.handoff,
-        )
-        .await
+        let reply = Reply {
+            endpoint: Endpoint::Chat,
+            stream: req.stream.unwrap_or(false),
+            include_usage: include_usage.unwrap_or(false),
+            handoff: pd.handoff,
+        };
+        generate(&st, tokens, out, reply, received).await
     }
     .await;
     respond(&st, result)
@@ -255,16 +251,29 @@ fn internal(message: String) -> ApiError {
     ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)
 }
 
-/// Submits the request to the engine and answers it.
-async fn generate(
-    st: &AppState,
+/// How a generation request wants its answer.
+struct Reply {
     endpoint: Endpoint,
-    tokens: Vec<u32>,
-    out: u32,
     stream: bool,
     include_usage: bool,
+    /// A PD prefill leg's hand-off, added to a unary answer.
     handoff: Option<Value>,
+}
+
+/// Submits the request to the engine and answers it; `received`: when the handler started.
+async fn generate(
+    st: &AppState,
+    tokens: Vec<u32>,
+    out: u32,
+    reply: Reply,
+    received: Instant,
 ) -> Result<Response, ApiError> {
+    let Reply {
+        endpoint,
+        stream,
+        include_usage,
+        handoff,
+    } = reply;
     if tokens.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty (0 tokens)"));
     }
@@ -291,6 +300,7 @@ async fn generate(
             prompt_tokens,
             output_tokens: out,
             progress,
+            received,
         })
         .await
         .map_err(|_| {
