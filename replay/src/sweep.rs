@@ -35,6 +35,7 @@ pub const SWEEPABLE: &[&str] = &[
     "speedup",
     "seed",
     "kv-event-delay-ms",
+    "frontend-ms",
     "recent-half-life-ms",
 ];
 
@@ -148,6 +149,7 @@ pub fn apply(cfg: &mut SimConfig, key: &str, value: &str) -> Result<(), SweepErr
         "kv-event-delay-ms" => {
             cfg.kv_event_delay_us = (num::<f64>(key, value, false)? * 1000.0) as u64
         }
+        "frontend-ms" => cfg.frontend_us = (num::<f64>(key, value, false)? * 1000.0).round() as u64,
         "recent-half-life-ms" => {
             cfg.fleet.recent_half_life_us = (num::<f64>(key, value, true)? * 1000.0) as u64
         }

@@ -5,7 +5,8 @@
 //! [`Progress`]. Each loop iteration takes every queued submission, runs one model step, sleeps
 //! until the step's modelled end — its duration (already divided by `speedup`) after the previous
 //! step's modelled end, or after now when the engine was idle, so that the engine keeps the
-//! model's pace over many short steps however coarse the timer — then publishes what the step did:
+//! model's pace over many short steps, on a step clock precise to tens of microseconds (see
+//! `clock`) — then publishes what the step did:
 //!
 //! 1. the step's KV changes, as one vLLM [`EngineBatch`] to the sink (engine hashes are the router
 //!    hashes XOR the per-process salt, as vLLM salts its hashes per process);
@@ -37,6 +38,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::KvEventSink;
+use super::clock::StepClock;
 use super::metrics::MockMetrics;
 
 /// How a request left the engine.
@@ -70,6 +72,8 @@ pub(crate) struct Submission {
     pub prompt_tokens: u32,
     pub output_tokens: u32,
     pub progress: watch::Sender<Progress>,
+    /// When the handler got the request (for `vllm:time_to_first_token_seconds`).
+    pub received: Instant,
 }
 
 /// A live request, as the loop tracks it.
@@ -86,6 +90,7 @@ struct Live {
     prefilled_step: u64,
     /// The client went away: progress is no longer published.
     detached: bool,
+    received: Instant,
 }
 
 /// Token ids of one resident-or-pending block, shared by every live request that has it.
@@ -146,6 +151,7 @@ impl EngineLoop {
         let mut open = true;
         // When the previous step should have ended by the model; `None` after an idle wait.
         let mut due: Option<Instant> = None;
+        let mut clock = StepClock::new();
         loop {
             if self.model.is_idle() {
                 if !open {
@@ -164,8 +170,9 @@ impl EngineLoop {
                 self.submit(sub);
             }
             // Back-to-back steps are timed from the previous step's modelled end, not from when
-            // the loop got here, so timer granularity (tokio sleeps in whole milliseconds) and
-            // the loop's own work do not add up over thousands of sub-millisecond decode steps.
+            // the loop got here, so the loop's own work and any wake-up lateness do not add up
+            // over thousands of sub-millisecond decode steps; the step clock wakes within tens
+            // of microseconds of each end (see `clock`).
             let started = due.unwrap_or_else(Instant::now);
             let Some(report) = self.model.step(&mut no_lower_tiers) else {
                 continue;
@@ -178,9 +185,14 @@ impl EngineLoop {
             } else {
                 tokio::select! {
                     () = cancel.cancelled() => break,
-                    () = tokio::time::sleep_until(end.into()) => {}
+                    () = clock.sleep_until(end) => {}
                 }
             }
+            let late = Instant::now().saturating_duration_since(end);
+            self.metrics.steps.fetch_add(1, Ordering::Relaxed);
+            self.metrics
+                .step_late_us
+                .fetch_add(late.as_micros() as u64, Ordering::Relaxed);
             if let Some(batch) = self.kv_batch(&report.kv) {
                 self.publish(batch, &cancel).await;
             }
@@ -224,6 +236,7 @@ impl EngineLoop {
                 decoding: false,
                 prefilled_step: 0,
                 detached: false,
+                received: sub.received,
             },
         );
     }
@@ -323,8 +336,11 @@ impl EngineLoop {
     /// Hands out the step's tokens and ends finished requests.
     fn deliver(&mut self, prefilled: &[Prefilled], finished: &[Finished]) {
         let step = self.step_no;
+        let now = Instant::now();
         for p in prefilled {
             if let Some(live) = self.live.get_mut(&p.id) {
+                let ttft = now.saturating_duration_since(live.received);
+                self.metrics.ttft.observe_us(ttft.as_micros() as u64);
                 live.decoding = true;
                 live.prefilled_step = step;
                 live.tokens = 1;

@@ -29,7 +29,7 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, watch};
 
 /// What every handler shares.
@@ -168,6 +168,7 @@ async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let received = Instant::now();
     let result = async {
         let req: CompletionRequest = parse_body(body)?;
         check_model(&st, req.model.as_deref())?;
@@ -186,19 +187,14 @@ async fn completions(
             Prompt::Text(text) => tokenize_text(&st, text).await?,
         };
         let include_usage = req.stream_options.and_then(|o| o.include_usage);
-        generate(
-            &st,
-            Endpoint::Completions,
-            tokens,
-            out,
-            req.stream.unwrap_or(false),
-            include_usage.unwrap_or(false),
-            Extras {
-                handoff: pd.handoff,
-                rid,
-            },
-        )
-        .await
+        let reply = Reply {
+            endpoint: Endpoint::Completions,
+            stream: req.stream.unwrap_or(false),
+            include_usage: include_usage.unwrap_or(false),
+            handoff: pd.handoff,
+            rid,
+        };
+        generate(&st, tokens, out, reply, received).await
     }
     .await;
     respond(&st, result)
@@ -209,6 +205,7 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let received = Instant::now();
     let result = async {
         let req: ChatRequest = parse_body(body)?;
         check_model(&st, req.model.as_deref())?;
@@ -228,19 +225,14 @@ async fn chat_completions(
         }
         let tokens = tokenize_chat(&st, req.messages).await?;
         let include_usage = req.stream_options.and_then(|o| o.include_usage);
-        generate(
-            &st,
-            Endpoint::Chat,
-            tokens,
-            out,
-            req.stream.unwrap_or(false),
-            include_usage.unwrap_or(false),
-            Extras {
-                handoff: pd.handoff,
-                rid,
-            },
-        )
-        .await
+        let reply = Reply {
+            endpoint: Endpoint::Chat,
+            stream: req.stream.unwrap_or(false),
+            include_usage: include_usage.unwrap_or(false),
+            handoff: pd.handoff,
+            rid,
+        };
+        generate(&st, tokens, out, reply, received).await
     }
     .await;
     respond(&st, result)
@@ -332,25 +324,32 @@ fn internal(message: String) -> ApiError {
     ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)
 }
 
-/// What a request adds to its answer beyond the generation.
-struct Extras {
-    /// A PD prefill's hand-off, as the unary answer's top-level `kv_transfer_params`.
+/// How a generation request wants its answer.
+struct Reply {
+    endpoint: Endpoint,
+    stream: bool,
+    include_usage: bool,
+    /// A PD prefill leg's hand-off, added to a unary answer.
     handoff: Option<Value>,
     /// SGLang's `rid`: `/abort_request` can end the request.
     rid: Option<String>,
 }
 
-/// Submits the request to the engine and answers it.
+/// Submits the request to the engine and answers it; `received`: when the handler started.
 async fn generate(
     st: &AppState,
-    endpoint: Endpoint,
     tokens: Vec<u32>,
     out: u32,
-    stream: bool,
-    include_usage: bool,
-    extras: Extras,
+    reply: Reply,
+    received: Instant,
 ) -> Result<Response, ApiError> {
-    let Extras { handoff, rid } = extras;
+    let Reply {
+        endpoint,
+        stream,
+        include_usage,
+        handoff,
+        rid,
+    } = reply;
     if tokens.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty (0 tokens)"));
     }
@@ -378,6 +377,7 @@ async fn generate(
             prompt_tokens,
             output_tokens: out,
             progress,
+            received,
         })
         .await
         .map_err(|_| {

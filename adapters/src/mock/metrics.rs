@@ -38,6 +38,56 @@ pub(crate) struct MockMetrics {
     pub kv_missing_tokens: AtomicU64,
     /// 1 once the kv-event sink closed (events are no longer published).
     pub kv_sink_closed: AtomicU64,
+    /// From the handler's start (body read) to the first token published to its response.
+    pub ttft: Histogram,
+    /// Steps whose results were published, and by how much later than the model said they end.
+    pub steps: AtomicU64,
+    pub step_late_us: AtomicU64,
+}
+
+/// Upper bounds (seconds) of `vllm:time_to_first_token_seconds`, as vLLM has them.
+const TTFT_BUCKETS: [f64; 22] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+
+/// A fixed-bucket Prometheus histogram of durations, in plain atomics (microsecond sum).
+#[derive(Debug, Default)]
+pub(crate) struct Histogram {
+    /// Observations per bucket of [`TTFT_BUCKETS`] (not cumulative); the last slot is `+Inf`.
+    buckets: [AtomicU64; TTFT_BUCKETS.len() + 1],
+    sum_us: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    pub(crate) fn observe_us(&self, us: u64) {
+        let secs = us as f64 / 1e6;
+        let slot = TTFT_BUCKETS
+            .iter()
+            .position(|&le| secs <= le)
+            .unwrap_or(TTFT_BUCKETS.len());
+        self.buckets[slot].fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add(us, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str, label: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (i, slot) in self.buckets.iter().enumerate() {
+            cumulative += slot.load(Ordering::Relaxed);
+            let le = TTFT_BUCKETS
+                .get(i)
+                .map_or_else(|| "+Inf".to_owned(), |b| b.to_string());
+            let _ = writeln!(out, "{name}_bucket{{{label},le=\"{le}\"}} {cumulative}");
+        }
+        let sum = self.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_sum{{{label}}} {sum}");
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_count{{{label}}} {count}");
+    }
 }
 
 impl MockMetrics {
@@ -176,6 +226,22 @@ impl MockMetrics {
             "gauge",
             "1 when prompts are tokenized with the model's tokenizer, 0 for the byte fallback.",
             u8::from(static_info.tokenizer_loaded).to_string(),
+        );
+        self.ttft.render(
+            &mut out,
+            "vllm:time_to_first_token_seconds",
+            "Time from a request's arrival to its first token.",
+            &label,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP infera_mock_step_lateness_seconds How much later than the model's step end \
+             each step's results were published (timer precision and CPU contention).\n\
+             # TYPE infera_mock_step_lateness_seconds summary\n\
+             infera_mock_step_lateness_seconds_sum{{{label}}} {}\n\
+             infera_mock_step_lateness_seconds_count{{{label}}} {}",
+            get(&self.step_late_us) as f64 / 1e6,
+            get(&self.steps),
         );
         let _ = writeln!(
             out,

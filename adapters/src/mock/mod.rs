@@ -7,6 +7,8 @@
 //!   and not), `GET /v1/models`, `GET /health`, `GET /metrics`.
 //! - `engine`: one task that owns the [`EngineModel`](infera_core::engine::EngineModel), fed by
 //!   a bounded channel, that turns each step into tokens for the clients and a KV-event batch.
+//! - `clock`: the engine loop's step clock, precise to the microsecond (a timerfd on Linux,
+//!   where tokio's timer would end every step up to 2 ms late).
 //! - `openai`: request parsing, response and error shapes, the filler text.
 //! - `metrics`: vLLM-named Prometheus metrics.
 //! - `pd`: the prefill/decode roles ([`MockConfig::pd`]): what each leg must carry per PD
@@ -40,6 +42,7 @@
 //! that is noticed: its batch slot and blocks are freed (its published blocks stay cached).
 
 mod abort;
+mod clock;
 mod engine;
 mod http;
 mod metrics;

@@ -8,7 +8,7 @@ use infera_core::policy::PolicyKind;
 use infera_replay::plot::{self, PlotPoint};
 use infera_replay::report::{self, Row, Summary};
 use infera_replay::rules::RetentionRule;
-use infera_replay::sim::{SimConfig, SimResult, TierConfig};
+use infera_replay::sim::{DEFAULT_FRONTEND_US, SimConfig, SimResult, TierConfig};
 use infera_replay::sweep::{self, SweepAxis};
 use infera_replay::{output, trace};
 use std::io::IsTerminal;
@@ -101,6 +101,13 @@ pub struct ReplayArgs {
     /// Delay between an engine storing blocks and the router seeing the KV event.
     #[arg(long, default_value_t = 1.0)]
     pub kv_event_delay_ms: f64,
+    /// Front-end cost of every request, in wall time (not divided by --speedup): the client's
+    /// request through the router to its engine (HTTP, parsing, hashing, routing) and the first
+    /// token's way back. Added to every request's TTFT and finish time; the engines and the
+    /// routing are not affected. The default was measured through `infera up` on loopback
+    /// (README, "Benchmarks": the fidelity bench); 0 reports the engines alone.
+    #[arg(long, default_value_t = DEFAULT_FRONTEND_US as f64 / 1000.0)]
+    pub frontend_ms: f64,
     /// Half-life of the load charge a routing decision leaves on its worker.
     #[arg(long, default_value_t = 1000.0)]
     pub recent_half_life_ms: f64,
@@ -206,6 +213,7 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
     nonneg("kv-overlap-weight", a.kv_overlap_weight)?;
     nonneg("router-temperature", a.router_temperature)?;
     nonneg("kv-event-delay-ms", a.kv_event_delay_ms)?;
+    nonneg("frontend-ms", a.frontend_ms)?;
     nonneg("load-ms-per-block", a.load_ms_per_block)?;
     if let Some(w) = a.kv_prefill_overlap_weight {
         nonneg("kv-prefill-overlap-weight", w)?;
@@ -275,6 +283,7 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
     cfg.rules = rules;
     cfg.speedup = a.speedup;
     cfg.kv_event_delay_us = (a.kv_event_delay_ms * 1000.0) as u64;
+    cfg.frontend_us = (a.frontend_ms * 1000.0).round() as u64;
     cfg.fleet.recent_half_life_us = (a.recent_half_life_ms * 1000.0) as u64;
     cfg.engine.validate().context("engine settings")?;
     Ok(cfg)

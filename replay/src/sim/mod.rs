@@ -7,10 +7,11 @@
 //! of that log, exactly as live. Nothing here decides where a request goes.
 //!
 //! Timeline of one request: arrival → `RequestRouted` (appended and applied) → submitted to its
-//! engine(s) → prefilled at the end of some step (`RequestPrefilled`; TTFT) → finished
-//! (`RequestFinished`). KV events become visible to the router `kv_event_delay_us` after the step
-//! that produced them, as a real engine's ZMQ events would. In PD mode the prefill leg runs with one
-//! output token, then the decode leg starts on its decode engine with the prompt's KV transferred.
+//! engine(s) → prefilled at the end of some step (`RequestPrefilled`; TTFT, plus the front end's
+//! [`SimConfig::frontend_us`]) → finished (`RequestFinished`). KV events become visible to the
+//! router `kv_event_delay_us` after the step that produced them, as a real engine's ZMQ events
+//! would. In PD mode the prefill leg runs with one output token, then the decode leg starts on its
+//! decode engine with the prompt's KV transferred.
 //!
 //! Conservation laws checked by the tests: every request finishes exactly once; per engine, blocks
 //! stored = blocks resident + blocks removed.
@@ -60,6 +61,16 @@ pub struct SimConfig {
     pub speedup: f64,
     /// Delay between an engine step storing blocks and the router seeing the event.
     pub kv_event_delay_us: u64,
+    /// The serving front end's cost per request, in wall time (not divided by `speedup`): the
+    /// client's request through the router (HTTP, parsing, hashing, routing) to its engine plus
+    /// the first token's way back. The engines start each request the instant it arrives and
+    /// reach its first token at the end of its prefill step; a real fleet's clients wait for
+    /// these hops too, and at 5× compression the same hop is five times larger a share of a
+    /// step. The hops are the same for every request, so they shift a request's whole timeline
+    /// at the engine (and the router's decision with it) without changing what the engines do:
+    /// they are added to each request's `ttft_us` and `finish_us` (and so `queue_us`, `tpot_us`,
+    /// routing, hits and [`SimResult::makespan_us`] do not include them).
+    pub frontend_us: u64,
     pub fleet: FleetConfig,
     /// Simulate quiet decode steps one by one instead of as one event (same results, slower;
     /// the tests use it to prove that).
@@ -80,11 +91,23 @@ impl Default for SimConfig {
             rules: Vec::new(),
             speedup: 1.0,
             kv_event_delay_us: 1_000,
+            frontend_us: DEFAULT_FRONTEND_US,
             fleet: FleetConfig::default(),
             step_by_step: false,
         }
     }
 }
+
+/// The default of [`SimConfig::frontend_us`]: what `infera up` (the server and four mock engines
+/// in one process, on loopback) costs a Mooncake request (~10k prompt tokens sent as token ids,
+/// streamed back) on the 2-core development VM, shared with other builds. Measured by
+/// `cargo bench -p infera --bench fidelity` (1,000 requests at `--speedup 5`) as the clients' mean
+/// TTFT minus the mocks' own mean TTFT (`vllm:time_to_first_token_seconds`, from the handler's
+/// start to the first token): 1.82, 1.38 and 1.44 ms in three runs, median 1.44 ms, rounded to
+/// 1.4 ms. It covers the request's way through the server to its engine and the first token's way
+/// back, CPU contention with the fleet's own streaming included; a faster machine or a separate
+/// router host changes it, so measure yours the same way and pass `--frontend-ms`.
+pub const DEFAULT_FRONTEND_US: u64 = 1_400;
 
 /// A configuration the simulator cannot run.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -136,7 +159,7 @@ pub struct SimResult {
     pub events: u64,
     /// Engine steps simulated, over all engines.
     pub steps: u64,
-    /// Virtual time of the last completion.
+    /// Virtual time of the engines' last completion (without [`SimConfig::frontend_us`]).
     pub makespan_us: u64,
     pub block_size: u32,
 }
@@ -599,7 +622,7 @@ impl Sim<'_> {
             }
             self.first_token_us[i] = now;
             let o = &mut self.out[i];
-            o.ttft_us = now.saturating_sub(o.arrival_us);
+            o.ttft_us = now.saturating_sub(o.arrival_us) + self.cfg.frontend_us;
             o.gpu_hit_blocks = p.gpu_hit_blocks;
             o.cached_tokens = p.cached_tokens;
             // The engine loads at most what it had room for: trust its count, host first.
@@ -639,7 +662,7 @@ impl Sim<'_> {
             self.done[i] = true;
             let o = &mut self.out[i];
             o.rejected = f.rejected;
-            o.finish_us = now;
+            o.finish_us = now + self.cfg.frontend_us;
             if o.output_tokens > 1 && !f.rejected {
                 o.tpot_us = now.saturating_sub(self.first_token_us[i]) as f64
                     / (o.output_tokens - 1) as f64;

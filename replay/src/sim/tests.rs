@@ -212,3 +212,46 @@ fn quiet_decode_runs_give_the_same_results_as_step_by_step() {
         assert!(a.requests.iter().any(|q| q.output_tokens > 2));
     }
 }
+
+#[test]
+fn the_front_end_adds_its_hop_to_ttft_and_finish_and_changes_nothing_else() {
+    // Busy engines (requests 300 µs apart, sharing prefixes): queueing, batching and routing
+    // all matter, and none of them may move.
+    let trace = conversations(6, 4, 300);
+    let mut alone = cfg(2, 200);
+    alone.frontend_us = 0;
+    let with = SimConfig {
+        frontend_us: 1_000,
+        ..alone.clone()
+    };
+    let a = run(&trace, &alone).expect("run");
+    let b = run(&trace, &with).expect("run");
+    assert!(
+        a.requests.iter().any(|q| q.queue_us > 0),
+        "engines are busy"
+    );
+    for (x, y) in a.requests.iter().zip(&b.requests) {
+        assert_eq!(x.worker, y.worker);
+        assert_eq!(x.cached_tokens, y.cached_tokens);
+        assert_eq!(x.queue_us, y.queue_us);
+        assert_eq!(x.tpot_us, y.tpot_us);
+        assert_eq!(y.ttft_us, x.ttft_us + 1_000, "{}", x.request_id);
+        assert_eq!(y.finish_us, x.finish_us + 1_000, "{}", x.request_id);
+    }
+    assert_eq!(a.makespan_us, b.makespan_us);
+    assert_eq!(a.steps, b.steps);
+}
+
+#[test]
+fn the_front_end_is_wall_time_not_divided_by_speedup() {
+    let trace = conversations(1, 1, 1_000);
+    let mut c = cfg(1, 200);
+    c.frontend_us = 1_000;
+    let one = run(&trace, &c).expect("run");
+    c.speedup = 4.0;
+    c.engine.speedup = 4.0;
+    let four = run(&trace, &c).expect("run");
+    let (t1, t4) = (one.requests[0].ttft_us, four.requests[0].ttft_us);
+    // The engine's part is four times shorter (to the rounding of µs), the front end's the same.
+    assert!((t1 - 1_000).abs_diff(4 * (t4 - 1_000)) <= 4, "{t1} vs {t4}");
+}

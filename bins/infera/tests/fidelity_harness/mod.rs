@@ -50,6 +50,19 @@ pub struct Side {
     pub shares: Vec<f64>,
     pub ttft_p50_ms: f64,
     pub ttft_p90_ms: f64,
+    pub ttft_mean_ms: f64,
+    /// Live only: where the client's TTFT went (from the mocks' own metrics).
+    pub breakdown: Option<Breakdown>,
+}
+
+/// Live TTFT taken apart, as means over all requests (means add up; percentiles do not).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Breakdown {
+    /// The mocks' own TTFT (`vllm:time_to_first_token_seconds`): handler start to first token.
+    pub engine_ttft_mean_ms: f64,
+    /// How late the mocks published a step after its modelled end
+    /// (`infera_mock_step_lateness_seconds`).
+    pub step_late_mean_ms: f64,
 }
 
 /// A running `infera up`: the process, the server's `host:port` and each mock's port.
@@ -127,18 +140,24 @@ pub fn live(infera: &str, s: &Setup) -> Side {
     let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(summary["errors"], 0, "{summary}");
 
-    let counts: Vec<f64> = workers
-        .iter()
-        .map(|&port| {
-            let (status, text) = http(port, "GET", "/metrics", "").unwrap();
-            assert_eq!(status, 200);
+    let (mut counts, mut ttft, mut late) = (Vec::new(), [0.0; 2], [0.0; 2]);
+    for &port in &workers {
+        let (status, text) = http(port, "GET", "/metrics", "").unwrap();
+        assert_eq!(status, 200);
+        let value = |name: &str| {
             text.lines()
-                .find(|l| l.starts_with("vllm:request_success_total"))
+                .find(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
                 .and_then(|l| l.rsplit(' ').next())
                 .and_then(|v| v.parse::<f64>().ok())
-                .unwrap_or_else(|| panic!("no request count in {text}"))
-        })
-        .collect();
+                .unwrap_or_else(|| panic!("no {name} in {text}"))
+        };
+        counts.push(value("vllm:request_success_total"));
+        ttft[0] += value("vllm:time_to_first_token_seconds_sum");
+        ttft[1] += value("vllm:time_to_first_token_seconds_count");
+        late[0] += value("infera_mock_step_lateness_seconds_sum");
+        late[1] += value("infera_mock_step_lateness_seconds_count");
+    }
+    let mean_ms = |[sum, n]: [f64; 2]| sum / n.max(1.0) * 1000.0;
     let status = fleet.terminate();
     assert!(status.success(), "infera up exited with {status}");
     Side {
@@ -147,14 +166,18 @@ pub fn live(infera: &str, s: &Setup) -> Side {
         shares: shares(counts),
         ttft_p50_ms: summary["ttft_ms"]["p50"].as_f64().unwrap(),
         ttft_p90_ms: summary["ttft_ms"]["p90"].as_f64().unwrap(),
+        ttft_mean_ms: summary["ttft_ms"]["mean"].as_f64().unwrap(),
+        breakdown: Some(Breakdown {
+            engine_ttft_mean_ms: mean_ms(ttft),
+            step_late_mean_ms: mean_ms(late),
+        }),
     }
 }
 
-/// Runs the slice through the simulator with the live fleet's settings.
-pub fn offline(s: &Setup) -> Side {
-    let mut tr = trace::load(&s.trace, &LoadOptions::default()).unwrap();
-    tr.requests.truncate(s.limit);
-    let cfg = SimConfig {
+/// The simulator's settings for the live fleet's; the front end (`frontend_us`) is the default,
+/// measured on this fleet.
+fn offline_config(s: &Setup) -> SimConfig {
+    SimConfig {
         workers: usize::from(s.workers),
         engine: EngineConfig {
             gpu_blocks: s.gpu_blocks as usize,
@@ -166,8 +189,14 @@ pub fn offline(s: &Setup) -> Side {
         // Live, a mock's KV batch reaches the router in process, right after its step.
         kv_event_delay_us: 0,
         ..SimConfig::default()
-    };
-    let r = sim::run(&tr, &cfg).unwrap();
+    }
+}
+
+/// Runs the slice through the simulator with the live fleet's settings.
+pub fn offline(s: &Setup) -> Side {
+    let mut tr = trace::load(&s.trace, &LoadOptions::default()).unwrap();
+    tr.requests.truncate(s.limit);
+    let r = sim::run(&tr, &offline_config(s)).unwrap();
     let ok: Vec<_> = r.requests.iter().filter(|q| !q.rejected).collect();
     let cached: u64 = ok.iter().map(|q| u64::from(q.cached_tokens)).sum();
     let prompt: u64 = ok.iter().map(|q| u64::from(q.input_tokens)).sum();
@@ -184,6 +213,8 @@ pub fn offline(s: &Setup) -> Side {
         shares: shares(counts),
         ttft_p50_ms: infera_replay::report::percentile(&ttft, 0.5),
         ttft_p90_ms: infera_replay::report::percentile(&ttft, 0.9),
+        ttft_mean_ms: ttft.iter().sum::<f64>() / ttft.len().max(1) as f64,
+        breakdown: None,
     }
 }
 
@@ -240,5 +271,27 @@ pub fn table(s: &Setup, live: &Side, offline: &Side) -> String {
         live.ttft_p90_ms,
         offline.ttft_p90_ms,
         rel(live.ttft_p90_ms, offline.ttft_p90_ms),
+    ) + &breakdown(s, live, offline)
+}
+
+/// Where live TTFT goes, as means: the client's = the front end (bench → server → mock and the
+/// first token back) + the mocks' own; the replay's = its engines' + the modelled front end
+/// (`SimConfig::frontend_us`). The engine parts differ by the mocks' step lateness, among others.
+fn breakdown(s: &Setup, live: &Side, offline: &Side) -> String {
+    let Some(b) = live.breakdown else {
+        return String::new();
+    };
+    let modelled_ms = offline_config(s).frontend_us as f64 / 1000.0;
+    format!(
+        "TTFT means: live client {:.2} ms = front end {:.2} ms + mock engines {:.2} ms; \
+         replay {:.2} ms = front end {:.2} ms (modelled) + engines {:.2} ms; mock steps \
+         published {:.3} ms late on average\n",
+        live.ttft_mean_ms,
+        live.ttft_mean_ms - b.engine_ttft_mean_ms,
+        b.engine_ttft_mean_ms,
+        offline.ttft_mean_ms,
+        modelled_ms,
+        offline.ttft_mean_ms - modelled_ms,
+        b.step_late_mean_ms,
     )
 }
