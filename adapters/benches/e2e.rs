@@ -287,13 +287,7 @@ fn cold(c: &mut Criterion) {
                             body(&prompt(&tok, &format!("cold{n}"), tokens))
                         })
                         .collect();
-                    let start = Instant::now();
-                    fleet.rt.block_on(async {
-                        for body in bodies {
-                            complete(&fleet.client, target, body).await;
-                        }
-                    });
-                    start.elapsed()
+                    sequential(&fleet, target, bodies)
                 });
             });
         }
@@ -326,17 +320,22 @@ fn cold(c: &mut Criterion) {
                         ))
                     })
                     .collect();
-                let start = Instant::now();
-                fleet.rt.block_on(async {
-                    for body in bodies {
-                        complete(&fleet.client, target, body).await;
-                    }
-                });
-                start.elapsed()
+                sequential(&fleet, target, bodies)
             });
         });
     }
     group.finish();
+}
+
+/// `bodies` one after the other from one connection; returns the wall time.
+fn sequential(fleet: &Fleet, target: SocketAddr, bodies: Vec<Bytes>) -> Duration {
+    let start = Instant::now();
+    fleet.rt.block_on(async {
+        for body in bodies {
+            complete(&fleet.client, target, body).await;
+        }
+    });
+    start.elapsed()
 }
 
 /// `iters` requests over [`CONNECTIONS`] concurrent clients; returns the wall time.

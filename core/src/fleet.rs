@@ -718,6 +718,18 @@ mod tests {
         })
     }
 
+    /// A successful `RequestFinished` of `id` with no usage.
+    fn finished(id: &str) -> Event {
+        Event::RequestFinished(RequestFinished {
+            request_id: RequestId::new(id),
+            status: RequestStatus::Ok,
+            ttft_us: None,
+            tokens_in: 0,
+            tokens_out: 0,
+            cached_tokens: None,
+        })
+    }
+
     fn fleet_with_two() -> (FleetState, WorkerRank, WorkerRank) {
         let mut f = FleetState::new(FleetConfig::default());
         for (i, id) in ["a:1", "b:1"].iter().enumerate() {
@@ -771,19 +783,9 @@ mod tests {
             }),
         ));
         assert_eq!(f.queued_prefill_tokens(&a), 32);
-        let fin = |id: &str| {
-            Event::RequestFinished(RequestFinished {
-                request_id: RequestId::new(id),
-                status: RequestStatus::Ok,
-                ttft_us: None,
-                tokens_in: 0,
-                tokens_out: 0,
-                cached_tokens: None,
-            })
-        };
-        f.apply(&env(6, fin("r1")));
+        f.apply(&env(6, finished("r1")));
         assert_eq!(f.active_blocks(&a), 3);
-        f.apply(&env(7, fin("r2")));
+        f.apply(&env(7, finished("r2")));
         assert_eq!(f.active_blocks(&a), 0);
         assert_eq!(f.queued_prefill_tokens(&a), 0);
         assert_eq!(f.inflight_requests(), 0);
@@ -849,16 +851,6 @@ mod tests {
     #[test]
     fn a_dump_keeps_finished_requests_only_as_their_recent_charge() {
         let (mut f, a, b) = fleet_with_two();
-        let finish = |id: String| {
-            Event::RequestFinished(RequestFinished {
-                request_id: RequestId::new(id),
-                status: RequestStatus::Ok,
-                ttft_us: None,
-                tokens_in: 0,
-                tokens_out: 0,
-                cached_tokens: None,
-            })
-        };
         // 10k requests over 2 s (inside the 8 s window), every one finished but the last.
         let mut seq = 3;
         for i in 0..10_000u64 {
@@ -868,7 +860,7 @@ mod tests {
                 routed(&format!("r{i}"), rank, &[i, i + 1], i * 200),
             ));
             if i < 9_999 {
-                f.apply(&env(seq + 1, finish(format!("r{i}"))));
+                f.apply(&env(seq + 1, finished(&format!("r{i}"))));
             }
             seq += 2;
         }
