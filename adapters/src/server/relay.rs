@@ -25,7 +25,7 @@
 use super::http::{ApiError, route_error};
 use super::metrics::inc;
 use super::pd;
-use super::transport::{BodyStream, Inbound, Outbound, TransportError};
+use super::transport::{BodyStream, Inbound, Outbound, TransportError, engine_dp_rank};
 use super::{Core, ServerState};
 use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
@@ -34,7 +34,7 @@ use futures::StreamExt as _;
 use infera_core::event::{
     Event, RequestFinished, RequestPrefilled, RequestStatus, Role, RoutedLeg,
 };
-use infera_core::ids::RequestId;
+use infera_core::ids::{RequestId, WorkerRank};
 use infera_core::log::NewEvent;
 use infera_core::policy::{DirectPick, RouteError, RouteRequest};
 use serde_json::{Map, Value, json};
@@ -44,8 +44,14 @@ use std::time::Instant;
 
 /// Where one attempt goes.
 enum Route {
-    /// One worker (a mixed model, or a direct pick of one worker).
-    Single(Box<pd::Leg>),
+    /// One worker (a mixed model, or a direct pick of one worker): its rank, its URL without a
+    /// trailing slash, and the engine-side DP rank to pin the request to ([`engine_dp_rank`]).
+    /// Built from the fleet's record without copying it: this is every mixed request's path.
+    Single {
+        rank: WorkerRank,
+        url: String,
+        dp_rank: Option<u32>,
+    },
     /// A prefill and a decode worker, driven by their PD protocol ([`pd`]).
     Pd(Box<pd::Pair>),
 }
@@ -91,7 +97,11 @@ fn decide(
                 _ => None,
             }
         }
-        [leg, ..] => target(leg).map(|l| Route::Single(Box::new(l))),
+        [leg, ..] => fleet.worker(&leg.worker.worker).map(|w| Route::Single {
+            rank: leg.worker.clone(),
+            url: w.url.trim_end_matches('/').to_owned(),
+            dp_rank: engine_dp_rank(&leg.worker, w),
+        }),
         [] => None,
     };
     let Some(route) = route else {
@@ -301,12 +311,11 @@ pub(crate) async fn forward(
         };
         let mut guard = Attempt::new(st, &req, matches!(route, Route::Pd(_)));
         let (rank, outcome) = match route {
-            Route::Single(leg) => {
-                let rank = leg.rank.clone();
+            Route::Single { rank, url, dp_rank } => {
                 let outbound = Outbound {
                     worker: rank.worker.clone(),
-                    dp_rank: leg.engine_dp_rank(),
-                    url: leg.url,
+                    dp_rank,
+                    url,
                     path,
                     body: body.clone(),
                     stream,
