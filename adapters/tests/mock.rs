@@ -10,13 +10,13 @@ mod common;
 
 use common::{TIMEOUT, body_of, get, post, post_raw, request};
 use http_body_util::BodyExt;
-use infera_adapters::kv_events::{EngineBatch, EngineEvent, decode_batch, encode_batch_vllm};
 use infera_adapters::mock::{MockConfig, MockError, MockServer, filler};
 use infera_adapters::tokenize::{ChatMessage, Tokenizer};
 use infera_core::engine::EngineConfig;
 use infera_core::event::Tier;
 use infera_core::hashing::hash_blocks;
 use infera_core::ids::{BlockHash, EngineHash};
+use infera_core::kv_events::{EngineBatch, EngineEvent, decode_batch, encode_batch_vllm};
 use serde_json::{Value, json};
 use std::net::SocketAddr;
 use std::path::Path;

@@ -10,7 +10,6 @@ mod common;
 use axum::body::Bytes;
 use common::{TIMEOUT, body_of, exchange, get, post, post_raw, request, request_with};
 use futures::StreamExt as _;
-use infera_adapters::kv_events::EngineBatch;
 use infera_adapters::mock::{MockConfig, MockError, MockPd, MockServer};
 use infera_adapters::server::{ServerOptions, ServerState, serve};
 use infera_adapters::tokenize::Tokenizer;
@@ -18,6 +17,7 @@ use infera_core::engine::EngineConfig;
 use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::{WorkerId, WorkerRank};
+use infera_core::kv_events::EngineBatch;
 use infera_core::policy::{PolicyKind, RouterConfig};
 use serde_json::{Value, json};
 use std::net::SocketAddr;
@@ -875,18 +875,16 @@ struct HeldPair {
 }
 
 #[async_trait::async_trait]
-impl infera_adapters::server::RequestTransport for HeldPair {
+impl infera_core::ports::transport::RequestTransport for HeldPair {
     fn name(&self) -> &'static str {
         "held"
     }
 
     async fn send(
         &self,
-        req: infera_adapters::server::transport::Outbound,
-    ) -> Result<
-        infera_adapters::server::transport::Inbound,
-        infera_adapters::server::transport::TransportError,
-    > {
+        req: infera_core::ports::transport::Outbound,
+    ) -> Result<infera_core::ports::transport::Inbound, infera_core::ports::transport::TransportError>
+    {
         let worker = req.worker.as_str().to_owned();
         let rx = {
             let mut bodies = self.bodies.lock().expect("lock");
@@ -908,7 +906,7 @@ impl infera_adapters::server::RequestTransport for HeldPair {
         } else {
             "text/event-stream"
         };
-        Ok(infera_adapters::server::transport::Inbound {
+        Ok(infera_core::ports::transport::Inbound {
             status: axum::http::StatusCode::OK,
             content_type: Some(axum::http::HeaderValue::from_static(content_type)),
             body,

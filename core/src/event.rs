@@ -92,7 +92,7 @@ impl Event {
     }
 }
 
-/// Engines Infera launches. The wire value is what the Python server accepts (PROTOCOLS §1).
+/// Engines Infera launches. The wire value is what the Python server accepts (PROTOCOLS.md §1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Engine {
@@ -132,7 +132,7 @@ pub enum RequestTransport {
     Http,
 }
 
-/// The registration record a worker publishes (PROTOCOLS §1, compat).
+/// The registration record a worker publishes (PROTOCOLS.md §1, compat).
 ///
 /// Unknown fields are kept in `extra` so that a record written by a newer worker survives a round
 /// trip through this server unchanged.
@@ -326,7 +326,7 @@ pub struct KvCacheCleared {
     pub tier: Option<Tier>,
 }
 
-/// Retention class of a request's KV blocks (PROTOCOLS §5), lowest to highest.
+/// Retention class of a request's KV blocks (PROTOCOLS.md §5), lowest to highest.
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
 )]

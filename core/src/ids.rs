@@ -8,7 +8,7 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// A worker's identity: `"host:port"` as registered (PROTOCOLS §1).
+/// A worker's identity: `"host:port"` as registered (PROTOCOLS.md §1).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct WorkerId(pub String);

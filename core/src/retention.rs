@@ -2,7 +2,7 @@
 //! (its L2 / L3 stores) and `infera replay` (which simulates those tiers behind each engine).
 //!
 //! [`ClassedLru`] tracks keys with a size, a [`Retention`] class and an optional expiry. It holds at
-//! most `capacity` units (bytes or blocks, the caller's choice). Rules (PROTOCOLS §6):
+//! most `capacity` units (bytes or blocks, the caller's choice). Rules (PROTOCOLS.md §6):
 //! - eviction takes the lowest class first, least recently used first within a class, in O(1);
 //! - a write never displaces a higher class: if the room can only be made by evicting entries of a
 //!   higher class than the incoming one, the write is rejected and nothing is evicted;

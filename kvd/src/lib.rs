@@ -3,7 +3,7 @@
 //! client library. It does not depend on the router.
 //!
 //! # Map
-//! - [`proto`]: the wire protocol (PROTOCOLS §6), frames and their msgpack codecs.
+//! - [`proto`]: the wire protocol (PROTOCOLS.md §6), frames and their msgpack codecs.
 //! - [`server`]: the daemon (socket ownership, connections, sweeper, checkpointer,
 //!   prefetcher) in front of [`store::Store`].
 //! - [`store`]: the tiered store — L2 (retention classes on

@@ -4,7 +4,7 @@
 //! of `input_length`, `output_length`, `blocks` and `OP` one of `<`, `<=`, `>`, `>=`, `==`, `!=`;
 //! `CLASS` is `none`, `ephemeral`, `short` or `long`. Rules are tried in order, the first match wins.
 //! A trace's own `retention` / `ttl_seconds` columns take precedence over rules; a request no rule
-//! matches has no hint (the router scales nothing; the tiers treat it as `long`, PROTOCOLS §5).
+//! matches has no hint (the router scales nothing; the tiers treat it as `long`, PROTOCOLS.md §5).
 
 use infera_core::event::Retention;
 use std::fmt;

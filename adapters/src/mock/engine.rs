@@ -26,10 +26,10 @@
 //! - [`EngineModel`] has no abort: a request whose client went away stays in the engine until it
 //!   finishes (it keeps its blocks and batch slot); only its progress stops being published.
 
-use crate::kv_events::{EngineBatch, EngineEvent};
 use infera_core::engine::{EngineModel, Finished, KvChange, Prefilled, SimRequest, no_lower_tiers};
 use infera_core::event::Tier;
 use infera_core::ids::{BlockHash, EngineHash};
+use infera_core::kv_events::{EngineBatch, EngineEvent};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -101,7 +101,7 @@ fn pd_accept(
 /// # Errors
 /// 400 when the header is not a non-negative integer (vLLM and SGLang read it as one).
 fn dp_rank_header(headers: &HeaderMap) -> Result<Option<u32>, ApiError> {
-    let Some(v) = headers.get(crate::server::transport::DP_RANK_HEADER) else {
+    let Some(v) = headers.get(infera_core::ports::transport::DP_RANK_HEADER) else {
         return Ok(None);
     };
     v.to_str()
@@ -111,7 +111,7 @@ fn dp_rank_header(headers: &HeaderMap) -> Result<Option<u32>, ApiError> {
         .ok_or_else(|| {
             ApiError::bad_request(format!(
                 "header {} must be a non-negative integer",
-                crate::server::transport::DP_RANK_HEADER
+                infera_core::ports::transport::DP_RANK_HEADER
             ))
         })
 }

@@ -52,10 +52,10 @@ mod pd;
 pub use openai::{DEFAULT_MAX_TOKENS, FILLER, filler};
 pub use pd::{MockPd, PROTOCOLS as PD_PROTOCOLS};
 
-use crate::kv_events::EngineBatch;
 use crate::tokenize::Tokenizer;
 use axum::serve::ListenerExt as _;
 use infera_core::engine::{EngineConfig, EngineConfigError, EngineModel};
+use infera_core::kv_events::EngineBatch;
 use std::future::{Future, IntoFuture as _};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -132,7 +132,7 @@ impl MockError {
     }
 }
 
-/// The fields a mock worker adds to its registration record (PROTOCOLS §1): it registers with
+/// The fields a mock worker adds to its registration record (PROTOCOLS.md §1): it registers with
 /// `engine: "vllm"`, whose formats it speaks, and names itself with `"mock": true`; it also
 /// states its capacity in blocks. The record's own fields (engine, block size) are not repeated.
 pub fn registration_extra(engine: &EngineConfig) -> serde_json::Map<String, serde_json::Value> {

@@ -11,7 +11,7 @@
 //! | `messages[].content` (string or `text` blocks) | the message's text |
 //! | `max_tokens` (required), `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream` | the same knobs (`stop`), plus `stream_options.include_usage` |
 //! | `metadata.user_id` | `user` |
-//! | `cache_control` on any block (`ephemeral`, ttl `1h`) | `prompt_cache_retention` `short` (`long`), PROTOCOLS §5 |
+//! | `cache_control` on any block (`ephemeral`, ttl `1h`) | `prompt_cache_retention` `short` (`long`), PROTOCOLS.md §5 |
 //! | `finish_reason` `stop` / `length` / `tool_calls` | `stop_reason` `end_turn` (or `stop_sequence` when the engine names the matched stop string) / `max_tokens` / `tool_use` |
 //! | `usage.prompt_tokens`, `completion_tokens`, `prompt_tokens_details.cached_tokens` | `usage.input_tokens`, `output_tokens`, `cache_read_input_tokens` |
 //!
@@ -103,7 +103,7 @@ pub(crate) fn to_chat(body: &Value) -> Result<Value, ApiError> {
     Ok(Value::Object(out))
 }
 
-/// PROTOCOLS §5: Anthropic `cache_control` anywhere in the request (`ephemeral` with ttl `1h`
+/// PROTOCOLS.md §5: Anthropic `cache_control` anywhere in the request (`ephemeral` with ttl `1h`
 /// → long, plain `ephemeral` → short), the longest one found, as a `prompt_cache_retention`.
 fn cache_retention(body: &Value) -> Option<&'static str> {
     fn walk(v: &Value, best: &mut Option<&'static str>) {

@@ -33,12 +33,13 @@
 //! server stopped are not restored.
 
 use super::ServerState;
-use super::taps::{MetricsSource, write_family};
+use super::taps::write_family;
 use futures::StreamExt as _;
 use infera_core::event::{Envelope, Event, Source, WorkerRecord};
 use infera_core::fleet::FleetState;
 use infera_core::ids::{WorkerId, WorkerRank};
 use infera_core::log::{EventLog, LogError, NewEvent, Snapshot};
+use infera_core::ports::metrics::MetricsSource;
 use infera_core::projection::Projection;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -489,11 +490,11 @@ async fn follow_peers(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_events::EngineBatch;
     use crate::server::test_support::{record, state};
     use infera_core::clock::SystemClock;
     use infera_core::event::{KvBlocksStored, Role, Tier, WorkerRegistered};
     use infera_core::ids::{BlockHash, EngineHash};
+    use infera_core::kv_events::EngineBatch;
     use infera_core::log::MemoryLog;
 
     /// A durable log in which `workers` registered and each stored 3 blocks at engine seq 5.
@@ -577,7 +578,7 @@ mod tests {
         // What the restore re-commits keeps the logged seq: a log folded from this server's
         // own commits expects the same continuation.
         let again = MemoryLog::new(Arc::new(SystemClock));
-        let local = st.lock().log.clone();
+        let local = st.lock().kernel.log().clone();
         let envs = local.read(1, usize::MAX).await.expect("local log");
         again
             .append(

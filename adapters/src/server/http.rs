@@ -1,4 +1,4 @@
-//! The server's axum routes: request parsing and validation, retention stamping (PROTOCOLS §5),
+//! The server's axum routes: request parsing and validation, retention stamping (PROTOCOLS.md §5),
 //! tokenization on the blocking pool, hashing, and the status pages (`/v1/models`, `/health`,
 //! `/v1/workers`, `/metrics`). Errors use the OpenAI shape `{"error": {"message", "type",
 //! "code"}}` with one status per cause (400, 404, 413, 429 with `Retry-After`, 500, 502, 503,
@@ -438,7 +438,7 @@ fn append_params(body: &[u8], stamp: &str) -> Bytes {
     Bytes::from(out)
 }
 
-/// Reads the client's retention hint (PROTOCOLS §5) and stamps
+/// Reads the client's retention hint (PROTOCOLS.md §5) and stamps
 /// `kv_transfer_params.infera_retention` into the body (client value kept, else derived from
 /// `prompt_cache_retention`, else `long`). Returns the hint the router scales with and how the
 /// body changed.

@@ -2,8 +2,8 @@
 //! `GET /metrics`. Label sets are bounded (outcomes and statuses, never worker ids); gauges that
 //! the fleet already knows (in-flight requests, workers) are read from it at render time.
 
-use super::transport::TransportError;
-use crate::kv_events::IngestStats;
+use infera_core::kv_events::IngestStats;
+use infera_core::ports::transport::TransportError;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -2,15 +2,17 @@
 //! tokenize → hash → decide → forward → relay) and the router state it decides with.
 //!
 //! # State
-//! [`ServerState`] owns one [`FleetState`], one [`Router`] and one [`MemoryLog`] behind a
-//! `std::sync::Mutex` that is only ever held for synchronous sections (never across `.await`).
-//! Every change is an event: it is appended to the log and then applied to the fleet under the
-//! same lock, so the fleet is always the fold of the log in sequence order. Discovery and the
+//! [`ServerState`] owns one [`Kernel`] (fleet projection, router, in-memory log; see
+//! `infera_core::kernel`) behind a `std::sync::Mutex` that is only ever held for synchronous
+//! sections (never across `.await`). Every change is an event committed on the kernel, so the
+//! fleet is always the fold of the log in sequence order; the server's taps get a copy of each
+//! committed batch under the same lock. Discovery and the
 //! KV-event transport feed events through [`ServerState::apply`],
 //! [`ServerState::register_worker`], [`ServerState::deregister_worker`] and
-//! [`ServerState::ingest_kv_batch`]; this crate does not know those transports.
+//! [`ServerState::ingest_kv_batch`] (the KV-event pipeline's [`KvSink`]); this crate does not
+//! know those transports.
 //!
-//! # Requests (PROTOCOLS §2 and §4)
+//! # Requests (PROTOCOLS.md §2 and §4)
 //! A request is tokenized on the blocking pool, hashed at every block size the model's workers
 //! use, and decided by the [`Router`] (round-robin needs no prefix, so under it requests are
 //! neither tokenized nor hashed); the `RequestRouted` event is appended before the request
@@ -37,7 +39,7 @@
 //! A model served by prefill and decode workers is decided onto one of each (one
 //! `RequestRouted` with both legs, each with its role, so both count as load); the private `pd`
 //! module drives the pair per the protocol both registered in `disagg_meta.protocol`
-//! (PROTOCOLS §7): concurrent legs (`sglang-bootstrap`, `vllm-mori-write`) or a one-token
+//! (PROTOCOLS.md §7): concurrent legs (`sglang-bootstrap`, `vllm-mori-write`) or a one-token
 //! prefill whose answer builds the decode leg (`vllm-nixl`, `vllm-mooncake`, `vllm-mori-read`,
 //! `atom-mooncake`). The client gets the decode leg's response; a failed prefill fails the
 //! attempt before the first byte and is failed over like a single worker. An SGLang leg left
@@ -64,11 +66,10 @@ pub mod transport;
 
 pub use durable::{COMPACT_EVERY, DurableLog, REPLICA_PREFIX, attach as attach_event_log};
 pub use metrics::ServerMetrics;
-pub use prewarm::{DEFAULT_DEADLINE_MS, KvPrefetch, MAX_KEYS};
-pub use taps::{EventBatch, MetricsSource, RequestMeta, write_family};
-pub use transport::{HttpTransport, RequestTransport};
+pub use prewarm::{DEFAULT_DEADLINE_MS, MAX_KEYS};
+pub use taps::{EventBatch, RequestMeta, write_family};
+pub use transport::HttpTransport;
 
-use crate::kv_events::{EngineBatch, IngestStats, to_core_events};
 use crate::tokenize::{ChatTemplate, Tokenizer};
 use infera_core::clock::{Clock, SystemClock};
 use infera_core::event::{
@@ -77,9 +78,14 @@ use infera_core::event::{
 };
 use infera_core::fleet::{FleetConfig, FleetState};
 use infera_core::ids::{WorkerId, WorkerRank};
-use infera_core::log::{MemoryLog, NewEvent, Snapshot};
-use infera_core::policy::{Router, RouterConfig};
-use infera_core::projection::Projection as _;
+use infera_core::kernel::{Compaction, Ingested, Kernel};
+use infera_core::kv_events::pipeline::KvSink;
+use infera_core::kv_events::{EngineBatch, IngestStats};
+use infera_core::log::NewEvent;
+use infera_core::policy::RouterConfig;
+use infera_core::ports::metrics::MetricsSource;
+use infera_core::ports::prefetch::KvPrefetch;
+use infera_core::ports::transport::RequestTransport;
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tokio::net::TcpListener;
@@ -103,51 +109,43 @@ pub struct ServerOptions {
     pub direct: bool,
 }
 
-/// The log is compacted once it holds this many events past its snapshot (at least).
-pub const COMPACT_MIN_EVENTS: usize = 1 << 16;
-
-/// The router's state: fleet projection, decider and log, changed only under one short lock.
+/// The router's kernel and the consumers of its committed stream, under one short lock.
 #[derive(Debug)]
 pub(crate) struct Core {
-    pub(crate) fleet: FleetState,
-    pub(crate) router: Router,
-    pub(crate) log: MemoryLog,
-    /// Events in the last snapshot (the next compaction waits for twice as many new ones).
-    pub(crate) snapshot_events: usize,
+    pub(crate) kernel: Kernel,
     /// Consumers of the committed stream (see [`taps`]).
     pub(crate) taps: Vec<taps::Tap>,
 }
 
 impl Core {
-    /// Appends `events` to the log, applies them to the fleet in order, and compacts the log
-    /// when it has grown enough: the fleet's dump becomes the snapshot, so memory stays
-    /// proportional to the fleet's state, not to the requests served. Compaction waits for
-    /// `max(COMPACT_MIN_EVENTS, 2 × snapshot size)` new events, so its cost is amortized O(1)
-    /// per event. Returns how many events were applied.
+    /// Commits `events` on the kernel (see [`Kernel::commit`]) and hands the taps their copy;
+    /// without taps nothing is copied. Returns how many events were applied.
     pub(crate) fn commit(&mut self, events: Vec<NewEvent>) -> usize {
-        let (fleet, tapped) = (&mut self.fleet, !self.taps.is_empty());
-        let (applied, last, copy) = self.log.append_with(events, |envs| {
-            for env in envs {
-                fleet.apply(env);
-            }
-            let last = envs.last().map(|e| e.seq);
-            // The taps get their own copy; without taps nothing is copied.
-            (envs.len(), last, tapped.then(|| envs.to_vec()))
-        });
+        let tapped = !self.taps.is_empty();
+        let (applied, copy) = self
+            .kernel
+            .commit_with(events, |envs| tapped.then(|| envs.to_vec()));
         if let Some(envs) = copy {
             self.feed_taps(envs);
         }
-        if self.log.len() >= COMPACT_MIN_EVENTS.max(2 * self.snapshot_events)
-            && let Some(upto) = last
-        {
-            let events = self.fleet.dump();
-            self.snapshot_events = events.len();
-            let snapshot = Snapshot { upto, events };
-            if let Err(e) = self.log.compact_sync(snapshot) {
-                tracing::error!(error = %e, "event log compaction failed");
-            }
-        }
         applied
+    }
+
+    /// Ingests one engine batch on the kernel (see [`Kernel::ingest`]), feeding the taps.
+    fn ingest(
+        &mut self,
+        rank: &WorkerRank,
+        seq: Option<u64>,
+        batch: &EngineBatch,
+    ) -> Option<Ingested> {
+        let tapped = !self.taps.is_empty();
+        let (done, copy) = self
+            .kernel
+            .ingest_with(rank, seq, batch, |envs| tapped.then(|| envs.to_vec()))?;
+        if let Some(envs) = copy {
+            self.feed_taps(envs);
+        }
+        Some(done)
     }
 }
 
@@ -188,10 +186,12 @@ impl ServerState {
     ) -> Self {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let core = Core {
-            fleet: FleetState::new(options.fleet),
-            router: Router::new(options.router.clone()),
-            log: MemoryLog::new(Arc::clone(&clock)),
-            snapshot_events: 0,
+            kernel: Kernel::new(
+                options.fleet,
+                options.router.clone(),
+                Arc::clone(&clock),
+                Compaction::Auto,
+            ),
             taps: Vec::new(),
         };
         let id_prefix = clock.now_us() ^ u64::from(std::process::id()).rotate_left(40);
@@ -266,17 +266,17 @@ impl ServerState {
 
     /// The registered record of `worker`, if any.
     pub fn worker(&self, worker: &WorkerId) -> Option<WorkerRecord> {
-        self.lock().fleet.worker(worker).cloned()
+        self.lock().kernel.fleet().worker(worker).cloned()
     }
 
     /// Number of registered workers.
     pub fn worker_count(&self) -> usize {
-        self.lock().fleet.worker_count()
+        self.lock().kernel.fleet().worker_count()
     }
 
     /// Runs `f` on the fleet under the lock (keep it short; for tests and status pages).
     pub fn with_fleet<T>(&self, f: impl FnOnce(&FleetState) -> T) -> T {
-        f(&self.lock().fleet)
+        f(self.lock().kernel.fleet())
     }
 
     /// Converts one engine batch of `rank` into core events (parents resolved through the
@@ -289,38 +289,38 @@ impl ServerState {
     ) -> Option<IngestStats> {
         let stale = self.restored_index_is_stale(rank, seq);
         let mut core = self.lock();
-        if stale && core.fleet.worker(&rank.worker).is_some() {
+        if stale && core.kernel.fleet().worker(&rank.worker).is_some() {
             core.commit(vec![NewEvent::new(Event::KvCacheCleared(KvCacheCleared {
                 worker: rank.clone(),
                 tier: None,
             }))]);
         }
-        let block_size = core.fleet.worker(&rank.worker)?.kv_block_size;
-        let out = {
-            let index = core.fleet.index();
-            to_core_events(batch, rank, block_size, &|tier, h| {
-                index.router_hash(rank, tier, h)
-            })
-        };
+        let done = core.ingest(rank, seq, batch)?;
+        drop(core);
+        self.inner.metrics.events_applied(done.applied as u64);
+        self.inner.metrics.kv_ingested(&done.stats);
+        if done.stats.dropped() > 0 {
+            tracing::warn!(worker = %rank.worker.as_str(), dp_rank = rank.dp_rank,
+                dropped = done.stats.dropped(), stats = ?done.stats, "kv events dropped");
+        }
+        Some(done.stats)
+    }
+
+    /// Forgets every block of `rank` (its engine restarted, or its events can no longer be
+    /// trusted); the batches that follow rebuild them.
+    pub fn clear_rank(&self, rank: &WorkerRank, seq: Option<u64>) {
         let source = Source {
             worker: rank.worker.clone(),
             dp_rank: rank.dp_rank,
             seq,
         };
-        let events: Vec<NewEvent> = out
-            .events
-            .into_iter()
-            .map(|e| NewEvent::from_source(source.clone(), e))
-            .collect();
-        let applied = core.commit(events);
-        drop(core);
-        self.inner.metrics.events_applied(applied as u64);
-        self.inner.metrics.kv_ingested(&out.stats);
-        if out.stats.dropped() > 0 {
-            tracing::warn!(worker = %rank.worker.as_str(), dp_rank = rank.dp_rank,
-                dropped = out.stats.dropped(), stats = ?out.stats, "kv events dropped");
-        }
-        Some(out.stats)
+        self.apply(vec![NewEvent::from_source(
+            source,
+            Event::KvCacheCleared(KvCacheCleared {
+                worker: rank.clone(),
+                tier: None,
+            }),
+        )]);
     }
 
     /// The name of the request transport (`http`, `nats`).
@@ -336,6 +336,25 @@ impl ServerState {
     /// The axum routes of the server API.
     pub fn router(&self) -> axum::Router {
         http::router(self.clone())
+    }
+}
+
+/// The server is where every KV-event pipeline delivers (`infera_core::kv_events::pipeline`).
+impl KvSink for ServerState {
+    fn ingest(&self, rank: &WorkerRank, seq: Option<u64>, batch: &EngineBatch) -> bool {
+        self.ingest_kv_batch(rank, seq, batch).is_some()
+    }
+
+    fn clear(&self, rank: &WorkerRank, seq: Option<u64>) {
+        self.clear_rank(rank, seq);
+    }
+
+    fn gap(&self, _rank: &WorkerRank, _missing: &std::ops::RangeInclusive<u64>, replayed: bool) {
+        self.inner.metrics.kv_gap(replayed);
+    }
+
+    fn malformed(&self, worker: &WorkerId, reason: &str) {
+        tracing::warn!(worker = worker.as_str(), %reason, "malformed kv event message");
     }
 }
 
@@ -358,76 +377,4 @@ where
     axum::serve(listener, state.router())
         .with_graceful_shutdown(shutdown)
         .await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::server::test_support::record;
-    use infera_core::event::RequestRouted;
-    use infera_core::event::{RequestFinished, RequestStatus, Role, RoutedLeg};
-    use infera_core::ids::RequestId;
-
-    #[test]
-    fn the_log_is_compacted_and_the_snapshot_rebuilds_the_fleet() {
-        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let mut core = Core {
-            fleet: FleetState::new(FleetConfig::default()),
-            router: Router::new(RouterConfig::default()),
-            log: MemoryLog::new(clock),
-            snapshot_events: 0,
-            taps: Vec::new(),
-        };
-        core.commit(vec![NewEvent::new(Event::WorkerRegistered(
-            WorkerRegistered {
-                record: record("w:1"),
-            },
-        ))]);
-        // Requests come and go; one stays in flight across every compaction.
-        let routed = |id: &str, at_us: u64| {
-            NewEvent::new(Event::RequestRouted(RequestRouted {
-                request_id: RequestId::new(id),
-                model: "m".into(),
-                legs: vec![RoutedLeg {
-                    worker: WorkerRank::new("w:1", 0),
-                    role: Role::Mixed,
-                    overlap_blocks: 0,
-                }],
-                blocks: Vec::new(),
-                prompt_tokens: 10,
-                policy: "kv-aware".into(),
-                weights: Vec::new(),
-                top: Vec::new(),
-                retention: None,
-                at_us,
-            }))
-        };
-        let finished = |id: &str| {
-            NewEvent::new(Event::RequestFinished(RequestFinished {
-                request_id: RequestId::new(id),
-                status: RequestStatus::Ok,
-                ttft_us: None,
-                tokens_in: 10,
-                tokens_out: 1,
-                cached_tokens: None,
-            }))
-        };
-        core.commit(vec![routed("stays", 0)]);
-        for i in 0..(3 * COMPACT_MIN_EVENTS / 4) {
-            let id = format!("r{i}");
-            core.commit(vec![routed(&id, i as u64 * 1_000), finished(&id)]);
-        }
-        assert!(
-            core.log.len() < COMPACT_MIN_EVENTS,
-            "log holds {}",
-            core.log.len()
-        );
-        assert_eq!(core.fleet.inflight_requests(), 1);
-
-        let mut rebuilt = FleetState::new(FleetConfig::default());
-        futures::executor::block_on(infera_core::log::rebuild(&core.log, &mut rebuilt))
-            .expect("rebuild");
-        assert_eq!(rebuilt.dump(), core.fleet.dump());
-        assert_eq!(rebuilt.inflight_requests(), 1);
-    }
 }

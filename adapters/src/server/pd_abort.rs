@@ -18,11 +18,11 @@
 //! transport (`/abort_request` on the worker, over HTTP or NATS alike), one task each, bounded
 //! by [`ABORT_TIMEOUT`]; a failed abort is logged, never retried.
 
-use super::transport::{BodyStream, Outbound, RequestTransport, TransportError};
 use axum::body::Bytes;
 use futures::Stream;
 use futures::StreamExt as _;
 use infera_core::ids::WorkerId;
+use infera_core::ports::transport::{BodyStream, Outbound, RequestTransport, TransportError};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -145,16 +145,14 @@ fn spawn_abort(
     request_id: &str,
 ) {
     let body = serde_json::json!({ "rid": rid }).to_string();
-    let out = Outbound {
-        worker: target.worker.clone(),
-        url: target.url.clone(),
-        path: ABORT_PATH,
-        body: Bytes::from(body),
-        stream: false,
-        request_id: request_id.to_owned(),
-        engine_request_id: None,
-        dp_rank: None,
-    };
+    let out = Outbound::new(
+        target.worker.clone(),
+        target.url.clone(),
+        ABORT_PATH,
+        Bytes::from(body),
+        false,
+        request_id,
+    );
     let rid = rid.to_owned();
     // Not an async context (a drop outside the runtime, at shutdown): nothing left to abort.
     let Ok(handle) = tokio::runtime::Handle::try_current() else {
@@ -217,9 +215,9 @@ impl Stream for GuardedBody {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::transport::Inbound;
     use async_trait::async_trait;
     use axum::http::StatusCode;
+    use infera_core::ports::transport::Inbound;
     use tokio::sync::mpsc;
 
     /// Records every request and answers 200 with an empty body.

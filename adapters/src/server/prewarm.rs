@@ -1,4 +1,4 @@
-//! `POST /v1/cache/prewarm` (PROTOCOLS §4): ask the KV-cache daemon to promote blocks into RAM
+//! `POST /v1/cache/prewarm` (PROTOCOLS.md §4): ask the KV-cache daemon to promote blocks into RAM
 //! before the requests that need them arrive.
 //!
 //! Body: `{"model", "block_hashes": ["<hex>", …], "compat_key", "deadline_ms"}` → 202
@@ -10,15 +10,16 @@
 //! fire-and-forget: the daemon drops it if its deadline passes first.
 //!
 //! The daemon is behind the [`KvPrefetch`] port, set with [`ServerState::set_prefetch`].
+//! A non-hex key (any non-ASCII character included) is a 400 naming it, never a panic.
 
 use super::ServerState;
 use super::http::{ApiError, Input, parse_messages, parse_prompt, read_body, tokenize};
-use async_trait::async_trait;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse as _, Response};
 use infera_core::hashing::hash_blocks;
+use infera_core::ports::prefetch::KvPrefetch;
 use serde_json::{Value, json};
 use std::sync::Arc;
 
@@ -26,20 +27,6 @@ use std::sync::Arc;
 pub const DEFAULT_DEADLINE_MS: u64 = 1_000;
 /// Most keys one prewarm may name.
 pub const MAX_KEYS: usize = 1 << 16;
-
-/// Where prefetch hints go (the kvd client, in the server binary).
-#[async_trait]
-pub trait KvPrefetch: Send + Sync + std::fmt::Debug {
-    /// Sends one hint: promote `keys` of the namespace `(model, compat_key)` within
-    /// `deadline_ms`. An error means the daemon could not be reached.
-    async fn prefetch(
-        &self,
-        model: &str,
-        compat_key: &str,
-        keys: Vec<Vec<u8>>,
-        deadline_ms: u64,
-    ) -> Result<(), String>;
-}
 
 impl ServerState {
     /// Serves `POST /v1/cache/prewarm` through `prefetch` (without one it answers 503).
@@ -66,11 +53,14 @@ fn hex_key(i: usize, v: &Value) -> Result<Vec<u8>, ApiError> {
             "`block_hashes[{i}]` must be an even number (2..=128) of hex digits"
         )));
     }
-    (0..s.len())
-        .step_by(2)
-        .map(|j| {
-            u8::from_str_radix(&s[j..j + 2], 16)
-                .map_err(|_| bad(format!("`block_hashes[{i}]` is not hex: {s:?}")))
+    // Byte pairs, not string slices: a non-ASCII character must be an error, never a slice
+    // through the middle of its UTF-8 encoding.
+    let digit = |c: u8| (c as char).to_digit(16);
+    s.as_bytes()
+        .chunks_exact(2)
+        .map(|pair| match (digit(pair[0]), digit(pair[1])) {
+            (Some(hi), Some(lo)) => Ok((hi * 16 + lo) as u8),
+            _ => Err(bad(format!("`block_hashes[{i}]` is not hex: {s:?}"))),
         })
         .collect()
 }
@@ -190,4 +180,19 @@ async fn handle(st: &ServerState, headers: &HeaderMap, body: Body) -> Result<usi
             )
         })?;
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hex_key;
+    use serde_json::json;
+
+    #[test]
+    fn hex_keys_decode_and_non_ascii_is_an_error_not_a_panic() {
+        assert_eq!(hex_key(0, &json!("0x00ff10")).ok(), Some(vec![0, 255, 16]));
+        for bad in ["aé0", "é", "0g", "abc", "", "0x"] {
+            let err = hex_key(3, &json!(bad)).expect_err(bad);
+            assert!(err.message.contains("block_hashes[3]"), "{bad}");
+        }
+    }
 }

@@ -1,4 +1,4 @@
-//! `POST /v1/admin/profile/{start,stop}` (PROTOCOLS §4): fan a profiler start or stop out to the
+//! `POST /v1/admin/profile/{start,stop}` (PROTOCOLS.md §4): fan a profiler start or stop out to the
 //! engines, as vLLM and SGLang expose it (`POST /start_profile`, `POST /stop_profile`).
 //!
 //! The optional JSON body narrows the workers: `worker_id`, `model`, `role` (`mixed`, `prefill`,

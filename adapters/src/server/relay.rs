@@ -1,4 +1,4 @@
-//! The request path after parsing (PROTOCOLS §2): decide, hand the body to the configured
+//! The request path after parsing (PROTOCOLS.md §2): decide, hand the body to the configured
 //! [`RequestTransport`](super::transport::RequestTransport), relay status and body; fail over
 //! before the first response byte (an unreachable worker, a 5xx, or a 429 admission reject of the
 //! transport), up to `request_max_retries` more times. A transport timeout is answered 504 at
@@ -22,11 +22,10 @@
 //! prefill's 4xx is the client's answer; a pair that cannot be driven (protocols differ, a
 //! registration lacks a parameter, the prefill's answer lacks the hand-off) is not retried.
 
+use super::ServerState;
 use super::http::{ApiError, route_error};
 use super::metrics::inc;
 use super::pd;
-use super::transport::{BodyStream, Inbound, Outbound, TransportError, engine_dp_rank};
-use super::{Core, ServerState};
 use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
 use axum::response::Response;
@@ -37,6 +36,9 @@ use infera_core::event::{
 use infera_core::ids::{RequestId, WorkerRank};
 use infera_core::log::NewEvent;
 use infera_core::policy::{DirectPick, RouteError, RouteRequest};
+use infera_core::ports::transport::{
+    BodyStream, Inbound, Outbound, TransportError, engine_dp_rank,
+};
 use serde_json::{Map, Value, json};
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -66,12 +68,7 @@ fn decide(
     let now = st.inner.clock.now_us();
     let metrics = &st.inner.metrics;
     let mut core = st.lock();
-    let Core { fleet, router, .. } = &mut *core;
-    let decision = match direct {
-        Some(pick) => router.decide_direct(fleet, req, pick, now),
-        None => router.decide(fleet, req, now),
-    };
-    let routed = match decision {
+    let routed = match core.kernel.route(req, direct, now) {
         Ok(r) => r,
         Err(e) => {
             match &e {
@@ -81,6 +78,7 @@ fn decide(
             return Err(e);
         }
     };
+    let fleet = core.kernel.fleet();
     let target = |leg: &RoutedLeg| {
         fleet.worker(&leg.worker.worker).map(|w| pd::Leg {
             rank: leg.worker.clone(),
@@ -312,16 +310,15 @@ pub(crate) async fn forward(
         let mut guard = Attempt::new(st, &req, matches!(route, Route::Pd(_)));
         let (rank, outcome) = match route {
             Route::Single { rank, url, dp_rank } => {
-                let outbound = Outbound {
-                    worker: rank.worker.clone(),
-                    dp_rank,
+                let outbound = Outbound::new(
+                    rank.worker.clone(),
                     url,
                     path,
-                    body: body.clone(),
+                    body.clone(),
                     stream,
-                    request_id: base_id.clone(),
-                    engine_request_id: None,
-                };
+                    &base_id,
+                )
+                .with_dp_rank(dp_rank);
                 let outcome =
                     transport
                         .send(outbound)

@@ -10,6 +10,7 @@
 
 use super::{Core, ServerState};
 use infera_core::event::Envelope;
+use infera_core::ports::metrics::MetricsSource;
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -49,12 +50,6 @@ pub(crate) struct Tap {
 pub(crate) struct TapCounters {
     delivered: AtomicU64,
     dropped: AtomicU64,
-}
-
-/// Metrics a component outside this crate adds to `GET /metrics`.
-pub trait MetricsSource: Send + Sync + std::fmt::Debug {
-    /// Appends whole metric families in the Prometheus text format (see [`write_family`]).
-    fn render(&self, out: &mut String);
 }
 
 /// Appends one metric family (`# HELP`, `# TYPE`, then one line per `(labels, value)` sample;

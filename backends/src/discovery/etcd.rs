@@ -1,4 +1,4 @@
-//! etcd v3 discovery backend (PROTOCOLS §1, compatible with the Python Infera).
+//! etcd v3 discovery backend (PROTOCOLS.md §1, compatible with the Python Infera).
 //!
 //! # Key layout
 //!

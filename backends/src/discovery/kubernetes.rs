@@ -1,4 +1,4 @@
-//! Kubernetes discovery backend (PROTOCOLS §1, compatible with the Python Infera).
+//! Kubernetes discovery backend (PROTOCOLS.md §1, compatible with the Python Infera).
 //!
 //! # Wire layout
 //!

@@ -17,16 +17,22 @@
 //! [`open_event_log`] turns the server's `--event-log` value into a log (formats in [`config`]).
 
 pub mod config;
+#[cfg(feature = "nats")]
 pub mod jetstream;
+#[cfg(feature = "sql")]
 pub mod sql;
 
+#[cfg(any(feature = "nats", feature = "sql"))]
 mod codec;
+#[cfg(feature = "sql")]
 mod tail;
 
 pub use config::{
     EventLogConfig, InvalidEventLogSpec, JetStreamLogConfig, PostgresLogConfig, SqliteLogConfig,
 };
+#[cfg(feature = "nats")]
 pub use jetstream::{JetStreamLog, MAX_ATOMIC_BATCH};
+#[cfg(feature = "sql")]
 pub use sql::{HIT_RATE_QUERY, HitRateRow, PostgresLog, SqliteLog};
 
 use infera_core::clock::{Clock, SystemClock};
@@ -39,6 +45,9 @@ pub enum OpenEventLogError {
     /// The `--event-log` value is malformed; fix the flag.
     #[error(transparent)]
     InvalidSpec(#[from] InvalidEventLogSpec),
+    /// The store's backend was compiled out of this build.
+    #[error(transparent)]
+    NotBuilt(#[from] crate::NotBuilt),
     /// The store was unreachable or refused to open; [`OpenEventLogError::is_retryable`] says
     /// whether trying again later may help.
     #[error("opening the {backend} event log: {source}")]
@@ -53,7 +62,7 @@ impl OpenEventLogError {
     /// Whether retrying later may succeed (a store that is down, not a bad flag).
     pub fn is_retryable(&self) -> bool {
         match self {
-            OpenEventLogError::InvalidSpec(_) => false,
+            OpenEventLogError::InvalidSpec(_) | OpenEventLogError::NotBuilt(_) => false,
             OpenEventLogError::Open { source, .. } => source.is_retryable(),
         }
     }
@@ -78,24 +87,37 @@ pub async fn open_event_log_with(
     config: &EventLogConfig,
     clock: Arc<dyn Clock>,
 ) -> Result<Arc<dyn EventLog>, OpenEventLogError> {
+    #[cfg(any(feature = "nats", feature = "sql"))]
     let open = |backend| move |source| OpenEventLogError::Open { backend, source };
+    #[cfg(not(all(feature = "nats", feature = "sql")))]
+    let not_built =
+        |backend, feature| OpenEventLogError::NotBuilt(crate::NotBuilt { backend, feature });
     Ok(match config {
         EventLogConfig::Memory => Arc::new(MemoryLog::new(clock)),
+        #[cfg(feature = "nats")]
         EventLogConfig::Jetstream(c) => Arc::new(
             JetStreamLog::connect(c, clock)
                 .await
                 .map_err(open("JetStream"))?,
         ),
+        #[cfg(not(feature = "nats"))]
+        EventLogConfig::Jetstream(_) => return Err(not_built("JetStream", "nats")),
+        #[cfg(feature = "sql")]
         EventLogConfig::Sqlite(c) => Arc::new(
             SqliteLog::open(&c.path, clock)
                 .await
                 .map_err(open("SQLite"))?,
         ),
+        #[cfg(feature = "sql")]
         EventLogConfig::Postgres(c) => Arc::new(
             PostgresLog::connect(&c.url, clock)
                 .await
                 .map_err(open("PostgreSQL"))?,
         ),
+        #[cfg(not(feature = "sql"))]
+        EventLogConfig::Sqlite(_) => return Err(not_built("SQLite", "sql")),
+        #[cfg(not(feature = "sql"))]
+        EventLogConfig::Postgres(_) => return Err(not_built("PostgreSQL", "sql")),
     })
 }
 

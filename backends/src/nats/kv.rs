@@ -1,26 +1,25 @@
-//! `--kv-event-transport nats` (PROTOCOLS §3): the worker republishes each engine batch on
+//! `--kv-event-transport nats` (PROTOCOLS.md §3): the worker republishes each engine batch on
 //! `infera.kv.events.<token>.<dp_rank>` ([`KvEventPublisher`]); the server subscribes per worker
-//! ([`KvEventSubscription`]) and decodes the batches.
+//! ([`NatsKvSource`], the KV-event source port) and gets the frames undecoded: the one
+//! pipeline (`infera_core::kv_events::pipeline`) decodes them.
 //!
 //! # Gaps and restarts
 //! Ours adds two headers: [`HDR_KV_SEQ`], the engine's seq of the batch (vLLM, SGLang; for an
 //! engine without one, like the mock, the publisher's own count from 0 per rank), and
 //! [`HDR_KV_EPOCH`], a number fixed for the life of the publishing worker process. Per rank
-//! the subscriber expects `seq + 1` within one epoch:
-//! - a new epoch, or a seq that goes back, is [`KvItem::Restart`]: the worker (and its engine)
-//!   restarted, so the rank's cache starts empty;
-//! - a seq that skips is [`KvItem::Gap`]: batches were lost (a broker restart, a slow consumer),
-//!   so the index may hold blocks the engine evicted or miss blocks it stored.
-//!
-//! The server repairs both the same way: it clears the rank's blocks, which the following
-//! batches rebuild. A message without the headers (a Python worker) is taken as it is.
+//! the pipeline expects `seq + 1` within one epoch: a new epoch, or a seq that goes back, is a
+//! restart (the rank's cache starts empty); a seq that skips is a gap (a broker restart, a slow
+//! consumer). A message without the headers (a Python worker) is taken as it is.
 
 use super::{NatsError, subject_token};
+use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt as _;
-use infera_adapters::kv_events::{EngineBatch, SeqStatus, StreamSeq, decode_batch};
+use infera_core::event::WorkerRecord;
+use infera_core::ports::kv_events::{
+    KvEventSource, KvEventStream, KvFrame, KvItem, KvSourceError, KvSubscription,
+};
 use std::collections::HashMap;
-use std::ops::RangeInclusive;
 
 /// Header (ours): the publisher's batch number on the rank, from 0.
 pub const HDR_KV_SEQ: &str = "infera-kv-seq";
@@ -101,32 +100,49 @@ impl KvEventPublisher {
     }
 }
 
-/// What a subscription yields, per rank.
-#[derive(Debug, Clone, PartialEq)]
-pub enum KvItem {
-    /// One decoded batch.
-    Batch {
-        dp_rank: u32,
-        seq: Option<u64>,
-        batch: EngineBatch,
-    },
-    /// Batches were lost on this rank (sent before the batch after them).
-    Gap {
-        dp_rank: u32,
-        missing: RangeInclusive<u64>,
-    },
-    /// The publisher restarted (sent before its first batch).
-    Restart { dp_rank: u32 },
-    /// A message that could not be used.
-    Malformed { reason: String },
+/// `--kv-event-transport nats`: each worker's `infera.kv.events.<token>.*` subjects.
+#[derive(Debug, Clone)]
+pub struct NatsKvSource {
+    client: async_nats::Client,
 }
 
-/// One worker's KV events, all ranks. Dropping it unsubscribes.
+impl NatsKvSource {
+    /// A source on `client`'s connection.
+    pub fn new(client: async_nats::Client) -> Self {
+        Self { client }
+    }
+}
+
+#[async_trait]
+impl KvEventSource for NatsKvSource {
+    fn name(&self) -> &'static str {
+        "nats"
+    }
+
+    async fn subscribe(&self, record: &WorkerRecord) -> Result<KvSubscription, KvSourceError> {
+        let worker = record.worker_id.as_str();
+        let events = KvEventSubscription::subscribe(&self.client, worker)
+            .await
+            .map_err(|e| KvSourceError::Subscribe {
+                worker: worker.to_owned(),
+                source: Box::new(e),
+            })?;
+        Ok(KvSubscription {
+            events: Box::new(events),
+            replay: None,
+        })
+    }
+
+    /// Subjects are named by the worker id alone: a changed record keeps its subscription.
+    fn resubscribe(&self, _old: &WorkerRecord, _new: &WorkerRecord) -> bool {
+        false
+    }
+}
+
+/// One worker's KV-event messages, all ranks, undecoded. Dropping it unsubscribes.
 #[derive(Debug)]
 pub struct KvEventSubscription {
     sub: async_nats::Subscriber,
-    ranks: HashMap<u32, (Option<u64>, StreamSeq)>,
-    queued: Option<KvItem>,
 }
 
 impl KvEventSubscription {
@@ -146,75 +162,40 @@ impl KvEventSubscription {
                 subject,
                 reason: e.to_string(),
             })?;
-        Ok(Self {
-            sub,
-            ranks: HashMap::new(),
-            queued: None,
-        })
+        Ok(Self { sub })
     }
+}
 
-    /// The next item; `None` once the subscription ended.
-    pub async fn recv(&mut self) -> Option<KvItem> {
-        if let Some(item) = self.queued.take() {
-            return Some(item);
-        }
+#[async_trait]
+impl KvEventStream for KvEventSubscription {
+    async fn recv(&mut self) -> Option<KvItem> {
         let msg = self.sub.next().await?;
-        Some(self.classify(msg))
+        Some(frame_of(&msg))
     }
+}
 
-    fn classify(&mut self, msg: async_nats::Message) -> KvItem {
-        let Some(dp_rank) = msg
-            .subject
-            .rsplit('.')
-            .next()
-            .and_then(|r| r.parse::<u32>().ok())
-        else {
-            return KvItem::Malformed {
-                reason: format!("subject {} does not end in a dp rank", msg.subject),
-            };
+/// The frame of one message: its rank from the subject, seq and epoch from our headers.
+fn frame_of(msg: &async_nats::Message) -> KvItem {
+    let Some(dp_rank) = msg
+        .subject
+        .rsplit('.')
+        .next()
+        .and_then(|r| r.parse::<u32>().ok())
+    else {
+        return KvItem::Malformed {
+            reason: format!("subject {} does not end in a dp rank", msg.subject),
         };
-        let header = |name: &str| -> Option<u64> {
-            msg.headers
-                .as_ref()
-                .and_then(|h| h.get(name))
-                .and_then(|v| v.as_str().trim().parse().ok())
-        };
-        let (seq, epoch) = (header(HDR_KV_SEQ), header(HDR_KV_EPOCH));
-        let batch = match decode_batch(&msg.payload) {
-            Ok(batch) => batch,
-            Err(e) => {
-                return KvItem::Malformed {
-                    reason: format!("rank {dp_rank}: undecodable batch: {e}"),
-                };
-            }
-        };
-        let item = KvItem::Batch {
-            dp_rank,
-            seq,
-            batch,
-        };
-        let Some(seq) = seq else {
-            return item;
-        };
-        let (known_epoch, stream) = self.ranks.entry(dp_rank).or_default();
-        let restarted = known_epoch.is_some() && *known_epoch != epoch;
-        if restarted {
-            *stream = StreamSeq::default();
-        }
-        *known_epoch = epoch;
-        let status = stream.observe(seq);
-        let before = match status {
-            _ if restarted => Some(KvItem::Restart { dp_rank }),
-            SeqStatus::InOrder => None,
-            SeqStatus::Gap { missing } => Some(KvItem::Gap { dp_rank, missing }),
-            SeqStatus::Restart { .. } => Some(KvItem::Restart { dp_rank }),
-        };
-        match before {
-            Some(b) => {
-                self.queued = Some(item);
-                b
-            }
-            None => item,
-        }
-    }
+    };
+    let header = |name: &str| -> Option<u64> {
+        msg.headers
+            .as_ref()
+            .and_then(|h| h.get(name))
+            .and_then(|v| v.as_str().trim().parse().ok())
+    };
+    KvItem::Frame(KvFrame {
+        dp_rank,
+        seq: header(HDR_KV_SEQ),
+        epoch: header(HDR_KV_EPOCH),
+        payload: msg.payload.clone(),
+    })
 }

@@ -1,4 +1,4 @@
-//! The NATS transports (PROTOCOLS §2 and §3), compatible with the Python Infera's subjects and
+//! The NATS transports (PROTOCOLS.md §2 and §3), compatible with the Python Infera's subjects and
 //! headers: requests from the server to a worker ([`NatsTransport`] on the server,
 //! [`NatsResponder`] on the worker) and KV events from a worker to the servers ([`kv`]).
 //!

@@ -1,6 +1,6 @@
 //! `--request-transport nats`, server side: [`NatsTransport`] publishes each request on its
 //! worker's subject with a fresh reply inbox and turns the replies into an
-//! [`Inbound`](infera_adapters::server::transport::Inbound).
+//! [`Inbound`] (the request transport port of `infera_core::ports::transport`).
 //!
 //! # Behaviour
 //! - Admission: with `max_pending`, a worker with that many requests in flight from this server
@@ -41,9 +41,10 @@ use super::{
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt as _;
-use infera_adapters::server::RequestTransport;
-use infera_adapters::server::transport::{DP_RANK_HEADER, Inbound, Outbound, TransportError};
 use infera_core::ids::WorkerId;
+use infera_core::ports::transport::{
+    BodyStream, Inbound, Outbound, RequestTransport, TransportError,
+};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -189,17 +190,12 @@ impl RequestTransport for NatsTransport {
             .subscribe(inbox.clone())
             .await
             .map_err(|e| TransportError::Unreachable(format!("nats subscribe failed: {e}")))?;
-        let mut headers = vec![
-            ("content-type", "application/json"),
-            ("x-infera-request-id", req.request_id.as_str()),
-        ];
-        if let Some(id) = &req.engine_request_id {
-            headers.push(("x-request-id", id.as_str()));
-        }
-        let dp_rank = req.dp_rank.map(|r| r.to_string());
-        if let Some(rank) = &dp_rank {
-            headers.push((DP_RANK_HEADER, rank.as_str()));
-        }
+        let mut headers = vec![("content-type", "application/json")];
+        headers.extend(
+            req.headers
+                .iter()
+                .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
+        );
         let payload = Bytes::from(encode_request(req.path, req.stream, &headers, &req.body));
         // Published while the broker is away, the request waits in the client's buffer and
         // goes out on the reconnect, possibly before the worker has resubscribed.
@@ -257,8 +253,8 @@ impl RequestTransport for NatsTransport {
                 body: futures::stream::empty().boxed(),
             }),
             Chunk::Data(data) if req.stream && !data.starts_with(b"{") => Ok(Inbound {
-                status: axum::http::StatusCode::OK,
-                content_type: Some(axum::http::HeaderValue::from_static("text/event-stream")),
+                status: http::StatusCode::OK,
+                content_type: Some(http::HeaderValue::from_static("text/event-stream")),
                 body: futures::stream::once(async move { Ok(data) })
                     .chain(reply.into_stream())
                     .boxed(),
@@ -272,7 +268,7 @@ impl RequestTransport for NatsTransport {
                             let body = body.freeze();
                             return Ok(Inbound {
                                 status,
-                                content_type: Some(axum::http::HeaderValue::from_static(
+                                content_type: Some(http::HeaderValue::from_static(
                                     "application/json",
                                 )),
                                 body: futures::stream::once(async move { Ok(body) }).boxed(),
@@ -314,7 +310,7 @@ impl Drop for CancelOnDrop {
 #[derive(Debug, PartialEq)]
 enum Chunk {
     Data(Bytes),
-    Done(axum::http::StatusCode),
+    Done(http::StatusCode),
 }
 
 /// Reads one reply message of `worker`: its `rs-seq` (checked against `next_seq`, which it
@@ -354,8 +350,8 @@ fn parse_reply(
         TYPE_DONE => Ok(Chunk::Done(
             header(HDR_STATUS)
                 .and_then(|s| s.trim().parse::<u16>().ok())
-                .and_then(|s| axum::http::StatusCode::from_u16(s).ok())
-                .unwrap_or(axum::http::StatusCode::OK),
+                .and_then(|s| http::StatusCode::from_u16(s).ok())
+                .unwrap_or(http::StatusCode::OK),
         )),
         // The worker's own --nats-req-max-duration ended it: a timeout, not a failed worker.
         TYPE_ERROR if header(HDR_STATUS).is_some_and(|s| s.trim() == "504") => {
@@ -467,7 +463,7 @@ impl Reply {
         }
     }
 
-    fn into_stream(self) -> infera_adapters::server::transport::BodyStream {
+    fn into_stream(self) -> BodyStream {
         futures::stream::unfold(Some(self), |state| async move {
             let mut reply = state?;
             match reply.next().await {
@@ -519,7 +515,7 @@ mod tests {
         );
         assert_eq!(
             done.unwrap(),
-            Chunk::Done(axum::http::StatusCode::TOO_MANY_REQUESTS)
+            Chunk::Done(http::StatusCode::TOO_MANY_REQUESTS)
         );
         assert_eq!(seq, 2);
     }
@@ -552,7 +548,7 @@ mod tests {
         );
         assert_eq!(
             parse_reply(&msg(&[("rs-type", "done")], ""), &mut seq, "w").unwrap(),
-            Chunk::Done(axum::http::StatusCode::OK)
+            Chunk::Done(http::StatusCode::OK)
         );
         assert_eq!(
             parse_reply(
@@ -561,7 +557,7 @@ mod tests {
                 "w"
             )
             .unwrap(),
-            Chunk::Done(axum::http::StatusCode::OK)
+            Chunk::Done(http::StatusCode::OK)
         );
         assert_eq!(seq, 0);
     }

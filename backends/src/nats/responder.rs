@@ -166,8 +166,10 @@ async fn run(client: async_nats::Client, config: ResponderConfig, subs: Subs, to
         unsubscribed,
         abort,
     } = tokens;
-    let http: HttpClient = Client::builder(TokioExecutor::new())
-        .build(infera_adapters::server::transport::nodelay_connector());
+    // TCP_NODELAY: streamed chunks are small writes that Nagle's algorithm would hold back.
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let http: HttpClient = Client::builder(TokioExecutor::new()).build(connector);
     let inflight: Inflight = Arc::default();
     let mut tasks = JoinSet::new();
     let mut subscribed = true;

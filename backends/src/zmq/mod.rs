@@ -1,18 +1,19 @@
-//! The ZeroMQ KV-event transport: subscribing to engines' PUB sockets, replaying from their ROUTER
-//! replay sockets, and (for the mock engine) publishing exactly like vLLM does.
+//! The ZeroMQ KV-event transport: subscribing to engines' PUB sockets ([`ZmqKvSource`], the
+//! KV-event source port), replaying from their ROUTER replay sockets, and (for the mock engine)
+//! publishing exactly like vLLM does. Frames travel undecoded; `infera_core::kv_events` decodes.
 //!
-//! # Wire layout (PROTOCOLS §3)
+//! # Wire layout (PROTOCOLS.md §3)
 //!
 //! PUB → SUB multipart messages, one event batch each (payload: msgpack, see
-//! `infera_adapters::kv_events`):
+//! `infera_core::kv_events`):
 //!
 //! ```text
 //! vLLM, SGLang:  [topic, seq: 8 bytes u64 big-endian, payload]   seq from 0 per engine process
 //! ATOM:          [payload]  or  [topic, payload]                 no seq
 //! ```
 //!
-//! Anything else (0 or 4+ frames, a 3-frame message whose middle frame is not 8 bytes, an
-//! undecodable payload) is garbage: logged (rate-limited), counted, and skipped.
+//! Anything else (0 or 4+ frames, a 3-frame message whose middle frame is not 8 bytes) is
+//! garbage: logged (rate-limited), counted, and reported as malformed.
 //!
 //! Replay (vLLM, SGLang): the client's DEALER connects to the engine's ROUTER and sends the first
 //! seq it wants; the engine answers with every retained batch from there on, then a terminator:
@@ -36,11 +37,13 @@
 mod frames;
 mod publisher;
 mod replay;
+mod source;
 mod subscriber;
 
 pub use frames::{FrameError, KvFrames, split_frames};
 pub use publisher::{KvEventPublisher, PublisherConfig};
 pub use replay::{REPLAY_END_SEQ, replay_from};
+pub use source::{REPLAY_TIMEOUT, ZmqKvSource, rank_endpoint};
 pub use subscriber::{KvEventSubscriber, SubscriberConfig, SubscriberItem, SubscriberStats};
 
 /// Errors of the ZeroMQ transport.

@@ -10,7 +10,7 @@ use super::ZmqTransportError;
 use super::frames::seq_of;
 use super::replay::REPLAY_END_SEQ;
 use bytes::Bytes;
-use infera_adapters::kv_events::{EngineBatch, encode_batch_vllm};
+use infera_core::kv_events::{EngineBatch, encode_batch_vllm};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::task::JoinHandle;

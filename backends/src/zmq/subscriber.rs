@@ -1,18 +1,14 @@
 //! [`KvEventSubscriber`]: one SUB socket connected to one engine endpoint (one dp rank).
 //!
 //! The background task connects (retrying until the engine is up, reconnecting after it goes
-//! away), subscribes, and for each message: splits the frames, runs the seq through a
-//! [`StreamSeq`], decodes the payload with the stream's [`GroupKinds`], and sends items on a
-//! bounded channel. A gap or restart is sent *before* the batch that revealed it. Garbage never
-//! stops the task: it is counted in [`SubscriberStats`], logged at most once per
-//! [`LOG_EVERY`] with the number suppressed, and sent as [`SubscriberItem::Malformed`].
+//! away), subscribes, and for each message splits the frames and sends them, undecoded, on a
+//! bounded channel (decoding and seq tracking are the KV pipeline's, in `infera-core`). A
+//! message that cannot be framed never stops the task: it is counted in [`SubscriberStats`],
+//! logged at most once per [`LOG_EVERY`] with the number suppressed, and sent as
+//! [`SubscriberItem::Malformed`].
 
-use super::frames::split_frames;
+use super::frames::{KvFrames, split_frames};
 use bytes::Bytes;
-use infera_adapters::kv_events::{
-    EngineBatch, GroupKinds, SeqStatus, StreamSeq, decode_batch_with,
-};
-use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -49,41 +45,19 @@ impl SubscriberConfig {
 /// What the subscriber yields.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SubscriberItem {
-    /// One decoded batch (its malformed events, if any, are in `batch.malformed`).
-    Batch {
-        /// The engine's seq, if its messages carry one.
-        seq: Option<u64>,
-        topic: Option<Bytes>,
-        batch: EngineBatch,
-        /// The engine's msgpack payload, verbatim (what a relay republishes).
-        payload: Bytes,
-    },
-    /// Batches with these seqs were lost (sent before the batch after them).
-    Gap { missing: RangeInclusive<u64> },
-    /// The seq went back: the engine restarted and its cache is empty (sent before the batch).
-    Restart { expected: u64, got: u64 },
-    /// A message that could not be used.
+    /// One message's frames: topic, the engine's seq if it sends one, the payload verbatim.
+    Frames(KvFrames),
+    /// A message that could not be framed.
     Malformed { reason: String },
 }
 
 /// Counters of one subscriber, readable while it runs.
 #[derive(Debug, Default)]
 pub struct SubscriberStats {
-    /// Batches decoded and sent.
-    pub batches: AtomicU64,
-    /// Events in those batches.
-    pub events: AtomicU64,
-    /// Events of unknown kinds skipped.
-    pub skipped_unknown: AtomicU64,
-    /// Malformed events inside otherwise good batches.
-    pub malformed_events: AtomicU64,
-    /// Messages that were not KV-event messages (bad frames or payloads).
+    /// Messages framed and sent.
+    pub messages: AtomicU64,
+    /// Messages that were not KV-event messages (wrong frame count or seq frame).
     pub garbage: AtomicU64,
-    /// Gaps seen, and the number of batches they lost.
-    pub gaps: AtomicU64,
-    pub missing_batches: AtomicU64,
-    /// Engine restarts seen.
-    pub restarts: AtomicU64,
     /// Socket receive or connect errors (the task keeps going).
     pub socket_errors: AtomicU64,
 }
@@ -204,22 +178,13 @@ async fn run(
     }
     tracing::info!(endpoint, topic = %config.topic, "kv-event subscriber connected");
 
-    let mut seq_state = StreamSeq::default();
-    let mut groups = GroupKinds::default();
     loop {
         let msg = tokio::select! {
             () = cancel.cancelled() => break,
             m = socket.recv() => m,
         };
-        let items = match msg {
-            Ok(m) => handle(
-                m.into_vec(),
-                &mut seq_state,
-                &mut groups,
-                &stats,
-                &mut log,
-                endpoint,
-            ),
+        let item = match msg {
+            Ok(m) => handle(m.into_vec(), &stats, &mut log, endpoint),
             Err(e) => {
                 SubscriberStats::inc(&stats.socket_errors, 1);
                 if let Some(suppressed) = log.allow() {
@@ -233,90 +198,35 @@ async fn run(
                 continue;
             }
         };
-        for item in items {
-            tokio::select! {
-                () = cancel.cancelled() => return,
-                r = tx.send(item) => if r.is_err() {
-                    // The consumer dropped its receiver: nobody is listening any more.
-                    return;
-                },
-            }
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            r = tx.send(item) => if r.is_err() {
+                // The consumer dropped its receiver: nobody is listening any more.
+                return;
+            },
         }
     }
 }
 
-/// One message → the items to send (0 to 3: gap/restart, then the batch or a malformed note).
+/// One message → the item to send.
 fn handle(
     frames: Vec<Bytes>,
-    seq_state: &mut StreamSeq,
-    groups: &mut GroupKinds,
     stats: &SubscriberStats,
     log: &mut LogLimiter,
     endpoint: &str,
-) -> Vec<SubscriberItem> {
-    let mut garbage = |reason: String| {
-        SubscriberStats::inc(&stats.garbage, 1);
-        if let Some(suppressed) = log.allow() {
-            tracing::warn!(endpoint, %reason, suppressed, "kv-event message skipped");
-        }
-        vec![SubscriberItem::Malformed { reason }]
-    };
-    let frames = match split_frames(frames) {
-        Ok(f) => f,
-        Err(e) => return garbage(e.to_string()),
-    };
-    let mut items = Vec::new();
-    if let Some(seq) = frames.seq {
-        match seq_state.observe(seq) {
-            SeqStatus::InOrder => {}
-            SeqStatus::Gap { missing } => {
-                SubscriberStats::inc(&stats.gaps, 1);
-                SubscriberStats::inc(&stats.missing_batches, missing.end() - missing.start() + 1);
-                tracing::warn!(
-                    endpoint,
-                    first = missing.start(),
-                    last = missing.end(),
-                    "kv-event gap"
-                );
-                items.push(SubscriberItem::Gap { missing });
-            }
-            SeqStatus::Restart { expected, got } => {
-                SubscriberStats::inc(&stats.restarts, 1);
-                tracing::warn!(
-                    endpoint,
-                    expected,
-                    got,
-                    "kv-event seq went back: engine restarted"
-                );
-                // A new engine process: its groups may differ.
-                *groups = GroupKinds::default();
-                items.push(SubscriberItem::Restart { expected, got });
-            }
-        }
-    }
-    match decode_batch_with(&frames.payload, groups) {
-        Ok(batch) => {
-            SubscriberStats::inc(&stats.batches, 1);
-            SubscriberStats::inc(&stats.events, batch.events.len() as u64);
-            SubscriberStats::inc(&stats.skipped_unknown, u64::from(batch.skipped_unknown));
-            if !batch.malformed.is_empty() {
-                SubscriberStats::inc(&stats.malformed_events, batch.malformed.len() as u64);
-                if let Some(suppressed) = log.allow() {
-                    tracing::warn!(endpoint, first = %batch.malformed[0], count = batch.malformed.len(), suppressed, "kv-event batch has malformed events");
-                }
-            }
-            items.push(SubscriberItem::Batch {
-                seq: frames.seq,
-                topic: frames.topic,
-                batch,
-                payload: frames.payload,
-            });
-            items
+) -> SubscriberItem {
+    match split_frames(frames) {
+        Ok(frames) => {
+            SubscriberStats::inc(&stats.messages, 1);
+            SubscriberItem::Frames(frames)
         }
         Err(e) => {
-            let mut out = items;
-            out.extend(garbage(e.to_string()));
-            out
+            SubscriberStats::inc(&stats.garbage, 1);
+            let reason = e.to_string();
+            if let Some(suppressed) = log.allow() {
+                tracing::warn!(endpoint, %reason, suppressed, "kv-event message skipped");
+            }
+            SubscriberItem::Malformed { reason }
         }
     }
 }

@@ -7,8 +7,9 @@
 
 use crate::config::server::TraceRecordingConfig;
 use anyhow::Context as _;
-use infera_adapters::server::{MetricsSource, ServerState, write_family};
+use infera_adapters::server::{ServerState, write_family};
 use infera_core::clock::{Clock, SystemClock};
+use infera_core::ports::metrics::MetricsSource;
 use infera_replay::record::{Recorder, RecorderOptions, RecorderStats};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};

@@ -5,9 +5,10 @@
 //!
 //! - discovery is embedded: each mock's record is registered directly as a `WorkerRegistered`
 //!   event ([`ServerState::register_worker`]);
-//! - KV events take an in-process path: each mock's [`KvEventSink`] channel is drained by one
-//!   forwarder task into [`ServerState::ingest_kv_batch`] (`to_core_events`, parents resolved
-//!   through the fleet's index), as the adapters server tests do.
+//! - KV events take an in-process path through the same pipeline as every transport: each
+//!   mock's [`KvEventSink`] batches are encoded as vLLM payloads, numbered, and sent on an
+//!   in-process KV-event stream that `infera_core::kv_events::pipeline::consume` runs into the
+//!   server's state.
 //!
 //! Mocks and the router share one tokenizer, so their block hashes match. With `--port 0` every
 //! port is chosen by the system; the bound ports are printed in the `server:` line on stdout.
@@ -27,8 +28,10 @@ use infera_adapters::tokenize::Tokenizer;
 use infera_core::engine::EngineConfig;
 use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
 use infera_core::fleet::FleetConfig;
-use infera_core::ids::{WorkerId, WorkerRank};
+use infera_core::ids::WorkerId;
+use infera_core::kv_events::{encode_batch_vllm, pipeline};
 use infera_core::policy::{PolicyKind, RouterConfig};
+use infera_core::ports::kv_events::{KvFrame, KvItem, KvSubscription};
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -300,17 +303,35 @@ async fn start_worker(
         kv: None,
         extra: server.registration_extra(),
     };
-    let rank = WorkerRank::new(record.worker_id.clone(), 0);
+    let worker = record.worker_id.clone();
     state.register_worker(record);
     let forward = {
         let state = state.clone();
-        tokio::spawn(async move {
-            while let Some(batch) = batches.recv().await {
-                if state.ingest_kv_batch(&rank, None, &batch).is_none() {
-                    tracing::debug!(worker = %rank.worker.as_str(),
-                        "kv batch of an unregistered worker dropped");
+        let (frames, events) = pipeline::channel(1024);
+        let encode = async move {
+            for seq in 0u64.. {
+                let Some(batch) = batches.recv().await else {
+                    break;
+                };
+                let frame = KvFrame {
+                    dp_rank: 0,
+                    seq: Some(seq),
+                    epoch: None,
+                    payload: encode_batch_vllm(&batch).into(),
+                };
+                if frames.send(KvItem::Frame(frame)).await.is_err() {
+                    break;
                 }
             }
+        };
+        tokio::spawn(async move {
+            let subscription = KvSubscription {
+                events,
+                replay: None,
+            };
+            // The stream ends when the mock drops its sink (the encoder then drops `frames`).
+            let consume = pipeline::consume(worker, subscription, &state, std::future::pending());
+            tokio::join!(encode, consume);
         })
     };
     let serve = tokio::spawn(server.serve(stop.clone().cancelled_owned()));

@@ -11,12 +11,12 @@ mod common;
 use common::{Proc, eventually, free_mock_port, free_port, get_json, http, tokenizer_dir};
 
 use futures::StreamExt as _;
-use infera_adapters::kv_events::encode_batch_vllm;
 use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _, Registration};
 use infera_backends::nats::kv::{HDR_KV_EPOCH, HDR_KV_SEQ, kv_subject};
 use infera_backends::nats::{self, HDR_SEQ, HDR_STATUS, HDR_TYPE, RequestPayload};
 use infera_backends::testing::{EtcdServer, NatsServer, sample_record};
 use infera_core::event::RequestTransport;
+use infera_core::kv_events::encode_batch_vllm;
 use serde_json::{Value, json};
 use std::io::Read as _;
 use std::process::{Command, Stdio};

@@ -7,12 +7,15 @@
 //!   `-- -- --nocapture`).
 //! - `cargo xtask bench [-- ARGS]`: `cargo bench --workspace ARGS`.
 //! - `cargo xtask tools`: only the tool check and installation.
+//! - `cargo xtask layers`: the crates' dependency rules (see [`layers`]); `test` checks them
+//!   first.
 //!
 //! Every step is printed before it runs; the first failing step ends the task with a non-zero
 //! exit code, naming what failed.
 
 // Tests may unwrap; the non-test build still denies it everywhere.
 
+mod layers;
 mod tools;
 
 use anyhow::{Context, bail};
@@ -20,7 +23,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
-const USAGE: &str = "usage: cargo xtask <test|bench|tools> [-- extra cargo arguments]";
+const USAGE: &str = "usage: cargo xtask <test|bench|tools|layers> [-- extra cargo arguments]";
 
 fn main() -> ExitCode {
     match run(std::env::args_os().skip(1).collect()) {
@@ -48,6 +51,7 @@ fn run(args: Vec<OsString>) -> anyhow::Result<()> {
         Some("test") => test(&root, &extra),
         Some("bench") => bench(&root, &extra),
         Some("tools") if extra.is_empty() => tools::ensure().map(drop),
+        Some("layers") if extra.is_empty() => layers::check(&root),
         Some("help" | "--help" | "-h") => {
             println!("{USAGE}");
             Ok(())
@@ -59,6 +63,7 @@ fn run(args: Vec<OsString>) -> anyhow::Result<()> {
 /// Installs missing tools, runs all tests (unit, integration, examples, doc tests), and
 /// compiles all benchmarks.
 fn test(root: &Path, extra: &[OsString]) -> anyhow::Result<()> {
+    layers::check(root)?;
     let tools = tools::ensure()?;
     let scope = package_scope(extra);
 

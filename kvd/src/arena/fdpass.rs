@@ -1,4 +1,4 @@
-//! Passing the arena memfd over the socket (PROTOCOLS §6): right after `hello_ack`, one byte
+//! Passing the arena memfd over the socket (PROTOCOLS.md §6): right after `hello_ack`, one byte
 //! `F` whose ancillary data is `SCM_RIGHTS` with exactly one descriptor. Both ends run on tokio
 //! Unix streams: the call waits for readiness and retries on `EWOULDBLOCK`.
 //!

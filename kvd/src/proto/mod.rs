@@ -1,4 +1,4 @@
-//! The kvd wire protocol (PROTOCOLS §6, compatible with the Python Infera kvd and its vLLM
+//! The kvd wire protocol (PROTOCOLS.md §6, compatible with the Python Infera kvd and its vLLM
 //! connector): typed requests and replies, and their msgpack codecs for both directions.
 //!
 //! # Frame layout

@@ -2,9 +2,10 @@
 //!
 //! A fleet of simulated engines ([`EngineModel`]: paged KV cache, batch scheduler, timing model)
 //! runs on a virtual clock. Requests arrive at their trace times and are routed by the same
-//! [`Router`] and [`FleetState`] that `infera server` uses; engines emit their KV changes as
-//! `KvBlocksStored` / `KvBlocksRemoved` events into a [`MemoryLog`], and the fleet state is the fold
-//! of that log, exactly as live. Nothing here decides where a request goes.
+//! [`Kernel`] that `infera server` uses (fleet projection, router, in-memory log, with the same
+//! compaction); engines emit their KV changes as `KvBlocksStored` / `KvBlocksRemoved` events
+//! committed on it, and the fleet state is the fold of that log, exactly as live. Nothing here
+//! decides where a request goes.
 //!
 //! Timeline of one request: arrival → `RequestRouted` (appended and applied) → submitted to its
 //! engine(s) → prefilled at the end of some step (`RequestPrefilled`; TTFT, plus the front end's
@@ -28,11 +29,11 @@ use infera_core::event::{
     Engine, Event, KvBlocksRemoved, KvBlocksStored, RequestFinished, RequestPrefilled,
     RequestStatus, RequestTransport, Retention, Role, Tier, WorkerRecord, WorkerRegistered,
 };
-use infera_core::fleet::{FleetConfig, FleetState};
+use infera_core::fleet::FleetConfig;
 use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
-use infera_core::log::{MemoryLog, NewEvent};
-use infera_core::policy::{RouteRequest, Router, RouterConfig};
-use infera_core::projection::Projection;
+use infera_core::kernel::{Compaction, Kernel};
+use infera_core::log::NewEvent;
+use infera_core::policy::{RouteRequest, RouterConfig};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
@@ -187,9 +188,7 @@ struct Sim<'a> {
     cfg: &'a SimConfig,
     trace: &'a Trace,
     clock: Arc<VirtualClock>,
-    log: MemoryLog,
-    fleet: FleetState,
-    router: Router,
+    kernel: Kernel,
     engines: Vec<EngineModel>,
     tiers: Vec<Tiers>,
     names: Vec<WorkerRank>,
@@ -255,16 +254,18 @@ pub fn run(trace: &Trace, cfg: &SimConfig) -> Result<SimResult, SimError> {
         ));
     }
     let clock = Arc::new(VirtualClock::new(0));
-    let log = MemoryLog::new(clock.clone());
-    let fleet = FleetState::new(cfg.fleet);
+    let kernel = Kernel::new(
+        cfg.fleet,
+        cfg.router.clone(),
+        clock.clone(),
+        Compaction::Auto,
+    );
     let n = trace.requests.len();
     let mut sim = Sim {
         cfg,
         trace,
         clock,
-        log,
-        fleet,
-        router: Router::new(cfg.router.clone()),
+        kernel,
         engines: Vec::new(),
         tiers: Vec::new(),
         names: Vec::new(),
@@ -356,12 +357,7 @@ impl Sim<'_> {
 
     fn append(&mut self, batch: Vec<NewEvent>) {
         self.events += batch.len() as u64;
-        let fleet = &mut self.fleet;
-        self.log.append_with(batch, |envs| {
-            for env in envs {
-                fleet.apply(env);
-            }
-        });
+        self.kernel.commit(batch);
     }
 
     fn arrival_us(&self, i: usize) -> u64 {
@@ -434,7 +430,7 @@ impl Sim<'_> {
         out.input_tokens = r.input_length;
         out.output_tokens = r.output_length;
         out.retention = retention;
-        let decision = match self.router.decide(&self.fleet, &req, now) {
+        let decision = match self.kernel.route(&req, None, now) {
             Ok(d) => d,
             Err(_) => {
                 // Unreachable with a registered fleet serving the trace's model; count it as rejected.

@@ -2,13 +2,13 @@
 //! publisher on loopback (one subscriber per dp rank, port P + rank offset) and republishes each
 //! batch's payload verbatim on `infera.kv.events.<token>.<rank>` with the engine's seq and the
 //! worker's epoch ([`infera_backends::nats::kv::KvEventPublisher`]), so the server sees the
-//! engine's gaps and restarts as they are.
+//! engine's gaps and restarts as they are. The relay moves bytes: it decodes nothing.
 //!
 //! [`KvRelay`] owns its tasks: [`KvRelay::stop`] cancels and joins them; a dropped relay
 //! cancels them.
 
 use infera_backends::nats::{self, kv::KvEventPublisher};
-use infera_backends::zmq::{KvEventSubscriber, SubscriberConfig, SubscriberItem};
+use infera_backends::zmq::{KvEventSubscriber, SubscriberConfig, SubscriberItem, rank_endpoint};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -33,8 +33,7 @@ impl KvRelay {
         let cancel = CancellationToken::new();
         let mut tasks = Vec::new();
         for offset in 0..dp_size.max(1) {
-            let Some(ep) = crate::server_cmd::rank_endpoint(endpoint, "http://127.0.0.1", offset)
-            else {
+            let Some(ep) = rank_endpoint(endpoint, "http://127.0.0.1", offset) else {
                 tracing::error!(%endpoint, "the engine's kv-event endpoint is not tcp://HOST:PORT; \
                     its events are not relayed");
                 break;
@@ -81,25 +80,16 @@ async fn relay(
         };
         let Some(item) = item else { break };
         match item {
-            SubscriberItem::Batch { seq, payload, .. } => {
-                if let Err(e) = publisher.publish_with_seq(dp_rank, seq, payload).await {
+            SubscriberItem::Frames(frames) => {
+                if let Err(e) = publisher
+                    .publish_with_seq(dp_rank, frames.seq, frames.payload)
+                    .await
+                {
                     failures += 1;
                     if failures.is_power_of_two() {
                         tracing::error!(error = %e, failures, "kv-event relay to nats failed");
                     }
                 }
-            }
-            // The engine's seq travels with the batches: the server sees gaps and restarts.
-            SubscriberItem::Gap { missing } => {
-                tracing::warn!(dp_rank, ?missing, "engine kv events lost before the relay");
-            }
-            SubscriberItem::Restart { expected, got } => {
-                tracing::info!(
-                    dp_rank,
-                    expected,
-                    got,
-                    "engine restarted its kv-event numbering"
-                );
             }
             SubscriberItem::Malformed { reason } => {
                 tracing::warn!(dp_rank, %reason, "malformed engine kv event message not relayed");

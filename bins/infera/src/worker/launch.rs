@@ -1,6 +1,6 @@
 //! The launch plan of a real engine: its command line and environment, the KV-event endpoint it
 //! publishes on, and what the worker record says about it (served model, PD role and metadata,
-//! block size, data parallelism). PROTOCOLS §3 and §7 are the contract.
+//! block size, data parallelism). PROTOCOLS.md §3 and §7 are the contract.
 //!
 //! Pure: built from the validated [`WorkerConfig`], the launcher's environment and the free ports
 //! the caller picked, so tests assert it exactly.

@@ -1,5 +1,5 @@
 //! `infera worker {vllm,sglang,atom,mock}`: start one engine and join it to the fleet
-//! (PROTOCOLS §1 and §7).
+//! (PROTOCOLS.md §1 and §7).
 //!
 //! The lifecycle, the same for every engine:
 //!

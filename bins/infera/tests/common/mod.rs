@@ -3,9 +3,9 @@
 //! HTTP/1.1 exchanges and bounded polling of another process's status pages.
 #![allow(dead_code, clippy::unwrap_used)] // each test binary uses its own subset
 
-use infera_adapters::kv_events::{EngineBatch, EngineEvent};
 use infera_core::event::Tier;
 use infera_core::ids::EngineHash;
+use infera_core::kv_events::{EngineBatch, EngineEvent};
 use serde_json::Value;
 use std::io::{Read as _, Write as _};
 use std::net::{TcpListener, TcpStream};

@@ -1,9 +1,10 @@
 //! Engine KV events: decoding every wire shape vLLM, SGLang and ATOM publish, encoding vLLM's, and
 //! turning decoded batches into the router's core events.
 //!
-//! This module is pure: no sockets (the ZeroMQ transport lives in `infera_backends::zmq`).
+//! This module is pure: no sockets. Transports deliver raw frames through the KV-event source
+//! port ([`crate::ports::kv_events`]); [`pipeline`] is the one place that decodes them.
 //!
-//! # Wire layout (PROTOCOLS §3)
+//! # Wire layout (PROTOCOLS.md §3)
 //!
 //! ZeroMQ PUB multipart frames: `[topic, seq (u64 big-endian, 8 bytes), payload]` for vLLM and
 //! SGLang (seq starts at 0 per engine process); ATOM sends `[payload]` or `[topic, payload]`.
@@ -43,15 +44,16 @@
 mod decode;
 mod encode;
 pub mod ingest;
+pub mod pipeline;
 mod seq;
 
 pub use decode::{GroupKinds, decode_batch, decode_batch_with};
 pub use encode::encode_batch_vllm;
 pub use ingest::{IngestOutcome, IngestStats, to_core_events};
-pub use seq::{SeqStatus, SeqTracker, StreamSeq};
+pub use seq::{SeqStatus, StreamSeq};
 
-use infera_core::event::Tier;
-use infera_core::ids::EngineHash;
+use crate::event::Tier;
+use crate::ids::EngineHash;
 
 /// One decoded payload: a batch of events from one engine (one dp rank).
 #[derive(Debug, Clone, PartialEq, Default)]

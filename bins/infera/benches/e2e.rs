@@ -90,7 +90,7 @@ struct Fleet {
 }
 
 fn tokenizer() -> Arc<Tokenizer> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/deepseek-v4");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tokenizers/deepseek-v4");
     Arc::new(Tokenizer::from_path(&dir).expect("fixture tokenizer"))
 }
 

@@ -209,8 +209,8 @@ impl Writer {
 mod tests {
     use super::super::decode_batch;
     use super::*;
-    use infera_core::event::Tier;
-    use infera_core::ids::EngineHash;
+    use crate::event::Tier;
+    use crate::ids::EngineHash;
 
     #[test]
     fn every_int_width_round_trips() {

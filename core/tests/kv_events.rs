@@ -1,13 +1,13 @@
 //! KV-event decoding, encoding and ingest against the golden vectors in `fixtures/kv-events` and
 //! hand-built payloads of every shape the engines send.
 
-use infera_adapters::kv_events::{
-    DecodeError, EngineBatch, EngineEvent, GroupKinds, decode_batch, decode_batch_with,
-    encode_batch_vllm, to_core_events,
-};
 use infera_core::event::{Event, Tier};
 use infera_core::hashing::hash_blocks;
 use infera_core::ids::{BlockHash, EngineHash, WorkerRank};
+use infera_core::kv_events::{
+    DecodeError, EngineBatch, EngineEvent, GroupKinds, decode_batch, decode_batch_with,
+    encode_batch_vllm, to_core_events,
+};
 use proptest::prelude::*;
 use rmpv::Value;
 use serde_json::Value as Json;

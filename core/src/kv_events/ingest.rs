@@ -1,6 +1,6 @@
 //! Ingest: a decoded [`EngineBatch`] → the router's core events, with router hashes.
 //!
-//! The router never trusts engine hashes (ARCHITECTURE "Block hashing"). For each `BlockStored`
+//! The router never trusts engine hashes (ARCHITECTURE.md "Block hashing"). For each `BlockStored`
 //! it re-hashes the event's `token_ids` with [`hash_blocks`], chained after the router hash of the
 //! event's parent block. The parent is resolved first among the blocks stored earlier in the same
 //! batch (SGLang sends one event per page, each naming the previous page), then through the
@@ -19,12 +19,12 @@
 //! removals through its own engine → router map); `AllBlocksCleared` becomes
 //! `KvCacheCleared { tier: None }`. Counting is done locally and returned once per batch.
 //!
-//! [`KvIndex::router_hash`]: infera_core::index::KvIndex::router_hash
+//! [`KvIndex::router_hash`]: crate::index::KvIndex::router_hash
 
 use super::{EngineBatch, EngineEvent};
-use infera_core::event::{Event, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, Tier};
-use infera_core::hashing::hash_blocks;
-use infera_core::ids::{BlockHash, EngineHash, WorkerRank};
+use crate::event::{Event, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, Tier};
+use crate::hashing::hash_blocks;
+use crate::ids::{BlockHash, EngineHash, WorkerRank};
 use std::collections::HashMap;
 
 /// What ingesting one batch did, event by event class.

@@ -6,8 +6,8 @@
 //! one batch may mix both. See the module docs of [`super`] for the layout and error policy.
 
 use super::{DecodeError, EngineBatch, EngineEvent, is_indexable_spec_kind, tier_from_medium};
-use infera_core::event::Tier;
-use infera_core::ids::EngineHash;
+use crate::event::Tier;
+use crate::ids::EngineHash;
 use rmpv::ValueRef;
 
 /// Nesting limit for the value tree: a batch needs about 6 levels; this leaves room for

@@ -13,8 +13,6 @@
 //!
 //! Either way the tracker then expects the number after the one just seen.
 
-use infera_core::ids::WorkerRank;
-use std::collections::HashMap;
 use std::ops::RangeInclusive;
 
 /// How one sequence number relates to the stream so far.
@@ -59,41 +57,6 @@ impl StreamSeq {
     }
 }
 
-/// Sequence state for many streams, keyed by (worker, dp rank).
-#[derive(Debug, Clone, Default)]
-pub struct SeqTracker {
-    streams: HashMap<WorkerRank, StreamSeq>,
-}
-
-impl SeqTracker {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Records `seq` for `source`'s stream and says how it relates to it.
-    pub fn observe(&mut self, source: &WorkerRank, seq: u64) -> SeqStatus {
-        match self.streams.get_mut(source) {
-            Some(s) => s.observe(seq),
-            None => {
-                let mut s = StreamSeq::default();
-                let status = s.observe(seq);
-                self.streams.insert(source.clone(), s);
-                status
-            }
-        }
-    }
-
-    /// Forgets a stream (worker gone): its next number is accepted as a first one.
-    pub fn forget(&mut self, source: &WorkerRank) {
-        self.streams.remove(source);
-    }
-
-    /// The number `source`'s stream expects next.
-    pub fn expected(&self, source: &WorkerRank) -> Option<u64> {
-        self.streams.get(source).and_then(StreamSeq::expected)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,20 +98,5 @@ mod tests {
                 got: 3
             }
         );
-    }
-
-    #[test]
-    fn streams_are_independent() {
-        let a = WorkerRank::new("a:1", 0);
-        let a1 = WorkerRank::new("a:1", 1);
-        let mut t = SeqTracker::new();
-        assert_eq!(t.observe(&a, 0), SeqStatus::InOrder);
-        assert_eq!(t.observe(&a1, 9), SeqStatus::InOrder);
-        assert_eq!(t.observe(&a, 1), SeqStatus::InOrder);
-        assert_eq!(t.observe(&a1, 11), SeqStatus::Gap { missing: 10..=10 });
-        t.forget(&a);
-        assert_eq!(t.expected(&a), None);
-        assert_eq!(t.observe(&a, 0), SeqStatus::InOrder);
-        assert_eq!(t.expected(&a1), Some(12));
     }
 }

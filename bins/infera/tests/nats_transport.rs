@@ -1,24 +1,20 @@
-//! The NATS transports against a real nats-server: the server side ([`NatsTransport`]) talking
-//! to the worker side ([`NatsResponder`]) in front of the in-process mock engine, and the KV
-//! event subjects with their gap and restart detection.
+//! The NATS request transport against a real nats-server: the server side ([`NatsTransport`])
+//! talking to the worker side ([`NatsResponder`]) in front of the in-process mock engine. (The
+//! KV-event subjects are tested through the KV pipeline in `backends/tests/kv_pipeline.rs`.)
 #![allow(clippy::unwrap_used)]
 
 use bytes::Bytes;
 use futures::StreamExt as _;
-use infera_adapters::kv_events::{EngineBatch, EngineEvent, encode_batch_vllm};
 use infera_adapters::mock::{MockConfig, MockServer};
-use infera_adapters::server::RequestTransport as _;
-use infera_adapters::server::transport::{DP_RANK_HEADER, Outbound, TransportError};
-use infera_backends::nats::kv::{
-    HDR_KV_EPOCH, HDR_KV_SEQ, KvEventPublisher, KvEventSubscription, KvItem, kv_subject,
-};
 use infera_backends::nats::{
     self, HDR_SEQ, HDR_TYPE, NatsRequestConfig, NatsResponder, NatsTransport, ResponderConfig,
 };
 use infera_backends::testing::NatsServer;
 use infera_core::engine::EngineConfig;
-use infera_core::event::Tier;
-use infera_core::ids::{EngineHash, WorkerId};
+use infera_core::ids::WorkerId;
+use infera_core::ports::transport::{
+    BodyStream, DP_RANK_HEADER, Outbound, RequestTransport as _, TransportError,
+};
 use serde_json::{Value, json};
 use std::time::Duration;
 use tokio::sync::oneshot;
@@ -73,19 +69,17 @@ async fn bounded_responder(
 }
 
 fn outbound(body: Value, stream: bool) -> Outbound {
-    Outbound {
-        worker: WorkerId::new(WORKER),
-        url: "http://unused".to_owned(),
-        path: "/v1/completions",
-        body: Bytes::from(body.to_string()),
+    Outbound::new(
+        WorkerId::new(WORKER),
+        "http://unused",
+        "/v1/completions",
+        Bytes::from(body.to_string()),
         stream,
-        request_id: "r-1".to_owned(),
-        engine_request_id: None,
-        dp_rank: None,
-    }
+        "r-1",
+    )
 }
 
-async fn collect(mut body: infera_adapters::server::transport::BodyStream) -> String {
+async fn collect(mut body: BodyStream) -> String {
     let mut out = Vec::new();
     while let Some(chunk) = body.next().await {
         out.extend_from_slice(&chunk.unwrap());
@@ -304,121 +298,6 @@ async fn max_pending_refuses_with_429_until_a_request_ends() {
     assert_eq!(again.status, 200);
 }
 
-fn batch(first_hash: u64) -> EngineBatch {
-    EngineBatch {
-        ts: 1.0,
-        dp_rank: None,
-        events: vec![EngineEvent::BlockStored {
-            block_hashes: vec![EngineHash(first_hash)],
-            parent: None,
-            token_ids: (0..16).collect(),
-            block_size: 16,
-            tier: Tier::Gpu,
-            lora_id: None,
-            indexable: true,
-        }],
-        ..EngineBatch::default()
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kv_event_gaps_and_restarts_are_detected_per_rank() {
-    let broker = NatsServer::start().await.unwrap();
-    let client = nats::connect(&broker.url(), "test").await.unwrap();
-    let mut sub = KvEventSubscription::subscribe(&client, WORKER)
-        .await
-        .unwrap();
-    client.flush().await.unwrap();
-    let mut next = async || timeout(DEADLINE, sub.recv()).await.unwrap().unwrap();
-    let payload = |h| Bytes::from(encode_batch_vllm(&batch(h)));
-
-    let mut publisher = KvEventPublisher::new(client.clone(), WORKER, 1);
-    assert_eq!(publisher.publish(0, payload(1)).await.unwrap(), 0);
-    assert_eq!(publisher.publish(3, payload(2)).await.unwrap(), 0);
-    assert_eq!(publisher.publish(0, payload(3)).await.unwrap(), 1);
-    let KvItem::Batch {
-        dp_rank: 0,
-        seq: Some(0),
-        batch: b,
-    } = next().await
-    else {
-        panic!("first batch of rank 0")
-    };
-    assert_eq!(b, batch(1));
-    assert!(matches!(
-        next().await,
-        KvItem::Batch {
-            dp_rank: 3,
-            seq: Some(0),
-            ..
-        }
-    ));
-    assert!(matches!(
-        next().await,
-        KvItem::Batch {
-            dp_rank: 0,
-            seq: Some(1),
-            ..
-        }
-    ));
-
-    // Batch 2 of rank 0 is lost: 3 arrives next.
-    let mut headers = nats::HeaderMap::new();
-    headers.insert(HDR_KV_SEQ, "3");
-    headers.insert(HDR_KV_EPOCH, "1");
-    client
-        .publish_with_headers(kv_subject(WORKER, 0), headers, payload(4))
-        .await
-        .unwrap();
-    assert_eq!(
-        next().await,
-        KvItem::Gap {
-            dp_rank: 0,
-            missing: 2..=2
-        }
-    );
-    assert!(matches!(
-        next().await,
-        KvItem::Batch {
-            dp_rank: 0,
-            seq: Some(3),
-            ..
-        }
-    ));
-
-    // The worker restarts: a new epoch, seqs from 0 again.
-    let mut restarted = KvEventPublisher::new(client.clone(), WORKER, 2);
-    restarted.publish(0, payload(5)).await.unwrap();
-    assert_eq!(next().await, KvItem::Restart { dp_rank: 0 });
-    assert!(matches!(
-        next().await,
-        KvItem::Batch {
-            dp_rank: 0,
-            seq: Some(0),
-            ..
-        }
-    ));
-
-    // Garbage is reported, not fatal; a batch without our headers (a Python worker) is taken.
-    client
-        .publish(kv_subject(WORKER, 0), Bytes::from_static(b"\xc1"))
-        .await
-        .unwrap();
-    assert!(matches!(next().await, KvItem::Malformed { .. }));
-    client
-        .publish(kv_subject(WORKER, 1), payload(6))
-        .await
-        .unwrap();
-    assert!(matches!(
-        next().await,
-        KvItem::Batch {
-            dp_rank: 1,
-            seq: None,
-            ..
-        }
-    ));
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_pinned_to_a_dp_rank_reaches_the_engine_with_its_rank_header() {
     // An engine that reports each request's X-data-parallel-rank (`None` without one).
@@ -441,8 +320,7 @@ async fn a_request_pinned_to_a_dp_rank_reaches_the_engine_with_its_rank_header()
     let _responder = responder(&client, &url).await;
     let transport = NatsTransport::new(client.clone(), NatsRequestConfig::default());
     for rank in [Some(3), None] {
-        let mut out = outbound(json!({"model": "m", "prompt": "x"}), false);
-        out.dp_rank = rank;
+        let out = outbound(json!({"model": "m", "prompt": "x"}), false).with_dp_rank(rank);
         let resp = transport.send(out).await.unwrap();
         assert_eq!(resp.status, 200);
         collect(resp.body).await;
