@@ -36,7 +36,6 @@ pub struct Pareto<'a> {
 
 /// Draws a Pareto chart as the bytes of a `format` file.
 pub fn pareto(chart: &Pareto<'_>, format: super::Format) -> Result<Vec<u8>, super::PlotError> {
-    super::register_font()?;
     super::render(chart, format)
 }
 

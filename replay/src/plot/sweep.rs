@@ -5,8 +5,10 @@
 //! are all numbers (sorted ascending), else the last `--sweep` (values in the order given); its
 //! values sit evenly spaced. Each value of the other swept parameters (each combination, when
 //! there are several) is one series: one line with a dot at each configuration, in the same
-//! colour in every panel. A configuration that lacks the x parameter is left out; a value that
-//! is not finite leaves a gap in its line.
+//! colour in every panel; earlier series have larger dots, so that equal values still show every
+//! colour. Wide x values are staggered over up to four rows (and only every n-th is written past
+//! that). A configuration that lacks the x parameter is left out; a value that is not finite
+//! leaves a gap in its line.
 
 use super::{FAMILY, Figure, GRID, PALETTE, font, nice_ceiling, shorten, text_width, tick};
 use crate::report::Summary;
@@ -75,7 +77,6 @@ pub fn sweep(
     runs: &[SweepRun<'_>],
     format: super::Format,
 ) -> Result<Vec<u8>, super::PlotError> {
-    super::register_font()?;
     super::render(&SweepChart::new(axes, runs), format)
 }
 
