@@ -6,12 +6,11 @@
 //! - [`rules`]: retention rules (`--retention-rule`);
 //! - [`sweep`]: `--sweep` grids run in parallel;
 //! - [`record`]: the trace recorder behind `infera server --record-trace`;
-//! - [`report`], [`output`], [`plot`], [`raster`]: tables, Parquet results, SVG and PNG plots.
+//! - [`report`], [`output`], [`plot`]: tables, Parquet results, SVG and PNG charts.
 
 pub mod bench;
 pub mod output;
 pub mod plot;
-pub mod raster;
 pub mod record;
 pub mod report;
 pub mod rules;

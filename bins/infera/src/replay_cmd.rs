@@ -5,7 +5,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use infera_core::engine::TimingModel;
 use infera_core::policy::PolicyKind;
-use infera_replay::plot::{self, PlotPoint};
+use infera_replay::plot;
 use infera_replay::report::{self, Row, Summary};
 use infera_replay::rules::RetentionRule;
 use infera_replay::sim::{DEFAULT_FRONTEND_US, SimConfig, SimResult, TierConfig};
@@ -131,7 +131,8 @@ pub struct ReplayArgs {
     /// Write per-request rows to this Parquet file and a summary to FILE.summary.parquet.
     #[arg(long, value_name = "FILE.parquet")]
     pub out: Option<PathBuf>,
-    /// Draw hit rate and TTFT p50 against the swept value, and TTFT CDFs (.svg or .png).
+    /// Chart each metric (hit rate, TTFT p50 and p99, TPOT, tokens/s, imbalance) against the
+    /// swept value, one line per value of the other --sweep (.svg or .png).
     #[arg(long, value_name = "FILE.svg|FILE.png")]
     pub plot: Option<PathBuf>,
 }
@@ -505,32 +506,14 @@ fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
         );
     }
     if let (Some(path), Some(format)) = (&args.plot, plot_format) {
-        let axis = axes
-            .first()
-            .map(|a| a.key.clone())
-            .unwrap_or_else(|| "configuration".into());
-        let pts: Vec<PlotPoint> = runs
+        let runs: Vec<plot::SweepRun<'_>> = runs
             .iter()
-            .map(|(i, r, s)| {
-                let mut ttft: Vec<f64> = r
-                    .requests
-                    .iter()
-                    .filter(|q| !q.rejected)
-                    .map(|q| q.ttft_us as f64 / 1000.0)
-                    .collect();
-                ttft.sort_by(f64::total_cmp);
-                PlotPoint {
-                    label: points[*i].label.clone(),
-                    x: (axes.len() == 1)
-                        .then(|| points[*i].values[0].1.parse::<f64>().ok())
-                        .flatten(),
-                    hit_rate: s.hit_rate,
-                    ttft_p50_ms: s.ttft_p50_ms,
-                    ttft_ms: ttft,
-                }
+            .map(|(i, _, s)| plot::SweepRun {
+                values: &points[*i].values,
+                summary: s,
             })
             .collect();
-        write_atomic(path, &plot::render(&axis, &pts, format))?;
+        write_atomic(path, &plot::sweep(&axes, &runs, format)?)?;
         println!("wrote {}", path.display());
     }
     tracing::debug!(elapsed_s = started.elapsed().as_secs_f64(), "replay done");

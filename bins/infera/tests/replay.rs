@@ -1,6 +1,7 @@
 //! `infera replay` and `infera trace` end to end, through the real binary on the bundled traces:
 //! the table is printed, results are readable Parquet (checked with an independent reader,
-//! pyarrow), runs are deterministic, and bad input fails clearly without writing anything.
+//! pyarrow), `--plot` charts open in independent SVG and PNG readers (Python's XML parser and
+//! zlib), runs are deterministic, and bad input fails clearly without writing anything.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -183,6 +184,7 @@ fn bad_flags_exit_2_before_reading_anything() {
         (vec!["--sweep", "workers=0"], "workers"),
         (vec!["--kv-overlap-weight=-1"], "--kv-overlap-weight"),
         (vec!["--out", "results.csv"], "--out"),
+        (vec!["--plot", "chart.jpg"], "--plot"),
         (
             vec!["--retention-rule", "input_length<2048"],
             "retention rule",
@@ -225,4 +227,64 @@ fn trace_inspect_reports_the_ideal_hit_rate_and_import_round_trips() {
         "{}",
         text(&res.stdout)
     );
+}
+
+#[test]
+fn plot_writes_a_chart_per_format_that_independent_readers_open() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for name in ["chart.svg", "chart.png"] {
+        let path = dir.path().join(name);
+        let res = infera(&[
+            "replay",
+            &mooncake(),
+            "--limit",
+            "100",
+            "--sweep",
+            "router-policy=round-robin,kv-aware",
+            "--sweep",
+            "kv-overlap-weight=0,1,4",
+            "--plot",
+            path.to_str().expect("utf8"),
+        ]);
+        assert!(res.status.success(), "{}", text(&res.stderr));
+        assert!(text(&res.stdout).contains(&format!("wrote {}", path.display())));
+    }
+    // Python's own XML parser and zlib: the SVG's panels and lines, the PNG's chunks and pixels.
+    let script = format!(
+        "import xml.etree.ElementTree as ET, struct, zlib\n\
+         ns = '{{http://www.w3.org/2000/svg}}'\n\
+         svg = ET.parse({:?}).getroot()\n\
+         texts = [t.text.strip() for t in svg.iter(ns + 'text') if t.text]\n\
+         lines = [p.get('stroke').lower() for p in svg.iter(ns + 'polyline')]\n\
+         data = open({:?}, 'rb').read()\n\
+         assert data[:8] == bytes([137, 80, 78, 71, 13, 10, 26, 10])\n\
+         pos, idat, size = 8, b'', None\n\
+         while pos < len(data):\n\
+         \x20   n, kind = struct.unpack('>I4s', data[pos:pos + 8])\n\
+         \x20   body = data[pos + 8:pos + 8 + n]\n\
+         \x20   assert zlib.crc32(kind + body) == struct.unpack('>I', data[pos + 8 + n:pos + 12 + n])[0]\n\
+         \x20   size = struct.unpack('>II', body[:8]) if kind == b'IHDR' else size\n\
+         \x20   idat += body if kind == b'IDAT' else b''\n\
+         \x20   pos += 12 + n\n\
+         w, h = size\n\
+         assert len(zlib.decompress(idat)) == h * (1 + 3 * w)\n\
+         print(w, h, svg.get('width'), svg.get('height'), texts.count('TTFT p50 (ms)'), \n\
+         \x20     texts.count('router-policy:'), lines.count('#1f77b4'), lines.count('#ff7f0e'))\n",
+        dir.path().join("chart.svg").display().to_string(),
+        dir.path().join("chart.png").display().to_string(),
+    );
+    let py = Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .expect("python3 is required for this test (independent SVG and PNG readers)");
+    assert!(py.status.success(), "{}", text(&py.stderr));
+    let fields: Vec<String> = text(&py.stdout)
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    // Same size in both formats; one TTFT p50 panel; one legend; per policy six panels' lines
+    // and a legend swatch.
+    assert_eq!(fields[0], fields[2], "{fields:?}");
+    assert_eq!(fields[1], fields[3], "{fields:?}");
+    assert_eq!(fields[4..], ["1", "1", "7", "7"], "{fields:?}");
 }
