@@ -3,8 +3,11 @@
 use super::{
     HarnessError, find_on_path, free_port, kill, log_tail, port_was_taken, spawn_logged, wait_ready,
 };
+use crate::discovery::etcd::client::{ClientOptions, EtcdClient, EtcdError};
+use crate::discovery::etcd::endpoint::EtcdEndpoint;
 use std::path::PathBuf;
 use std::process::{Child, Command};
+use std::time::Duration;
 use tempfile::TempDir;
 
 const INSTALL: &str = "`apt-get install -y etcd-server` (or `cargo xtask tools`)";
@@ -85,12 +88,12 @@ impl EtcdServer {
         self.dir.path().join("etcd.log")
     }
 
-    /// A client connected to this server.
+    /// A raw client of this server, for what tests do behind the backend's back.
     ///
     /// # Errors
-    /// The client's error if the endpoint is unusable.
-    pub async fn client(&self) -> Result<etcd_client::Client, etcd_client::Error> {
-        etcd_client::Client::connect([self.endpoint()], None).await
+    /// [`EtcdError::Setup`] if the endpoint is unusable.
+    pub fn client(&self) -> Result<EtcdClient, EtcdError> {
+        client(&self.endpoint())
     }
 
     /// Kills the process (as a crash would) and starts it again on the same ports and data, then
@@ -129,15 +132,24 @@ impl EtcdServer {
     }
 }
 
-/// Whether etcd at `endpoint` answers a status call and a read (a leader is needed before puts
-/// and watches work).
+fn client(url: &str) -> Result<EtcdClient, EtcdError> {
+    let endpoint = EtcdEndpoint::parse(url).map_err(|e| EtcdError::Setup {
+        endpoint: url.to_owned(),
+        message: e.to_string(),
+    })?;
+    let options = ClientOptions {
+        request_timeout: Duration::from_secs(5),
+        http2_keepalive: Duration::from_secs(10),
+    };
+    EtcdClient::new(&[endpoint], &options)
+}
+
+/// Whether etcd at `endpoint` answers a linearizable read (which needs a leader, as puts and
+/// watches do).
 async fn probe(endpoint: String) -> Result<(), String> {
-    let mut client = etcd_client::Client::connect([endpoint], None)
-        .await
-        .map_err(|e| e.to_string())?;
-    client.status().await.map_err(|e| e.to_string())?;
-    let mut kv = client.kv_client();
-    kv.get("/infera-harness-probe", None)
+    let client = client(&endpoint).map_err(|e| e.to_string())?;
+    client
+        .range(b"/infera-harness-probe", b"")
         .await
         .map_err(|e| e.to_string())?;
     Ok(())
