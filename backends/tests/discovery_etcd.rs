@@ -566,3 +566,28 @@ async fn when_no_member_answers_the_error_is_retryable_and_names_the_last_one() 
     assert!(error.is_retryable(), "{error}");
     assert!(error.to_string().contains(&two), "{error}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_endpoint_speaks_tls_and_refuses_a_certificate_no_system_root_trusts() {
+    let server = EtcdServer::start_with_tls()
+        .await
+        .unwrap_or_else(|e| panic!("this test needs a real etcd and openssl: {e}"));
+    let https = server.https_endpoint().expect("a TLS listener");
+    let error = connect(config(https.clone()))
+        .await
+        .watch()
+        .await
+        .expect_err("a self-signed certificate is not trusted");
+    let message = error.to_string();
+    assert!(message.contains(&https), "{message}");
+    assert!(
+        message.contains("certificate") || message.contains("UnknownIssuer"),
+        "the TLS handshake must fail on verification: {message}"
+    );
+    // The same server answers on its plain-text listener.
+    connect(config(server.endpoint()))
+        .await
+        .watch()
+        .await
+        .expect("plain-text watch");
+}

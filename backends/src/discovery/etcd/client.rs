@@ -75,7 +75,7 @@ impl EtcdError {
             op,
             endpoint: endpoint.url(),
             code: status.code(),
-            message: status.message().to_owned(),
+            message: with_causes(status.message(), std::error::Error::source(status)),
         }
     }
 
@@ -497,9 +497,25 @@ fn grpc(channel: Channel) -> Grpc<Channel> {
 }
 
 async fn ready(grpc: &mut Grpc<Channel>) -> Result<(), Status> {
-    grpc.ready()
-        .await
-        .map_err(|e| Status::unavailable(format!("connection not ready: {e}")))
+    grpc.ready().await.map_err(|e| {
+        let message = with_causes(&e.to_string(), std::error::Error::source(&e));
+        Status::unavailable(format!("connection not ready: {message}"))
+    })
+}
+
+/// `message` followed by each cause that it does not already say (tonic's transport errors say
+/// only "transport error"; the cause is a refused connection or a certificate problem).
+fn with_causes(message: &str, mut cause: Option<&(dyn std::error::Error + 'static)>) -> String {
+    let mut text = message.to_owned();
+    while let Some(error) = cause {
+        let said = error.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        cause = error.source();
+    }
+    text
 }
 
 /// A request with the `hasleader` metadata (see the module docs).
