@@ -100,7 +100,7 @@ impl EtcdConfig {
     fn validate(&self) -> Result<()> {
         let invalid = |msg: String| Err(DiscoveryError::InvalidConfig(msg));
         if self.endpoints.is_empty() {
-            return invalid("no etcd endpoint given (--etcd-endpoints)".to_owned());
+            return invalid("no etcd endpoint given (--etcd-endpoint)".to_owned());
         }
         if self.lease_ttl < Duration::from_secs(1) {
             return invalid(format!(
@@ -246,7 +246,7 @@ mod tests {
         assert!(EtcdConfig::default().validate().is_ok());
         let no_endpoint = EtcdConfig::new(Vec::<String>::new());
         assert!(
-            matches!(no_endpoint.validate(), Err(DiscoveryError::InvalidConfig(m)) if m.contains("--etcd-endpoints"))
+            matches!(no_endpoint.validate(), Err(DiscoveryError::InvalidConfig(m)) if m.contains("--etcd-endpoint"))
         );
         let short_ttl = EtcdConfig {
             lease_ttl: Duration::from_millis(500),

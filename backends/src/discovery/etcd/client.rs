@@ -299,8 +299,8 @@ impl EtcdClient {
         let (tx, mut responses) = self
             .bidi("watch", "/etcdserverpb.Watch/Watch", first, 1)
             .await?;
-        // Nothing more is sent, but closing the request side would end the stream on some
-        // servers; the sender lives as long as the stream.
+        // Nothing more is sent; the request side stays open for the stream's lifetime, as etcd's
+        // own clients keep it, so that the server never sees a half-closed watch.
         responses.requests = Some(Box::new(tx));
         Ok(responses)
     }
