@@ -5,13 +5,15 @@
 //! stream with a timeout; nothing sleeps to synchronise.
 
 use async_trait::async_trait;
-use etcd_client::CompactionOptions;
+use infera_backends::discovery::etcd::client::{ClientOptions, EtcdClient};
+use infera_backends::discovery::etcd::endpoint::EtcdEndpoint;
 use infera_backends::discovery::{
     Discovery, DiscoveryChange, DiscoveryStream, EtcdConfig, EtcdDiscovery, Registrar,
     Registration, WatchStats,
 };
 use infera_backends::testing::{
-    DiscoveryFixture, EtcdServer, TcpProxy, discovery_conformance, next_change_for, sample_record,
+    DiscoveryFixture, EtcdServer, TcpProxy, discovery_conformance, free_port, next_change_for,
+    sample_record,
 };
 use infera_core::event::{Engine, Role, WorkerRecord};
 use std::collections::HashMap;
@@ -83,9 +85,9 @@ impl DiscoveryFixture for EtcdFixture {
     }
 
     async fn publish_raw(&self, worker: &str, value: &[u8]) {
-        let mut client = self.server.client().await.expect("raw client");
+        let client = self.server.client().expect("raw client");
         client
-            .put(format!("{PREFIX}{worker}"), value, None)
+            .put(format!("{PREFIX}{worker}").as_bytes(), value, 0)
             .await
             .expect("raw put");
     }
@@ -140,13 +142,13 @@ async fn a_worker_that_stops_renewing_expires_within_its_ttl_while_a_live_one_st
             "{worker} vanished after {after:?}: that is a revoke, not an expiry"
         );
     }
-    let mut client = server.client().await.expect("client");
+    let client = server.client().expect("client");
     let listed = client
-        .get(format!("{PREFIX}alive:1"), None)
+        .range(format!("{PREFIX}alive:1").as_bytes(), b"")
         .await
         .expect("get");
     assert_eq!(
-        listed.kvs().len(),
+        listed.kvs.len(),
         1,
         "the renewing worker must still be registered"
     );
@@ -212,18 +214,15 @@ async fn a_watch_whose_revision_was_compacted_lists_again_and_converges() {
     let mut b_v2 = sample_record("b:2");
     b_v2.model_name = "changed-while-disconnected".to_owned();
     b.update(&b_v2).await.expect("update b");
-    let mut client = server.client().await.expect("client");
+    let client = server.client().expect("client");
     let revision = client
-        .get("/any", None)
+        .range(b"/any", b"")
         .await
         .expect("get")
-        .header()
+        .header
         .expect("header")
-        .revision();
-    client
-        .compact(revision, Some(CompactionOptions::new().with_physical()))
-        .await
-        .expect("compact");
+        .revision;
+    client.compact(revision).await.expect("compact");
     proxy.restore();
 
     let expected: HashMap<String, WorkerRecord> = [
@@ -314,11 +313,11 @@ fn python_record(worker: &str, disagg_mode: serde_json::Value) -> serde_json::Va
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_records_parse_and_garbage_is_skipped_and_counted() {
     let server = etcd().await;
-    let mut client = server.client().await.expect("client");
+    let client = server.client().expect("client");
     let put = |key: &str, value: Vec<u8>| {
-        let mut client = client.clone();
+        let client = client.clone();
         let key = format!("{PREFIX}{key}");
-        async move { client.put(key, value, None).await.expect("put") }
+        async move { client.put(key.as_bytes(), &value, 0).await.expect("put") }
     };
     let json = |value: serde_json::Value| serde_json::to_vec(&value).expect("json");
 
@@ -384,11 +383,11 @@ async fn python_records_parse_and_garbage_is_skipped_and_counted() {
     // What we register is what the Python server reads: the same keys, the wire values.
     let ours = register(&backend, &sample_record("10.0.0.10:8000")).await;
     let stored = client
-        .get(format!("{PREFIX}10.0.0.10:8000"), None)
+        .range(format!("{PREFIX}10.0.0.10:8000").as_bytes(), b"")
         .await
         .expect("get");
     let value: serde_json::Value =
-        serde_json::from_slice(stored.kvs()[0].value()).expect("stored JSON");
+        serde_json::from_slice(&stored.kvs[0].value).expect("stored JSON");
     for field in [
         "worker_id",
         "url",
@@ -406,7 +405,7 @@ async fn python_records_parse_and_garbage_is_skipped_and_counted() {
     }
     assert_eq!(value["engine"], "vllm");
     assert_eq!(value["disagg_mode"], "mixed");
-    assert_ne!(stored.kvs()[0].lease(), 0, "the record must be on a lease");
+    assert_ne!(stored.kvs[0].lease, 0, "the record must be on a lease");
     ours.deregister().await.expect("deregister");
 }
 
@@ -427,16 +426,168 @@ async fn a_registration_whose_lease_is_lost_registers_again() {
     );
 
     // The lease disappears behind the worker's back (as after an outage longer than the TTL).
-    let mut client = server.client().await.expect("client");
+    let client = server.client().expect("client");
     let key = format!("{PREFIX}a:1");
-    let lease = client.get(key.as_str(), None).await.expect("get").kvs()[0].lease();
+    let lease = client.range(key.as_bytes(), b"").await.expect("get").kvs[0].lease;
     client.lease_revoke(lease).await.expect("revoke");
     assert!(deregistered(&next(&mut stream).await, "a:1"));
 
     // The keepalive notices at its next renewal and puts the record on a fresh lease.
     assert_eq!(next(&mut stream).await, DiscoveryChange::Registered(record));
-    let relisted = client.get(key.as_str(), None).await.expect("get");
-    assert_ne!(relisted.kvs()[0].lease(), lease, "a new lease");
+    let relisted = client.range(key.as_bytes(), b"").await.expect("get");
+    assert_ne!(relisted.kvs[0].lease, lease, "a new lease");
     registration.deregister().await.expect("deregister");
     assert!(deregistered(&next(&mut stream).await, "a:1"));
+}
+
+/// An address nothing listens on (connections to it are refused at once).
+fn dead_endpoint() -> String {
+    format!("127.0.0.1:{}", free_port().expect("a free port"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_first_endpoint_is_skipped_for_the_next_member() {
+    let server = etcd().await;
+    let dead = dead_endpoint();
+    let live = EtcdEndpoint::parse(&server.endpoint()).expect("live endpoint");
+    let options = ClientOptions {
+        request_timeout: Duration::from_secs(5),
+        http2_keepalive: Duration::from_secs(10),
+    };
+    let members = [
+        EtcdEndpoint::parse(&dead).expect("dead endpoint"),
+        live.clone(),
+    ];
+    let client = EtcdClient::new(&members, &options).expect("client");
+    client
+        .range(b"/probe", b"")
+        .await
+        .expect("range via the second member");
+    assert_eq!(
+        client.preferred_endpoint(),
+        &live,
+        "the member that answered is kept"
+    );
+
+    // The backend, given the list in the flag's forms, registers and watches through it.
+    let backend = connect(EtcdConfig {
+        endpoints: vec![dead, server.endpoint()],
+        ..config(String::new())
+    })
+    .await;
+    let mut stream = backend.watch().await.expect("watch");
+    let a = register(&backend, &sample_record("a:1")).await;
+    assert_eq!(
+        next(&mut stream).await,
+        DiscoveryChange::Registered(sample_record("a:1"))
+    );
+    a.deregister().await.expect("deregister");
+    assert!(deregistered(&next(&mut stream).await, "a:1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_the_member_in_use_goes_away_the_watch_and_the_lease_move_to_the_next() {
+    let server = etcd().await;
+    let ttl = Duration::from_secs(3);
+    let first = TcpProxy::start(server.client_addr()).await.expect("proxy");
+    let second = TcpProxy::start(server.client_addr()).await.expect("proxy");
+    let backend = connect(EtcdConfig {
+        endpoints: vec![first.http_url(), second.http_url()],
+        lease_ttl: ttl,
+        ..config(String::new())
+    })
+    .await;
+    let direct = connect(EtcdConfig {
+        lease_ttl: ttl,
+        ..config(server.endpoint())
+    })
+    .await;
+    let mut stream = backend.watch().await.expect("watch");
+    let a = register(&backend, &sample_record("a:1")).await;
+    assert_eq!(
+        next(&mut stream).await,
+        DiscoveryChange::Registered(sample_record("a:1"))
+    );
+
+    // The first member becomes unreachable for good: the watch resumes on the second without
+    // listing again, and new calls go there.
+    first.cut();
+    let cut_at = Instant::now();
+    let b = register(&direct, &sample_record("b:2")).await;
+    assert_eq!(
+        next(&mut stream).await,
+        DiscoveryChange::Registered(sample_record("b:2"))
+    );
+    let c = register(&backend, &sample_record("c:3")).await;
+    assert_eq!(
+        next(&mut stream).await,
+        DiscoveryChange::Registered(sample_record("c:3"))
+    );
+    let stats = stream.stats();
+    assert!(WatchStats::get(&stats.reconnects) >= 1, "the watch broke");
+    assert_eq!(WatchStats::get(&stats.relists), 0, "and resumed");
+
+    // a's keepalive renews through the second member: while workers that stop renewing expire
+    // (the clock of this test), a outlives its TTL twice over.
+    drop(b);
+    assert!(deregistered(&next(&mut stream).await, "b:2"));
+    let mut round = 0;
+    while cut_at.elapsed() < ttl * 2 {
+        round += 1;
+        let worker = format!("crashed:{round}");
+        let crashed = register(&direct, &sample_record(&worker)).await;
+        assert!(
+            matches!(next(&mut stream).await, DiscoveryChange::Registered(r) if r.worker_id.as_str() == worker)
+        );
+        drop(crashed);
+        let change = next(&mut stream).await;
+        assert!(
+            deregistered(&change, &worker),
+            "only {worker} may leave, got {change:?}"
+        );
+    }
+    a.deregister()
+        .await
+        .expect("deregister a through the second member");
+    assert!(deregistered(&next(&mut stream).await, "a:1"));
+    c.deregister().await.expect("deregister c");
+    assert!(deregistered(&next(&mut stream).await, "c:3"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_no_member_answers_the_error_is_retryable_and_names_the_last_one() {
+    let (one, two) = (dead_endpoint(), dead_endpoint());
+    let backend = connect(EtcdConfig {
+        endpoints: vec![one, two.clone()],
+        ..config(String::new())
+    })
+    .await;
+    let error = backend.watch().await.expect_err("nothing listens");
+    assert!(error.is_retryable(), "{error}");
+    assert!(error.to_string().contains(&two), "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_endpoint_speaks_tls_and_refuses_a_certificate_no_system_root_trusts() {
+    let server = EtcdServer::start_with_tls()
+        .await
+        .unwrap_or_else(|e| panic!("this test needs a real etcd and openssl: {e}"));
+    let https = server.https_endpoint().expect("a TLS listener");
+    let error = connect(config(https.clone()))
+        .await
+        .watch()
+        .await
+        .expect_err("a self-signed certificate is not trusted");
+    let message = error.to_string();
+    assert!(message.contains(&https), "{message}");
+    assert!(
+        message.contains("certificate") || message.contains("UnknownIssuer"),
+        "the TLS handshake must fail on verification: {message}"
+    );
+    // The same server answers on its plain-text listener.
+    connect(config(server.endpoint()))
+        .await
+        .watch()
+        .await
+        .expect("plain-text watch");
 }

@@ -21,7 +21,13 @@
 //! workers that vanished meanwhile and `Registered` for new or changed ones, and watches again.
 //! Reconnects use bounded exponential backoff. A deleted key (revoked or expired lease, or a manual
 //! delete; etcd does not tell them apart) becomes `Deregistered`.
+//!
+//! The gRPC client is our own ([`client`], messages in [`proto`]): no build script and no `protoc`.
+//! It accepts several members ([`endpoint`] has the grammar) and fails over between them.
 
+pub mod client;
+pub mod endpoint;
+pub mod proto;
 mod registrar;
 mod watcher;
 
@@ -29,7 +35,8 @@ use super::{
     Discovery, DiscoveryError, DiscoveryStream, Registrar, Registration, Result, WatchStats,
 };
 use async_trait::async_trait;
-use etcd_client::{Client, ConnectOptions};
+use client::{ClientOptions, EtcdClient, EtcdError};
+use endpoint::EtcdEndpoint;
 use infera_core::event::WorkerRecord;
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,7 +50,8 @@ const BACKEND: &str = "etcd";
 /// Settings of the etcd backend.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EtcdConfig {
-    /// Client URLs, e.g. `http://127.0.0.1:2379`.
+    /// Members, each in a form of [`endpoint`] (e.g. `http://127.0.0.1:2379`, `etcd-0:2379`);
+    /// calls fail over between them in this order.
     pub endpoints: Vec<String>,
     /// Key prefix; a missing trailing `/` is added.
     pub prefix: String,
@@ -92,7 +100,7 @@ impl EtcdConfig {
     fn validate(&self) -> Result<()> {
         let invalid = |msg: String| Err(DiscoveryError::InvalidConfig(msg));
         if self.endpoints.is_empty() {
-            return invalid("no etcd endpoint given (--etcd-endpoints)".to_owned());
+            return invalid("no etcd endpoint given (--etcd-endpoint)".to_owned());
         }
         if self.lease_ttl < Duration::from_secs(1) {
             return invalid(format!(
@@ -128,10 +136,10 @@ impl EtcdConfig {
 
 /// Discovery through etcd: a [`Registrar`] for workers and a [`Discovery`] for the server.
 ///
-/// Cheap to clone; clones share one gRPC channel, which reconnects by itself.
+/// Cheap to clone; clones share the gRPC channels, which reconnect by themselves.
 #[derive(Clone)]
 pub struct EtcdDiscovery {
-    client: Client,
+    client: EtcdClient,
     config: Arc<EtcdConfig>,
     prefix: Arc<str>,
 }
@@ -150,25 +158,21 @@ impl EtcdDiscovery {
     /// while etcd is down; the first request reports it.
     ///
     /// # Errors
-    /// [`DiscoveryError::InvalidConfig`] for an unusable configuration or endpoint URL.
+    /// [`DiscoveryError::InvalidConfig`] for an unusable configuration or endpoint.
     pub async fn connect(config: EtcdConfig) -> Result<Self> {
         config.validate()?;
-        let options = ConnectOptions::new()
-            .with_connect_timeout(config.request_timeout)
-            .with_keep_alive(config.http2_keepalive, config.http2_keepalive)
-            .with_keep_alive_while_idle(true)
-            .with_require_leader(true);
-        let client = Client::connect(&config.endpoints, Some(options))
-            .await
-            .map_err(|e| match e {
-                etcd_client::Error::InvalidArgs(_) | etcd_client::Error::InvalidUri(_) => {
-                    DiscoveryError::InvalidConfig(format!(
-                        "etcd endpoints {:?}: {e}",
-                        config.endpoints
-                    ))
-                }
-                other => map_err("connect", other),
-            })?;
+        let endpoints = config
+            .endpoints
+            .iter()
+            .map(|text| EtcdEndpoint::parse(text))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| DiscoveryError::InvalidConfig(e.to_string()))?;
+        let options = ClientOptions {
+            request_timeout: config.request_timeout,
+            http2_keepalive: config.http2_keepalive,
+        };
+        let client = EtcdClient::new(&endpoints, &options)
+            .map_err(|e| DiscoveryError::InvalidConfig(e.to_string()))?;
         let prefix: Arc<str> = config.normalized_prefix().into();
         Ok(Self {
             client,
@@ -206,82 +210,30 @@ impl Discovery for EtcdDiscovery {
     }
 }
 
-/// Runs an etcd call under the configured request timeout.
-async fn timed<T>(
-    config: &EtcdConfig,
+/// Awaits a client call (each member's attempt is bounded by the request timeout) and maps its
+/// error.
+async fn call<T>(
     op: &'static str,
-    call: impl Future<Output = Result<T, etcd_client::Error>>,
+    call: impl Future<Output = std::result::Result<T, EtcdError>>,
 ) -> Result<T> {
-    match tokio::time::timeout(config.request_timeout, call).await {
-        Ok(result) => result.map_err(|e| map_err(op, e)),
-        Err(_) => Err(DiscoveryError::Unavailable {
-            backend: BACKEND,
-            op,
-            message: format!(
-                "no answer within {:?} from {:?}",
-                config.request_timeout, config.endpoints
-            ),
-        }),
-    }
+    call.await.map_err(|e| map_err(op, e))
 }
 
-/// Maps an etcd client error to the port's error: refusals are final, everything else may pass.
-fn map_err(op: &'static str, e: etcd_client::Error) -> DiscoveryError {
+/// Maps a client error to the port's error: refusals are final, everything else may pass.
+fn map_err(op: &'static str, e: EtcdError) -> DiscoveryError {
     let message = e.to_string();
-    match &e {
-        etcd_client::Error::GRpcStatus(status) if grpc_code::is_final(i32::from(status.code())) => {
-            DiscoveryError::Rejected {
-                backend: BACKEND,
-                op,
-                message,
-            }
-        }
-        etcd_client::Error::InvalidArgs(_) | etcd_client::Error::InvalidUri(_) => {
-            DiscoveryError::InvalidConfig(message)
-        }
+    match e {
+        EtcdError::Setup { .. } => DiscoveryError::InvalidConfig(message),
+        e if e.is_final() => DiscoveryError::Rejected {
+            backend: BACKEND,
+            op,
+            message,
+        },
         _ => DiscoveryError::Unavailable {
             backend: BACKEND,
             op,
             message,
         },
-    }
-}
-
-/// Whether `e` says the lease no longer exists on the server.
-fn is_lease_not_found(e: &etcd_client::Error) -> bool {
-    match e {
-        etcd_client::Error::LeaseKeepAliveError(msg) => msg.contains("not found"),
-        etcd_client::Error::GRpcStatus(status) => {
-            i32::from(status.code()) == grpc_code::NOT_FOUND
-                || status.message().contains("lease not found")
-        }
-        _ => false,
-    }
-}
-
-/// gRPC status codes (stable numbers of the gRPC spec; `tonic::Code` is not re-exported).
-mod grpc_code {
-    pub(super) const INVALID_ARGUMENT: i32 = 3;
-    pub(super) const NOT_FOUND: i32 = 5;
-    pub(super) const ALREADY_EXISTS: i32 = 6;
-    pub(super) const PERMISSION_DENIED: i32 = 7;
-    pub(super) const FAILED_PRECONDITION: i32 = 9;
-    pub(super) const OUT_OF_RANGE: i32 = 11;
-    pub(super) const UNIMPLEMENTED: i32 = 12;
-    pub(super) const UNAUTHENTICATED: i32 = 16;
-
-    /// Codes after which retrying the same request cannot help.
-    pub(super) fn is_final(code: i32) -> bool {
-        matches!(
-            code,
-            INVALID_ARGUMENT
-                | ALREADY_EXISTS
-                | PERMISSION_DENIED
-                | FAILED_PRECONDITION
-                | OUT_OF_RANGE
-                | UNIMPLEMENTED
-                | UNAUTHENTICATED
-        )
     }
 }
 
@@ -294,7 +246,7 @@ mod tests {
         assert!(EtcdConfig::default().validate().is_ok());
         let no_endpoint = EtcdConfig::new(Vec::<String>::new());
         assert!(
-            matches!(no_endpoint.validate(), Err(DiscoveryError::InvalidConfig(m)) if m.contains("--etcd-endpoints"))
+            matches!(no_endpoint.validate(), Err(DiscoveryError::InvalidConfig(m)) if m.contains("--etcd-endpoint"))
         );
         let short_ttl = EtcdConfig {
             lease_ttl: Duration::from_millis(500),
@@ -324,18 +276,47 @@ mod tests {
 
     #[test]
     fn client_errors_map_to_retry_decisions() {
-        let outage = map_err("watch", etcd_client::Error::WatchError("reset".to_owned()));
+        let status = |code, message: &str| EtcdError::Status {
+            op: "put",
+            endpoint: "http://e:2379".to_owned(),
+            code,
+            message: message.to_owned(),
+        };
+        let outage = map_err(
+            "watch",
+            status(tonic::Code::Unavailable, "tcp connect error"),
+        );
         assert!(outage.is_retryable(), "{outage}");
+        let timeout = map_err(
+            "put",
+            EtcdError::Timeout {
+                op: "put",
+                endpoint: "http://e:2379".to_owned(),
+                timeout: Duration::from_secs(5),
+            },
+        );
+        assert!(timeout.is_retryable(), "{timeout}");
         let bad = map_err(
             "put",
-            etcd_client::Error::InvalidArgs("empty key".to_owned()),
+            status(tonic::Code::InvalidArgument, "key is not provided"),
         );
         assert!(!bad.is_retryable(), "{bad}");
-        assert!(is_lease_not_found(
-            &etcd_client::Error::LeaseKeepAliveError("lease not found".to_owned())
-        ));
-        assert!(!is_lease_not_found(&etcd_client::Error::WatchError(
-            "reset".to_owned()
-        )));
+        let lost = status(
+            tonic::Code::NotFound,
+            "etcdserver: requested lease not found",
+        );
+        assert!(lost.is_lease_not_found());
+        assert!(!status(tonic::Code::Unavailable, "lease not found").is_lease_not_found());
+    }
+
+    #[tokio::test]
+    async fn malformed_endpoints_are_refused_when_connecting() {
+        let error = EtcdDiscovery::connect(EtcdConfig::new(["http://etcd:2379/v3"]))
+            .await
+            .expect_err("a path is refused");
+        assert!(
+            matches!(&error, DiscoveryError::InvalidConfig(m) if m.contains("paths")),
+            "{error}"
+        );
     }
 }

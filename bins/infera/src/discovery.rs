@@ -4,6 +4,7 @@
 
 use crate::config::DiscoveryConfig;
 use anyhow::Context as _;
+use infera_backends::discovery::etcd::endpoint::EtcdEndpoint;
 use infera_backends::discovery::{
     Discovery, DiscoveryStream, EtcdConfig, EtcdDiscovery, KubernetesConfig, KubernetesDiscovery,
     KubernetesRegistrar, Registrar,
@@ -87,11 +88,13 @@ fn kubernetes(config: &DiscoveryConfig) -> KubernetesConfig {
     .with_pod_environment()
 }
 
+/// The etcd backend for `--etcd-endpoint` (one endpoint or a comma-separated list).
 async fn etcd(endpoint: &str, prefix: &str, lease_ttl: Duration) -> anyhow::Result<EtcdDiscovery> {
+    let members = EtcdEndpoint::parse_list(endpoint).context("--etcd-endpoint")?;
     EtcdDiscovery::connect(EtcdConfig {
         prefix: prefix.to_owned(),
         lease_ttl,
-        ..EtcdConfig::new([endpoint.to_owned()])
+        ..EtcdConfig::new(members.iter().map(EtcdEndpoint::url))
     })
     .await
     .with_context(|| format!("cannot connect to etcd at {endpoint}"))

