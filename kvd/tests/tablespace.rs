@@ -62,8 +62,12 @@ async fn get(ts: &Arc<dyn LongStore>, key: &str) -> Option<Bytes> {
 }
 
 async fn put(ts: &Arc<dyn LongStore>, b: LongBlock) -> Result<u64, LongRejected> {
-    let permit = ts.write_permit(b.value.len() as u64).await;
-    ts.put(b, permit, NOW, false)
+    let permit = ts
+        .write_permits(&[b.value.len() as u64])
+        .await
+        .pop()
+        .unwrap();
+    ts.put(b, permit, NOW, false).map(|put| put.generation)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -175,7 +179,7 @@ async fn retention_rules_hold_on_disk() {
         NOW,
         false,
     );
-    assert_eq!(full, Err(LongRejected::WouldDisplace));
+    assert_eq!(full.unwrap_err(), LongRejected::WouldDisplace);
     assert!(ts.class_of(key_hash(&ns(), b"t0"), NOW).is_some());
     assert_eq!(ts.class_of(key_hash(&ns(), b"t0"), NOW + 1000), None);
     assert_eq!(ts.sweep(NOW + 1000), n);

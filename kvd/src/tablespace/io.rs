@@ -326,6 +326,8 @@ pub struct WriteJob {
     pub metadata: Option<Bytes>,
     pub value: Bytes,
     pub _permit: WritePermit,
+    /// Told whether the write landed, for a durable put.
+    pub landed: Option<oneshot::Sender<bool>>,
 }
 
 /// Read the units of an extent.
@@ -408,7 +410,7 @@ pub struct IoCounters {
 }
 
 /// Called by a worker when a write finished (`true`: all its bytes are in the file).
-pub type WriteDone = Arc<dyn Fn(&WriteJob, bool) + Send + Sync>;
+pub type WriteDone = Arc<dyn Fn(WriteJob, bool) + Send + Sync>;
 
 /// What a worker needs.
 #[derive(Clone)]
@@ -503,7 +505,7 @@ fn run_batch(ctx: &WorkerContext, ring: &mut Option<Ring>, batch: Vec<Job>) {
         match job {
             Job::Write(w) => {
                 ctx.counters.writes.fetch_add(1, Ordering::Relaxed);
-                (ctx.done)(&w, result.is_ok());
+                (ctx.done)(w, result.is_ok());
             }
             Job::Read(r) => {
                 ctx.counters.reads.fetch_add(1, Ordering::Relaxed);
@@ -611,6 +613,7 @@ mod tests {
             metadata: None,
             value: Bytes::new(),
             _permit: WritePermit::unbounded(),
+            landed: None,
         })
     }
 

@@ -97,6 +97,11 @@ impl Journal {
         }
     }
 
+    /// Bytes appended so far (a position [`Journal::flush`] makes durable).
+    pub fn appended(&self) -> u64 {
+        self.lock().appended
+    }
+
     /// Starts a new segment for later appends; returns its number.
     pub fn rotate(&self) -> u64 {
         let mut s = self.lock();

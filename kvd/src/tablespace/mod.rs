@@ -35,7 +35,7 @@ mod shard;
 pub use io::{Device, IoDecision, IoMode, classify, decide, devices_of};
 pub use layout::UNIT;
 
-use crate::long::{LongBlock, LongHit, LongOpenError, LongRejected, LongStore, WritePermit};
+use crate::long::{LongBlock, LongHit, LongOpenError, LongRejected, LongStore, Put, WritePermit};
 use crate::proto::Namespace;
 use crate::stats::LongStats;
 use infera_core::event::Retention;
@@ -70,6 +70,9 @@ pub struct TablespaceConfig {
     pub io_uring: bool,
     /// Most bytes of writes queued at once (back-pressure on L3 writers).
     pub queue_bytes: u64,
+    /// Acknowledge a put only once its block is written and its journal record synced
+    /// (`--durable-long-writes`; see [`crate::long::Durable`]).
+    pub durable_writes: bool,
 }
 
 impl TablespaceConfig {
@@ -85,6 +88,7 @@ impl TablespaceConfig {
             journal_sync: Duration::from_millis(200),
             io_uring: true,
             queue_bytes: 256 << 20,
+            durable_writes: false,
         }
     }
 }
@@ -95,6 +99,7 @@ pub struct Tablespace {
     shards: Vec<Arc<Shard>>,
     writes: Arc<Semaphore>,
     write_units: u32,
+    durable: bool,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -151,6 +156,7 @@ impl Tablespace {
             shards: Vec::new(),
             writes: Arc::new(Semaphore::new(write_units as usize)),
             write_units,
+            durable: config.durable_writes,
             threads: Mutex::new(Vec::new()),
         };
         for (i, dir) in config.paths.iter().enumerate() {
@@ -187,6 +193,7 @@ impl Tablespace {
                 files: shard.files.clone(),
                 pool: pool.clone(),
                 counters: shard.io_counters(),
+                // A durable put whose shard is gone hears `false` from its dropped sender.
                 done: Arc::new(move |job, ok| {
                     if let Some(shard) = weak.upgrade() {
                         shard.write_done(job, ok);
@@ -206,7 +213,7 @@ impl Tablespace {
         }
     }
 
-    fn shard(&self, hash: u128) -> &Shard {
+    fn shard(&self, hash: u128) -> &Arc<Shard> {
         &self.shards[((hash >> 64) as u64 % self.shards.len() as u64) as usize]
     }
 
@@ -360,15 +367,29 @@ impl LongStore for Tablespace {
         self.shard(hash).is_current(hash, generation)
     }
 
-    async fn write_permit(&self, bytes: u64) -> WritePermit {
-        match self
-            .writes
-            .clone()
-            .acquire_many_owned(self.units(bytes))
-            .await
-        {
-            Ok(p) => WritePermit::new(p),
-            Err(_) => WritePermit::unbounded(),
+    async fn write_permits(&self, sizes: &[u64]) -> Vec<WritePermit> {
+        // One round asks for at most a quarter of the queue (or the first write alone, which
+        // `units` caps at the whole queue), all at once.
+        let round = (self.write_units / 4).max(1);
+        let mut units = Vec::new();
+        let mut total = 0u32;
+        for &bytes in sizes {
+            let u = self.units(bytes);
+            if !units.is_empty() && total.saturating_add(u) > round {
+                break;
+            }
+            units.push(u);
+            total = total.saturating_add(u);
+        }
+        match self.writes.clone().acquire_many_owned(total).await {
+            Ok(mut all) => units
+                .iter()
+                .map(|&u| match all.split(u as usize) {
+                    Some(p) => WritePermit::new(p),
+                    None => WritePermit::unbounded(),
+                })
+                .collect(),
+            Err(_) => units.iter().map(|_| WritePermit::unbounded()).collect(),
         }
     }
 
@@ -386,8 +407,13 @@ impl LongStore for Tablespace {
         permit: WritePermit,
         now: u64,
         spill: bool,
-    ) -> Result<u64, LongRejected> {
-        self.shard(block.hash).put(block, permit, now, spill)
+    ) -> Result<Put, LongRejected> {
+        let shard = self.shard(block.hash);
+        let (generation, landing) = shard.put(block, permit, now, spill, self.durable)?;
+        Ok(Put {
+            generation,
+            durable: landing.map(|landing| shard.clone().durable(landing)),
+        })
     }
 
     fn remove(&self, hash: u128) -> bool {
