@@ -12,6 +12,7 @@ use super::layout::{Record, journal_header};
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -216,6 +217,7 @@ impl Journal {
         let mut f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(super::io::PRIVATE_FILE)
             .open(&path)?;
         if f.metadata()?.len() == 0 {
             f.write_all(&journal_header(self.shard, seg))?;

@@ -11,6 +11,9 @@
 //! checkpoint                 the index as of a journal segment boundary (copied a chunk at a
 //!                            time; replaying the journal from that boundary completes it)
 //! ```
+//! The directory is mode 0700 and every file in it 0600 (narrowed at open when an older build
+//! left them wider): the blocks are the engine's KV cache, readable by no other user.
+//!
 //! A region whose meta file disagrees with the flags (another size or stripe count) is
 //! reinitialized with a warning: the blocks are a cache, and reading them under another
 //! geometry would be wrong.
@@ -249,7 +252,23 @@ fn open_shard(
     uring: bool,
 ) -> Result<Arc<Shard>, LongOpenError> {
     let started = Instant::now();
-    std::fs::create_dir_all(dir).map_err(io_error(dir))?;
+    {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(io::PRIVATE_DIR)
+            .create(dir)
+            .map_err(io_error(dir))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(io::PRIVATE_DIR))
+            .map_err(io_error(dir))?;
+        for entry in std::fs::read_dir(dir).map_err(io_error(dir))? {
+            let path = entry.map_err(io_error(dir))?.path();
+            if is_ours(&path.file_name().unwrap_or_default().to_string_lossy()) {
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(io::PRIVATE_FILE))
+                    .map_err(io_error(&path))?;
+            }
+        }
+    }
     let meta_path = dir.join("tablespace.meta");
     let stored = std::fs::read(&meta_path).ok().map(|b| Geometry::decode(&b));
     match stored {
@@ -263,7 +282,11 @@ fn open_shard(
                 );
             }
             wipe(dir).map_err(io_error(dir))?;
-            std::fs::write(&meta_path, geometry.encode()).map_err(io_error(dir))?;
+            std::io::Write::write_all(
+                &mut io::create_private(&meta_path).map_err(io_error(dir))?,
+                &geometry.encode(),
+            )
+            .map_err(io_error(dir))?;
         }
     }
     let decision = decide(config.io_mode, dir);
@@ -340,17 +363,20 @@ fn open_shard(
 /// Removes a region's files (not the directory, nor anything that is not ours).
 fn wipe(dir: &Path) -> std::io::Result<()> {
     for entry in std::fs::read_dir(dir)?.filter_map(|e| e.ok()) {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let ours = name == "tablespace.meta"
-            || name == recover::CHECKPOINT
-            || name == "checkpoint.tmp"
-            || (name.starts_with("container-") && name.ends_with(".dat"))
-            || journal::segment_of(&name).is_some();
-        if ours {
+        if is_ours(&entry.file_name().to_string_lossy()) {
             std::fs::remove_file(entry.path())?;
         }
     }
     Ok(())
+}
+
+/// Whether `name` is one of a region's files.
+fn is_ours(name: &str) -> bool {
+    name == "tablespace.meta"
+        || name == recover::CHECKPOINT
+        || name == "checkpoint.tmp"
+        || (name.starts_with("container-") && name.ends_with(".dat"))
+        || journal::segment_of(name).is_some()
 }
 
 #[async_trait::async_trait]

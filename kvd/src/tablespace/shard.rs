@@ -595,7 +595,7 @@ impl Shard {
         let bytes = cp.encode(self.id);
         let tmp = self.dir.join("checkpoint.tmp");
         {
-            let mut f = File::create(&tmp)?;
+            let mut f = super::io::create_private(&tmp)?;
             io::Write::write_all(&mut f, &bytes)?;
             f.sync_all()?;
         }
