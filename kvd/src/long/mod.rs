@@ -212,6 +212,9 @@ pub trait LongStore: Send + Sync + std::fmt::Debug {
     /// Whether the live entry for `hash` is still generation `generation`.
     fn is_current(&self, hash: u128, generation: u64) -> bool;
 
+    /// Whether puts come with a [`Durable`] future (`--durable-long-writes`).
+    fn durable_writes(&self) -> bool;
+
     /// Waits for room to queue writes of the leading `sizes` (bytes each), taken all at once,
     /// and returns one permit per size of that prefix: at least one, and no more than a bounded
     /// share of the queue (so a batch larger than the queue goes through in several rounds,

@@ -268,6 +268,8 @@ pub struct ExtendedStats {
     pub l3_verify_failures_total: u64,
     /// L3 reads or writes the kernel failed.
     pub l3_io_errors_total: u64,
+    /// L3 journal `fdatasync`s (durable writes share them).
+    pub l3_journal_syncs_total: u64,
     /// L3 entries evicted to make room.
     pub l3_evictions_total: u64,
     /// L3 writes refused (no room without displacing a higher class, or too large).
@@ -301,6 +303,7 @@ impl ExtendedStats {
             ("l3_spills_total", self.l3_spills_total),
             ("l3_verify_failures_total", self.l3_verify_failures_total),
             ("l3_io_errors_total", self.l3_io_errors_total),
+            ("l3_journal_syncs_total", self.l3_journal_syncs_total),
             ("l3_evictions_total", self.l3_evictions_total),
             ("l3_rejected_total", self.l3_rejected_total),
             ("l3_direct_io", self.l3_direct_io),
@@ -342,6 +345,7 @@ impl ExtendedStats {
             l3_spills_total: get("l3_spills_total"),
             l3_verify_failures_total: get("l3_verify_failures_total"),
             l3_io_errors_total: get("l3_io_errors_total"),
+            l3_journal_syncs_total: get("l3_journal_syncs_total"),
             l3_evictions_total: get("l3_evictions_total"),
             l3_rejected_total: get("l3_rejected_total"),
             l3_direct_io: get("l3_direct_io"),

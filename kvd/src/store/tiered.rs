@@ -274,9 +274,17 @@ impl Store {
                     expires_at: w.expires_at,
                 };
                 let permit = w.permit.unwrap_or_else(WritePermit::unbounded);
-                if let Ok(put) = long.put(block, permit, now, false) {
-                    st.mark_on_disk(hash);
-                    durable = put.durable;
+                match long.put(block, permit, now, false) {
+                    Ok(put) => {
+                        st.mark_on_disk(hash);
+                        durable = put.durable;
+                    }
+                    // Held in RAM only: not what a durable acknowledgement promises.
+                    Err(rejected) if long.durable_writes() => {
+                        tracing::debug!(%rejected, "kvd durable long write refused by L3");
+                        return (SetAck::rejected(REASON_NOT_DURABLE), None);
+                    }
+                    Err(_) => {}
                 }
             } else {
                 long.remove(hash);

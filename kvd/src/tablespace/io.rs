@@ -434,6 +434,8 @@ pub struct IoCounters {
     pub reads: AtomicU64,
     pub writes: AtomicU64,
     pub errors: AtomicU64,
+    /// Journal `fdatasync`s.
+    pub syncs: AtomicU64,
 }
 
 /// Called by a worker when a write finished (`true`: all its bytes are in the file).

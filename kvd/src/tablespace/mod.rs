@@ -393,6 +393,10 @@ impl LongStore for Tablespace {
         self.shard(hash).is_current(hash, generation)
     }
 
+    fn durable_writes(&self) -> bool {
+        self.durable
+    }
+
     async fn write_permits(&self, sizes: &[u64]) -> Vec<WritePermit> {
         // One round asks for at most a quarter of the queue (or the first write alone, which
         // `units` caps at the whole queue), all at once.

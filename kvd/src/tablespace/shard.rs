@@ -508,6 +508,7 @@ impl Shard {
             spills_total: st.counters.spills,
             verify_failures_total: st.counters.verify_failures,
             io_errors_total: self.io.errors.load(Ordering::Relaxed),
+            journal_syncs_total: self.io.syncs.load(Ordering::Relaxed),
             evictions_total: st.counters.evictions,
             expired_total: st.counters.expired,
             rejected_total: st.counters.rejected,
