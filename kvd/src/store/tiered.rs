@@ -9,6 +9,9 @@
 //!   the last accepted value or nothing, whichever tier answers.
 //! - The classes are one ladder across tiers: a write lower than the class the backend holds
 //!   for the key is refused like one lower than L2's (`retention_downgrade_not_allowed`).
+//! - With a durable backend (`--durable-long-writes`), a `long` write is acknowledged only
+//!   once the backend's [`crate::long::Durable`] resolved (awaited after the L2 lock is
+//!   released); one the backend refused or could not make durable is answered `not_durable`.
 //! - `get`: L2, then the backend; a backend hit is promoted into L2 (into the arena when a slot
 //!   is free) unless the key changed meanwhile (its generation moved on, or L2 got a new value).
 //! - Arena: an inline `set` is copied into a free slot when one exists (else kept on the heap);
