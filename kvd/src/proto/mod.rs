@@ -30,10 +30,14 @@
 //! A frame is validated in one allocation-free pass (`msgpack.rs`), then only its top-level
 //! fields (at most [`MAX_FIELDS`]) are kept as slices, and typed values are built from
 //! validated lengths. A batch longer than [`Limits::max_keys`] is refused (`too_many_keys`)
-//! before any of it is built, so a frame of `n` bytes costs at most about `16 n` bytes of
-//! decoded request (32 bytes per key handle, at least 2 bytes per key on the wire) and never
-//! more than the batch limit allows (about 200 bytes per item end to end). Encoding returns the frame as a list of [`Bytes`] parts, large values as their own
-//! parts, so a reply is written without copying its blocks.
+//! before any of it is built. So a frame of `n` bytes decodes to at most `48 n` bytes (the
+//! property test's bound, reached by `batch_set` items of one-byte fields; a lookup of
+//! one-byte keys costs about `11 n`: one 32-byte handle per 3-byte key), and a whole request
+//! is bounded by the batch limit: a full batch of [`DEFAULT_MAX_BATCH_KEYS`] one-byte keys,
+//! answered, peaks at about 80 MiB in the daemon (lookup, reply and its encoding included).
+//!
+//! Encoding returns the frame as a list of [`Bytes`] parts, large values as their own parts,
+//! so a reply is written without copying its blocks.
 //!
 //! # Shared arena
 //! A client that says `hello{prefers_shared_arena: true}` to a daemon with an arena gets
