@@ -4,7 +4,7 @@
 //! Parsing validates the whole frame once ([`super::msgpack`]) and keeps only the top-level
 //! fields as slices (at most [`MAX_FIELDS`]). Typed accessors then build exactly what the
 //! request needs, sized from validated lengths: a list of keys costs one [`Bytes`] handle
-//! per key (32 bytes; a key takes 1 to 3 bytes on the wire at the least), and no list is longer than
+//! per key (32 bytes, for a key of at least 1 byte on the wire), and no list is longer than
 //! the frame's `max_keys` ([`Limits`]).
 
 use super::msgpack::{Head, Items, Raw, Reader};
