@@ -79,7 +79,11 @@ fn block(i: u64, value: &Bytes) -> LongBlock {
 }
 
 async fn put(ts: &Arc<dyn LongStore>, i: u64, value: &Bytes) {
-    let permit = ts.write_permit(value.len() as u64).await;
+    let permit = ts
+        .write_permits(&[value.len() as u64])
+        .await
+        .pop()
+        .expect("a permit");
     ts.put(block(i, value), permit, NOW, false).expect("put");
 }
 

@@ -48,6 +48,8 @@ pub struct LongStats {
     pub verify_failures_total: u64,
     /// Reads or writes the kernel failed.
     pub io_errors_total: u64,
+    /// Journal `fdatasync`s (durable writes share them: group commit).
+    pub journal_syncs_total: u64,
     /// Entries evicted to make room.
     pub evictions_total: u64,
     /// Entries removed because their TTL passed.
@@ -72,6 +74,7 @@ impl LongStats {
         self.spills_total += other.spills_total;
         self.verify_failures_total += other.verify_failures_total;
         self.io_errors_total += other.io_errors_total;
+        self.journal_syncs_total += other.journal_syncs_total;
         self.evictions_total += other.evictions_total;
         self.expired_total += other.expired_total;
         self.rejected_total += other.rejected_total;
@@ -163,6 +166,7 @@ impl Stats {
             l3_spills_total: l.spills_total,
             l3_verify_failures_total: l.verify_failures_total,
             l3_io_errors_total: l.io_errors_total,
+            l3_journal_syncs_total: l.journal_syncs_total,
             l3_evictions_total: l.evictions_total,
             l3_rejected_total: l.rejected_total,
             l3_direct_io: u64::from(l.direct_io),

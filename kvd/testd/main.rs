@@ -1,8 +1,9 @@
 //! `infera-kvd-testd`: the daemon with its L3 tier, for tests that must kill a real process
 //! (`kvd/tests/crash.rs`). Not a user-facing binary: `infera kvd` is.
 //!
-//! Usage: `infera-kvd-testd SOCKET L3_DIR L3_BYTES MAX_BYTES IO_MODE URING CHECKPOINT_MS`, with
-//! `IO_MODE` one of `auto|direct|buffered` and `URING` `0|1`. Prints `ready` on stdout once it
+//! Usage: `infera-kvd-testd SOCKET L3_DIR L3_BYTES MAX_BYTES IO_MODE URING CHECKPOINT_MS
+//! DURABLE`, with `IO_MODE` one of `auto|direct|buffered`, `URING` `0|1` and `DURABLE` `0|1`
+//! (`--durable-long-writes`). Prints `ready` on stdout once it
 //! listens; stops on SIGTERM (gracefully) or SIGKILL (not).
 
 use infera_kvd::{IoMode, KvdOptions, LongBackendConfig, TablespaceConfig};
@@ -19,10 +20,12 @@ fn parse(args: &[String]) -> Result<KvdOptions, String> {
         mode,
         uring,
         checkpoint_ms,
+        durable,
     ] = args
     else {
         return Err(
-            "usage: infera-kvd-testd SOCKET L3_DIR L3_BYTES MAX_BYTES IO_MODE URING CHECKPOINT_MS"
+            "usage: infera-kvd-testd SOCKET L3_DIR L3_BYTES MAX_BYTES IO_MODE URING CHECKPOINT_MS \
+             DURABLE"
                 .into(),
         );
     };
@@ -35,6 +38,7 @@ fn parse(args: &[String]) -> Result<KvdOptions, String> {
         other => return Err(format!("unknown io mode {other}")),
     };
     ts.io_uring = uring == "1";
+    ts.durable_writes = durable == "1";
     ts.container_bytes = 16 << 20;
     ts.workers_per_shard = 4;
     let mut options = KvdOptions::new(socket, number(max_bytes)?);

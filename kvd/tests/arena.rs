@@ -264,3 +264,29 @@ async fn the_python_peer_speaks_the_arena_protocol() {
     assert_eq!(got, Some(true));
     daemon.stop().await;
 }
+
+#[tokio::test]
+async fn absurd_reserve_sizes_are_refused_and_leave_the_slot_size_to_a_real_write() {
+    let daemon = arena_daemon(1 << 20, None, 4 << 20).await;
+    let mut c = daemon.shared_client().await;
+    for size in [u64::MAX, u64::MAX - 15, u64::MAX - 63, 1 << 63, 1 << 20] {
+        let r = c.set_reserve(size).await.unwrap();
+        assert_eq!(
+            (r.lease_token, r.reason.as_str()),
+            (0, "oversize"),
+            "{size}"
+        );
+    }
+    let stats = c.stats(true).await.unwrap().extended.unwrap();
+    assert_eq!(
+        stats.arena_slot_bytes, 0,
+        "no refused size decided the grid"
+    );
+    // The connection still works, and a real write decides the slot size.
+    let r = c.set_reserve(4000).await.unwrap();
+    assert!(r.lease_token > 0, "{r:?}");
+    assert_eq!(r.payload_max_size, 4032 - 16);
+    let stats = c.stats(true).await.unwrap().extended.unwrap();
+    assert_eq!(stats.arena_slot_bytes, 4032);
+    daemon.stop().await;
+}

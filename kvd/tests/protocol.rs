@@ -4,14 +4,17 @@
 
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
+mod common;
+
 use bytes::Bytes;
+use common::{assert_closed, field, raw_reply};
 use infera_core::event::Retention;
 use infera_kvd::proto::{Request, Response};
 use infera_kvd::{KvdClient, KvdOptions, KvdServer, Namespace, SetItem, ShutdownHandle};
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 use tokio::task::JoinHandle;
 
@@ -220,29 +223,6 @@ async fn pipelined_requests_are_answered_in_order_with_their_ids() {
     daemon.stop().await;
 }
 
-async fn raw_reply(stream: &mut UnixStream) -> Option<rmpv::Value> {
-    let mut header = [0u8; 4];
-    stream.read_exact(&mut header).await.ok()?;
-    let mut body = vec![0u8; u32::from_be_bytes(header) as usize];
-    stream.read_exact(&mut body).await.ok()?;
-    Some(rmpv::decode::read_value(&mut &body[..]).unwrap())
-}
-
-fn field<'a>(v: &'a rmpv::Value, name: &str) -> &'a rmpv::Value {
-    v.as_map()
-        .unwrap()
-        .iter()
-        .find(|(k, _)| k.as_str() == Some(name))
-        .map(|(_, v)| v)
-        .unwrap_or_else(|| panic!("no field {name} in {v}"))
-}
-
-async fn assert_closed(stream: &mut UnixStream) {
-    let mut rest = Vec::new();
-    stream.read_to_end(&mut rest).await.unwrap();
-    assert!(rest.is_empty(), "the server closed after its error reply");
-}
-
 #[tokio::test]
 async fn broken_frames_get_an_error_and_a_close_while_others_keep_working() {
     let daemon = Daemon::start(|o| o.max_frame_bytes = 1 << 16).await;
@@ -377,7 +357,12 @@ async fn the_socket_is_0700_exclusive_and_replaces_a_stale_one() {
 
 #[tokio::test(start_paused = true)]
 async fn ttl_expiry_is_swept_on_paused_time() {
-    let mut daemon = Daemon::start(|o| o.sweep_interval = Duration::from_secs(1)).await;
+    // The client idles through the TTL: no idle timeout here (it has its own test).
+    let mut daemon = Daemon::start(|o| {
+        o.sweep_interval = Duration::from_secs(1);
+        o.idle_timeout = None;
+    })
+    .await;
     let mut c = daemon.client().await;
     let item = SetItem::new(key("t"), vec![0u8; 100]).ttl_seconds(600.0);
     assert!(c.set(&ns(), item).await.unwrap().accepted);

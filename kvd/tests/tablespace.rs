@@ -62,8 +62,12 @@ async fn get(ts: &Arc<dyn LongStore>, key: &str) -> Option<Bytes> {
 }
 
 async fn put(ts: &Arc<dyn LongStore>, b: LongBlock) -> Result<u64, LongRejected> {
-    let permit = ts.write_permit(b.value.len() as u64).await;
-    ts.put(b, permit, NOW, false)
+    let permit = ts
+        .write_permits(&[b.value.len() as u64])
+        .await
+        .pop()
+        .unwrap();
+    ts.put(b, permit, NOW, false).map(|put| put.generation)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -175,7 +179,7 @@ async fn retention_rules_hold_on_disk() {
         NOW,
         false,
     );
-    assert_eq!(full, Err(LongRejected::WouldDisplace));
+    assert_eq!(full.unwrap_err(), LongRejected::WouldDisplace);
     assert!(ts.class_of(key_hash(&ns(), b"t0"), NOW).is_some());
     assert_eq!(ts.class_of(key_hash(&ns(), b"t0"), NOW + 1000), None);
     assert_eq!(ts.sweep(NOW + 1000), n);
@@ -349,4 +353,59 @@ async fn another_geometry_reinitializes_the_region() {
     .await
     .unwrap_err();
     assert!(err.to_string().contains("too small"), "{err}");
+}
+
+fn mode_of(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn region_files_are_private_to_the_daemon_user() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("nested").join("l3");
+    let c = config(std::slice::from_ref(&dir), 2 << 20, IoMode::Buffered, false);
+    let ts = open(&c).await;
+    put(&ts, block("a", value(1, 5000), Retention::Long))
+        .await
+        .unwrap();
+    ts.flush().await.unwrap();
+    ts.checkpoint().await.unwrap();
+    ts.close().await.unwrap();
+    drop(ts);
+    let check = |when: &str| {
+        assert_eq!(mode_of(&dir), 0o700, "{when}: the region directory");
+        let mut files = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            assert_eq!(mode_of(&path), 0o600, "{when}: {}", path.display());
+            files += 1;
+        }
+        assert!(
+            files >= 4,
+            "{when}: meta, containers, journal and checkpoint: {files}"
+        );
+    };
+    check("created");
+    assert_eq!(
+        mode_of(&tmp.path().join("nested")),
+        0o700,
+        "created parents"
+    );
+    // A region left world-readable (an older build) is narrowed when reopened.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let ts = open(&c).await;
+    assert_eq!(get(&ts, "a").await, Some(value(1, 5000)));
+    ts.checkpoint().await.unwrap();
+    ts.close().await.unwrap();
+    drop(ts);
+    assert_eq!(mode_of(&dir), 0o700);
+    for name in ["container-0000.dat", "checkpoint", "tablespace.meta"] {
+        assert_eq!(mode_of(&dir.join(name)), 0o600, "{name} narrowed");
+    }
 }

@@ -10,8 +10,11 @@
 //!         ^ slot * slot_size                                ^ payload offset (on the wire)
 //! ```
 //! `slot_size` is `--shared-arena-slot-bytes` when given, else decided by the first write like
-//! upstream: `round_up(first_length + 16, 64)`. It never changes afterwards (clients cache it
-//! from `hello_ack`). Values that do not fit a slot live on the heap and are answered inline.
+//! upstream: `round_up(first_length + 16, 64)` — but only by a write for which at least
+//! [`MIN_SLOTS`] slots fit the arena; a larger (or absurd, up to `2^64 - 1`) length is refused
+//! as oversize and leaves the size undecided, so one request can neither panic the daemon nor
+//! shrink or swell the grid for good. It never changes afterwards (clients cache it from
+//! `hello_ack`). Values that do not fit a slot live on the heap and are answered inline.
 //!
 //! # Versions (a seqlock per slot)
 //! The daemon is the only writer of headers. A slot being filled has an odd version; publishing
@@ -47,6 +50,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub const HEADER_BYTES: u64 = 16;
 /// Slot sizes are multiples of this.
 pub const SLOT_ALIGN: u64 = 64;
+/// A first write decides the slot size only if at least this many such slots fit the arena.
+pub const MIN_SLOTS: u64 = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -195,11 +200,17 @@ impl Arena {
     /// [`TakeError::Oversize`] or [`TakeError::Full`].
     pub fn take(&self, len: u64) -> Result<u32, TakeError> {
         let mut s = self.lock();
+        let Some(needed) = len.checked_add(HEADER_BYTES) else {
+            return Err(TakeError::Oversize);
+        };
         if s.slot_size == 0 {
-            let size = (len + HEADER_BYTES).div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+            let size = needed.div_ceil(SLOT_ALIGN).saturating_mul(SLOT_ALIGN);
+            if size.saturating_mul(MIN_SLOTS) > self.bytes {
+                return Err(TakeError::Oversize);
+            }
             self.init_grid(&mut s, size);
         }
-        if s.meta.is_empty() || len + HEADER_BYTES > s.slot_size {
+        if s.meta.is_empty() || needed > s.slot_size {
             return Err(TakeError::Oversize);
         }
         let slot = s.free.pop().ok_or(TakeError::Full)?;
@@ -459,6 +470,26 @@ mod tests {
         let again = arena.take(1).unwrap();
         assert_eq!(again, a, "freed when the last pin dropped");
         assert!(arena.header(off).0 > v, "reuse bumps the version");
+    }
+
+    #[test]
+    fn absurd_first_lengths_are_oversize_and_leave_the_slot_size_undecided() {
+        let arena = Arena::new(1 << 20, None).unwrap();
+        for len in [
+            u64::MAX,
+            u64::MAX - 15,
+            u64::MAX - 64,
+            1 << 63,
+            1 << 20,
+            (1 << 18) - 15,
+        ] {
+            assert_eq!(arena.take(len), Err(TakeError::Oversize), "{len}");
+            assert_eq!(arena.slot_size(), 0, "{len} must not decide the slot size");
+        }
+        assert!(arena.take((1 << 18) - 16).is_ok(), "four slots fit");
+        assert_eq!(arena.slot_size(), 1 << 18);
+        assert_eq!(arena.take(u64::MAX), Err(TakeError::Oversize));
+        assert_eq!(arena.slot_size(), 1 << 18);
     }
 
     #[test]

@@ -13,8 +13,16 @@
 //!   under the L2 lock: whatever order two writes of one key take there, they take here.
 //! - Moving bytes is asynchronous: [`LongStore::put`] records the entry and queues its write,
 //!   keeping the value readable from memory until the write lands; [`LongStore::get`] reads
-//!   and verifies. Queued bytes are bounded by write permits ([`LongStore::write_permit`]),
-//!   which the caller takes *before* the L2 lock (so back-pressure never blocks it).
+//!   and verifies. Queued bytes are bounded by write permits ([`LongStore::write_permits`]),
+//!   which the caller takes *before* the L2 lock (so back-pressure never blocks it), for a
+//!   bounded prefix of its writes at a time and all at once: a caller never waits for permits
+//!   while holding others that are not yet attached to queued writes, and queued writes finish
+//!   on their own, so writers cannot deadlock however large or many their batches are.
+//! - Durability: by default a put is acknowledged once recorded (its journal record reaches
+//!   the file within the journal's flush interval, its block within the I/O queue's drain). A
+//!   backend opened with durable writes returns, with each put, a [`Durable`] future that
+//!   resolves once the block is written and its journal record synced; concurrent writers
+//!   share one sync (group commit).
 //! - Only `short` and `long` blocks are ever given to a backend; a backend refuses anything
 //!   else, and never makes room by evicting a higher class than the incoming block.
 //! - A `get` returns the bytes last put under that exact key (namespace included) or nothing:
@@ -25,7 +33,9 @@ use crate::stats::LongStats;
 use crate::tablespace::{Tablespace, TablespaceConfig};
 use bytes::Bytes;
 use infera_core::event::Retention;
+use std::future::Future;
 use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -167,6 +177,29 @@ impl WritePermit {
     }
 }
 
+/// Resolves once a put is durable: its block written and its journal record synced.
+///
+/// # Errors
+/// The I/O error that kept it from being durable (the entry is then gone from the backend).
+pub type Durable = Pin<Box<dyn Future<Output = io::Result<()>> + Send>>;
+
+/// A recorded put.
+pub struct Put {
+    /// The entry's generation (see [`LongStore::is_current`]).
+    pub generation: u64,
+    /// With durable writes: what to await before acknowledging the write.
+    pub durable: Option<Durable>,
+}
+
+impl std::fmt::Debug for Put {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Put")
+            .field("generation", &self.generation)
+            .field("durable", &self.durable.is_some())
+            .finish()
+    }
+}
+
 /// See the module docs.
 #[async_trait::async_trait]
 pub trait LongStore: Send + Sync + std::fmt::Debug {
@@ -179,8 +212,14 @@ pub trait LongStore: Send + Sync + std::fmt::Debug {
     /// Whether the live entry for `hash` is still generation `generation`.
     fn is_current(&self, hash: u128, generation: u64) -> bool;
 
-    /// Waits for room to queue `bytes` of writes.
-    async fn write_permit(&self, bytes: u64) -> WritePermit;
+    /// Whether puts come with a [`Durable`] future (`--durable-long-writes`).
+    fn durable_writes(&self) -> bool;
+
+    /// Waits for room to queue writes of the leading `sizes` (bytes each), taken all at once,
+    /// and returns one permit per size of that prefix: at least one, and no more than a bounded
+    /// share of the queue (so a batch larger than the queue goes through in several rounds,
+    /// each written and released independently of the caller). Empty only for empty `sizes`.
+    async fn write_permits(&self, sizes: &[u64]) -> Vec<WritePermit>;
 
     /// Room to queue `bytes` now, or `None` (spills are dropped rather than waited for).
     fn try_write_permit(&self, bytes: u64) -> Option<WritePermit>;
@@ -196,7 +235,7 @@ pub trait LongStore: Send + Sync + std::fmt::Debug {
         permit: WritePermit,
         now: u64,
         spill: bool,
-    ) -> Result<u64, LongRejected>;
+    ) -> Result<Put, LongRejected>;
 
     /// Removes the entry for `hash`; false when there was none.
     fn remove(&self, hash: u128) -> bool;

@@ -1,20 +1,22 @@
 //! Decoding of request frames (the daemon) and reply frames (the client).
 
-use super::fields::{Fields, as_sint, as_uint, parse_map};
+use super::fields::{Fields, Limits, as_sint, as_uint, parse_map};
+use super::msgpack::{Head, Raw};
 use super::{
     DecodedRequest, DecodedResponse, ExtendedStats, FrameError, PROTOCOL_VERSION, Request,
     RequestError, Response, SetAck, SetItem, SharedSlot, StatsReply,
 };
 use bytes::Bytes;
 use infera_core::event::Retention;
-use rmpv::ValueRef;
 
-/// Decodes a request frame body (without its length prefix).
+/// Decodes a request frame body (without its length prefix), held to `limits`.
 ///
 /// # Errors
-/// [`FrameError::Malformed`] when the body is not one msgpack map; the caller answers and closes.
-pub fn decode_request(frame: &Bytes) -> Result<DecodedRequest, FrameError> {
-    let (id, f) = parse_map(frame)?;
+/// [`FrameError::Malformed`] when the body is not one msgpack map (or nests too deep, or has
+/// too many fields); the caller answers and closes. A batch over `limits` is a
+/// [`RequestError`] (`too_many_keys`) in the result.
+pub fn decode_request(frame: &Bytes, limits: Limits) -> Result<DecodedRequest, FrameError> {
+    let (id, f) = parse_map(frame, limits)?;
     Ok(DecodedRequest {
         id,
         request: request_from(&f),
@@ -34,11 +36,11 @@ fn request_from(f: &Fields<'_>) -> Result<Request, RequestError> {
         },
         "batch_get" => Request::BatchGet {
             ns: f.ns()?,
-            keys: f.bin_list("keys")?,
+            keys: f.lookup_keys("keys")?,
         },
         "exists" => Request::Exists {
             ns: f.ns()?,
-            keys: f.bin_list("keys")?,
+            keys: f.lookup_keys("keys")?,
         },
         "set" => Request::Set {
             ns: f.ns()?,
@@ -67,7 +69,7 @@ fn request_from(f: &Fields<'_>) -> Result<Request, RequestError> {
         },
         "prefetch_hint" => Request::PrefetchHint {
             ns: f.ns()?,
-            keys: f.bin_list("keys")?,
+            keys: f.kept_list("keys")?,
             deadline_ms: f.uint("deadline_ms", Some(1000))?,
         },
         "clear" => Request::Clear { ns: f.ns()? },
@@ -93,16 +95,16 @@ fn request_from(f: &Fields<'_>) -> Result<Request, RequestError> {
 }
 
 fn batch_set_from(f: &Fields<'_>) -> Result<Request, RequestError> {
-    let keys = f.bin_list("keys")?;
-    let values = f.bin_list("values")?;
-    let retentions = f.array("retentions")?;
+    let keys = f.batch("keys")?;
+    let values = f.batch("values")?;
+    let retentions = f.batch("retentions")?;
     let metadatas = f.opt_array("metadatas")?;
     let ttls = f.opt_array("ttls_seconds")?;
     let n = keys.len();
     let arity_ok = values.len() == n
         && retentions.len() == n
-        && metadatas.is_none_or(|m| m.len() == n)
-        && ttls.is_none_or(|t| t.len() == n);
+        && metadatas.as_ref().is_none_or(|m| m.len() == n)
+        && ttls.as_ref().is_none_or(|t| t.len() == n);
     if !arity_ok {
         return Err(RequestError {
             code: "batch_set_arity_mismatch",
@@ -111,22 +113,28 @@ fn batch_set_from(f: &Fields<'_>) -> Result<Request, RequestError> {
                  ttls_seconds={}",
                 values.len(),
                 retentions.len(),
-                metadatas.map_or_else(|| "nil".to_owned(), |m| m.len().to_string()),
-                ttls.map_or_else(|| "nil".to_owned(), |t| t.len().to_string()),
+                metadatas
+                    .as_ref()
+                    .map_or_else(|| "nil".to_owned(), |m| m.len().to_string()),
+                ttls.as_ref()
+                    .map_or_else(|| "nil".to_owned(), |t| t.len().to_string()),
             ),
         });
     }
+    let mut metadatas = metadatas.into_iter().flatten();
+    let mut ttls = ttls.into_iter().flatten();
     let mut items = Vec::with_capacity(n);
-    for (i, (key, value)) in keys.into_iter().zip(values).enumerate() {
+    for ((key, value), retention) in keys.zip(values).zip(retentions) {
         items.push(SetItem {
-            key,
-            value,
-            retention: f.retention(
-                Some(&retentions[i]).filter(|v| !matches!(v, ValueRef::Nil)),
-                "retentions",
-            )?,
-            metadata: f.metadata(metadatas.map(|m| &m[i]), "metadatas")?,
-            ttl_seconds: f.ttl(ttls.map(|t| &t[i]), "ttls_seconds")?,
+            key: f
+                .to_bytes(key)
+                .ok_or_else(|| f.bad("keys", "an array of binary values"))?,
+            value: f
+                .to_bytes(value)
+                .ok_or_else(|| f.bad("values", "an array of binary values"))?,
+            retention: f.retention(Some(retention), "retentions")?,
+            metadata: f.metadata(metadatas.next(), "metadatas")?,
+            ttl_seconds: f.ttl(ttls.next(), "ttls_seconds")?,
         });
     }
     Ok(Request::BatchSet { ns: f.ns()?, items })
@@ -137,20 +145,26 @@ fn batch_set_from(f: &Fields<'_>) -> Result<Request, RequestError> {
 /// # Errors
 /// A [`FrameError`] when the body is not a map or a field does not have the documented type.
 pub fn decode_response(frame: &Bytes) -> Result<DecodedResponse, FrameError> {
-    let (id, f) = parse_map(frame)?;
+    // Replies are as long as the daemon made them: no batch limit on this side.
+    let (id, f) = parse_map(
+        frame,
+        Limits {
+            max_keys: usize::MAX,
+        },
+    )?;
     let response = response_from(&f).map_err(|e| FrameError::Malformed(e.message))?;
     Ok(DecodedResponse { id, response })
 }
 
 fn opt_retention_of(
     f: &Fields<'_>,
-    v: &ValueRef<'_>,
+    v: Option<Raw<'_>>,
     name: &str,
 ) -> Result<Option<Retention>, RequestError> {
-    match v {
-        ValueRef::Nil => Ok(None),
-        ValueRef::String(s) => s
-            .as_str()
+    match v.map(|v| v.head) {
+        None | Some(Head::Nil) => Ok(None),
+        Some(Head::Str(s)) => std::str::from_utf8(s)
+            .ok()
             .and_then(Retention::parse)
             .map(Some)
             .ok_or_else(|| f.bad(name, "a retention class")),
@@ -160,33 +174,38 @@ fn opt_retention_of(
 
 fn opt_string_of(
     f: &Fields<'_>,
-    v: &ValueRef<'_>,
+    v: Option<Raw<'_>>,
     name: &str,
 ) -> Result<Option<String>, RequestError> {
-    match v {
-        ValueRef::Nil => Ok(None),
-        ValueRef::String(s) => Ok(Some(s.as_str().unwrap_or_default().to_owned())),
+    match v.map(|v| v.head) {
+        None | Some(Head::Nil) => Ok(None),
+        Some(Head::Str(s)) => Ok(Some(String::from_utf8_lossy(s).into_owned())),
         _ => Err(f.bad(name, "a string or nil")),
     }
 }
 
 fn response_from(f: &Fields<'_>) -> Result<Response, RequestError> {
-    let nil = ValueRef::Nil;
-    let field = |name: &str| f.get(name).unwrap_or(&nil);
+    let field = |name: &str| f.get(name);
     Ok(match f.op.as_str() {
         "hello_ack" => Response::HelloAck {
             server_id: f.string("server_id", "")?,
             protocol_version: f.uint("protocol_version", Some(PROTOCOL_VERSION))?,
             shared_arena: match f.opt_array("shared_arena")? {
                 None => None,
-                Some([a, b, c]) => Some([a, b, c].map(|v| as_uint(v).unwrap_or_default())),
+                Some(items) if items.len() == 3 => {
+                    let mut out = [0u64; 3];
+                    for (slot, v) in out.iter_mut().zip(items) {
+                        *slot = as_uint(v).unwrap_or_default();
+                    }
+                    Some(out)
+                }
                 Some(_) => return Err(f.bad("shared_arena", "three integers or nil")),
             },
         },
         "get_response" => Response::Get {
             value: match field("value") {
-                ValueRef::Nil => None,
-                v => Some(
+                None => None,
+                Some(v) => Some(
                     f.to_bytes(v)
                         .ok_or_else(|| f.bad("value", "binary or nil"))?,
                 ),
@@ -196,10 +215,9 @@ fn response_from(f: &Fields<'_>) -> Result<Response, RequestError> {
         "batch_get_response" => {
             let values = f
                 .array("values")?
-                .iter()
-                .map(|v| match v {
-                    ValueRef::Nil => Ok(None),
-                    v => f
+                .map(|v| match v.head {
+                    Head::Nil => Ok(None),
+                    _ => f
                         .to_bytes(v)
                         .map(Some)
                         .ok_or_else(|| f.bad("values", "binary or nil")),
@@ -207,8 +225,7 @@ fn response_from(f: &Fields<'_>) -> Result<Response, RequestError> {
                 .collect::<Result<_, _>>()?;
             let retentions = f
                 .array("retentions")?
-                .iter()
-                .map(|v| opt_retention_of(f, v, "retentions"))
+                .map(|v| opt_retention_of(f, Some(v), "retentions"))
                 .collect::<Result<_, _>>()?;
             Response::BatchGet { values, retentions }
         }
@@ -228,12 +245,11 @@ fn response_from(f: &Fields<'_>) -> Result<Response, RequestError> {
             let accepted = f.array("accepted")?;
             let reasons = f.array("reasons")?;
             let acks = accepted
-                .iter()
                 .zip(reasons)
                 .map(|(a, r)| {
                     Ok(SetAck {
-                        accepted: matches!(a, ValueRef::Boolean(true)),
-                        reason: opt_string_of(f, r, "reasons")?,
+                        accepted: a.head == Head::Bool(true),
+                        reason: opt_string_of(f, Some(r), "reasons")?,
                     })
                 })
                 .collect::<Result<_, RequestError>>()?;
@@ -254,8 +270,7 @@ fn response_from(f: &Fields<'_>) -> Result<Response, RequestError> {
         "exists_response" => Response::Exists {
             present: f
                 .array("present")?
-                .iter()
-                .map(|v| matches!(v, ValueRef::Boolean(true)))
+                .map(|v| v.head == Head::Bool(true))
                 .collect(),
         },
         "clear_ack" => Response::Clear {
@@ -281,10 +296,11 @@ fn batch_shared_from(f: &Fields<'_>) -> Result<Response, RequestError> {
     }
     let slot_size = f.uint("slot_size", Some(0))?;
     let mut slots = Vec::with_capacity(n);
-    for i in 0..n {
-        let offset = as_sint(&offsets[i]).ok_or_else(|| f.bad("offsets", "integers"))?;
-        let length = as_uint(&lengths[i]).ok_or_else(|| f.bad("lengths", "integers"))?;
-        let version = as_uint(&versions[i]).ok_or_else(|| f.bad("versions", "integers"))?;
+    let columns = offsets.zip(lengths).zip(versions).zip(retentions);
+    for (((offset, length), version), retention) in columns {
+        let offset = as_sint(offset).ok_or_else(|| f.bad("offsets", "integers"))?;
+        let length = as_uint(length).ok_or_else(|| f.bad("lengths", "integers"))?;
+        let version = as_uint(version).ok_or_else(|| f.bad("versions", "integers"))?;
         slots.push(if offset < 0 {
             None
         } else {
@@ -292,7 +308,7 @@ fn batch_shared_from(f: &Fields<'_>) -> Result<Response, RequestError> {
                 slot_offset: offset as u64,
                 length,
                 version,
-                retention: opt_retention_of(f, &retentions[i], "retentions")?,
+                retention: opt_retention_of(f, Some(retention), "retentions")?,
                 slot_size,
             })
         });

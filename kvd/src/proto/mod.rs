@@ -24,8 +24,20 @@
 //!
 //! Decoding is zero-copy for values: `bin` fields become [`Bytes`] slices of the frame buffer
 //! (a value much smaller than its frame is copied, so one stored block never pins a large batch
-//! frame). Encoding returns the frame as a list of [`Bytes`] parts, large values as their own
-//! parts, so a reply is written without copying its blocks.
+//! frame; lookup keys are always slices, as they live only while the request is answered).
+//!
+//! # Decode cost
+//! A frame is validated in one allocation-free pass (`msgpack.rs`), then only its top-level
+//! fields (at most [`MAX_FIELDS`]) are kept as slices, and typed values are built from
+//! validated lengths. A batch longer than [`Limits::max_keys`] is refused (`too_many_keys`)
+//! before any of it is built. So a frame of `n` bytes decodes to at most `48 n` bytes (the
+//! property test's bound, reached by `batch_set` items of one-byte fields; a lookup of
+//! one-byte keys costs about `11 n`: one 32-byte handle per 3-byte key), and a whole request
+//! is bounded by the batch limit: a full batch of [`DEFAULT_MAX_BATCH_KEYS`] one-byte keys,
+//! answered, peaks at about 80 MiB in the daemon (lookup, reply and its encoding included).
+//!
+//! Encoding returns the frame as a list of [`Bytes`] parts, large values as their own parts,
+//! so a reply is written without copying its blocks.
 //!
 //! # Shared arena
 //! A client that says `hello{prefers_shared_arena: true}` to a daemon with an arena gets
@@ -36,17 +48,19 @@
 //! it may write through `set_reserve` → its own mmap → `set_commit`. The slot layout is in
 //! [`crate::arena`].
 //!
-//! Files: `mod.rs` (the types), `encode.rs`, `fields.rs` (typed access to a decoded map),
-//! `decode.rs`.
+//! Files: `mod.rs` (the types), `encode.rs`, `msgpack.rs` (the validating reader),
+//! `fields.rs` (typed access to a decoded map, the limits), `decode.rs`.
 
 mod decode;
 mod encode;
 mod fields;
+mod msgpack;
 #[cfg(test)]
 mod tests;
 
 pub use decode::{decode_request, decode_response};
 pub use encode::{Encoder, frame_len};
+pub use fields::{Limits, MAX_FIELDS};
 
 use bytes::Bytes;
 use infera_core::event::Retention;
@@ -56,6 +70,9 @@ use rmpv::Value;
 pub const PROTOCOL_VERSION: u64 = 1;
 /// The default largest frame accepted: 64 MiB of payload plus 1 MiB for the envelope.
 pub const DEFAULT_MAX_FRAME_BYTES: usize = (64 << 20) + (1 << 20);
+/// The default most keys (or items) in one batch request (`--max-batch-keys`): a 1M-token
+/// context in 16-token blocks is 65,536; beyond this a batch is refused with `too_many_keys`.
+pub const DEFAULT_MAX_BATCH_KEYS: usize = 131_072;
 /// Values at least this large are written as their own frame part instead of being copied.
 pub(crate) const ZERO_COPY_PART: usize = 8 << 10;
 /// Deepest msgpack nesting accepted in a request (metadata maps included).
@@ -255,6 +272,8 @@ pub struct ExtendedStats {
     pub l3_verify_failures_total: u64,
     /// L3 reads or writes the kernel failed.
     pub l3_io_errors_total: u64,
+    /// L3 journal `fdatasync`s (durable writes share them).
+    pub l3_journal_syncs_total: u64,
     /// L3 entries evicted to make room.
     pub l3_evictions_total: u64,
     /// L3 writes refused (no room without displacing a higher class, or too large).
@@ -288,6 +307,7 @@ impl ExtendedStats {
             ("l3_spills_total", self.l3_spills_total),
             ("l3_verify_failures_total", self.l3_verify_failures_total),
             ("l3_io_errors_total", self.l3_io_errors_total),
+            ("l3_journal_syncs_total", self.l3_journal_syncs_total),
             ("l3_evictions_total", self.l3_evictions_total),
             ("l3_rejected_total", self.l3_rejected_total),
             ("l3_direct_io", self.l3_direct_io),
@@ -329,6 +349,7 @@ impl ExtendedStats {
             l3_spills_total: get("l3_spills_total"),
             l3_verify_failures_total: get("l3_verify_failures_total"),
             l3_io_errors_total: get("l3_io_errors_total"),
+            l3_journal_syncs_total: get("l3_journal_syncs_total"),
             l3_evictions_total: get("l3_evictions_total"),
             l3_rejected_total: get("l3_rejected_total"),
             l3_direct_io: get("l3_direct_io"),
@@ -485,6 +506,16 @@ pub enum FrameError {
     /// The body is not one msgpack value, or not a map.
     #[error("frame body is not a msgpack map: {0}")]
     Malformed(String),
+    /// A started frame did not arrive whole in time (a stalled or half-sent frame).
+    #[error(
+        "the frame did not arrive within {after_ms} ms of its first byte (got {got} of {want} \
+         bytes); send each frame whole"
+    )]
+    TimedOut {
+        got: usize,
+        want: usize,
+        after_ms: u64,
+    },
 }
 
 impl FrameError {
@@ -494,6 +525,7 @@ impl FrameError {
             FrameError::TooLarge { .. } => "frame_too_large",
             FrameError::Truncated { .. } => "truncated_frame",
             FrameError::Malformed(_) => "bad_frame",
+            FrameError::TimedOut { .. } => "frame_timeout",
         }
     }
 }
@@ -502,7 +534,7 @@ impl FrameError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct RequestError {
-    /// `unknown_op`, `bad_request` or `batch_set_arity_mismatch`.
+    /// `unknown_op`, `bad_request`, `batch_set_arity_mismatch` or `too_many_keys`.
     pub code: &'static str,
     /// What was wrong, naming the field.
     pub message: String,

@@ -65,7 +65,7 @@ fn every_request_round_trips() {
     ];
     for (i, req) in requests.into_iter().enumerate() {
         let id = Value::from(i as u64);
-        let decoded = decode_request(&body(req.encode(Some(&id)))).unwrap();
+        let decoded = decode_request(&body(req.encode(Some(&id))), Limits::default()).unwrap();
         assert_eq!(decoded.id, Some(id));
         assert_eq!(decoded.request, Ok(req));
     }
@@ -138,7 +138,7 @@ fn bad_fields_keep_the_frame_but_not_the_request() {
         (Value::from("id"), Value::from("x")),
     ]);
     rmpv::encode::write_value(&mut buf, &v).unwrap();
-    let d = decode_request(&Bytes::from(buf)).unwrap();
+    let d = decode_request(&Bytes::from(buf), Limits::default()).unwrap();
     assert_eq!(d.id, Some(Value::from("x")));
     let err = d.request.unwrap_err();
     assert_eq!(err.code, "bad_request");
@@ -147,10 +147,10 @@ fn bad_fields_keep_the_frame_but_not_the_request() {
     let mut buf = Vec::new();
     rmpv::encode::write_value(&mut buf, &Value::from(vec![Value::from(1)])).unwrap();
     assert!(matches!(
-        decode_request(&Bytes::from(buf)),
+        decode_request(&Bytes::from(buf), Limits::default()),
         Err(FrameError::Malformed(_))
     ));
-    assert!(decode_request(&Bytes::from_static(&[0xc1])).is_err());
+    assert!(decode_request(&Bytes::from_static(&[0xc1]), Limits::default()).is_err());
 }
 
 #[test]
@@ -167,7 +167,7 @@ fn batch_set_arity_mismatch_is_named() {
     ]);
     let mut buf = Vec::new();
     rmpv::encode::write_value(&mut buf, &v).unwrap();
-    let err = decode_request(&Bytes::from(buf))
+    let err = decode_request(&Bytes::from(buf), Limits::default())
         .unwrap()
         .request
         .unwrap_err();

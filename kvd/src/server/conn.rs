@@ -2,7 +2,8 @@
 //!
 //! Frames are read straight into a buffer of their exact size (no intermediate copy for large
 //! values, no zeroing) and replies are written with one `writev` of their parts, so a 1 MiB
-//! value crosses the daemon without being copied. A client that said
+//! value crosses the daemon without being copied. Waiting for a request is bounded by the idle
+//! timeout, reading a started frame by the frame timeout (see [`super`]). A client that said
 //! `hello{prefers_shared_arena: true}` to a daemon with an arena gets the memfd right after
 //! `hello_ack`, and from then on offsets instead of bytes for arena-resident values.
 
@@ -14,31 +15,71 @@ use crate::wire::write_parts;
 use bytes::{Bytes, BytesMut};
 use std::io;
 use std::sync::Arc;
-use tokio::io::{AsyncReadExt, BufReader};
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::UnixStream;
 use tokio::net::unix::OwnedReadHalf;
+use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
+
+/// The read buffer of a connection: small, since an idle connection keeps it, and a large
+/// frame body is read straight into its own buffer anyway.
+const READ_BUFFER: usize = 16 << 10;
 
 /// What reading one frame produced.
 enum Read {
     Frame(Bytes),
     Eof,
+    /// No request began within the idle timeout.
+    Idle,
     Broken(FrameError),
 }
 
-async fn read_frame(rd: &mut BufReader<OwnedReadHalf>, max: usize) -> io::Result<Read> {
-    let mut header = [0u8; 4];
+/// Reads one frame: waits up to `idle` for its first byte, then up to `whole` for the rest.
+async fn read_frame(
+    rd: &mut BufReader<OwnedReadHalf>,
+    max: usize,
+    idle: Option<Duration>,
+    whole: Duration,
+) -> io::Result<Read> {
+    let started = match idle {
+        Some(idle) => match tokio::time::timeout(idle, rd.fill_buf()).await {
+            Ok(buf) => !buf?.is_empty(),
+            Err(_) => return Ok(Read::Idle),
+        },
+        None => !rd.fill_buf().await?.is_empty(),
+    };
+    if !started {
+        return Ok(Read::Eof);
+    }
     let mut got = 0;
-    while got < 4 {
-        let n = rd.read(&mut header[got..]).await?;
+    let mut want = 4;
+    let rest = read_started_frame(rd, max, &mut got, &mut want);
+    match tokio::time::timeout(whole, rest).await {
+        Ok(read) => read,
+        Err(_) => Ok(Read::Broken(FrameError::TimedOut {
+            got,
+            want,
+            after_ms: whole.as_millis() as u64,
+        })),
+    }
+}
+
+/// The rest of [`read_frame`], once a first byte is buffered; `got` and `want` track progress
+/// (the length prefix, then the body) for the timeout's message.
+async fn read_started_frame(
+    rd: &mut BufReader<OwnedReadHalf>,
+    max: usize,
+    got: &mut usize,
+    want: &mut usize,
+) -> io::Result<Read> {
+    let mut header = [0u8; 4];
+    while *got < 4 {
+        let n = rd.read(&mut header[*got..]).await?;
         if n == 0 {
-            return Ok(if got == 0 {
-                Read::Eof
-            } else {
-                Read::Broken(FrameError::Truncated { got, want: 4 })
-            });
+            return Ok(Read::Broken(FrameError::Truncated { got: *got, want: 4 }));
         }
-        got += n;
+        *got += n;
     }
     let len = u32::from_be_bytes(header) as usize;
     if len > max {
@@ -47,19 +88,37 @@ async fn read_frame(rd: &mut BufReader<OwnedReadHalf>, max: usize) -> io::Result
             max,
         }));
     }
+    *got = 0;
+    *want = len;
     let mut body = BytesMut::with_capacity(len);
     while body.len() < len {
         // `read_buf` fills the spare capacity; `take` stops it at the frame's end.
-        let want = len - body.len();
-        let n = (&mut *rd).take(want as u64).read_buf(&mut body).await?;
+        let left = len - body.len();
+        let n = (&mut *rd).take(left as u64).read_buf(&mut body).await?;
         if n == 0 {
             return Ok(Read::Broken(FrameError::Truncated {
                 got: body.len(),
                 want: len,
             }));
         }
+        *got = body.len();
     }
     Ok(Read::Frame(body.freeze()))
+}
+
+/// Answers a connection over `--max-connections` with an error frame and closes it. The
+/// socket is fresh, so the small frame fits its buffer: a non-blocking write, never a wait.
+pub(super) fn refuse(stream: &UnixStream, max: usize) {
+    tracing::warn!(max, "kvd refused a connection: --max-connections reached");
+    let reply = Response::error(
+        "too_many_connections",
+        format!(
+            "the daemon already serves {max} connections (--max-connections); close idle \
+             clients or raise the limit"
+        ),
+    );
+    let frame: Vec<u8> = reply.encode(None).iter().flat_map(|p| p.to_vec()).collect();
+    let _ = stream.try_write(&frame);
 }
 
 /// Per-connection state.
@@ -69,11 +128,13 @@ struct Conn {
     arena: bool,
 }
 
+/// Serves one connection; `_slot` is its place under `--max-connections`.
 pub(super) async fn connection(
     stream: UnixStream,
     shared: Arc<Shared>,
     token: CancellationToken,
     id: u64,
+    _slot: OwnedSemaphorePermit,
 ) {
     if shared.socket_buffer > 0 {
         let size = shared.socket_buffer;
@@ -81,16 +142,20 @@ pub(super) async fn connection(
         let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&stream, size);
     }
     let (rd, mut wr) = stream.into_split();
-    let mut rd = BufReader::with_capacity(64 << 10, rd);
+    let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
     let mut conn = Conn { id, arena: false };
     loop {
         let read = tokio::select! {
             () = token.cancelled() => break,
-            read = read_frame(&mut rd, shared.max_frame) => read,
+            read = read_frame(&mut rd, shared.max_frame, shared.idle_timeout, shared.frame_timeout) => read,
         };
         let frame = match read {
             Ok(Read::Frame(frame)) => frame,
             Ok(Read::Eof) => break,
+            Ok(Read::Idle) => {
+                tracing::debug!(conn = conn.id, "kvd closing an idle connection");
+                break;
+            }
             Ok(Read::Broken(error)) => {
                 tracing::debug!(%error, "kvd closing a connection on a broken frame");
                 let reply = Response::error(error.code(), error.to_string());
@@ -102,7 +167,7 @@ pub(super) async fn connection(
                 break;
             }
         };
-        let (id, reply, send_arena) = match proto::decode_request(&frame) {
+        let (id, reply, send_arena) = match proto::decode_request(&frame, shared.limits) {
             Ok(DecodedRequest { id, request }) => match request {
                 Ok(request) => {
                     let hello_arena = matches!(
@@ -247,8 +312,21 @@ async fn dispatch(shared: &Shared, conn: &mut Conn, request: Request) -> Option<
         } => {
             let deadline = tokio::time::Instant::now()
                 + std::time::Duration::from_millis(deadline_ms.min(3_600_000));
-            let queued = shared.hints.try_send(Hint { ns, keys, deadline });
-            store.note_hint(queued.is_err());
+            // Keys plus their handles, charged against the queue's byte budget.
+            let cost = keys.iter().map(|k| k.len() + 32).sum::<usize>();
+            let queued = u32::try_from(cost)
+                .ok()
+                .and_then(|cost| shared.hint_bytes.clone().try_acquire_many_owned(cost).ok())
+                .is_some_and(|bytes| {
+                    let hint = Hint {
+                        ns,
+                        keys,
+                        deadline,
+                        _bytes: bytes,
+                    };
+                    shared.hints.try_send(hint).is_ok()
+                });
+            store.note_hint(!queued);
             return None;
         }
         Request::Exists { ns, keys } => Response::Exists {

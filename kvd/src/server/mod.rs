@@ -10,9 +10,16 @@
 //! - Each connection is one task (`conn.rs`) that reads a frame, answers it, and only then
 //!   reads the next, so pipelined requests are answered in order. Frame errors follow
 //!   [`crate::proto`]. A connection's arena leases die with it.
+//! - Every connection is bounded: at most `max_connections` are open (one more is answered
+//!   `error{code: too_many_connections}` and closed at once); one idle past `idle_timeout` is
+//!   closed; a frame must arrive whole within `frame_timeout` of its first byte
+//!   (`error{code: frame_timeout}`, then closed); a frame is at most `max_frame_bytes` and a
+//!   batch at most `max_batch_keys` (see [`crate::proto`] for what decoding may cost). So a
+//!   connection holds at most one frame, its decoded request and its reply at a time.
 //! - Background tasks: the sweeper (TTL expiry in every tier), the checkpointer (L3
-//!   checkpoints) and the prefetcher (`prefetch_hint`s, through a bounded queue; a hint that
-//!   finds the queue full or outlives its deadline is dropped and counted).
+//!   checkpoints) and the prefetcher (`prefetch_hint`s, through a queue bounded in hints and
+//!   in bytes; a hint that finds the queue full or outlives its deadline is dropped and
+//!   counted).
 //! - Every task lives in a `JoinSet`. Shutdown ([`ShutdownHandle`], or SIGTERM/SIGINT through
 //!   [`crate::run`]) stops accepting, lets each connection finish the request in hand, waits up
 //!   to the grace period, aborts the rest, closes the backend (flush + checkpoint) and removes
@@ -33,7 +40,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::net::UnixListener;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -56,6 +63,16 @@ pub struct KvdOptions {
     pub long_tier_requested: bool,
     /// The largest frame accepted.
     pub max_frame_bytes: usize,
+    /// The most keys (or items) in one batch request (`--max-batch-keys`).
+    pub max_batch_keys: usize,
+    /// The most open connections (`--max-connections`); one more is answered
+    /// `error{code: too_many_connections}` and closed.
+    pub max_connections: usize,
+    /// A connection with no request for this long is closed (`--idle-timeout`; `None`: never).
+    pub idle_timeout: Option<Duration>,
+    /// A frame must arrive whole within this long of its first byte (`--frame-timeout`), or
+    /// the connection is answered `error{code: frame_timeout}` and closed.
+    pub frame_timeout: Duration,
     /// How often expired entries are swept.
     pub sweep_interval: Duration,
     /// How often the L3 index is checkpointed.
@@ -68,6 +85,9 @@ pub struct KvdOptions {
     pub socket_buffer_bytes: usize,
     /// `prefetch_hint`s queued at most; more are dropped and counted.
     pub prefetch_queue: usize,
+    /// Bytes of queued `prefetch_hint`s at most (keys plus a per-key handle); a hint that would
+    /// go over is dropped and counted.
+    pub prefetch_queue_bytes: u64,
     /// `hello_ack.server_id`; a random `kvd-xxxxxxxx` when `None`.
     pub server_id: Option<String>,
 }
@@ -83,12 +103,17 @@ impl KvdOptions {
             long: None,
             long_tier_requested: false,
             max_frame_bytes: proto::DEFAULT_MAX_FRAME_BYTES,
+            max_batch_keys: proto::DEFAULT_MAX_BATCH_KEYS,
+            max_connections: 1024,
+            idle_timeout: Some(Duration::from_secs(600)),
+            frame_timeout: Duration::from_secs(30),
             sweep_interval: Duration::from_secs(1),
             checkpoint_interval: Duration::from_secs(60),
             metrics_log_interval: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(5),
             socket_buffer_bytes: 4 << 20,
             prefetch_queue: 256,
+            prefetch_queue_bytes: 16 << 20,
             server_id: None,
         }
     }
@@ -158,12 +183,13 @@ impl Clock {
     }
 }
 
-/// A queued `prefetch_hint`.
+/// A queued `prefetch_hint`, holding its share of the queue's byte budget.
 #[derive(Debug)]
 struct Hint {
     ns: Namespace,
     keys: Vec<Bytes>,
     deadline: Instant,
+    _bytes: OwnedSemaphorePermit,
 }
 
 #[derive(Debug)]
@@ -172,8 +198,12 @@ struct Shared {
     clock: Clock,
     server_id: String,
     max_frame: usize,
+    limits: proto::Limits,
+    idle_timeout: Option<Duration>,
+    frame_timeout: Duration,
     socket_buffer: usize,
     hints: mpsc::Sender<Hint>,
+    hint_bytes: Arc<Semaphore>,
     next_conn: AtomicU64,
 }
 
@@ -230,8 +260,18 @@ impl KvdServer {
             clock: Clock::new(),
             server_id,
             max_frame: options.max_frame_bytes,
+            limits: proto::Limits {
+                max_keys: options.max_batch_keys,
+            },
+            idle_timeout: options.idle_timeout,
+            frame_timeout: options.frame_timeout,
             socket_buffer: options.socket_buffer_bytes,
             hints: hints_tx,
+            hint_bytes: Arc::new(Semaphore::new(
+                options
+                    .prefetch_queue_bytes
+                    .min(Semaphore::MAX_PERMITS as u64) as usize,
+            )),
             next_conn: AtomicU64::new(1),
         });
         Ok(Self {
@@ -316,14 +356,24 @@ impl KvdServer {
             ));
         }
         let mut connections = JoinSet::new();
+        let open = Arc::new(Semaphore::new(options.max_connections.max(1)));
         loop {
             tokio::select! {
                 () = token.cancelled() => break,
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => {
-                        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-                        connections.spawn(conn::connection(stream, shared.clone(), token.clone(), id));
-                    }
+                    Ok((stream, _)) => match open.clone().try_acquire_owned() {
+                        Ok(slot) => {
+                            let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+                            connections.spawn(conn::connection(
+                                stream,
+                                shared.clone(),
+                                token.clone(),
+                                id,
+                                slot,
+                            ));
+                        }
+                        Err(_) => conn::refuse(&stream, options.max_connections),
+                    },
                     Err(error) => {
                         // EMFILE and friends: back off briefly instead of spinning.
                         tracing::warn!(%error, "kvd accept failed");

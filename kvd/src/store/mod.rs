@@ -21,6 +21,9 @@ use std::sync::{Mutex, MutexGuard};
 pub const REASON_DOWNGRADE: &str = "retention_downgrade_not_allowed";
 /// The reason a write cannot make room without evicting a higher class.
 pub const REASON_DISPLACE: &str = "would_displace_higher_priority";
+/// The reason a `long` write is refused under `--durable-long-writes` when its L3 write or
+/// journal sync failed (it may still be held in RAM).
+pub const REASON_NOT_DURABLE: &str = "not_durable";
 /// The reason an entry larger than the whole store is refused.
 pub const REASON_TOO_LARGE: &str = "value_larger_than_store";
 

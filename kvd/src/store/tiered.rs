@@ -9,6 +9,9 @@
 //!   the last accepted value or nothing, whichever tier answers.
 //! - The classes are one ladder across tiers: a write lower than the class the backend holds
 //!   for the key is refused like one lower than L2's (`retention_downgrade_not_allowed`).
+//! - With a durable backend (`--durable-long-writes`), a `long` write is acknowledged only
+//!   once the backend's [`crate::long::Durable`] resolved (awaited after the L2 lock is
+//!   released); one the backend refused or could not make durable is answered `not_durable`.
 //! - `get`: L2, then the backend; a backend hit is promoted into L2 (into the arena when a slot
 //!   is free) unless the key changed meanwhile (its generation moved on, or L2 got a new value).
 //! - Arena: an inline `set` is copied into a free slot when one exists (else kept on the heap);
@@ -19,9 +22,9 @@
 //! Waiting (backend write permits, reads) happens outside the L2 lock.
 
 use super::l2::{Found, Insert, L2State, Lifetime, Stored, expiry, key_hash};
-use super::{REASON_DOWNGRADE, SetAck};
+use super::{REASON_DOWNGRADE, REASON_NOT_DURABLE, SetAck};
 use crate::arena::{Arena, HEADER_BYTES, TakeError};
-use crate::long::{LongBlock, LongHit, LongStore, WritePermit};
+use crate::long::{Durable, LongBlock, LongHit, LongStore, WritePermit};
 use crate::proto::{Namespace, SetItem, SharedSlot};
 use crate::stats::Stats;
 use bytes::Bytes;
@@ -131,36 +134,64 @@ impl Store {
     }
 
     /// Writes items in order (one ack each); see the module docs.
+    ///
+    /// Written through in rounds: each takes the backend's write permits for a bounded prefix
+    /// of the remaining `long` items at once, admits that prefix under the L2 lock, and moves
+    /// on, so a batch never waits for permits while holding others (no hold-and-wait).
     pub async fn set_many(&self, ns: &Namespace, items: &[SetItem], now: u64) -> Vec<SetAck> {
-        let mut permits = Vec::with_capacity(items.len());
-        for item in items {
-            let through =
-                item.retention == Retention::Long && expiry(item.ttl_seconds, now).is_ok();
-            permits.push(match (&self.long, through) {
-                (Some(long), true) => Some(long.write_permit(item.value.len() as u64).await),
-                _ => None,
-            });
-        }
-        let placed: Vec<Option<Stored>> = items
-            .iter()
-            .map(|item| {
-                expiry(item.ttl_seconds, now)
-                    .ok()
-                    .map(|_| self.place(&item.value))
-            })
-            .collect();
-        let mut st = self.lock();
-        let acks = items
-            .iter()
-            .zip(placed)
-            .zip(permits)
-            .map(|((item, placed), permit)| {
+        let through = |item: &SetItem| {
+            self.long.is_some()
+                && item.retention == Retention::Long
+                && expiry(item.ttl_seconds, now).is_ok()
+        };
+        let mut acks = Vec::with_capacity(items.len());
+        let mut durable = Vec::new();
+        let mut rest = items;
+        while !rest.is_empty() {
+            let sizes: Vec<u64> = rest
+                .iter()
+                .filter(|item| through(item))
+                .map(|item| item.value.len() as u64)
+                .collect();
+            let mut permits = match &self.long {
+                Some(long) if !sizes.is_empty() => long.write_permits(&sizes).await,
+                _ => Vec::new(),
+            }
+            .into_iter();
+            // The round ends before the first write-through item without a permit.
+            let mut granted = permits.len();
+            let round = rest
+                .iter()
+                .position(|item| {
+                    if !through(item) {
+                        return false;
+                    }
+                    if granted == 0 {
+                        return true;
+                    }
+                    granted -= 1;
+                    false
+                })
+                .unwrap_or(rest.len());
+            let (now_items, later) = rest.split_at(round);
+            rest = later;
+            let placed: Vec<Option<Stored>> = now_items
+                .iter()
+                .map(|item| {
+                    expiry(item.ttl_seconds, now)
+                        .ok()
+                        .map(|_| self.place(&item.value))
+                })
+                .collect();
+            let mut st = self.lock();
+            for (item, placed) in now_items.iter().zip(placed) {
                 let Some(value) = placed else {
                     st.stats.sets_total += 1;
-                    return SetAck::accepted();
+                    acks.push(SetAck::accepted());
+                    continue;
                 };
-                let expires_at = expiry(item.ttl_seconds, now).ok().flatten();
-                self.admit(
+                let permit = if through(item) { permits.next() } else { None };
+                let (ack, landing) = self.admit(
                     &mut st,
                     Write {
                         ns,
@@ -169,18 +200,39 @@ impl Store {
                         len: item.value.len() as u64,
                         metadata: item.metadata.as_ref(),
                         class: item.retention,
-                        expires_at,
+                        expires_at: expiry(item.ttl_seconds, now).ok().flatten(),
                         permit,
                     },
                     now,
-                )
-            })
-            .collect();
-        self.drain_spills(&mut st, now);
+                );
+                if let Some(landing) = landing {
+                    durable.push((acks.len(), landing));
+                }
+                acks.push(ack);
+            }
+            self.drain_spills(&mut st, now);
+        }
+        self.land(&mut acks, durable).await;
         acks
     }
 
-    fn admit(&self, st: &mut L2State, w: Write<'_>, now: u64) -> SetAck {
+    /// Waits for the durable puts of acknowledged writes; one that failed turns its ack into
+    /// a refusal (`REASON_NOT_DURABLE`).
+    async fn land(&self, acks: &mut [SetAck], durable: Vec<(usize, Durable)>) {
+        if durable.is_empty() {
+            return;
+        }
+        let (at, waits): (Vec<usize>, Vec<Durable>) = durable.into_iter().unzip();
+        for (i, result) in at.into_iter().zip(futures::future::join_all(waits).await) {
+            if let Err(error) = result {
+                tracing::warn!(%error, "kvd refused a durable long write");
+                acks[i] = SetAck::rejected(REASON_NOT_DURABLE);
+            }
+        }
+    }
+
+    /// Admits one write; with a durable backend, also what to await before acknowledging it.
+    fn admit(&self, st: &mut L2State, w: Write<'_>, now: u64) -> (SetAck, Option<Durable>) {
         let hash = key_hash(w.ns, w.key);
         if let Some(long) = &self.long
             && st.class_of(hash, w.ns, w.key, now).is_none()
@@ -189,7 +241,7 @@ impl Store {
             st.stats.sets_total += 1;
             st.stats.rejected_total += 1;
             self.unplace(&w.value);
-            return SetAck::rejected(REASON_DOWNGRADE);
+            return (SetAck::rejected(REASON_DOWNGRADE), None);
         }
         let ack = st.insert(
             Insert {
@@ -206,13 +258,14 @@ impl Store {
             now,
         );
         if !ack.accepted {
-            return ack;
+            return (ack, None);
         }
+        let mut durable = None;
         if let Some(long) = &self.long {
             if w.class == Retention::Long {
                 let Some(value) = st.bytes_of(&w.value, w.len) else {
                     long.remove(hash);
-                    return ack;
+                    return (ack, None);
                 };
                 let block = LongBlock {
                     hash,
@@ -224,14 +277,23 @@ impl Store {
                     expires_at: w.expires_at,
                 };
                 let permit = w.permit.unwrap_or_else(WritePermit::unbounded);
-                if long.put(block, permit, now, false).is_ok() {
-                    st.mark_on_disk(hash);
+                match long.put(block, permit, now, false) {
+                    Ok(put) => {
+                        st.mark_on_disk(hash);
+                        durable = put.durable;
+                    }
+                    // Held in RAM only: not what a durable acknowledgement promises.
+                    Err(rejected) if long.durable_writes() => {
+                        tracing::debug!(%rejected, "kvd durable long write refused by L3");
+                        return (SetAck::rejected(REASON_NOT_DURABLE), None);
+                    }
+                    Err(_) => {}
                 }
             } else {
                 long.remove(hash);
             }
         }
-        ack
+        (ack, durable)
     }
 
     /// Writes L2's evicted `short` blocks to the backend; dropped when its queue is full.
@@ -514,30 +576,37 @@ impl Store {
             return (false, "oversize_commit".to_owned());
         }
         let permit = match &self.long {
-            Some(long) if class == Retention::Long => Some(long.write_permit(length).await),
+            Some(long) if class == Retention::Long => long.write_permits(&[length]).await.pop(),
             _ => None,
         };
         let version = arena.publish(lease.slot, length);
         let ttl = (ttl_seconds > 0).then_some(ttl_seconds as f64);
-        let mut st = self.lock();
-        let ack = self.admit(
-            &mut st,
-            Write {
-                ns,
-                key,
-                value: Stored::Arena {
-                    slot: lease.slot,
-                    version,
+        let (ack, landing) = {
+            let mut st = self.lock();
+            let admitted = self.admit(
+                &mut st,
+                Write {
+                    ns,
+                    key,
+                    value: Stored::Arena {
+                        slot: lease.slot,
+                        version,
+                    },
+                    len: length,
+                    metadata: None,
+                    class,
+                    expires_at: expiry(ttl, now).ok().flatten(),
+                    permit,
                 },
-                len: length,
-                metadata: None,
-                class,
-                expires_at: expiry(ttl, now).ok().flatten(),
-                permit,
-            },
-            now,
-        );
-        self.drain_spills(&mut st, now);
+                now,
+            );
+            self.drain_spills(&mut st, now);
+            admitted
+        };
+        let mut acks = [ack];
+        self.land(&mut acks, landing.map(|l| (0, l)).into_iter().collect())
+            .await;
+        let [ack] = acks;
         (ack.accepted, ack.reason.unwrap_or_default())
     }
 

@@ -181,21 +181,48 @@ fn members(node: &Path, out: &mut Vec<Device>, depth: usize) {
     out.push(Device { name, rotational });
 }
 
-/// Opens (creating and preallocating when needed) `count` container files of `bytes` each.
+/// The mode of every file of a region: the cached blocks are the engine's data, no one else's.
+pub const PRIVATE_FILE: u32 = 0o600;
+/// The mode of a region's directory.
+pub const PRIVATE_DIR: u32 = 0o700;
+
+/// Creates (or truncates) a region file, mode [`PRIVATE_FILE`], for writing.
+///
+/// # Errors
+/// The file system's error.
+pub fn create_private(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(PRIVATE_FILE)
+        .open(path)
+}
+
+/// Opens (creating and preallocating when needed) `count` container files of `bytes` each,
+/// mode [`PRIVATE_FILE`].
 ///
 /// # Errors
 /// The file system's error; `EINVAL` on open when it refuses O_DIRECT.
 pub fn open_containers(dir: &Path, count: u32, bytes: u64, direct: bool) -> io::Result<Vec<File>> {
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let mut files = Vec::with_capacity(count as usize);
     for i in 0..count {
         let path = dir.join(format!("container-{i:04}.dat"));
         let mut options = std::fs::OpenOptions::new();
-        options.read(true).write(true).create(true).truncate(false);
+        options
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(PRIVATE_FILE);
         if direct {
             options.custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32);
         }
         let file = options.open(&path)?;
+        // A container made by an older build (0644) is narrowed too.
+        file.set_permissions(std::fs::Permissions::from_mode(PRIVATE_FILE))?;
         if file.metadata()?.len() != bytes {
             file.set_len(0)?;
             match rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, bytes) {
@@ -326,6 +353,8 @@ pub struct WriteJob {
     pub metadata: Option<Bytes>,
     pub value: Bytes,
     pub _permit: WritePermit,
+    /// Told whether the write landed, for a durable put.
+    pub landed: Option<oneshot::Sender<bool>>,
 }
 
 /// Read the units of an extent.
@@ -405,10 +434,12 @@ pub struct IoCounters {
     pub reads: AtomicU64,
     pub writes: AtomicU64,
     pub errors: AtomicU64,
+    /// Journal `fdatasync`s.
+    pub syncs: AtomicU64,
 }
 
 /// Called by a worker when a write finished (`true`: all its bytes are in the file).
-pub type WriteDone = Arc<dyn Fn(&WriteJob, bool) + Send + Sync>;
+pub type WriteDone = Arc<dyn Fn(WriteJob, bool) + Send + Sync>;
 
 /// What a worker needs.
 #[derive(Clone)]
@@ -503,7 +534,7 @@ fn run_batch(ctx: &WorkerContext, ring: &mut Option<Ring>, batch: Vec<Job>) {
         match job {
             Job::Write(w) => {
                 ctx.counters.writes.fetch_add(1, Ordering::Relaxed);
-                (ctx.done)(&w, result.is_ok());
+                (ctx.done)(w, result.is_ok());
             }
             Job::Read(r) => {
                 ctx.counters.reads.fetch_add(1, Ordering::Relaxed);
@@ -611,6 +642,7 @@ mod tests {
             metadata: None,
             value: Bytes::new(),
             _permit: WritePermit::unbounded(),
+            landed: None,
         })
     }
 

@@ -12,6 +12,7 @@ use super::layout::{Record, journal_header};
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -49,13 +50,13 @@ pub struct Journal {
     state: Mutex<State>,
     wake: Condvar,
     synced: Condvar,
-    errors: Arc<IoCounters>,
+    counters: Arc<IoCounters>,
 }
 
 impl Journal {
-    /// A journal that appends to segment `first` (a new file) in `dir`; `errors` counts write
-    /// failures.
-    pub fn new(dir: &Path, shard: u32, first: u64, errors: Arc<IoCounters>) -> Arc<Self> {
+    /// A journal that appends to segment `first` (a new file) in `dir`; `counters` counts its
+    /// write failures and its syncs.
+    pub fn new(dir: &Path, shard: u32, first: u64, counters: Arc<IoCounters>) -> Arc<Self> {
         Arc::new(Self {
             dir: dir.to_path_buf(),
             shard,
@@ -65,7 +66,7 @@ impl Journal {
             }),
             wake: Condvar::new(),
             synced: Condvar::new(),
-            errors,
+            counters,
         })
     }
 
@@ -95,6 +96,11 @@ impl Journal {
         if big {
             self.wake.notify_one();
         }
+    }
+
+    /// Bytes appended so far (a position [`Journal::flush`] makes durable).
+    pub fn appended(&self) -> u64 {
+        self.lock().appended
     }
 
     /// Starts a new segment for later appends; returns its number.
@@ -152,6 +158,7 @@ impl Journal {
                 if dirty && (sync_now || last_sync.elapsed() >= sync_every) {
                     if let Some((_, f)) = &file {
                         f.sync_data()?;
+                        self.counters.syncs.fetch_add(1, Ordering::Relaxed);
                     }
                     dirty = false;
                     last_sync = Instant::now();
@@ -166,7 +173,7 @@ impl Journal {
                 }
                 Ok(()) => {}
                 Err(e) => {
-                    self.errors.errors.fetch_add(1, Ordering::Relaxed);
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(error = %e, dir = %self.dir.display(), "L3 journal write failed");
                     s.error = Some(format!(
                         "L3 journal write failed in {}: {e}",
@@ -211,6 +218,7 @@ impl Journal {
         let mut f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(super::io::PRIVATE_FILE)
             .open(&path)?;
         if f.metadata()?.len() == 0 {
             f.write_all(&journal_header(self.shard, seg))?;

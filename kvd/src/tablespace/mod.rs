@@ -11,6 +11,9 @@
 //! checkpoint                 the index as of a journal segment boundary (copied a chunk at a
 //!                            time; replaying the journal from that boundary completes it)
 //! ```
+//! The directory is mode 0700 and every file in it 0600 (narrowed at open when an older build
+//! left them wider): the blocks are the engine's KV cache, readable by no other user.
+//!
 //! A region whose meta file disagrees with the flags (another size or stripe count) is
 //! reinitialized with a warning: the blocks are a cache, and reading them under another
 //! geometry would be wrong.
@@ -35,7 +38,7 @@ mod shard;
 pub use io::{Device, IoDecision, IoMode, classify, decide, devices_of};
 pub use layout::UNIT;
 
-use crate::long::{LongBlock, LongHit, LongOpenError, LongRejected, LongStore, WritePermit};
+use crate::long::{LongBlock, LongHit, LongOpenError, LongRejected, LongStore, Put, WritePermit};
 use crate::proto::Namespace;
 use crate::stats::LongStats;
 use infera_core::event::Retention;
@@ -70,6 +73,9 @@ pub struct TablespaceConfig {
     pub io_uring: bool,
     /// Most bytes of writes queued at once (back-pressure on L3 writers).
     pub queue_bytes: u64,
+    /// Acknowledge a put only once its block is written and its journal record synced
+    /// (`--durable-long-writes`; see [`crate::long::Durable`]).
+    pub durable_writes: bool,
 }
 
 impl TablespaceConfig {
@@ -85,6 +91,7 @@ impl TablespaceConfig {
             journal_sync: Duration::from_millis(200),
             io_uring: true,
             queue_bytes: 256 << 20,
+            durable_writes: false,
         }
     }
 }
@@ -95,6 +102,7 @@ pub struct Tablespace {
     shards: Vec<Arc<Shard>>,
     writes: Arc<Semaphore>,
     write_units: u32,
+    durable: bool,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -151,6 +159,7 @@ impl Tablespace {
             shards: Vec::new(),
             writes: Arc::new(Semaphore::new(write_units as usize)),
             write_units,
+            durable: config.durable_writes,
             threads: Mutex::new(Vec::new()),
         };
         for (i, dir) in config.paths.iter().enumerate() {
@@ -187,6 +196,7 @@ impl Tablespace {
                 files: shard.files.clone(),
                 pool: pool.clone(),
                 counters: shard.io_counters(),
+                // A durable put whose shard is gone hears `false` from its dropped sender.
                 done: Arc::new(move |job, ok| {
                     if let Some(shard) = weak.upgrade() {
                         shard.write_done(job, ok);
@@ -206,7 +216,7 @@ impl Tablespace {
         }
     }
 
-    fn shard(&self, hash: u128) -> &Shard {
+    fn shard(&self, hash: u128) -> &Arc<Shard> {
         &self.shards[((hash >> 64) as u64 % self.shards.len() as u64) as usize]
     }
 
@@ -242,7 +252,23 @@ fn open_shard(
     uring: bool,
 ) -> Result<Arc<Shard>, LongOpenError> {
     let started = Instant::now();
-    std::fs::create_dir_all(dir).map_err(io_error(dir))?;
+    {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(io::PRIVATE_DIR)
+            .create(dir)
+            .map_err(io_error(dir))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(io::PRIVATE_DIR))
+            .map_err(io_error(dir))?;
+        for entry in std::fs::read_dir(dir).map_err(io_error(dir))? {
+            let path = entry.map_err(io_error(dir))?.path();
+            if is_ours(&path.file_name().unwrap_or_default().to_string_lossy()) {
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(io::PRIVATE_FILE))
+                    .map_err(io_error(&path))?;
+            }
+        }
+    }
     let meta_path = dir.join("tablespace.meta");
     let stored = std::fs::read(&meta_path).ok().map(|b| Geometry::decode(&b));
     match stored {
@@ -256,7 +282,11 @@ fn open_shard(
                 );
             }
             wipe(dir).map_err(io_error(dir))?;
-            std::fs::write(&meta_path, geometry.encode()).map_err(io_error(dir))?;
+            std::io::Write::write_all(
+                &mut io::create_private(&meta_path).map_err(io_error(dir))?,
+                &geometry.encode(),
+            )
+            .map_err(io_error(dir))?;
         }
     }
     let decision = decide(config.io_mode, dir);
@@ -333,17 +363,20 @@ fn open_shard(
 /// Removes a region's files (not the directory, nor anything that is not ours).
 fn wipe(dir: &Path) -> std::io::Result<()> {
     for entry in std::fs::read_dir(dir)?.filter_map(|e| e.ok()) {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let ours = name == "tablespace.meta"
-            || name == recover::CHECKPOINT
-            || name == "checkpoint.tmp"
-            || (name.starts_with("container-") && name.ends_with(".dat"))
-            || journal::segment_of(&name).is_some();
-        if ours {
+        if is_ours(&entry.file_name().to_string_lossy()) {
             std::fs::remove_file(entry.path())?;
         }
     }
     Ok(())
+}
+
+/// Whether `name` is one of a region's files.
+fn is_ours(name: &str) -> bool {
+    name == "tablespace.meta"
+        || name == recover::CHECKPOINT
+        || name == "checkpoint.tmp"
+        || (name.starts_with("container-") && name.ends_with(".dat"))
+        || journal::segment_of(name).is_some()
 }
 
 #[async_trait::async_trait]
@@ -360,15 +393,33 @@ impl LongStore for Tablespace {
         self.shard(hash).is_current(hash, generation)
     }
 
-    async fn write_permit(&self, bytes: u64) -> WritePermit {
-        match self
-            .writes
-            .clone()
-            .acquire_many_owned(self.units(bytes))
-            .await
-        {
-            Ok(p) => WritePermit::new(p),
-            Err(_) => WritePermit::unbounded(),
+    fn durable_writes(&self) -> bool {
+        self.durable
+    }
+
+    async fn write_permits(&self, sizes: &[u64]) -> Vec<WritePermit> {
+        // One round asks for at most a quarter of the queue (or the first write alone, which
+        // `units` caps at the whole queue), all at once.
+        let round = (self.write_units / 4).max(1);
+        let mut units = Vec::new();
+        let mut total = 0u32;
+        for &bytes in sizes {
+            let u = self.units(bytes);
+            if !units.is_empty() && total.saturating_add(u) > round {
+                break;
+            }
+            units.push(u);
+            total = total.saturating_add(u);
+        }
+        match self.writes.clone().acquire_many_owned(total).await {
+            Ok(mut all) => units
+                .iter()
+                .map(|&u| match all.split(u as usize) {
+                    Some(p) => WritePermit::new(p),
+                    None => WritePermit::unbounded(),
+                })
+                .collect(),
+            Err(_) => units.iter().map(|_| WritePermit::unbounded()).collect(),
         }
     }
 
@@ -386,8 +437,13 @@ impl LongStore for Tablespace {
         permit: WritePermit,
         now: u64,
         spill: bool,
-    ) -> Result<u64, LongRejected> {
-        self.shard(block.hash).put(block, permit, now, spill)
+    ) -> Result<Put, LongRejected> {
+        let shard = self.shard(block.hash);
+        let (generation, landing) = shard.put(block, permit, now, spill, self.durable)?;
+        Ok(Put {
+            generation,
+            durable: landing.map(|landing| shard.clone().durable(landing)),
+        })
     }
 
     fn remove(&self, hash: u128) -> bool {

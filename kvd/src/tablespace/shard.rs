@@ -20,7 +20,7 @@ use super::io::{IoCounters, IoQueue, Job, ReadJob, WriteJob};
 use super::journal::Journal;
 use super::layout::{BlockParts, Checkpoint, Expect, Geometry, PutRecord, Record, verify};
 use super::recover::{CHECKPOINT, Recovered};
-use crate::long::{LongBlock, LongHit, LongRejected, WritePermit};
+use crate::long::{Durable, LongBlock, LongHit, LongRejected, WritePermit};
 use crate::lru::ClassLru;
 use crate::proto::Namespace;
 use crate::stats::LongStats;
@@ -31,7 +31,7 @@ use std::collections::BTreeSet;
 use std::fs::File;
 use std::io;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::{Semaphore, oneshot};
 
@@ -103,6 +103,18 @@ pub struct Shard {
     uring: bool,
     /// Held by the one checkpoint that may run at a time.
     checkpointing: Mutex<()>,
+    /// Held by the one durable put that syncs for everyone (group commit).
+    committing: tokio::sync::Mutex<()>,
+    /// The journal position the last group commit made durable.
+    synced_to: AtomicU64,
+}
+
+/// What a durable put waits for ([`Shard::durable`]).
+#[derive(Debug)]
+pub struct Landing {
+    written: oneshot::Receiver<bool>,
+    /// The journal position just past the put's record.
+    journal_at: u64,
 }
 
 /// Index entries a checkpoint copies per hold of the shard lock.
@@ -161,6 +173,8 @@ impl Shard {
             direct: p.direct,
             uring: p.uring,
             checkpointing: Mutex::new(()),
+            committing: tokio::sync::Mutex::new(()),
+            synced_to: AtomicU64::new(0),
         }
     }
 
@@ -170,22 +184,24 @@ impl Shard {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Records a block and queues its write (see [`crate::long::LongStore::put`]).
+    /// Records a block and queues its write (see [`crate::long::LongStore::put`]); with
+    /// `durable`, also what [`Shard::durable`] waits for.
     pub fn put(
         &self,
         b: LongBlock,
         permit: WritePermit,
         now: u64,
         spill: bool,
-    ) -> Result<u64, LongRejected> {
-        let job = {
+        durable: bool,
+    ) -> Result<(u64, Option<Landing>), LongRejected> {
+        let (job, landing) = {
             let mut st = self.lock();
             st.drop_entry(b.hash, &self.journal);
             if !matches!(b.class, Retention::Short | Retention::Long) {
                 return Err(LongRejected::ClassNotStored);
             }
             if b.expires_at.is_some_and(|t| t <= now) {
-                return Ok(0);
+                return Ok((0, None));
             }
             let meta = b.metadata.as_deref().unwrap_or_default();
             let parts = BlockParts {
@@ -260,7 +276,17 @@ impl Shard {
             if spill {
                 st.counters.spills += 1;
             }
-            WriteJob {
+            let (landed, landing) = if durable {
+                let (tx, rx) = oneshot::channel();
+                let landing = Landing {
+                    written: rx,
+                    journal_at: self.journal.appended(),
+                };
+                (Some(tx), Some(landing))
+            } else {
+                (None, None)
+            };
+            let job = WriteJob {
                 generation,
                 hash: b.hash,
                 class: b.class,
@@ -272,19 +298,48 @@ impl Shard {
                 metadata: b.metadata,
                 value: b.value,
                 _permit: permit,
-            }
+                landed,
+            };
+            (job, landing)
         };
         let generation = job.generation;
         if let Err(job) = self.queue.push(Job::Write(job))
             && let Job::Write(job) = *job
         {
-            self.write_done(&job, false);
+            self.write_done(job, false);
         }
-        Ok(generation)
+        Ok((generation, landing))
+    }
+
+    /// Resolves once the put of `landing` is durable: its block written, then the journal
+    /// synced past its record. Group commit: one caller at a time syncs (the containers in
+    /// buffered mode, then the journal) everything appended so far; the others wait for it
+    /// and find themselves covered, so concurrent writers share one sync.
+    pub fn durable(self: Arc<Self>, landing: Landing) -> Durable {
+        Box::pin(async move {
+            if !landing.written.await.unwrap_or(false) {
+                return Err(io::Error::other(format!(
+                    "the L3 write in {} failed; the block was not stored",
+                    self.dir.display()
+                )));
+            }
+            let _leader = self.committing.lock().await;
+            if self.synced_to.load(Ordering::Acquire) >= landing.journal_at {
+                return Ok(());
+            }
+            let target = self.journal.appended();
+            let shard = self.clone();
+            tokio::task::spawn_blocking(move || shard.sync())
+                .await
+                .map_err(io::Error::other)??;
+            self.synced_to.fetch_max(target, Ordering::AcqRel);
+            Ok(())
+        })
     }
 
     /// A worker finished the write of `job`.
-    pub fn write_done(&self, job: &WriteJob, ok: bool) {
+    pub fn write_done(&self, mut job: WriteJob, ok: bool) {
+        let landed = job.landed.take();
         let mut st = self.lock();
         let current = st
             .index
@@ -300,6 +355,10 @@ impl Shard {
             }
         } else if let Some((c, s, u)) = st.deferred.remove(&job.generation) {
             st.alloc.free(c, s, u);
+        }
+        drop(st);
+        if let Some(landed) = landed {
+            let _ = landed.send(ok);
         }
     }
 
@@ -449,6 +508,7 @@ impl Shard {
             spills_total: st.counters.spills,
             verify_failures_total: st.counters.verify_failures,
             io_errors_total: self.io.errors.load(Ordering::Relaxed),
+            journal_syncs_total: self.io.syncs.load(Ordering::Relaxed),
             evictions_total: st.counters.evictions,
             expired_total: st.counters.expired,
             rejected_total: st.counters.rejected,
@@ -536,7 +596,7 @@ impl Shard {
         let bytes = cp.encode(self.id);
         let tmp = self.dir.join("checkpoint.tmp");
         {
-            let mut f = File::create(&tmp)?;
+            let mut f = super::io::create_private(&tmp)?;
             io::Write::write_all(&mut f, &bytes)?;
             f.sync_all()?;
         }

@@ -32,7 +32,7 @@ fn block(k: u64, v: u8) -> LongBlock {
 
 fn put(shard: &Shard, model: &mut BTreeMap<u64, u8>, k: u64, v: u8) {
     shard
-        .put(block(k, v), WritePermit::unbounded(), 1, false)
+        .put(block(k, v), WritePermit::unbounded(), 1, false, false)
         .unwrap();
     model.insert(k, v);
 }

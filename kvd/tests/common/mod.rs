@@ -1,9 +1,12 @@
-//! A daemon on a temporary socket for the integration tests, stopped through its handle.
+//! A daemon on a temporary socket for the integration tests, stopped through its handle, and
+//! raw-frame helpers for tests that speak the wire protocol by hand.
 
 #![allow(dead_code, clippy::unwrap_used)]
 
 use infera_kvd::{KvdClient, KvdOptions, KvdServer, ShutdownHandle};
 use std::path::PathBuf;
+use tokio::io::AsyncReadExt;
+use tokio::net::UnixStream;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -90,4 +93,30 @@ pub async fn run_peer(script: &str, socket: &std::path::Path) -> String {
     );
     assert!(stdout.contains("python peer: ok"), "{stdout}");
     stdout
+}
+
+/// Reads one reply frame; `None` when the stream ends first.
+pub async fn raw_reply(stream: &mut UnixStream) -> Option<rmpv::Value> {
+    let mut header = [0u8; 4];
+    stream.read_exact(&mut header).await.ok()?;
+    let mut body = vec![0u8; u32::from_be_bytes(header) as usize];
+    stream.read_exact(&mut body).await.ok()?;
+    Some(rmpv::decode::read_value(&mut &body[..]).unwrap())
+}
+
+/// A field of a decoded reply map.
+pub fn field<'a>(v: &'a rmpv::Value, name: &str) -> &'a rmpv::Value {
+    v.as_map()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| k.as_str() == Some(name))
+        .map(|(_, v)| v)
+        .unwrap_or_else(|| panic!("no field {name} in {v}"))
+}
+
+/// Asserts the server closed the stream (after its reply, if any).
+pub async fn assert_closed(stream: &mut UnixStream) {
+    let mut rest = Vec::new();
+    stream.read_to_end(&mut rest).await.unwrap();
+    assert!(rest.is_empty(), "the server closed after its error reply");
 }

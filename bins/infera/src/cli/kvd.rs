@@ -5,11 +5,12 @@
 //! daemon's own defaults are used so that existing command lines keep their meaning.
 
 use crate::config::kvd::{ArenaSize, IoMode, LongBackend};
-use crate::config::units::ByteSize;
+use crate::config::units::{ByteSize, HumanDuration};
 use clap::Args;
 use std::path::PathBuf;
 
 const L3: &str = "L3 tier (NVMe tablespace)";
+const LIMITS: &str = "Connection limits";
 
 /// Arguments of `infera kvd`.
 #[derive(Debug, Clone, Args)]
@@ -57,6 +58,39 @@ pub struct KvdArgs {
     /// Intra-shard I/O parallelism for the striped (--long-paths) region.
     #[arg(long, default_value_t = 8, value_name = "N", help_heading = L3)]
     pub long_workers_per_shard: u32,
+
+    /// Acknowledge a `long` write only once it is durable: its block written and its journal
+    /// record fdatasync'd (group commit: concurrent writers share one sync).
+    ///
+    /// Without this flag a `long` write is acknowledged once recorded. It survives a graceful
+    /// stop, but a crash (kill -9, OOM kill, power loss) can lose the acknowledged writes of
+    /// the last journal flush interval: 5 ms, up to about a second under heavy disk I/O (and
+    /// up to the 200 ms journal sync interval more on power loss). Such a key then reads as
+    /// its previous value or as a miss, never as another key's bytes. With this flag every
+    /// acknowledged `long` write is readable after a crash and restart; a write that cannot be
+    /// made durable is answered accepted=false, reason not_durable.
+    #[arg(long, help_heading = L3)]
+    pub durable_long_writes: bool,
+
+    /// Most open client connections; one more is answered error{code: too_many_connections}
+    /// and closed.
+    #[arg(long, default_value_t = 1024, value_name = "N", help_heading = LIMITS)]
+    pub max_connections: u32,
+
+    /// Close a connection that sends no request for this long (0 = never).
+    #[arg(long, default_value = "10m", value_name = "DURATION", help_heading = LIMITS)]
+    pub idle_timeout: HumanDuration,
+
+    /// A frame must arrive whole within this long of its first byte, or the connection is
+    /// answered error{code: frame_timeout} and closed (a stalled or half-sent frame).
+    #[arg(long, default_value = "30s", value_name = "DURATION", help_heading = LIMITS)]
+    pub frame_timeout: HumanDuration,
+
+    /// Most keys (or items) in one batch request (batch_get, batch_set, exists,
+    /// prefetch_hint); a larger batch is answered error{code: too_many_keys} and the
+    /// connection stays usable.
+    #[arg(long, default_value_t = 131_072, value_name = "N", help_heading = LIMITS)]
+    pub max_batch_keys: u32,
 
     /// Validate, print the resolved configuration as JSON on stdout and exit.
     #[arg(long)]

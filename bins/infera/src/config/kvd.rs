@@ -1,7 +1,8 @@
 //! [`KvdConfig`]: the validated configuration of `infera kvd`.
 //!
-//! Built only by `TryFrom<KvdArgs>`, which checks: `--max-bytes`, `--long-bytes` and
-//! `--long-workers-per-shard` are positive; `--long-path` and `--long-paths` are not both
+//! Built only by `TryFrom<KvdArgs>`, which checks: `--max-bytes`, `--long-bytes`,
+//! `--long-workers-per-shard`, `--max-connections`, `--max-batch-keys` and `--frame-timeout`
+//! are positive (`--idle-timeout 0` means never); `--long-path` and `--long-paths` are not both
 //! given; striped paths are non-empty and distinct; `--long-backend` is available in this
 //! build (the daemon's resolver, `infera_kvd::long::check_available`, says which: the L4 stores
 //! are not yet). `--use-tablespace` is accepted and ignored with a warning.
@@ -11,7 +12,7 @@
 //! `From<KvdConfig> for infera_kvd::KvdOptions`.
 
 use crate::cli::kvd::KvdArgs;
-use crate::config::units::ByteSize;
+use crate::config::units::{ByteSize, HumanDuration};
 use crate::config::{ConfigError, positive};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -101,6 +102,23 @@ pub struct LongTierConfig {
     pub bytes: ByteSize,
     /// Direct or buffered I/O.
     pub io_mode: IoMode,
+    /// Acknowledge `long` writes only once durable (`--durable-long-writes`).
+    pub durable_writes: bool,
+}
+
+/// What one client may hold (`--max-connections`, `--idle-timeout`, `--frame-timeout`,
+/// `--max-batch-keys`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectionLimits {
+    /// Most open connections.
+    pub max_connections: u32,
+    /// Idle connections are closed after this; `None`: never.
+    pub idle_timeout: Option<HumanDuration>,
+    /// A started frame must arrive whole within this.
+    pub frame_timeout: HumanDuration,
+    /// Most keys in one batch.
+    pub max_batch_keys: u32,
 }
 
 /// The validated configuration of `infera kvd`.
@@ -115,6 +133,8 @@ pub struct KvdConfig {
     pub shared_arena_bytes: ByteSize,
     /// The L3 tier; `None` when neither `--long-path` nor `--long-paths` is given.
     pub long_tier: Option<LongTierConfig>,
+    /// Per-connection bounds.
+    pub limits: ConnectionLimits,
 }
 
 impl TryFrom<KvdArgs> for KvdConfig {
@@ -124,6 +144,12 @@ impl TryFrom<KvdArgs> for KvdConfig {
         let max_bytes = ByteSize(positive("--max-bytes", args.max_bytes.bytes())?);
         let long_bytes = ByteSize(positive("--long-bytes", args.long_bytes.bytes())?);
         let workers_per_shard = positive("--long-workers-per-shard", args.long_workers_per_shard)?;
+        let limits = ConnectionLimits {
+            max_connections: positive("--max-connections", args.max_connections)?,
+            idle_timeout: args.idle_timeout.non_zero(),
+            frame_timeout: positive("--frame-timeout", args.frame_timeout)?,
+            max_batch_keys: positive("--max-batch-keys", args.max_batch_keys)?,
+        };
         let backend = match args.long_backend {
             LongBackend::Tablespace => "tablespace",
             LongBackend::Mooncake => "mooncake",
@@ -164,7 +190,9 @@ impl TryFrom<KvdArgs> for KvdConfig {
                 layout,
                 bytes: long_bytes,
                 io_mode: args.io_mode,
+                durable_writes: args.durable_long_writes,
             }),
+            limits,
         })
     }
 }
@@ -186,6 +214,10 @@ impl From<KvdConfig> for infera_kvd::KvdOptions {
     fn from(config: KvdConfig) -> Self {
         let mut options = infera_kvd::KvdOptions::new(config.socket, config.max_bytes.bytes());
         options.shared_arena_bytes = config.shared_arena_bytes.bytes();
+        options.max_connections = config.limits.max_connections as usize;
+        options.idle_timeout = config.limits.idle_timeout.map(|d| d.0);
+        options.frame_timeout = config.limits.frame_timeout.0;
+        options.max_batch_keys = config.limits.max_batch_keys as usize;
         options.long = config.long_tier.map(|tier| {
             let (paths, workers) = match tier.layout {
                 LongLayout::Single { path } => (vec![path], None),
@@ -196,6 +228,7 @@ impl From<KvdConfig> for infera_kvd::KvdOptions {
             };
             let mut ts = infera_kvd::TablespaceConfig::new(paths, tier.bytes.bytes());
             ts.io_mode = tier.io_mode.into();
+            ts.durable_writes = tier.durable_writes;
             if let Some(workers) = workers {
                 ts.workers_per_shard = workers;
             }
@@ -269,6 +302,7 @@ mod tests {
                 },
                 bytes: ByteSize(32 << 30),
                 io_mode: IoMode::Buffered,
+                durable_writes: false,
             })
         );
     }
@@ -300,8 +334,11 @@ mod tests {
 
     #[test]
     fn invalid_combinations_name_the_flag() {
-        let cases: [(&[&str], &str); 6] = [
+        let cases: [(&[&str], &str); 9] = [
             (&["--max-bytes", "0"], "--max-bytes"),
+            (&["--max-connections", "0"], "--max-connections"),
+            (&["--max-batch-keys", "0"], "--max-batch-keys"),
+            (&["--frame-timeout", "0"], "--frame-timeout"),
             (&["--long-bytes", "0"], "--long-bytes"),
             (
                 &["--long-workers-per-shard", "0"],
@@ -317,6 +354,44 @@ mod tests {
         for (argv, flag) in cases {
             assert_eq!(parse(argv).unwrap_err().flag, flag, "{argv:?}");
         }
+    }
+
+    #[test]
+    fn connection_limits_default_and_reach_the_daemon() {
+        let config = parse(&[]).unwrap();
+        assert_eq!(
+            config.limits,
+            ConnectionLimits {
+                max_connections: 1024,
+                idle_timeout: Some(HumanDuration(std::time::Duration::from_secs(600))),
+                frame_timeout: HumanDuration(std::time::Duration::from_secs(30)),
+                max_batch_keys: 131_072,
+            }
+        );
+        let options = infera_kvd::KvdOptions::from(
+            parse(&[
+                "--max-connections",
+                "8",
+                "--idle-timeout",
+                "0",
+                "--frame-timeout",
+                "2s",
+                "--max-batch-keys",
+                "100",
+                "--long-path",
+                "/a",
+                "--durable-long-writes",
+            ])
+            .unwrap(),
+        );
+        assert_eq!(options.max_connections, 8);
+        assert_eq!(options.idle_timeout, None);
+        assert_eq!(options.frame_timeout, std::time::Duration::from_secs(2));
+        assert_eq!(options.max_batch_keys, 100);
+        let Some(infera_kvd::LongBackendConfig::Tablespace(ts)) = options.long else {
+            panic!("{:?}", options.long);
+        };
+        assert!(ts.durable_writes);
     }
 
     #[test]
