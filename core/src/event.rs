@@ -229,12 +229,10 @@ pub struct WorkerDraining {
     pub reason: String,
 }
 
-/// The recent-pick window of the load model (`recent_blocks`, [`crate::fleet`]) as a snapshot
-/// keeps it: the blocks charged to each rank per time bucket. Folding it replaces the window, so
-/// a snapshot writes it after the requests still in flight (whose picks it already counts) and
-/// need not keep the requests that finished inside the window one by one: its size is
-/// O(buckets × ranks) whatever the request rate. Charges to ranks that are not registered are
-/// ignored. Since format v3.
+/// The recent-pick window of an older load model (a decayed charge per pick) as format v3
+/// snapshots kept it: the blocks charged to each rank per time bucket. Since format v3. The
+/// fleet no longer keeps such a window (its load is what is in flight, [`crate::fleet`]): it
+/// still parses, folds as nothing, and no snapshot writes it anymore.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RecentLoad {
     /// When the latest pick was made: where the window ends.

@@ -1,16 +1,24 @@
 //! `FleetState`: the router's whole view of the fleet, as a projection of the event log.
 //!
 //! It owns the workers (by model and role, with their block sizes), the [`KvIndex`], and the load
-//! the router itself put on each worker rank:
-//! - `active_blocks`: distinct blocks of in-flight requests (a prefix shared by two requests on the
-//!   same rank counts once; refcounted per block);
-//! - `recent_blocks`: a decayed charge of recent picks (half-life [`FleetConfig::recent_half_life_us`]),
-//!   so that a burst decided before any KV event arrives still spreads;
+//! the router itself put on each worker rank, counted exactly from `RequestRouted` to
+//! `RequestFinished` and keyed by the router's own request identity (the server makes it unique
+//! per attempt; a client-supplied id never merges two requests):
+//! - `inflight_blocks`: the blocks of the requests in flight on the rank, summed over requests
+//!   (two identical prompts count twice: each is its own work) — the load the cost charges;
+//! - `active_blocks`: the same blocks counted once each (refcounted per block): the blocks the
+//!   rank holds or is computing for its requests;
 //! - `queued_prefill_tokens`: prompt tokens routed to a rank and not yet prefilled.
 //!
-//! The recent charge is kept per time bucket and rank, never per request: a finished request
-//! leaves nothing behind but its share of a bucket, and a dump writes the window as one
-//! `RecentLoad`, so memory and snapshots scale with the fleet, not with the request rate.
+//! # Expected cache
+//! Between a pick and the engine's KV events the index does not know yet what the pick put on
+//! the rank. [`FleetState::expected_overlap_at`] extends the index's prefix with the rank's
+//! active blocks, so that a follow-up turn or the next prompt of a burst sees the prefix the
+//! rank is computing. The expectation needs no bookkeeping of its own: it is confirmed when the
+//! KV events arrive (the index holds the blocks) and dropped when the request ends (its blocks
+//! leave the active set). A finished request leaves no load and no expectation behind: charging
+//! a rank for work it has completed would make sequential turns of one conversation ping-pong
+//! between workers.
 //!
 //! # Draining
 //! A `WorkerDraining` marks a registered worker as shutting down: it stays listed
@@ -20,38 +28,28 @@
 //! `WorkerDeregistered` forgets it. A `WorkerDraining` for a worker that is not registered changes
 //! nothing.
 //!
+//! # Snapshots of format v3
+//! Format v3 dumps ended with a [`RecentLoad`](crate::event::RecentLoad) (the decayed recent-pick window of an older load
+//! model). It still parses and folds as nothing: this state keeps no window.
+//!
 //! Invariants: only [`Projection::apply`] mutates it; the draining workers are a subset of the
-//! registered ones; decay is evaluated from event timestamps carried in the events themselves
-//! (`RequestRouted::at_us`), never from a wall clock, so a rebuild from a dump is identical and
-//! replay is deterministic.
+//! registered ones; the state depends only on the events folded, never on a clock, so a rebuild
+//! from a dump is identical and replay is deterministic.
 
 use crate::event::{
-    Envelope, Event, RecentCharge, RecentLoad, RecentLoadBucket, RequestFinished, RequestPrefilled,
-    RequestRouted, Role, WorkerDraining, WorkerRecord, WorkerRegistered,
+    Envelope, Event, RequestFinished, RequestPrefilled, RequestRouted, Role, WorkerDraining,
+    WorkerRecord, WorkerRegistered,
 };
 use crate::ids::{BlockHash, RequestId, WorkerId, WorkerRank};
 use crate::index::{KvIndex, WorkerSlot};
 use crate::projection::Projection;
 use rustc_hash::FxHashMap;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 
-/// Tunables of the load accounting.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct FleetConfig {
-    /// Half-life of the charge a pick leaves on its worker rank.
-    pub recent_half_life_us: u64,
-}
-
-impl Default for FleetConfig {
-    fn default() -> Self {
-        Self {
-            recent_half_life_us: 1_000_000,
-        }
-    }
-}
-
-/// How many half-lives a pick is remembered for (after that its charge is < 0.4 %).
-const RECENT_HORIZON_HALF_LIVES: u64 = 8;
+/// Tunables of the load accounting. It has none today: the load is what is in flight, exactly
+/// (see the module docs); the type stays so that every caller builds the state one way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct FleetConfig {}
 
 /// One routable unit as the policy sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -66,6 +64,8 @@ pub struct Candidate {
 struct RankLoad {
     /// Block → number of in-flight requests on this rank that contain it.
     active: FxHashMap<BlockHash, u32>,
+    /// The sum of `active`'s counts: blocks of in-flight requests, per request.
+    inflight_blocks: u64,
     queued_prefill_tokens: u64,
 }
 
@@ -77,17 +77,6 @@ struct InFlight {
     prefilled: bool,
     order: u64,
 }
-
-/// Picks aggregated per time bucket (width = half-life / [`BUCKETS_PER_HALF_LIFE`]) and rank, so the
-/// recent charge costs O(buckets × ranks) per decision, whatever the request rate.
-#[derive(Debug, Clone, PartialEq)]
-struct RecentBucket {
-    bucket: u64,
-    per_slot: Vec<(WorkerSlot, u64)>,
-}
-
-/// Resolution of the recent-pick window.
-const BUCKETS_PER_HALF_LIFE: u64 = 8;
 
 /// The fleet as the router knows it. See the module docs.
 #[derive(Debug, Clone, Default)]
@@ -102,8 +91,6 @@ pub struct FleetState {
     /// Routable ranks per (model, role), rebuilt when the worker set changes.
     candidates: FxHashMap<(String, Role), Vec<Candidate>>,
     inflight: FxHashMap<RequestId, InFlight>,
-    recent: VecDeque<RecentBucket>,
-    latest_bucket: u64,
     picks: u64,
 }
 
@@ -253,37 +240,33 @@ impl FleetState {
             .unwrap_or(0)
     }
 
-    /// The decayed charge of recent picks of `rank`, evaluated at `now_us`.
-    pub fn recent_blocks(&self, rank: &WorkerRank, now_us: u64) -> f64 {
-        let Some(slot) = self.index.slot(rank) else {
-            return 0.0;
+    /// Blocks of the requests in flight on the rank at `slot`, summed over requests: its load.
+    pub fn inflight_blocks_at(&self, slot: WorkerSlot) -> u64 {
+        self.load_at(slot).map(|l| l.inflight_blocks).unwrap_or(0)
+    }
+
+    /// Blocks of the requests in flight on `rank`, summed over requests.
+    pub fn inflight_blocks(&self, rank: &WorkerRank) -> u64 {
+        self.index
+            .slot(rank)
+            .map(|s| self.inflight_blocks_at(s))
+            .unwrap_or(0)
+    }
+
+    /// How many leading `blocks` the rank at `slot` holds or is computing: the `indexed` prefix
+    /// its engine announced (the index's overlap), extended by the blocks of its in-flight
+    /// requests (the expected cache, see the module docs). Never less than `indexed`.
+    pub fn expected_overlap_at(&self, slot: WorkerSlot, blocks: &[BlockHash], indexed: u32) -> u32 {
+        let Some(load) = self.load_at(slot).filter(|l| !l.active.is_empty()) else {
+            return indexed;
         };
-        self.recent_by_slot(now_us)
-            .get(slot.index())
-            .copied()
-            .unwrap_or(0.0)
-    }
-
-    /// Recent charges of every rank at once, indexed by slot (one pass; used per decision).
-    pub fn recent_by_slot(&self, now_us: u64) -> Vec<f64> {
-        let width = self.bucket_width_us();
-        let hl = self.config.recent_half_life_us.max(1) as f64;
-        let mut out = vec![0.0; self.load.len()];
-        for b in &self.recent {
-            let age = now_us.saturating_sub(b.bucket * width) as f64;
-            let factor = (-age / hl * std::f64::consts::LN_2).exp();
-            for (slot, blocks) in &b.per_slot {
-                if out.len() <= slot.index() {
-                    out.resize(slot.index() + 1, 0.0);
-                }
-                out[slot.index()] += *blocks as f64 * factor;
-            }
-        }
-        out
-    }
-
-    fn bucket_width_us(&self) -> u64 {
-        (self.config.recent_half_life_us / BUCKETS_PER_HALF_LIFE).max(1)
+        let start = (indexed as usize).min(blocks.len());
+        // Block hashes are chained: an active block implies the prefix it ends.
+        let extra = blocks[start..]
+            .iter()
+            .take_while(|b| load.active.contains_key(b))
+            .count();
+        indexed.saturating_add(extra as u32)
     }
 
     /// Requests routed and not finished.
@@ -345,20 +328,12 @@ impl FleetState {
     /// them: their legs are stripped from the stored decisions, so that a dump (which re-applies the
     /// stored decisions) reproduces exactly this state.
     fn drop_ranks(&mut self, gone: impl Fn(&WorkerRank) -> bool) {
-        // Every slot that carries load: in-flight load, or a recent charge only (a window
-        // restored from a snapshot charges ranks that have no request in flight).
-        let charged = self.recent.iter().flat_map(|b| &b.per_slot);
-        let slots = charged
-            .map(|(s, _)| s.index() + 1)
-            .max()
-            .unwrap_or(0)
-            .max(self.load.len());
-        let gone_slots: Vec<WorkerSlot> = (0..slots as u32)
-            .map(WorkerSlot)
-            .filter(|s| self.index.worker_of(*s).is_some_and(&gone))
-            .collect();
-        for s in &gone_slots {
-            if let Some(l) = self.load.get_mut(s.index()) {
+        for (slot, l) in self.load.iter_mut().enumerate() {
+            if self
+                .index
+                .worker_of(WorkerSlot(slot as u32))
+                .is_some_and(&gone)
+            {
                 *l = RankLoad::default();
             }
         }
@@ -370,10 +345,6 @@ impl FleetState {
             f.queued_tokens
                 .retain(|_| k.next().copied().unwrap_or(true));
         }
-        for b in self.recent.iter_mut() {
-            b.per_slot.retain(|(slot, _)| !gone_slots.contains(slot));
-        }
-        self.recent.retain(|b| !b.per_slot.is_empty());
     }
 
     fn serves(&self, rank: &WorkerRank) -> bool {
@@ -388,7 +359,6 @@ impl FleetState {
         }
         self.picks += 1;
         let order = self.picks;
-        self.latest_bucket = self.latest_bucket.max(r.at_us / self.bucket_width_us());
         let mut routed = r.clone();
         // A leg to a worker that is not registered (it left before the decision was applied)
         // puts no load anywhere.
@@ -404,11 +374,11 @@ impl FleetState {
                 queued_tokens.push(0);
                 continue;
             };
-            self.charge_recent(r.at_us, slot, r.blocks.len() as u64);
             let load = self.load_mut(slot);
             for b in &r.blocks {
                 *load.active.entry(*b).or_default() += 1;
             }
+            load.inflight_blocks += r.blocks.len() as u64;
             let queued = if leg.role == Role::Decode {
                 0
             } else {
@@ -418,7 +388,6 @@ impl FleetState {
             load.queued_prefill_tokens += queued;
             queued_tokens.push(queued);
         }
-        self.prune_recent();
         let entry = InFlight {
             routed,
             queued_tokens,
@@ -426,40 +395,6 @@ impl FleetState {
             order,
         };
         self.inflight.insert(r.request_id.clone(), entry);
-    }
-
-    fn charge_recent(&mut self, at_us: u64, slot: WorkerSlot, blocks: u64) {
-        if blocks == 0 {
-            return;
-        }
-        let bucket = at_us / self.bucket_width_us();
-        // Buckets stay sorted; a late pick (older timestamp) lands in its own bucket.
-        let pos = self.recent.partition_point(|b| b.bucket < bucket);
-        if self.recent.get(pos).is_none_or(|b| b.bucket != bucket) {
-            let fresh = RecentBucket {
-                bucket,
-                per_slot: Vec::new(),
-            };
-            self.recent.insert(pos, fresh);
-        }
-        if let Some(b) = self.recent.get_mut(pos) {
-            match b.per_slot.iter_mut().find(|(s, _)| *s == slot) {
-                Some((_, n)) => *n += blocks,
-                None => b.per_slot.push((slot, blocks)),
-            }
-        }
-    }
-
-    fn window_start_bucket(&self) -> u64 {
-        self.latest_bucket
-            .saturating_sub(BUCKETS_PER_HALF_LIFE * RECENT_HORIZON_HALF_LIVES)
-    }
-
-    fn prune_recent(&mut self) {
-        let start = self.window_start_bucket();
-        while self.recent.front().is_some_and(|b| b.bucket < start) {
-            self.recent.pop_front();
-        }
     }
 
     fn prefilled(&mut self, p: &RequestPrefilled) {
@@ -504,24 +439,10 @@ impl FleetState {
                     }
                 }
             }
+            load.inflight_blocks = load
+                .inflight_blocks
+                .saturating_sub(f.routed.blocks.len() as u64);
         }
-    }
-
-    /// Replaces the recent window with a snapshot's (see [`RecentLoad`]).
-    fn recent_load(&mut self, r: &RecentLoad) {
-        let width = self.bucket_width_us();
-        self.latest_bucket = self.latest_bucket.max(r.latest_us / width);
-        self.recent.clear();
-        for b in &r.buckets {
-            for c in &b.charges {
-                if let Some(slot) = self.index.slot(&c.worker)
-                    && self.serves(&c.worker)
-                {
-                    self.charge_recent(b.at_us, slot, c.blocks);
-                }
-            }
-        }
-        self.prune_recent();
     }
 }
 
@@ -541,15 +462,15 @@ impl Projection for FleetState {
             Event::RequestRouted(r) => self.routed(r),
             Event::RequestPrefilled(p) => self.prefilled(p),
             Event::RequestFinished(f) => self.finished(f),
-            Event::RecentLoad(r) => self.recent_load(r),
+            // A v3 snapshot's recent-pick window: nothing to fold (see the module docs).
+            Event::RecentLoad(_) => {}
         }
     }
 
     /// Workers (each draining one followed by its `WorkerDraining`), then the index, then the
     /// requests in flight in pick order (each followed by its `RequestPrefilled` when it had
-    /// one), then the recent-pick window ([`RecentLoad`]), so that rebuilding reproduces the
-    /// drains, the in-flight load and the recent window exactly. Its size is the fleet's state
-    /// (workers, cached blocks, requests in flight), not the request rate.
+    /// one), so that rebuilding reproduces the drains and the in-flight load exactly. Its size is
+    /// the fleet's state (workers, cached blocks, requests in flight), not the request rate.
     fn dump(&self) -> Vec<Event> {
         let mut out: Vec<Event> = Vec::with_capacity(self.workers.len() + self.draining.len());
         for w in self.workers.values() {
@@ -575,57 +496,17 @@ impl Projection for FleetState {
                 }));
             }
         }
-        if self.latest_bucket > 0 || !self.recent.is_empty() {
-            let width = self.bucket_width_us();
-            let buckets = self
-                .recent
-                .iter()
-                .map(|b| RecentLoadBucket {
-                    at_us: b.bucket * width,
-                    charges: b
-                        .per_slot
-                        .iter()
-                        .filter_map(|(slot, blocks)| {
-                            Some(RecentCharge {
-                                worker: self.index.worker_of(*slot)?.clone(),
-                                blocks: *blocks,
-                            })
-                        })
-                        .collect(),
-                })
-                .collect();
-            out.push(Event::RecentLoad(RecentLoad {
-                latest_us: self.latest_bucket * width,
-                buckets,
-            }));
-        }
         out
     }
 }
 
-/// A recent-pick bucket as compared by [`PartialEq`]: ranks instead of slot numbers.
-type RecentView = (u64, Vec<(Option<WorkerRank>, u64)>);
 /// A rank's load as compared by [`PartialEq`]: sorted active blocks and queued prefill tokens.
 type LoadView = (Vec<(BlockHash, u32)>, u64);
 
-/// Logical equality: same workers (and drains), index content, in-flight load and recent window. Internal
+/// Logical equality: same workers (and drains), index content and in-flight load. Internal
 /// counters (pick numbers) may differ between a state and its rebuild.
 impl PartialEq for FleetState {
     fn eq(&self, other: &Self) -> bool {
-        let recent = |s: &Self| -> Vec<RecentView> {
-            s.recent
-                .iter()
-                .map(|b| {
-                    let mut per_rank: Vec<(Option<WorkerRank>, u64)> = b
-                        .per_slot
-                        .iter()
-                        .map(|(slot, n)| (s.index.worker_of(*slot).cloned(), *n))
-                        .collect();
-                    per_rank.sort();
-                    (b.bucket, per_rank)
-                })
-                .collect()
-        };
         let inflight = |s: &Self| -> BTreeMap<RequestId, (RequestRouted, Vec<u64>, bool)> {
             s.inflight
                 .iter()
@@ -652,11 +533,9 @@ impl PartialEq for FleetState {
                 .collect()
         };
         self.config == other.config
-            && self.latest_bucket == other.latest_bucket
             && self.workers == other.workers
             && self.draining == other.draining
             && self.index == other.index
-            && recent(self) == recent(other)
             && inflight(self) == inflight(other)
             && load(self) == load(other)
     }
@@ -792,15 +671,46 @@ mod tests {
     }
 
     #[test]
-    fn recent_charge_decays_by_half_life() {
+    fn a_finished_request_leaves_no_load_and_no_expectation() {
         let (mut f, a, b) = fleet_with_two();
-        f.apply(&env(3, routed("r1", &a, &[1, 2, 3, 4], 0)));
-        assert!((f.recent_blocks(&a, 0) - 4.0).abs() < 1e-9);
-        assert!((f.recent_blocks(&a, 1_000_000) - 2.0).abs() < 1e-9);
-        assert_eq!(f.recent_blocks(&b, 0), 0.0);
         let slot = f.index().slot(&a).expect("slot");
-        let all = f.recent_by_slot(2_000_000);
-        assert!((all[slot.index()] - 1.0).abs() < 1e-9);
+        let blocks: Vec<BlockHash> = [1, 2, 3, 4].map(BlockHash).to_vec();
+        f.apply(&env(3, routed("r1", &a, &[1, 2, 3, 4], 0)));
+        // Before any KV event, the pick's blocks are expected on its rank only.
+        assert_eq!(f.expected_overlap_at(slot, &blocks, 0), 4);
+        let b_slot = f.index().slot(&b).expect("slot");
+        assert_eq!(f.expected_overlap_at(b_slot, &blocks, 0), 0);
+        assert_eq!(f.inflight_blocks(&a), 4);
+        f.apply(&env(4, finished("r1")));
+        assert_eq!(f.inflight_blocks(&a), 0);
+        assert_eq!(f.active_blocks(&a), 0);
+        assert_eq!(f.expected_overlap_at(slot, &blocks, 0), 0);
+        assert_eq!(f.expected_overlap_at(slot, &blocks, 2), 2);
+    }
+
+    #[test]
+    fn the_expected_cache_extends_the_announced_prefix() {
+        let (mut f, a, _) = fleet_with_two();
+        let slot = f.index().slot(&a).expect("slot");
+        let blocks: Vec<BlockHash> = [1, 2, 3, 4, 5].map(BlockHash).to_vec();
+        f.apply(&env(3, routed("r1", &a, &[1, 2, 3], 0)));
+        // The engine announced 1..=2; the request in flight computes 3; 4 and 5 are nobody's.
+        assert_eq!(f.expected_overlap_at(slot, &blocks, 2), 3);
+        // A longer announced prefix is never shortened.
+        assert_eq!(f.expected_overlap_at(slot, &blocks, 5), 5);
+        assert_eq!(f.expected_overlap_at(slot, &blocks[..2], 0), 2);
+    }
+
+    #[test]
+    fn identical_requests_load_their_rank_once_each() {
+        let (mut f, a, _) = fleet_with_two();
+        f.apply(&env(3, routed("r1", &a, &[1, 2, 3], 0)));
+        f.apply(&env(4, routed("r2", &a, &[1, 2, 3], 0)));
+        assert_eq!(f.active_blocks(&a), 3);
+        assert_eq!(f.inflight_blocks(&a), 6);
+        assert_eq!(f.inflight_on(&a), 2);
+        f.apply(&env(5, finished("r2")));
+        assert_eq!(f.inflight_blocks(&a), 3);
     }
 
     #[test]
@@ -840,7 +750,7 @@ mod tests {
             g.apply(&env(i as u64 + 1, e));
         }
         assert_eq!(f, g);
-        assert!((f.recent_blocks(&a, 50) - g.recent_blocks(&a, 50)).abs() < 1e-12);
+        assert_eq!(f.inflight_blocks(&a), g.inflight_blocks(&a));
         assert_eq!(g.drain_reason(&WorkerId::new("b:1")), Some("pod deleted"));
         assert_eq!(
             g.candidates("m", Role::Mixed),
@@ -849,9 +759,8 @@ mod tests {
     }
 
     #[test]
-    fn a_dump_keeps_finished_requests_only_as_their_recent_charge() {
+    fn a_dump_keeps_only_the_requests_in_flight() {
         let (mut f, a, b) = fleet_with_two();
-        // 10k requests over 2 s (inside the 8 s window), every one finished but the last.
         let mut seq = 3;
         for i in 0..10_000u64 {
             let rank = if i % 3 == 0 { &b } else { &a };
@@ -865,43 +774,37 @@ mod tests {
             seq += 2;
         }
         let dump = f.dump();
-        // Two workers, the one request in flight, and the window.
+        // Two workers and the one request in flight.
+        let kinds: Vec<&str> = dump.iter().map(Event::kind).collect();
         assert_eq!(
-            dump.len(),
-            4,
-            "{:?}",
-            dump.iter().map(Event::kind).collect::<Vec<_>>()
+            kinds,
+            ["worker_registered", "worker_registered", "request_routed"]
         );
-        let Some(Event::RecentLoad(window)) = dump.last() else {
-            panic!("the dump ends with the recent window: {:?}", dump.last());
-        };
-        let charged: u64 = window
-            .buckets
-            .iter()
-            .flat_map(|b| &b.charges)
-            .map(|c| c.blocks)
-            .sum();
-        assert_eq!(charged, 20_000);
         let mut g = FleetState::new(FleetConfig::default());
         for (i, e) in dump.into_iter().enumerate() {
             g.apply(&env(i as u64 + 1, e));
         }
         assert_eq!(f, g);
-        for rank in [&a, &b] {
-            let (live, rebuilt) = (
-                f.recent_blocks(rank, 2_500_000),
-                g.recent_blocks(rank, 2_500_000),
-            );
-            assert!(
-                live > 1_000.0 && (live - rebuilt).abs() < 1e-9,
-                "{live} vs {rebuilt}"
-            );
-        }
-        // The window keeps moving in the rebuilt state as in the live one.
-        f.apply(&env(seq, routed("late", &a, &[1], 30_000_000)));
-        g.apply(&env(seq, routed("late", &a, &[1], 30_000_000)));
-        assert_eq!(f, g);
-        assert!(g.recent_blocks(&b, 30_000_000) < 1e-9);
+        assert_eq!((g.inflight_blocks(&a), g.inflight_blocks(&b)), (0, 2));
+    }
+
+    #[test]
+    fn a_v3_recent_window_folds_as_nothing() {
+        let (mut f, a, _) = fleet_with_two();
+        let before = f.clone();
+        let window = Event::RecentLoad(crate::event::RecentLoad {
+            latest_us: 1_000,
+            buckets: vec![crate::event::RecentLoadBucket {
+                at_us: 0,
+                charges: vec![crate::event::RecentCharge {
+                    worker: a.clone(),
+                    blocks: 300,
+                }],
+            }],
+        });
+        f.apply(&env(3, window));
+        assert_eq!(f, before);
+        assert_eq!(f.inflight_blocks(&a), 0);
     }
 
     fn drain(id: &str, reason: &str) -> Event {

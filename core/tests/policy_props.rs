@@ -1,8 +1,12 @@
 //! Model-based properties of the routing policies (1,000 cases each).
+//!
+//! The two that the load model exists for: sequential turns of one conversation on an idle
+//! fleet stay on the worker that holds their prefix, and a burst of identical prompts decided
+//! before any KV event spreads over the fleet.
 
 use infera_core::event::{
-    Engine, Envelope, Event, KvBlocksStored, RequestTransport, Role, Tier, WorkerRecord,
-    WorkerRegistered,
+    Engine, Envelope, Event, KvBlocksStored, RequestFinished, RequestPrefilled, RequestStatus,
+    RequestTransport, Role, Tier, WorkerRecord, WorkerRegistered,
 };
 use infera_core::fleet::{FleetConfig, FleetState};
 use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
@@ -73,6 +77,26 @@ impl World {
             parent: None,
         }));
     }
+
+    fn finish(&mut self, id: &RequestId) {
+        self.apply(Event::RequestFinished(RequestFinished {
+            request_id: id.clone(),
+            status: RequestStatus::Ok,
+            ttft_us: None,
+            tokens_in: 0,
+            tokens_out: 0,
+            cached_tokens: None,
+        }));
+    }
+}
+
+/// The worker index of a rank named `w{i}:80`.
+fn worker_index(rank: &WorkerRank) -> usize {
+    rank.worker.as_str()[1..]
+        .split(':')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .expect("worker id")
 }
 
 /// A prompt as chained block ids: a shared root of `shared` blocks then private ones.
@@ -138,7 +162,7 @@ proptest! {
         let r = req("q".into(), prompt(root, 24, 7, len));
         let d = router.decide(&w.fleet, &r, 0).expect("decision");
         let cands = w.fleet.candidates("m", Role::Mixed);
-        let load = |rank: &WorkerRank| w.fleet.active_blocks(rank) as f64 + w.fleet.recent_blocks(rank, 0);
+        let load = |rank: &WorkerRank| w.fleet.inflight_blocks(rank) as f64;
         let min = cands.iter().map(|c| load(&c.rank)).fold(f64::INFINITY, f64::min);
         prop_assert!((load(&d.legs[0].worker) - min).abs() < 1e-6);
     }
@@ -153,9 +177,9 @@ proptest! {
         let r = req("q".into(), blocks.clone());
         let cands = w.fleet.candidates("m", Role::Mixed).to_vec();
         let mut scratch = Default::default();
-        let before = score_candidates(&w.fleet, &r, &cands, weight, 0, &mut scratch).expect("score");
+        let before = score_candidates(&w.fleet, &r, &cands, weight, &mut scratch).expect("score");
         w.store(target, &blocks[..have + 1]);
-        let after = score_candidates(&w.fleet, &r, &cands, weight, 0, &mut scratch).expect("score");
+        let after = score_candidates(&w.fleet, &r, &cands, weight, &mut scratch).expect("score");
         for (b, a) in before.iter().zip(&after) {
             prop_assert!(a.overlap >= b.overlap);
             prop_assert!(a.cost <= b.cost + 1e-9, "{} -> {}", b.cost, a.cost);
@@ -185,12 +209,64 @@ proptest! {
         for i in 0..k {
             let r = req(format!("r{i}"), prompt(0, 0, i as u64, len));
             let d = router.decide(&w.fleet, &r, i as u64).expect("decision");
-            let idx: usize = d.legs[0].worker.worker.as_str()[1..].split(':').next().and_then(|s| s.parse().ok()).expect("id");
-            counts[idx] += 1;
+            counts[worker_index(&d.legs[0].worker)] += 1;
             w.apply(Event::RequestRouted(d));
         }
         let bound = k.div_ceil(n) + 1;
         prop_assert!(counts.iter().all(|c| *c <= bound), "{counts:?} > {bound}");
+    }
+
+    #[test]
+    fn a_burst_of_identical_prompts_spreads(n in 2usize..12, k in 2usize..200, len in 1usize..40, weight in 0.0f64..=1.0, prefilled in prop::collection::vec(any::<bool>(), 200), seed: u64) {
+        // No KV event arrives during the burst; some requests reach their first byte.
+        let mut w = World::new(n);
+        let mut router = Router::new(RouterConfig { overlap_weight: weight, seed, ..Default::default() });
+        let mut counts = vec![0usize; n];
+        let blocks = prompt(5, 40, 0, len);
+        for (i, first_byte) in prefilled.iter().take(k).enumerate() {
+            let d = router.decide(&w.fleet, &req(format!("r{i}"), blocks.clone()), i as u64).expect("decision");
+            counts[worker_index(&d.legs[0].worker)] += 1;
+            let id = d.request_id.clone();
+            w.apply(Event::RequestRouted(d));
+            if *first_byte {
+                w.apply(Event::RequestPrefilled(RequestPrefilled { request_id: id }));
+            }
+        }
+        let bound = k.div_ceil(n) + 1;
+        prop_assert!(counts.iter().all(|c| *c <= bound), "{counts:?} > {bound}");
+    }
+
+    #[test]
+    fn sequential_turns_on_an_idle_fleet_stay_with_their_prefix(n in 2usize..12, turns in 2usize..12, system in 1usize..60, turn_len in 0usize..8, other in prop::collection::vec((0usize..12, 0u64..4, 1usize..24), 0..12), weight in 0.01f64..32.0, events_late in any::<bool>(), seed: u64) {
+        // Other conversations' prefixes are cached around the fleet; nothing is in flight.
+        let mut w = World::new(n);
+        for (worker, root, len) in &other {
+            w.store(worker % n, &prompt(10 + root, 24, 0, *len));
+        }
+        let mut router = Router::new(RouterConfig { overlap_weight: weight, seed, ..Default::default() });
+        let mut first: Option<WorkerRank> = None;
+        for t in 0..turns {
+            // Each turn is the whole conversation so far: the system prompt, then every turn.
+            let blocks = prompt(1, system, 77, system + (t + 1) * turn_len);
+            let d = router.decide(&w.fleet, &req(format!("turn{t}"), blocks.clone()), t as u64 * 1_000).expect("decision");
+            let rank = d.legs[0].worker.clone();
+            if let Some(f) = &first {
+                prop_assert_eq!(&rank, f, "turn {} left the worker holding its prefix", t);
+                prop_assert!(d.legs[0].overlap_blocks as usize >= system + t * turn_len);
+            }
+            first.get_or_insert(rank.clone());
+            let id = d.request_id.clone();
+            w.apply(Event::RequestRouted(d));
+            // The engine's KV events come while the request runs, or just before it ends.
+            if !events_late {
+                w.store(worker_index(&rank), &blocks);
+            }
+            w.apply(Event::RequestPrefilled(RequestPrefilled { request_id: id.clone() }));
+            if events_late {
+                w.store(worker_index(&rank), &blocks);
+            }
+            w.finish(&id);
+        }
     }
 
     #[test]

@@ -36,7 +36,6 @@ pub const SWEEPABLE: &[&str] = &[
     "seed",
     "kv-event-delay-ms",
     "frontend-ms",
-    "recent-half-life-ms",
 ];
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -150,9 +149,6 @@ pub fn apply(cfg: &mut SimConfig, key: &str, value: &str) -> Result<(), SweepErr
             cfg.kv_event_delay_us = (num::<f64>(key, value, false)? * 1000.0) as u64
         }
         "frontend-ms" => cfg.frontend_us = (num::<f64>(key, value, false)? * 1000.0).round() as u64,
-        "recent-half-life-ms" => {
-            cfg.fleet.recent_half_life_us = (num::<f64>(key, value, true)? * 1000.0) as u64
-        }
         _ => return Err(SweepError::UnknownKey { key: key.into() }),
     }
     Ok(())

@@ -166,7 +166,7 @@ fn azure_conv_trace_matches_the_readme() {
     let coarse = load_ok(
         &path,
         &LoadOptions {
-            azure_block_size: 64,
+            block_size: Some(64),
             model: "llama".into(),
             ..LoadOptions::default()
         },
@@ -509,6 +509,76 @@ fn bad_mooncake_lines_are_named() {
 }
 
 #[test]
+fn the_trace_block_size_is_an_option_of_every_reader() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A Mooncake-format trace hashed in 64-token blocks: 1,000 tokens are 16 ids.
+    let ids = |n: u64, base: u64| (0..n).map(|i| (base + i).to_string()).collect::<Vec<_>>();
+    let text = format!(
+        "{{\"timestamp\": 0, \"input_length\": 1000, \"output_length\": 4, \"hash_ids\": [{}]}}\n\
+         {{\"timestamp\": 3, \"input_length\": 64, \"output_length\": 4, \"hash_ids\": [{}]}}\n",
+        ids(16, 0).join(", "),
+        ids(1, 0).join(", ")
+    );
+    let jsonl = write_file(dir.path(), "small.jsonl", &text);
+    let err = load(&jsonl, &as_is()).expect_err("512-token blocks do not fit");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("`hash_ids` has 16 ids but `input_length` 1000 needs ceil(1000/512) = 2")
+            && msg.contains("fit a trace block size of 64"),
+        "{msg}"
+    );
+    let at = |bs: u32| LoadOptions {
+        block_size: Some(bs),
+        ..as_is()
+    };
+    let t = load_ok(&jsonl, &at(64));
+    assert!(t.requests.iter().all(|r| r.block_size == 64));
+    assert_eq!(t.requests[0].block_hashes.len(), 16);
+    assert!(t.source.contains("block size 64"), "{}", t.source);
+    // Its shared first block is a hit at 64 tokens per block.
+    let summary = summarize(&t);
+    assert!(summary.ideal_hit_rate > 0.0, "{summary:?}");
+    // 16-token blocks too.
+    let text16 = format!(
+        "{{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 1, \"hash_ids\": [{}]}}\n",
+        ids(7, 0).join(", ")
+    );
+    let jsonl16 = write_file(dir.path(), "tiny.jsonl", &text16);
+    assert_eq!(load_ok(&jsonl16, &at(16)).requests[0].block_size, 16);
+    // Azure: the size of the invented blocks.
+    let csv = write_file(
+        dir.path(),
+        "a.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,100,4\n",
+    );
+    assert_eq!(load_ok(&csv, &at(16)).requests[0].block_hashes.len(), 7);
+    // Parquet carries its own: the same value loads, another is a clear error.
+    let parquet = dir.path().join("small.parquet");
+    write_parquet(&t, &parquet).expect("write");
+    assert_eq!(load_ok(&parquet, &at(64)), load_ok(&parquet, &as_is()));
+    let err = load(&parquet, &at(512)).expect_err("mismatch");
+    assert!(
+        matches!(
+            err,
+            TraceError::BlockSizeMismatch {
+                found: 64,
+                given: 512,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("has block size 64"), "{err}");
+    // Zero is refused by every reader.
+    for path in [&jsonl, &csv, &parquet] {
+        assert!(matches!(
+            load(path, &at(0)),
+            Err(TraceError::InvalidOption(_))
+        ));
+    }
+}
+
+#[test]
 fn decreasing_timestamps_name_both_lines() {
     let later = GOOD.replace("\"timestamp\": 0", "\"timestamp\": 9000");
     let earlier = GOOD.replace("\"timestamp\": 0", "\"timestamp\": 3000");
@@ -619,7 +689,7 @@ fn unsupported_extensions_and_unreadable_paths_are_errors() {
     );
 
     let bad_opts = LoadOptions {
-        azure_block_size: 0,
+        block_size: Some(0),
         ..LoadOptions::default()
     };
     let csv = write_file(

@@ -20,7 +20,8 @@
 //! by default, NATS from `infera-backends`). A connection failure, a 429 admission reject or a
 //! 5xx before the first response byte finishes that attempt (`RequestFinished` with `worker_error`) and re-decides with the
 //! failed rank excluded, up to `request_max_retries` more times; each attempt has its own request
-//! id (`<id>` then `<id>#<n>`) so the fleet's in-flight accounting never mixes attempts.
+//! id (`<id>#<n>`, `n` unique to the server) so the fleet's in-flight accounting never mixes
+//! attempts, nor requests that share a client id.
 //! `RequestPrefilled` is appended at the first response byte (for a prefill/decode pair: when
 //! the prefill leg's answer has arrived) and `RequestFinished` at the end (or when the client
 //! goes away: `cancelled`), never `RequestPrefilled` after it. A stream that fails midway ends

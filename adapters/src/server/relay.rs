@@ -41,6 +41,7 @@ use infera_core::ports::transport::{
 };
 use serde_json::{Map, Value, json};
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
@@ -277,6 +278,9 @@ fn status_of(code: StatusCode) -> RequestStatus {
     }
 }
 
+/// Numbers the attempts of this process (see [`forward`]).
+static NEXT_ATTEMPT: AtomicU64 = AtomicU64::new(0);
+
 /// Decides and forwards, failing over before the first response byte. See the module docs.
 pub(crate) async fn forward(
     st: &ServerState,
@@ -298,8 +302,15 @@ pub(crate) async fn forward(
     // The client's body as JSON, parsed once for the legs of a PD pair.
     let mut pd_base: Option<Map<String, Value>> = None;
     for attempt in 0..attempts {
+        // The router's own identity of each attempt, `<client id>#<n>` with `n` unique to this
+        // server: a client may send one `x-infera-request-id` with concurrent requests, and
+        // the fleet's in-flight accounting must never merge them.
+        let n = st
+            .inner
+            .id_prefix
+            .wrapping_add(NEXT_ATTEMPT.fetch_add(1, Ordering::Relaxed));
+        req.request_id = RequestId::new(format!("{base_id}#{n}"));
         if attempt > 0 {
-            req.request_id = RequestId::new(format!("{base_id}#{attempt}"));
             inc(&st.inner.metrics.retries, 1);
         }
         let route = match decide(st, &req, direct.as_ref()) {

@@ -108,9 +108,6 @@ pub struct ReplayArgs {
     /// (README, "Benchmarks": the fidelity bench); 0 reports the engines alone.
     #[arg(long, default_value_t = DEFAULT_FRONTEND_US as f64 / 1000.0)]
     pub frontend_ms: f64,
-    /// Half-life of the load charge a routing decision leaves on its worker.
-    #[arg(long, default_value_t = 1000.0)]
-    pub recent_half_life_ms: f64,
     /// Retention class rule COND:CLASS[:ttl=SECONDS], first match wins, e.g.
     /// 'input_length<2048:short' or '*:long:ttl=600' (repeatable; the trace's own column wins).
     #[arg(long = "retention-rule", value_name = "RULE")]
@@ -128,6 +125,10 @@ pub struct ReplayArgs {
     /// Keep Mooncake's ~3 s timestamp buckets instead of spreading arrivals within them.
     #[arg(long)]
     pub no_spread: bool,
+    /// Tokens per block of the trace's hash ids, as `infera trace import --trace-block-size`
+    /// [default: the format's]. The simulated engines' block size is --block-size.
+    #[arg(long, value_name = "TOKENS")]
+    pub trace_block_size: Option<u32>,
     /// Write per-request rows to this Parquet file and a summary to FILE.summary.parquet.
     #[arg(long, value_name = "FILE.parquet")]
     pub out: Option<PathBuf>,
@@ -172,9 +173,10 @@ pub struct LoadArgs {
     /// Keep the timestamp buckets as they are.
     #[arg(long)]
     pub no_spread: bool,
-    /// Block size for traces without hashes (Azure CSV).
-    #[arg(long, default_value_t = 16)]
-    pub azure_block_size: u32,
+    /// Tokens per block of the trace's hash ids [default: the format's: Mooncake JSONL 512,
+    /// Azure CSV 16 (the invented ids); a Parquet trace's own, which a value here must match].
+    #[arg(long, alias = "azure-block-size", value_name = "TOKENS")]
+    pub trace_block_size: Option<u32>,
     /// Model name for traces that carry none.
     #[arg(long, default_value = "default")]
     pub model: String,
@@ -185,7 +187,7 @@ impl LoadArgs {
         trace::LoadOptions {
             seed: self.seed,
             spread_buckets: !self.no_spread,
-            azure_block_size: self.azure_block_size,
+            block_size: self.trace_block_size,
             model: self.model.clone(),
         }
     }
@@ -230,9 +232,6 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
     }
     if !(a.speedup.is_finite() && a.speedup > 0.0) {
         bail!("--speedup must be above 0 (got {})", a.speedup);
-    }
-    if !(a.recent_half_life_ms.is_finite() && a.recent_half_life_ms > 0.0) {
-        bail!("--recent-half-life-ms must be above 0");
     }
     let block_size = a.block_size.unwrap_or(trace_block_size).max(1);
     if a.block_size == Some(0) {
@@ -285,7 +284,6 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
     cfg.speedup = a.speedup;
     cfg.kv_event_delay_us = (a.kv_event_delay_ms * 1000.0) as u64;
     cfg.frontend_us = (a.frontend_ms * 1000.0).round() as u64;
-    cfg.fleet.recent_half_life_us = (a.recent_half_life_ms * 1000.0) as u64;
     cfg.engine.validate().context("engine settings")?;
     Ok(cfg)
 }
@@ -383,6 +381,7 @@ fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
     let opts = trace::LoadOptions {
         seed: args.seed,
         spread_buckets: !args.no_spread,
+        block_size: args.trace_block_size,
         ..Default::default()
     };
     let mut tr = trace::load(&args.trace, &opts)?;

@@ -288,3 +288,51 @@ fn plot_writes_a_chart_per_format_that_independent_readers_open() {
     assert_eq!(fields[1], fields[3], "{fields:?}");
     assert_eq!(fields[4..], ["1", "1", "7", "7"], "{fields:?}");
 }
+
+#[test]
+fn every_trace_command_takes_the_trace_block_size() {
+    // A Mooncake-format trace hashed in 64-token blocks: 1,000 tokens are 16 ids.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ids: Vec<String> = (0..16).map(|i| i.to_string()).collect();
+    let mut lines = String::new();
+    for t in 0..4 {
+        lines.push_str(&format!(
+            "{{\"timestamp\": {t}, \"input_length\": 1000, \"output_length\": 4, \"hash_ids\": [{}]}}\n",
+            ids.join(", ")
+        ));
+    }
+    let path = dir.path().join("small.jsonl");
+    std::fs::write(&path, lines).expect("write");
+    let trace = path.display().to_string();
+    let out = infera(&["trace", "inspect", &trace]);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("needs ceil(1000/512) = 2")
+            && stderr.contains("fit a trace block size of 64"),
+        "{stderr}"
+    );
+    let out = infera(&["trace", "inspect", &trace, "--trace-block-size", "64"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let parquet = dir.path().join("small.parquet").display().to_string();
+    let out = infera(&[
+        "trace",
+        "import",
+        &trace,
+        &parquet,
+        "--trace-block-size",
+        "64",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = infera(&["replay", &trace, "--trace-block-size", "64"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains("block size 64"), "{stdout}");
+    let out = infera(&["replay", &parquet, "--trace-block-size", "512"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("has block size 64"),
+        "{}",
+        text(&out.stderr)
+    );
+}

@@ -11,8 +11,9 @@ use crate::rng::Rng;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Scored {
     pub candidate: Candidate,
+    /// Leading blocks the candidate holds or is computing (index + expected cache).
     pub overlap: u32,
-    /// `active_blocks + recent_blocks`.
+    /// Blocks of its in-flight requests, summed over requests.
     pub load: f64,
     pub prefill_blocks: f64,
     pub cost: f64,
@@ -31,10 +32,8 @@ pub fn score_candidates(
     req: &RouteRequest,
     cands: &[Candidate],
     weight: f64,
-    now_us: u64,
     scratch: &mut Scratch,
 ) -> Result<Vec<Scored>, RouteError> {
-    let recent = fleet.recent_by_slot(now_us);
     let mut out: Vec<Scored> = Vec::with_capacity(cands.len());
     // Candidates usually share one block size; group them so the index walks each request once.
     let mut sizes: Vec<u32> = cands.iter().map(|c| c.block_size).collect();
@@ -52,7 +51,8 @@ pub fn score_candidates(
             .index()
             .overlap(Tier::Gpu, blocks, &scratch.slots, &mut scratch.overlaps);
         for (k, i) in members.iter().enumerate() {
-            overlap_of[*i] = scratch.overlaps.get(k).copied().unwrap_or(0);
+            let indexed = scratch.overlaps.get(k).copied().unwrap_or(0);
+            overlap_of[*i] = fleet.expected_overlap_at(cands[*i].slot, blocks, indexed);
         }
     }
     for (c, overlap) in cands.iter().zip(overlap_of) {
@@ -60,8 +60,7 @@ pub fn score_candidates(
         let queued_blocks =
             fleet.queued_prefill_tokens_at(c.slot) as f64 / c.block_size.max(1) as f64;
         let prefill_blocks = request_blocks - overlap as f64 + queued_blocks;
-        let load = fleet.active_blocks_at(c.slot) as f64
-            + recent.get(c.slot.index()).copied().unwrap_or(0.0);
+        let load = fleet.inflight_blocks_at(c.slot) as f64;
         let cost = weight * prefill_blocks + load;
         out.push(Scored {
             candidate: c.clone(),

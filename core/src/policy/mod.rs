@@ -3,9 +3,14 @@
 //! - `kv-aware`: for each candidate `w` (lower is better)
 //!   ```text
 //!   prefill_blocks(w) = request_blocks − overlap(w) + queued_prefill_blocks(w)
-//!   load(w)           = active_blocks(w) + recent_blocks(w)
+//!   load(w)           = inflight_blocks(w)
 //!   cost(w)           = weight × prefill_blocks(w) + load(w)
 //!   ```
+//!   `overlap(w)` is the prefix the engine announced, extended by the blocks of `w`'s requests in
+//!   flight (the expected cache, [`FleetState::expected_overlap_at`]); `inflight_blocks(w)` sums
+//!   the blocks of `w`'s requests in flight, per request. Nothing outlives a request: sequential
+//!   turns of one conversation stay on the worker that holds their prefix, and a burst of
+//!   identical prompts spreads because each one in flight loads its worker.
 //!   `weight` is `--kv-overlap-weight`, or the prefill / decode weight for PD roles, scaled by the
 //!   request's retention hint (`long` ×2, `none` ×0.1). With `--router-temperature 0` the cheapest
 //!   candidate wins; ties go to the lower load, then to a seeded random choice (never list order).
@@ -210,7 +215,7 @@ impl Router {
         let mut top = Vec::new();
         let mut blocks: Vec<BlockHash> = Vec::new();
         for &role in roles {
-            let (leg, leg_blocks, leg_top, weight) = self.decide_leg(fleet, req, role, now_us)?;
+            let (leg, leg_blocks, leg_top, weight) = self.decide_leg(fleet, req, role)?;
             if blocks.is_empty() {
                 blocks = leg_blocks.to_vec();
             }
@@ -269,7 +274,8 @@ impl Router {
                 fleet
                     .index()
                     .overlap(crate::event::Tier::Gpu, leg_blocks, &[slot], &mut overlap);
-                leg.overlap_blocks = overlap.first().copied().unwrap_or(0);
+                let indexed = overlap.first().copied().unwrap_or(0);
+                leg.overlap_blocks = fleet.expected_overlap_at(slot, leg_blocks, indexed);
             }
             if blocks.is_empty() {
                 blocks = leg_blocks.to_vec();
@@ -294,7 +300,6 @@ impl Router {
         fleet: &FleetState,
         req: &'r RouteRequest,
         role: Role,
-        now_us: Micros,
     ) -> Result<LegDecision<'r>, RouteError> {
         let all = fleet.candidates(&req.model, role);
         let filtered: Vec<Candidate>;
@@ -328,7 +333,8 @@ impl Router {
                 fleet
                     .index()
                     .overlap(crate::event::Tier::Gpu, blocks, &[c.slot], &mut ov);
-                let overlap_blocks = ov.first().copied().unwrap_or(0);
+                let indexed = ov.first().copied().unwrap_or(0);
+                let overlap_blocks = fleet.expected_overlap_at(c.slot, blocks, indexed);
                 let leg = RoutedLeg {
                     worker: c.rank.clone(),
                     role,
@@ -337,8 +343,7 @@ impl Router {
                 Ok((leg, blocks, Vec::new(), weight))
             }
             PolicyKind::KvAware => {
-                let scored =
-                    score_candidates(fleet, req, cands, weight, now_us, &mut self.scratch)?;
+                let scored = score_candidates(fleet, req, cands, weight, &mut self.scratch)?;
                 let pick = cost::choose(&scored, self.config.temperature, &mut self.rng);
                 let chosen = &scored[pick];
                 let blocks = req

@@ -12,12 +12,15 @@
 //! up to 100 ns resolution (7 fraction digits; more are truncated), no time zone. Timestamps must
 //! never decrease. Output rows: `arrival_us` = time since the first row, truncated to microseconds;
 //! `request_id = "{file_stem}-{line}"`; `input_length = ContextTokens`; `output_length =
-//! GeneratedTokens`; `block_size` = [`LoadOptions::azure_block_size`]. The traces carry no prompt
+//! GeneratedTokens`; `block_size` = [`LoadOptions::block_size`] (default [`AZURE_BLOCK_SIZE`]). The traces carry no prompt
 //! content, so there is no prefix sharing to model: each request gets `ceil(input / block_size)`
 //! fresh block ids from one counter, and no two requests share any id.
 
 use super::{LoadOptions, Trace, TraceError, TraceRequest, blocks_for};
 use std::path::Path;
+
+/// Tokens per invented block when [`LoadOptions::block_size`] is not given.
+pub const AZURE_BLOCK_SIZE: u32 = 16;
 
 /// The most blocks one imported request may span (guards memory against absurd token counts).
 pub const MAX_BLOCKS_PER_REQUEST: u64 = 1 << 20;
@@ -31,10 +34,10 @@ const COLUMNS: [&str; 3] = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"];
 /// [`TraceError::NotMonotonic`] naming both lines when time goes backwards; [`TraceError::Empty`]
 /// without data rows; [`TraceError::InvalidOption`] for a zero block size; [`TraceError::Io`].
 pub fn import(path: &Path, opts: &LoadOptions) -> Result<Trace, TraceError> {
-    let block_size = opts.azure_block_size;
+    let block_size = opts.block_size.unwrap_or(AZURE_BLOCK_SIZE);
     if block_size == 0 {
         return Err(TraceError::InvalidOption(
-            "azure_block_size must be positive".to_owned(),
+            "the trace block size must be positive".to_owned(),
         ));
     }
     let text = super::read_text(path)?;

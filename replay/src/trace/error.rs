@@ -64,6 +64,19 @@ pub enum TraceError {
     /// A [`crate::trace::LoadOptions`] value is out of range.
     #[error("invalid load option: {0}")]
     InvalidOption(String),
+    /// A Parquet trace's own block size differs from the one the caller gave.
+    #[error(
+        "{}: request {request_id:?} has block size {found}, but the trace block size given is \
+         {given}; a Parquet trace carries its own (leave the option out, or re-import the source \
+         with the right one)",
+        .path.display()
+    )]
+    BlockSizeMismatch {
+        path: PathBuf,
+        request_id: String,
+        found: u32,
+        given: u32,
+    },
     /// A trace handed to the writer breaks an invariant of the format.
     #[error("cannot write {}: request {index} ({request_id:?}), field `{field}`: {message}", .path.display())]
     InvalidRequest {

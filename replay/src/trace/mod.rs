@@ -81,8 +81,11 @@ pub struct LoadOptions {
     /// Spread requests that share a Mooncake timestamp over the gap to the next one
     /// (see [`spread_buckets`]); off keeps the timestamps as recorded.
     pub spread_buckets: bool,
-    /// Block size used to invent hash ids for Azure traces (which have none).
-    pub azure_block_size: u32,
+    /// Tokens per block of the trace's hash ids. `None`: the format's own — 512 for Mooncake
+    /// ([`mooncake::MOONCAKE_BLOCK_SIZE`]; its public traces all use it, but other producers
+    /// write 16- or 64-token blocks), [`azure::AZURE_BLOCK_SIZE`] for the ids invented for Azure
+    /// traces. Parquet traces carry theirs: a value here must match it.
+    pub block_size: Option<u32>,
     /// Model name given to imported requests.
     pub model: String,
 }
@@ -92,7 +95,7 @@ impl Default for LoadOptions {
         Self {
             seed: 0,
             spread_buckets: true,
-            azure_block_size: 16,
+            block_size: None,
             model: "default".to_owned(),
         }
     }
@@ -103,19 +106,25 @@ impl Default for LoadOptions {
 ///
 /// # Errors
 /// [`TraceError`] naming the file and the line or column at fault: unreadable paths, malformed
-/// input, non-monotonic arrivals, inconsistent block counts, empty traces, unknown extensions.
-/// Never panics on any input.
+/// input, non-monotonic arrivals, inconsistent block counts, empty traces, unknown extensions,
+/// a zero [`LoadOptions::block_size`] or one a Parquet trace contradicts. Never panics on any
+/// input.
 pub fn load(path: &Path, opts: &LoadOptions) -> Result<Trace, TraceError> {
+    if opts.block_size == Some(0) {
+        return Err(TraceError::InvalidOption(
+            "the trace block size must be positive".to_owned(),
+        ));
+    }
     let meta = std::fs::metadata(path).map_err(|e| TraceError::io(path, e))?;
     if meta.is_dir() {
-        return parquet::read_dir(path);
+        return parquet::read_dir(path).and_then(|t| check_block_size(path, t, opts));
     }
     let ext = path
         .extension()
         .map(|e| e.to_string_lossy().to_ascii_lowercase())
         .unwrap_or_default();
     match ext.as_str() {
-        "parquet" => parquet::read_file(path),
+        "parquet" => parquet::read_file(path).and_then(|t| check_block_size(path, t, opts)),
         "jsonl" => mooncake::import(path, opts),
         "csv" => azure::import(path, opts),
         _ => Err(TraceError::UnsupportedFormat {
@@ -125,6 +134,22 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<Trace, TraceError> {
             } else {
                 format!(".{ext}")
             },
+        }),
+    }
+}
+
+/// A Parquet trace read as written, unless the caller said its block size is another.
+fn check_block_size(path: &Path, trace: Trace, opts: &LoadOptions) -> Result<Trace, TraceError> {
+    let Some(given) = opts.block_size else {
+        return Ok(trace);
+    };
+    match trace.requests.iter().find(|r| r.block_size != given) {
+        None => Ok(trace),
+        Some(r) => Err(TraceError::BlockSizeMismatch {
+            path: path.to_path_buf(),
+            request_id: r.request_id.clone(),
+            found: r.block_size,
+            given,
         }),
     }
 }

@@ -8,16 +8,17 @@
 //! | `timestamp` | non-negative integer | arrival, milliseconds since the trace start |
 //! | `input_length` | `u32` | prompt tokens |
 //! | `output_length` | `u32` | generated tokens |
-//! | `hash_ids` | array of `u64` | chained prefix block ids, [`MOONCAKE_BLOCK_SIZE`] tokens per block |
+//! | `hash_ids` | array of `u64` | chained prefix block ids, one per block of [`LoadOptions::block_size`] tokens (default [`MOONCAKE_BLOCK_SIZE`]) |
 //!
 //! Types are strict (a float, string or negative number where an integer is due is an error), but
 //! unknown keys are ignored, provided the line is well-formed JSON. Each line must satisfy
-//! `len(hash_ids) == ceil(input_length / 512)`, and timestamps must never decrease.
+//! `len(hash_ids) == ceil(input_length / block_size)`, and timestamps must never decrease; a line
+//! that does not, but would at another power-of-two block size, says which.
 //!
 //! Output rows: `arrival_us = timestamp × 1000` (then bucket-spread when
 //! [`LoadOptions::spread_buckets`], see [`crate::trace::spread`]), `request_id =
-//! "{file_stem}-{line}"` (1-based physical line), `model` = [`LoadOptions::model`], `block_size =
-//! 512`, `block_hashes = hash_ids`; the nullable columns are null.
+//! "{file_stem}-{line}"` (1-based physical line), `model` = [`LoadOptions::model`], `block_size`
+//! as above, `block_hashes = hash_ids`; the nullable columns are null.
 
 use super::{LoadOptions, Trace, TraceError, TraceRequest, blocks_for, spread_buckets};
 use rayon::prelude::*;
@@ -25,7 +26,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use std::path::Path;
 
-/// Tokens per `hash_ids` block in every Mooncake trace.
+/// Tokens per `hash_ids` block in Mooncake's own traces.
 pub const MOONCAKE_BLOCK_SIZE: u32 = 512;
 
 #[derive(Deserialize)]
@@ -41,9 +42,15 @@ struct Line {
 /// # Errors
 /// [`TraceError::Line`] for malformed lines, missing keys, wrong types, negative timestamps and
 /// inconsistent `hash_ids`; [`TraceError::NotMonotonic`] naming both lines when a timestamp
-/// decreases; [`TraceError::Empty`] when no line holds a request; [`TraceError::Io`] when the file
-/// cannot be read.
+/// decreases; [`TraceError::Empty`] when no line holds a request; [`TraceError::InvalidOption`]
+/// for a zero block size; [`TraceError::Io`] when the file cannot be read.
 pub fn import(path: &Path, opts: &LoadOptions) -> Result<Trace, TraceError> {
+    let bs = opts.block_size.unwrap_or(MOONCAKE_BLOCK_SIZE);
+    if bs == 0 {
+        return Err(TraceError::InvalidOption(
+            "the trace block size must be positive".to_owned(),
+        ));
+    }
     let text = super::read_text(path)?;
     let lines: Vec<(usize, &str)> = super::numbered_lines(&text).collect();
     // Parsing dominates; do it in parallel and check order-dependent facts sequentially after.
@@ -73,17 +80,19 @@ pub fn import(path: &Path, opts: &LoadOptions) -> Result<Trace, TraceError> {
             });
         }
         previous = Some((rec.timestamp, line_no));
-        let want = blocks_for(rec.input_length, MOONCAKE_BLOCK_SIZE);
-        if rec.hash_ids.len() as u64 != want {
+        let want = blocks_for(rec.input_length, bs);
+        let have = rec.hash_ids.len() as u64;
+        if have != want {
+            let hint = fitting_block_size(rec.input_length, have)
+                .map(|b| format!(" (they fit a trace block size of {b}: give that instead)"))
+                .unwrap_or_default();
             return Err(TraceError::line(
                 path,
                 line_no,
                 format!(
-                    "`hash_ids` has {} ids but `input_length` {} needs ceil({}/{MOONCAKE_BLOCK_SIZE}) \
-                     = {want}",
-                    rec.hash_ids.len(),
-                    rec.input_length,
-                    rec.input_length
+                    "`hash_ids` has {have} ids but `input_length` {} needs ceil({}/{bs}) = \
+                     {want} at trace block size {bs}{hint}",
+                    rec.input_length, rec.input_length
                 ),
             ));
         }
@@ -100,7 +109,7 @@ pub fn import(path: &Path, opts: &LoadOptions) -> Result<Trace, TraceError> {
             model: opts.model.clone(),
             input_length: rec.input_length,
             output_length: rec.output_length,
-            block_size: MOONCAKE_BLOCK_SIZE,
+            block_size: bs,
             block_hashes: rec.hash_ids,
             token_ids: None,
             session_id: None,
@@ -129,11 +138,19 @@ pub fn import(path: &Path, opts: &LoadOptions) -> Result<Trace, TraceError> {
     Ok(Trace {
         requests,
         source: format!(
-            "{} (Mooncake JSONL, block size {MOONCAKE_BLOCK_SIZE})",
+            "{} (Mooncake JSONL, block size {bs})",
             super::file_name(path)
         ),
         notes,
     })
+}
+
+/// The power-of-two block size (1 to 2^20 tokens) at which `ids` hash ids span `input_length`
+/// tokens, if there is one.
+fn fitting_block_size(input_length: u32, ids: u64) -> Option<u32> {
+    (0..=20)
+        .map(|p| 1u32 << p)
+        .find(|b| blocks_for(input_length, *b) == ids)
 }
 
 /// Parses one line; on failure, says which key is wrong and how.

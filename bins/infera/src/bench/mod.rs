@@ -142,6 +142,7 @@ fn bench(args: &BenchArgs, settings: Settings) -> anyhow::Result<()> {
     let opts = trace::LoadOptions {
         seed: args.seed,
         spread_buckets: !args.no_spread,
+        block_size: args.trace_block_size,
         ..Default::default()
     };
     let tr = trace::load(&args.trace, &opts)?;

@@ -78,6 +78,11 @@ pub struct BenchArgs {
     #[arg(long)]
     pub no_spread: bool,
 
+    /// Tokens per block of the trace's hash ids, as `infera trace import --trace-block-size`
+    /// [default: the format's].
+    #[arg(long, value_name = "TOKENS")]
+    pub trace_block_size: Option<u32>,
+
     /// Print the summary as one JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
