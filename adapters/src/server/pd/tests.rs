@@ -2,8 +2,8 @@
 
 use super::shape::*;
 use super::*;
-use serde_json::json;
 use crate::server::test_support::record;
+use serde_json::json;
 
 fn leg(id: &str, role: Role, meta: Value) -> Leg {
     let mut record = record(id);
