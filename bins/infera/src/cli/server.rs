@@ -74,7 +74,8 @@ pub struct ServerArgs {
     #[arg(long, value_enum, default_value = "kubernetes", help_heading = DISCOVERY)]
     pub discovery_backend: DiscoveryBackend,
 
-    /// etcd endpoint (host:port or URL); required for --discovery-backend etcd.
+    /// etcd endpoint(s): host:port, host (port 2379), http(s)://host:port, or a comma-separated
+    /// list of members to fail over along; required for --discovery-backend etcd.
     #[arg(long, value_name = "ENDPOINT", help_heading = DISCOVERY)]
     pub etcd_endpoint: Option<String>,
 

@@ -127,7 +127,8 @@ pub struct WorkerArgs {
     #[arg(long, default_value = "0.0.0.0")]
     pub host: String,
 
-    /// Shared etcd endpoint (etcd discovery); required for --discovery-backend etcd.
+    /// Shared etcd endpoint(s): host:port, host (port 2379), http(s)://host:port, or a
+    /// comma-separated list of members to fail over along; required for --discovery-backend etcd.
     #[arg(long, value_name = "ENDPOINT")]
     pub etcd_endpoint: Option<String>,
 
