@@ -183,47 +183,51 @@ async fn repair_gap(
     missing: RangeInclusive<u64>,
     sink: &dyn KvSink,
 ) {
-    let why = match replay {
-        None => "the engine has no replay socket".to_owned(),
-        Some(replay) => match replay.replay(rank.dp_rank, missing.clone()).await {
-            Err(e) => e.to_string(),
-            Ok(got) => match exactly(&missing, got) {
-                Err(why) => why,
-                Ok(batches) => {
-                    // Decoded first, all of them, so a bad one clears instead of half-applying.
-                    let decoded: Result<Vec<_>, String> = batches
-                        .iter()
-                        .map(|(seq, payload)| {
-                            decoder
-                                .decode(rank.dp_rank, payload)
-                                .map(|b| (*seq, b))
-                                .map_err(|e| format!("replayed batch {seq}: {e}"))
-                        })
-                        .collect();
-                    match decoded {
-                        Err(why) => why,
-                        Ok(decoded) => {
-                            for (seq, batch) in &decoded {
-                                sink.ingest(rank, Some(*seq), batch);
-                            }
-                            tracing::info!(
-                                worker = rank.worker.as_str(),
-                                dp_rank = rank.dp_rank,
-                                ?missing,
-                                "kv events lost in transit were replayed by the engine"
-                            );
-                            sink.gap(rank, &missing, true);
-                            return;
-                        }
-                    }
-                }
-            },
-        },
-    };
-    tracing::warn!(worker = rank.worker.as_str(), dp_rank = rank.dp_rank, ?missing, reason = %why,
-        "kv events lost; clearing the rank's blocks for later events to rebuild");
-    sink.clear(rank, None);
-    sink.gap(rank, &missing, false);
+    match replayed(decoder, replay, rank, &missing).await {
+        Ok(batches) => {
+            for (seq, batch) in &batches {
+                sink.ingest(rank, Some(*seq), batch);
+            }
+            tracing::info!(
+                worker = rank.worker.as_str(),
+                dp_rank = rank.dp_rank,
+                ?missing,
+                "kv events lost in transit were replayed by the engine"
+            );
+            sink.gap(rank, &missing, true);
+        }
+        Err(why) => {
+            tracing::warn!(worker = rank.worker.as_str(), dp_rank = rank.dp_rank, ?missing,
+                reason = %why, "kv events lost; clearing the rank's blocks for later events to rebuild");
+            sink.clear(rank, None);
+            sink.gap(rank, &missing, false);
+        }
+    }
+}
+
+/// The batches `missing` of `rank` from the replay socket, decoded in order with the stream's
+/// state; every one of them decoded before any is ingested, so a bad one clears the rank
+/// instead of half-applying the gap.
+async fn replayed(
+    decoder: &mut StreamDecoder,
+    replay: Option<&dyn KvReplay>,
+    rank: &WorkerRank,
+    missing: &RangeInclusive<u64>,
+) -> Result<Vec<(u64, EngineBatch)>, String> {
+    let replay = replay.ok_or("the engine has no replay socket")?;
+    let got = replay
+        .replay(rank.dp_rank, missing.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    exactly(missing, got)?
+        .into_iter()
+        .map(|(seq, payload)| {
+            decoder
+                .decode(rank.dp_rank, &payload)
+                .map(|batch| (seq, batch))
+                .map_err(|e| format!("replayed batch {seq}: {e}"))
+        })
+        .collect()
 }
 
 /// Exactly the batches `missing`, in order, out of what a replay socket returned.
