@@ -78,6 +78,10 @@ const PALETTE: [RGBColor; 10] = [
     RGBColor(0x17, 0xbe, 0xcf),
 ];
 const GRID: RGBColor = RGBColor(0xe4, 0xe4, 0xe4);
+/// Every chart's width, title band and label size, so the sweep and the Pareto chart match.
+const WIDTH: u32 = 1200;
+const TITLE_H: u32 = 44;
+const LABEL_PX: u32 = 14;
 
 /// A figure of a fixed size that draws itself on any plotters backend.
 trait Figure {

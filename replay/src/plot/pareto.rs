@@ -8,7 +8,9 @@
 //! key says what the marks mean. Up to [`MAX_KEYED`] points are keyed; past that, only the front
 //! and the recommended point. Points whose coordinates are not finite are left out.
 
-use super::{FAMILY, Figure, GRID, PALETTE, font, shorten, text_width, tick};
+use super::{
+    FAMILY, Figure, GRID, LABEL_PX, PALETTE, TITLE_H, WIDTH, font, shorten, text_width, tick,
+};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -41,11 +43,8 @@ pub fn pareto(chart: &Pareto<'_>, format: super::Format) -> Result<Vec<u8>, supe
 
 /// The most points listed in the key.
 pub const MAX_KEYED: usize = 40;
-const WIDTH: u32 = 1200;
 const PLOT_W: u32 = 760;
-const TITLE_H: u32 = 44;
 const KEY_ROW_H: u32 = 21;
-const LABEL_PX: u32 = 14;
 /// Longest label drawn, in characters; the key wraps it to [`KEY_TEXT_W`].
 const MAX_LABEL: usize = 160;
 const KEY_TEXT_X: i32 = 62;

@@ -10,7 +10,10 @@
 //! that). A configuration that lacks the x parameter is left out; a value that is not finite
 //! leaves a gap in its line.
 
-use super::{FAMILY, Figure, GRID, PALETTE, font, nice_ceiling, shorten, text_width, tick};
+use super::{
+    FAMILY, Figure, GRID, LABEL_PX, PALETTE, TITLE_H, WIDTH, font, nice_ceiling, shorten,
+    text_width, tick,
+};
 use crate::report::Summary;
 use crate::sweep::SweepAxis;
 use plotters::coord::Shift;
@@ -80,12 +83,9 @@ pub fn sweep(
     super::render(&SweepChart::new(axes, runs), format)
 }
 
-const WIDTH: u32 = 1200;
 const COLUMNS: usize = 2;
 const PANEL_H: u32 = 330;
-const TITLE_H: u32 = 44;
 const LEGEND_ROW_H: u32 = 26;
-const LABEL_PX: u32 = 14;
 /// Longest x-axis value and legend label drawn, in characters.
 const MAX_LABEL: usize = 28;
 
