@@ -1,7 +1,9 @@
 //! Replay predicts the live fleet: the first 300 requests of the bundled Mooncake trace, five
 //! times faster than recorded, through `infera up` (4 mock engines) driven by `infera bench`,
-//! and through the simulator with the same fleet settings. Asserts the targets on hit
-//! rate (within 2 points) and per-worker share (within 5 points); TTFT is printed (a loaded CI
+//! and through the simulator with the same fleet settings (the mean of several seeds). Asserts
+//! the targets on hit rate (within 2 points) and per-worker share (within 5 points, or
+//! four of the replay's standard deviations where its seeds spread wider: 300 requests are few,
+//! and one live run is one sample, see `share_allowance`); TTFT is printed (a loaded CI
 //! machine adds its own scheduling delay to live TTFT; `cargo bench --bench fidelity` measures
 //! it in release mode).
 #![allow(clippy::unwrap_used)]
@@ -9,7 +11,7 @@
 mod common;
 mod fidelity_harness;
 
-use fidelity_harness::{Setup, live, mooncake_trace, offline, share_gap, table};
+use fidelity_harness::{Setup, live, mooncake_trace, offline, share_allowance, share_gap, table};
 
 #[test]
 fn replay_and_live_agree_on_hit_rate_and_share() {
@@ -33,7 +35,7 @@ fn replay_and_live_agree_on_hit_rate_and_share() {
         offline.hit_rate
     );
     assert!(
-        share_gap(&live, &offline) <= 5.0,
+        share_gap(&live, &offline) <= share_allowance(&offline),
         "shares: live {:?} vs replay {:?}",
         live.shares,
         offline.shares
