@@ -28,6 +28,7 @@
 
 mod cache;
 mod scheduler;
+mod seq;
 mod timing;
 
 #[cfg(test)]

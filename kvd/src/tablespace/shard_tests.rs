@@ -4,6 +4,7 @@
 use super::super::{Tablespace, TablespaceConfig};
 use super::*;
 use crate::store::key_hash;
+use crate::tablespace::recover::CHECKPOINT;
 use std::collections::BTreeMap;
 
 fn ns() -> Namespace {

@@ -1,0 +1,177 @@
+use super::*;
+use crate::server::test_support::{record, state};
+use infera_core::clock::SystemClock;
+use infera_core::event::{KvBlocksStored, Role, Tier, WorkerRegistered};
+use infera_core::ids::{BlockHash, EngineHash};
+use infera_core::kv_events::EngineBatch;
+use infera_core::log::MemoryLog;
+
+/// A durable log in which `workers` registered and each stored 3 blocks at engine seq 5.
+async fn logged(workers: &[&str]) -> Arc<dyn EventLog> {
+    let log = MemoryLog::new(Arc::new(SystemClock));
+    for (i, id) in workers.iter().enumerate() {
+        let base = 100 * i as u64;
+        log.append(vec![
+            NewEvent::new(Event::WorkerRegistered(WorkerRegistered {
+                record: record(id),
+            })),
+            NewEvent::from_source(
+                Source {
+                    worker: WorkerId::new(*id),
+                    dp_rank: 0,
+                    seq: Some(5),
+                },
+                Event::KvBlocksStored(KvBlocksStored {
+                    worker: WorkerRank::new(*id, 0),
+                    tier: Tier::Gpu,
+                    block_size: 16,
+                    engine_hashes: (base..base + 3).map(EngineHash).collect(),
+                    router_hashes: (base..base + 3).map(BlockHash).collect(),
+                    parent: None,
+                }),
+            ),
+        ])
+        .await
+        .expect("append");
+    }
+    Arc::new(log)
+}
+
+fn blocks(st: &ServerState, id: &str) -> usize {
+    st.with_fleet(|f| f.index().blocks_of(&WorkerRank::new(id, 0), Tier::Gpu))
+}
+
+fn empty_batch() -> EngineBatch {
+    EngineBatch {
+        ts: 0.0,
+        dp_rank: None,
+        events: Vec::new(),
+        skipped_unknown: 0,
+        malformed: Vec::new(),
+    }
+}
+
+#[tokio::test]
+async fn a_returning_worker_keeps_its_index_only_if_its_events_continue() {
+    let st = state();
+    let durable = attach(
+        &st,
+        logged(&["steady", "missed", "changed", "silent"]).await,
+    )
+    .await
+    .expect("attach");
+    for id in ["steady", "missed", "silent"] {
+        st.register_worker(record(id));
+        assert_eq!(blocks(&st, id), 3, "{id} restored at registration");
+    }
+    let mut other = record("changed");
+    other.url = "http://elsewhere".into();
+    st.register_worker(other);
+    assert_eq!(
+        blocks(&st, "changed"),
+        0,
+        "a changed record is not restored"
+    );
+
+    // Seq 6 continues seq 5: kept. Seq 9 reveals missed batches: cleared. No seq at all
+    // (ATOM) cannot be verified: cleared.
+    st.ingest_kv_batch(&WorkerRank::new("steady", 0), Some(6), &empty_batch());
+    st.ingest_kv_batch(&WorkerRank::new("missed", 0), Some(9), &empty_batch());
+    st.ingest_kv_batch(&WorkerRank::new("silent", 0), None, &empty_batch());
+    assert_eq!(blocks(&st, "steady"), 3);
+    assert_eq!(blocks(&st, "missed"), 0);
+    assert_eq!(blocks(&st, "silent"), 0);
+    // The check runs once: later batches are ordinary.
+    st.ingest_kv_batch(&WorkerRank::new("steady", 0), Some(20), &empty_batch());
+    assert_eq!(blocks(&st, "steady"), 3);
+    // What the restore re-commits keeps the logged seq: a log folded from this server's
+    // own commits expects the same continuation.
+    let again = MemoryLog::new(Arc::new(SystemClock));
+    let local = st.lock().kernel.log().clone();
+    let envs = local.read(1, usize::MAX).await.expect("local log");
+    again
+        .append(
+            envs.iter()
+                .map(|e| NewEvent {
+                    source: e.source.clone(),
+                    event: e.event.clone(),
+                })
+                .collect(),
+        )
+        .await
+        .expect("append");
+    let (restored, _) = restore(&again).await.expect("restore");
+    assert_eq!(
+        restored[&WorkerId::new("steady")].last_seq.get(&0),
+        Some(&5)
+    );
+    // A worker restored once is not restored again after it leaves and returns.
+    st.deregister_worker(WorkerId::new("steady"), "gone".into());
+    st.register_worker(record("steady"));
+    assert_eq!(blocks(&st, "steady"), 0);
+    st.close_taps();
+    durable.close(Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn commits_are_written_behind_and_peers_requests_are_applied() {
+    let log = logged(&[]).await;
+    let a = state();
+    let b = state();
+    let da = attach(&a, log.clone()).await.expect("attach a");
+    let db = attach(&b, log.clone()).await.expect("attach b");
+    a.register_worker(record("w"));
+    b.register_worker(record("w"));
+    let routed = Event::RequestRouted(infera_core::event::RequestRouted {
+        request_id: infera_core::ids::RequestId::new("r1"),
+        model: "m".into(),
+        legs: vec![infera_core::event::RoutedLeg {
+            worker: WorkerRank::new("w", 0),
+            role: Role::Mixed,
+            overlap_blocks: 0,
+        }],
+        blocks: vec![BlockHash(1)],
+        prompt_tokens: 16,
+        policy: "kv-aware".into(),
+        weights: Vec::new(),
+        top: Vec::new(),
+        retention: None,
+        at_us: 1,
+    });
+    a.apply(vec![NewEvent::new(routed)]);
+    // B learns of A's request through the durable log.
+    let mut seen = log.subscribe(1);
+    let mut stamped = None;
+    while stamped.is_none() {
+        let env = seen.next().await.expect("stream").expect("envelope");
+        if matches!(env.event, Event::RequestRouted(_)) {
+            stamped = env.source;
+        }
+    }
+    assert_eq!(stamped.map(|s| s.worker.0), Some(a.replica_id()));
+    let rank = WorkerRank::new("w", 0);
+    let applied = async {
+        while b.with_fleet(|f| f.inflight_on(&rank)) == 0 {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), applied)
+        .await
+        .expect("B applies A's request");
+    assert_eq!(
+        a.with_fleet(|f| f.inflight_on(&rank)),
+        1,
+        "A applied it once"
+    );
+    a.close_taps();
+    b.close_taps();
+    da.close(Duration::from_secs(5)).await;
+    db.close(Duration::from_secs(5)).await;
+    // B never wrote A's request back: one RequestRouted in the log.
+    let all = log.read(1, 1000).await.expect("read");
+    let routed = all
+        .iter()
+        .filter(|e| matches!(e.event, Event::RequestRouted(_)))
+        .count();
+    assert_eq!(routed, 1);
+}
