@@ -55,7 +55,7 @@ impl Mock {
     async fn start_pd(role: Role, protocol: &str) -> Self {
         Self::start_as(Some(MockPd {
             role,
-            protocol: protocol.to_owned(),
+            protocol: protocol.parse().expect("a PD protocol name"),
             engine_id: format!("eng-{}", role.as_str()),
             host: "127.0.0.1".to_owned(),
             port: 18998,

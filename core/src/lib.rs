@@ -5,7 +5,8 @@
 //!   in-memory implementation; [`projection`]: state as a fold of the log.
 //! - [`hashing`]: the router's chained block hashes; [`index`]: the KV index (which worker holds
 //!   which prefix, per tier); [`fleet`]: workers, roles and in-flight load.
-//! - [`policy`]: `kv-aware`, `round-robin` and direct-mode routing.
+//! - [`policy`]: `kv-aware`, `round-robin` and direct-mode routing; [`pd`]: the prefill/decode
+//!   protocols and the `disagg_meta` PD workers register.
 //! - [`kernel`]: the one type that owns fleet, router and log; commit, route, ingest and
 //!   compaction are its methods (the live server and `infera replay` both run on it).
 //! - [`engine`]: the engine simulation model (paged KV cache, batch scheduler, timing) shared by
@@ -27,6 +28,7 @@ pub mod index;
 pub mod kernel;
 pub mod kv_events;
 pub mod log;
+pub mod pd;
 pub mod policy;
 pub mod ports;
 pub mod projection;

@@ -50,7 +50,7 @@ mod openai;
 mod pd;
 
 pub use openai::{DEFAULT_MAX_TOKENS, FILLER, filler};
-pub use pd::{MockPd, PROTOCOLS as PD_PROTOCOLS};
+pub use pd::MockPd;
 
 use crate::tokenize::Tokenizer;
 use axum::serve::ListenerExt as _;

@@ -20,6 +20,7 @@
 
 use super::openai::ApiError;
 use infera_core::event::Role;
+use infera_core::pd::PdProtocol;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use std::collections::VecDeque;
@@ -28,23 +29,13 @@ use std::sync::Mutex;
 /// Accepted PD legs kept for `GET /mock/pd-legs`.
 pub const LOG_LEN: usize = 256;
 
-/// The protocols a PD-role mock speaks (the names the launcher registers).
-pub const PROTOCOLS: [&str; 6] = [
-    "sglang-bootstrap",
-    "vllm-mooncake",
-    "vllm-nixl",
-    "vllm-mori-read",
-    "vllm-mori-write",
-    "atom-mooncake",
-];
-
 /// A mock playing one leg of a PD pair.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MockPd {
     /// [`Role::Prefill`] or [`Role::Decode`].
     pub role: Role,
-    /// One of [`PROTOCOLS`].
-    pub protocol: String,
+    /// The protocol it speaks (the one the launcher registers for it).
+    pub protocol: PdProtocol,
     /// The engine id its hand-offs name.
     pub engine_id: String,
     /// The host its hand-offs name.
@@ -124,7 +115,7 @@ pub(crate) fn accept(
     stream: bool,
 ) -> Result<Accepted, ApiError> {
     let role = pd.role.as_str();
-    if pd.protocol == "sglang-bootstrap" {
+    if pd.protocol == PdProtocol::SglangBootstrap {
         let host = fields.bootstrap_host.as_ref().and_then(Value::as_str);
         let port = fields.bootstrap_port.as_ref().and_then(Value::as_u64);
         let room = fields
@@ -139,7 +130,7 @@ pub(crate) fn accept(
             ));
         };
         log.push(
-            json!({"role": role, "protocol": pd.protocol, "bootstrap_host": host,
+            json!({"role": role, "protocol": pd.protocol.name(), "bootstrap_host": host,
             "bootstrap_port": port, "bootstrap_room": room, "rid": fields.rid,
             "disagg_prefill_dp_rank": fields.disagg_prefill_dp_rank, "dp_rank": dp_rank}),
         );
@@ -167,9 +158,11 @@ pub(crate) fn accept(
         if max_tokens != Some(1) || stream {
             return Err(reject(pd, "must ask for max_tokens 1, not streamed"));
         }
-        let required: &[&str] = match pd.protocol.as_str() {
-            "vllm-mooncake" | "vllm-mori-read" | "vllm-mori-write" => &["transfer_id"],
-            "atom-mooncake" => &["remote_host", "remote_port", "remote_handshake_port"],
+        let required: &[&str] = match pd.protocol {
+            PdProtocol::VllmMooncake | PdProtocol::VllmMoriRead | PdProtocol::VllmMoriWrite => {
+                &["transfer_id"]
+            }
+            PdProtocol::AtomMooncake => &["remote_host", "remote_port", "remote_handshake_port"],
             _ => &[],
         };
         let absent = missing(required);
@@ -184,16 +177,18 @@ pub(crate) fn accept(
                 "lacks kv_transfer_params.do_remote_prefill: true",
             ));
         }
-        let required: &[&str] = match pd.protocol.as_str() {
-            "vllm-nixl" => &[
+        let required: &[&str] = match pd.protocol {
+            PdProtocol::VllmNixl => &[
                 "remote_engine_id",
                 "remote_block_ids",
                 "remote_host",
                 "remote_port",
             ],
-            "vllm-mooncake" => &["remote_bootstrap_addr", "remote_engine_id", "transfer_id"],
-            "vllm-mori-read" => &["transfer_id", "remote_engine_id", "remote_block_ids"],
-            "vllm-mori-write" => &["transfer_id"],
+            PdProtocol::VllmMooncake => {
+                &["remote_bootstrap_addr", "remote_engine_id", "transfer_id"]
+            }
+            PdProtocol::VllmMoriRead => &["transfer_id", "remote_engine_id", "remote_block_ids"],
+            PdProtocol::VllmMoriWrite => &["transfer_id"],
             _ => &["transfer_id", "remote_dp_size", "remote_tp_size"],
         };
         let absent = missing(required);
@@ -203,7 +198,7 @@ pub(crate) fn accept(
         None
     };
     log.push(
-        json!({"role": role, "protocol": pd.protocol, "kv_transfer_params": kv,
+        json!({"role": role, "protocol": pd.protocol.name(), "kv_transfer_params": kv,
         "max_tokens": max_tokens, "stream": stream, "dp_rank": dp_rank}),
     );
     Ok(Accepted { cap: None, handoff })
@@ -211,8 +206,8 @@ pub(crate) fn accept(
 
 /// The hand-off a serial protocol's prefill answers.
 fn handoff(pd: &MockPd, kv: &Map<String, Value>) -> Option<Value> {
-    match pd.protocol.as_str() {
-        "vllm-nixl" => Some(json!({
+    match pd.protocol {
+        PdProtocol::VllmNixl => Some(json!({
             "do_remote_prefill": true,
             "do_remote_decode": false,
             "remote_engine_id": pd.engine_id,
@@ -221,14 +216,14 @@ fn handoff(pd: &MockPd, kv: &Map<String, Value>) -> Option<Value> {
             "remote_port": pd.port,
             "tp_size": 1,
         })),
-        "vllm-mori-read" => Some(json!({
+        PdProtocol::VllmMoriRead => Some(json!({
             "do_remote_prefill": true,
             "do_remote_decode": false,
             "transfer_id": kv.get("transfer_id"),
             "remote_engine_id": pd.engine_id,
             "remote_block_ids": [0],
         })),
-        "atom-mooncake" => Some(json!({
+        PdProtocol::AtomMooncake => Some(json!({
             "do_remote_prefill": true,
             "do_remote_decode": false,
             "transfer_id": 1,
@@ -253,7 +248,7 @@ mod tests {
     fn mock(role: Role, protocol: &str) -> MockPd {
         MockPd {
             role,
-            protocol: protocol.to_owned(),
+            protocol: protocol.parse().unwrap(),
             engine_id: "eng".to_owned(),
             host: "127.0.0.1".to_owned(),
             port: 8000,

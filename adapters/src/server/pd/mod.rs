@@ -46,6 +46,7 @@ use axum::body::Bytes;
 use futures::StreamExt as _;
 use infera_core::event::{Role, WorkerRecord};
 use infera_core::ids::WorkerRank;
+use infera_core::pd::{PdProtocol, Registered};
 use infera_core::ports::transport::{
     Inbound, Outbound, RequestTransport, TransportError, engine_dp_rank,
 };
@@ -53,49 +54,6 @@ use infera_core::rng::splitmix64;
 use serde_json::{Map, Value};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-
-/// A PD protocol, named as workers register it in `disagg_meta.protocol`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Protocol {
-    SglangBootstrap,
-    VllmMooncake,
-    VllmNixl,
-    VllmMoriRead,
-    VllmMoriWrite,
-    AtomMooncake,
-}
-
-impl Protocol {
-    /// Every protocol, in the order error messages list them.
-    pub(crate) const ALL: [Protocol; 6] = [
-        Protocol::SglangBootstrap,
-        Protocol::VllmMooncake,
-        Protocol::VllmNixl,
-        Protocol::VllmMoriRead,
-        Protocol::VllmMoriWrite,
-        Protocol::AtomMooncake,
-    ];
-
-    pub(crate) fn parse(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|p| p.name() == name)
-    }
-
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Protocol::SglangBootstrap => "sglang-bootstrap",
-            Protocol::VllmMooncake => "vllm-mooncake",
-            Protocol::VllmNixl => "vllm-nixl",
-            Protocol::VllmMoriRead => "vllm-mori-read",
-            Protocol::VllmMoriWrite => "vllm-mori-write",
-            Protocol::AtomMooncake => "atom-mooncake",
-        }
-    }
-
-    /// Whether both legs are sent at once (else: prefill, then decode with its answer).
-    pub(crate) fn concurrent(self) -> bool {
-        matches!(self, Protocol::SglangBootstrap | Protocol::VllmMoriWrite)
-    }
-}
 
 /// One leg's worker.
 #[derive(Debug, Clone)]
@@ -174,24 +132,23 @@ impl PdError {
     }
 }
 
-fn registered_protocol(record: &WorkerRecord) -> Option<&str> {
-    record.disagg_meta.as_ref()?.get("protocol")?.as_str()
-}
-
 /// The protocol both workers registered.
 ///
 /// # Errors
 /// [`PdError::Mismatch`] when they differ or one has none, [`PdError::Unknown`] for a name this
 /// server does not speak.
-pub(crate) fn resolve(prefill: &WorkerRecord, decode: &WorkerRecord) -> Result<Protocol, PdError> {
-    let p = registered_protocol(prefill);
-    let d = registered_protocol(decode);
+pub(crate) fn resolve(
+    prefill: &WorkerRecord,
+    decode: &WorkerRecord,
+) -> Result<PdProtocol, PdError> {
+    let p = Registered::of(prefill).protocol;
+    let d = Registered::of(decode).protocol;
     match (p, d) {
-        (Some(p), Some(d)) if p == d => Protocol::parse(p).ok_or_else(|| PdError::Unknown {
+        (Some(p), Some(d)) if p == d => PdProtocol::parse(p).ok_or_else(|| PdError::Unknown {
             protocol: p.to_owned(),
             prefill: prefill.worker_id.to_string(),
             decode: decode.worker_id.to_string(),
-            known: Protocol::ALL.map(Protocol::name).join(", "),
+            known: PdProtocol::known(),
         }),
         _ => Err(PdError::Mismatch {
             prefill: prefill.worker_id.to_string(),
@@ -307,7 +264,7 @@ pub(crate) async fn send(
         let decode_body = shape.decode_body(base, None)?;
         // SGLang needs an explicit abort of a leg left running (see `pd_abort`); for the
         // others, dropping a leg closes its connection, which the engine takes as an abort.
-        let mut guard = (shape.protocol == Protocol::SglangBootstrap).then(|| {
+        let mut guard = (shape.protocol == PdProtocol::SglangBootstrap).then(|| {
             let target = |leg: &Leg| LegTarget {
                 worker: leg.rank.worker.clone(),
                 url: leg.url.clone(),

@@ -1,14 +1,15 @@
 //! The bodies of both legs, per PD protocol (the table in [`super`]'s docs): what each
 //! protocol adds to the client's body, read from the pair's registrations.
 
-use super::{Leg, Pair, PdError, Protocol};
-use infera_core::event::{Role, WorkerRecord};
+use super::{Leg, Pair, PdError};
+use infera_core::event::Role;
+use infera_core::pd::{PdProtocol, Registered};
 use serde_json::{Map, Value, json};
 
 /// What the protocol needs to know about one request.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Shape<'a> {
-    pub(crate) protocol: Protocol,
+    pub(crate) protocol: PdProtocol,
     pub(crate) pair: &'a Pair,
     pub(crate) room: u64,
     /// A chat completion (`max_completion_tokens` is capped too).
@@ -18,7 +19,7 @@ pub(crate) struct Shape<'a> {
 impl<'a> Shape<'a> {
     /// The shape of one attempt, its `room` drawn by [`new_room`] and aligned to the prefill's
     /// DP rank ([`align_room`]).
-    pub(crate) fn new(protocol: Protocol, pair: &'a Pair, room: u64, chat: bool) -> Self {
+    pub(crate) fn new(protocol: PdProtocol, pair: &'a Pair, room: u64, chat: bool) -> Self {
         Shape {
             protocol,
             pair,
@@ -52,10 +53,6 @@ pub(crate) fn sglang_rid(room: u64) -> String {
     format!("infera-{room:016x}")
 }
 
-pub(super) fn params(record: &WorkerRecord) -> Option<&Map<String, Value>> {
-    record.disagg_meta.as_ref()?.get("params")?.as_object()
-}
-
 impl Shape<'_> {
     fn meta_error(&self, role: Role, key: &'static str) -> PdError {
         let leg = if role == Role::Prefill {
@@ -81,27 +78,24 @@ impl Shape<'_> {
 
     /// A registration parameter of the `role` leg.
     fn param(&self, role: Role, key: &'static str) -> Result<&Value, PdError> {
-        params(&self.leg(role).record)
-            .and_then(|p| p.get(key))
-            .filter(|v| !v.is_null())
+        Registered::of(&self.leg(role).record)
+            .param(key)
             .ok_or_else(|| self.meta_error(role, key))
     }
 
     /// SGLang's bootstrap address: `bootstrap_host` + `bootstrap_port` (our launcher) or
     /// `bootstrap_addr` `"host:port"` (the Python Infera worker).
     fn bootstrap(&self) -> Result<(String, u64), PdError> {
-        let p = params(&self.pair.prefill.record);
-        let host = p
-            .and_then(|p| p.get("bootstrap_host"))
-            .and_then(Value::as_str);
-        let port = p.and_then(|p| p.get("bootstrap_port")).and_then(|v| {
+        let p = Registered::of(&self.pair.prefill.record);
+        let host = p.param("bootstrap_host").and_then(Value::as_str);
+        let port = p.param("bootstrap_port").and_then(|v| {
             v.as_u64()
                 .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
         });
         if let (Some(host), Some(port)) = (host, port) {
             return Ok((host.to_owned(), port));
         }
-        p.and_then(|p| p.get("bootstrap_addr"))
+        p.param("bootstrap_addr")
             .and_then(Value::as_str)
             .and_then(|addr| addr.rsplit_once(':'))
             .and_then(|(h, port)| Some((h.to_owned(), port.parse().ok()?)))
@@ -110,8 +104,8 @@ impl Shape<'_> {
 
     /// MoRI's tensor-parallel size of a leg (`kv_connector_extra_config.tp_size`, default 1).
     fn mori_tp(&self, role: Role) -> u64 {
-        params(&self.leg(role).record)
-            .and_then(|p| p.get("kv_connector_extra_config"))
+        Registered::of(&self.leg(role).record)
+            .param("kv_connector_extra_config")
             .and_then(|e| e.get("tp_size"))
             .and_then(Value::as_u64)
             .unwrap_or(1)
@@ -120,7 +114,7 @@ impl Shape<'_> {
     fn mori_address(&self, role: Role) -> Result<String, PdError> {
         let leg = self.leg(role);
         let host = url_host(&leg.url);
-        let extra = params(&leg.record).and_then(|p| p.get("kv_connector_extra_config"));
+        let extra = Registered::of(&leg.record).param("kv_connector_extra_config");
         let port = |key: &'static str| {
             extra
                 .and_then(|e| e.get(key))
@@ -140,7 +134,7 @@ impl Shape<'_> {
     /// The engine request id (`X-Request-Id`) both legs carry, when the protocol needs one.
     pub(crate) fn engine_request_id(&self) -> Result<Option<String>, PdError> {
         match self.protocol {
-            Protocol::VllmMoriRead | Protocol::VllmMoriWrite => Ok(Some(format!(
+            PdProtocol::VllmMoriRead | PdProtocol::VllmMoriWrite => Ok(Some(format!(
                 "___prefill_addr_{}___decode_addr_{}_{:032x}",
                 self.mori_address(Role::Prefill)?,
                 self.mori_address(Role::Decode)?,
@@ -170,8 +164,8 @@ impl Shape<'_> {
         base: &Map<String, Value>,
     ) -> Result<Map<String, Value>, PdError> {
         let params = match self.protocol {
-            Protocol::SglangBootstrap => return self.sglang_body(base, Role::Prefill),
-            Protocol::VllmNixl => object(json!({
+            PdProtocol::SglangBootstrap => return self.sglang_body(base, Role::Prefill),
+            PdProtocol::VllmNixl => object(json!({
                 "do_remote_decode": true,
                 "do_remote_prefill": false,
                 "remote_engine_id": null,
@@ -179,13 +173,13 @@ impl Shape<'_> {
                 "remote_host": null,
                 "remote_port": null,
             })),
-            Protocol::VllmMooncake => object(json!({
+            PdProtocol::VllmMooncake => object(json!({
                 "do_remote_decode": true,
                 "do_remote_prefill": false,
                 "transfer_id": self.mooncake_transfer_id(),
             })),
-            Protocol::VllmMoriRead | Protocol::VllmMoriWrite => self.mori_prefill_params(),
-            Protocol::AtomMooncake => object(json!({
+            PdProtocol::VllmMoriRead | PdProtocol::VllmMoriWrite => self.mori_prefill_params(),
+            PdProtocol::AtomMooncake => object(json!({
                 "remote_dp_size": self.param(Role::Decode, "dp_size")?,
                 "remote_tp_size": self.param(Role::Decode, "tp_size")?,
                 "do_remote_decode": true,
@@ -250,9 +244,9 @@ impl Shape<'_> {
             handoff.ok_or_else(|| self.handoff_error("its answer carries no kv_transfer_params"))
         };
         let params = match self.protocol {
-            Protocol::SglangBootstrap => return self.sglang_body(base, Role::Decode),
-            Protocol::VllmNixl => need(handoff)?,
-            Protocol::VllmMooncake => {
+            PdProtocol::SglangBootstrap => return self.sglang_body(base, Role::Decode),
+            PdProtocol::VllmNixl => need(handoff)?,
+            PdProtocol::VllmMooncake => {
                 let engine_id = self.mooncake_engine_id()?;
                 let mut p = object(json!({
                     "do_remote_decode": false,
@@ -265,7 +259,7 @@ impl Shape<'_> {
                 p.extend(handoff.unwrap_or_default());
                 p
             }
-            Protocol::VllmMoriRead => {
+            PdProtocol::VllmMoriRead => {
                 let h = need(handoff)?;
                 let field = |key: &'static str| {
                     h.get(key).cloned().ok_or_else(|| {
@@ -284,7 +278,7 @@ impl Shape<'_> {
                     "remote_tp_size": tp,
                 }))
             }
-            Protocol::VllmMoriWrite => {
+            PdProtocol::VllmMoriWrite => {
                 let tp = self.mori_tp(Role::Prefill);
                 object(json!({
                     "do_remote_decode": false,
@@ -297,7 +291,7 @@ impl Shape<'_> {
                     "remote_tp_size": tp,
                 }))
             }
-            Protocol::AtomMooncake => {
+            PdProtocol::AtomMooncake => {
                 let mut p = need(handoff)?;
                 if !p.contains_key("transfer_id") {
                     return Err(self.handoff_error("kv_transfer_params.transfer_id is missing"));

@@ -45,7 +45,7 @@ fn base(extra: Value) -> Map<String, Value> {
     b
 }
 
-fn shape(protocol: Protocol, pair: &Pair, chat: bool) -> Shape<'_> {
+fn shape(protocol: PdProtocol, pair: &Pair, chat: bool) -> Shape<'_> {
     Shape {
         protocol,
         pair,
@@ -61,7 +61,7 @@ fn sglang_legs_carry_the_prefill_bootstrap_and_one_room() {
         json!({"bootstrap_host": "node1", "bootstrap_port": 9000}),
         json!({}),
     );
-    let s = shape(Protocol::SglangBootstrap, &pair, false);
+    let s = shape(PdProtocol::SglangBootstrap, &pair, false);
     let b = base(json!({}));
     let p = s.prefill_body(&b).unwrap();
     let d = s.decode_body(&b, None).unwrap();
@@ -86,7 +86,7 @@ fn sglang_reads_the_python_workers_bootstrap_addr() {
         json!({"bootstrap_addr": "10.1.2.3:8998"}),
         json!({}),
     );
-    let p = shape(Protocol::SglangBootstrap, &pair, false)
+    let p = shape(PdProtocol::SglangBootstrap, &pair, false)
         .prefill_body(&base(json!({})))
         .unwrap();
     assert_eq!(p["bootstrap_host"], "10.1.2.3");
@@ -96,7 +96,7 @@ fn sglang_reads_the_python_workers_bootstrap_addr() {
 #[test]
 fn sglang_without_a_bootstrap_is_a_meta_error_naming_the_prefill() {
     let pair = pair("sglang-bootstrap", json!({}), json!({}));
-    let e = shape(Protocol::SglangBootstrap, &pair, false)
+    let e = shape(PdProtocol::SglangBootstrap, &pair, false)
         .prefill_body(&base(json!({})))
         .unwrap_err();
     assert!(
@@ -109,7 +109,7 @@ fn sglang_without_a_bootstrap_is_a_meta_error_naming_the_prefill() {
 #[test]
 fn nixl_prefill_runs_one_token_and_decode_takes_the_answered_params() {
     let pair = pair("vllm-nixl", json!({"engine_id": "p"}), json!({}));
-    let s = shape(Protocol::VllmNixl, &pair, true);
+    let s = shape(PdProtocol::VllmNixl, &pair, true);
     let b = base(json!({"max_completion_tokens": 50}));
     let p = s.prefill_body(&b).unwrap();
     assert_eq!(p["max_tokens"], 1);
@@ -144,11 +144,11 @@ fn nixl_prefill_runs_one_token_and_decode_takes_the_answered_params() {
 #[test]
 fn a_chat_prefill_caps_max_completion_tokens_too() {
     let pair = pair("vllm-nixl", json!({}), json!({}));
-    let chat = shape(Protocol::VllmNixl, &pair, true)
+    let chat = shape(PdProtocol::VllmNixl, &pair, true)
         .prefill_body(&base(json!({})))
         .unwrap();
     assert_eq!(chat["max_completion_tokens"], 1);
-    let completion = shape(Protocol::VllmNixl, &pair, false)
+    let completion = shape(PdProtocol::VllmNixl, &pair, false)
         .prefill_body(&base(json!({})))
         .unwrap();
     assert!(completion.get("max_completion_tokens").is_none());
@@ -157,7 +157,7 @@ fn a_chat_prefill_caps_max_completion_tokens_too() {
 #[test]
 fn nixl_decode_without_an_answered_handoff_is_a_502() {
     let pair = pair("vllm-nixl", json!({}), json!({}));
-    let s = shape(Protocol::VllmNixl, &pair, false);
+    let s = shape(PdProtocol::VllmNixl, &pair, false);
     let handoff = s.handoff(br#"{"id": "x"}"#).unwrap();
     let e = s.decode_body(&base(json!({})), handoff).unwrap_err();
     assert_eq!(e.status(), axum::http::StatusCode::BAD_GATEWAY);
@@ -172,7 +172,7 @@ fn mooncake_decode_addresses_the_prefill_bootstrap_with_a_shared_transfer_id() {
         json!({"engine_id": "eng-p", "bootstrap_addr": "http://10.0.0.1:8998"}),
         json!({"engine_id": "eng-d"}),
     );
-    let s = shape(Protocol::VllmMooncake, &pair, false);
+    let s = shape(PdProtocol::VllmMooncake, &pair, false);
     let b = base(json!({}));
     let p = s.prefill_body(&b).unwrap();
     let xfer = format!("xfer-{:032x}", 0xabc);
@@ -195,7 +195,7 @@ fn mooncake_decode_addresses_the_prefill_bootstrap_with_a_shared_transfer_id() {
     assert_eq!(d["kv_transfer_params"]["remote_engine_id"], "eng-p_dp1");
     // Without the prefill's bootstrap address the pair cannot run.
     let bad = self::pair("vllm-mooncake", json!({"engine_id": "e"}), json!({}));
-    let e = shape(Protocol::VllmMooncake, &bad, false)
+    let e = shape(PdProtocol::VllmMooncake, &bad, false)
         .decode_body(&b, None)
         .unwrap_err();
     assert!(e.to_string().contains("bootstrap_addr"), "{e}");
@@ -205,7 +205,7 @@ fn mooncake_decode_addresses_the_prefill_bootstrap_with_a_shared_transfer_id() {
 fn mori_forges_the_peer_addressed_request_id_and_read_pulls_the_answer() {
     let extra = |h: u16, n: u16| json!({"kv_connector_extra_config": {"handshake_port": h, "notify_port": n, "tp_size": 2}});
     let pair = pair("vllm-mori-read", extra(6301, 6401), extra(7301, 7401));
-    let s = shape(Protocol::VllmMoriRead, &pair, false);
+    let s = shape(PdProtocol::VllmMoriRead, &pair, false);
     assert_eq!(
         s.engine_request_id().unwrap().unwrap(),
         format!(
@@ -230,7 +230,7 @@ fn mori_forges_the_peer_addressed_request_id_and_read_pulls_the_answer() {
     // Without the side-channel ports MoRI cannot address its peers.
     let bare = self::pair("vllm-mori-write", json!({}), json!({}));
     assert!(
-        shape(Protocol::VllmMoriWrite, &bare, false)
+        shape(PdProtocol::VllmMoriWrite, &bare, false)
             .engine_request_id()
             .is_err()
     );
@@ -239,7 +239,7 @@ fn mori_forges_the_peer_addressed_request_id_and_read_pulls_the_answer() {
 #[test]
 fn mori_write_decode_needs_no_answer() {
     let pair = pair("vllm-mori-write", json!({}), json!({}));
-    let d = shape(Protocol::VllmMoriWrite, &pair, false)
+    let d = shape(PdProtocol::VllmMoriWrite, &pair, false)
         .decode_body(&base(json!({})), None)
         .unwrap();
     assert_eq!(d["kv_transfer_params"]["do_remote_prefill"], true);
@@ -257,7 +257,7 @@ fn atom_prefill_names_the_decode_peer_and_decode_reuses_the_answer() {
         atom("10.0.0.1", 8000),
         atom("10.0.0.2", 8001),
     );
-    let s = shape(Protocol::AtomMooncake, &pair, false);
+    let s = shape(PdProtocol::AtomMooncake, &pair, false);
     let b = base(json!({}));
     let p = s.prefill_body(&b).unwrap();
     assert_eq!(p["kv_transfer_params"]["remote_host"], "10.0.0.2");
@@ -297,7 +297,7 @@ fn mismatched_or_unknown_protocols_name_both_workers() {
     let ok = pair("vllm-mooncake", json!({}), json!({}));
     assert_eq!(
         resolve(&ok.prefill.record, &ok.decode.record).unwrap(),
-        Protocol::VllmMooncake
+        PdProtocol::VllmMooncake
     );
 }
 
@@ -335,7 +335,7 @@ fn an_sglang_dp_prefill_gets_a_room_of_its_rank_and_the_decode_names_it() {
         (2, 1),
     );
     for drawn in [0, 1, 2, 3, 0xabc, (1 << 63) - 1] {
-        let s = Shape::new(Protocol::SglangBootstrap, &pair, drawn, false);
+        let s = Shape::new(PdProtocol::SglangBootstrap, &pair, drawn, false);
         assert_eq!(s.room % 4, 2, "room {drawn}");
         assert!(s.room < 1 << 63, "room {drawn} stays a u63");
         let b = base(json!({}));
@@ -356,7 +356,7 @@ fn an_sglang_dp_prefill_gets_a_room_of_its_rank_and_the_decode_names_it() {
         json!({"bootstrap_addr": "h:1"}),
         json!({}),
     );
-    let s = Shape::new(Protocol::SglangBootstrap, &one, 0xabc, false);
+    let s = Shape::new(PdProtocol::SglangBootstrap, &one, 0xabc, false);
     assert_eq!(s.room, 0xabc);
     let d = s.decode_body(&base(json!({})), None).unwrap();
     assert!(d.get("disagg_prefill_dp_rank").is_none());
@@ -378,12 +378,12 @@ fn mooncake_decode_names_the_chosen_prefill_ranks_engine_id() {
         (4, 2, 5),
         (1, 0),
     );
-    let s = Shape::new(Protocol::VllmMooncake, &pair, 0xabc, false);
+    let s = Shape::new(PdProtocol::VllmMooncake, &pair, 0xabc, false);
     let d = s.decode_body(&base(json!({})), None).unwrap();
     assert_eq!(d["kv_transfer_params"]["remote_engine_id"], "eng-p_dp1");
     // One rank: the registered id as is.
     let one = self::pair("vllm-mooncake", meta, json!({}));
-    let d = Shape::new(Protocol::VllmMooncake, &one, 0xabc, false)
+    let d = Shape::new(PdProtocol::VllmMooncake, &one, 0xabc, false)
         .decode_body(&base(json!({})), None)
         .unwrap();
     assert_eq!(d["kv_transfer_params"]["remote_engine_id"], "eng-p");
@@ -397,7 +397,7 @@ fn mooncake_decode_names_the_chosen_prefill_ranks_engine_id() {
         (0, 2, 1),
         (1, 0),
     );
-    let e = Shape::new(Protocol::VllmMooncake, &bad, 1, false)
+    let e = Shape::new(PdProtocol::VllmMooncake, &bad, 1, false)
         .decode_body(&base(json!({})), None)
         .unwrap_err();
     assert!(e.to_string().contains("engine_id"), "{e}");
@@ -490,7 +490,7 @@ async fn each_leg_is_pinned_to_its_dp_rank_and_a_serial_prefill_completes_before
     let pair = dp(pair("vllm-nixl", json!({}), json!({})), (0, 4, 3), (2, 1));
     let (f, _aborts) = fake(axum::http::StatusCode::OK, axum::http::StatusCode::OK);
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let shape = Shape::new(Protocol::VllmNixl, &pair, 7, false);
+    let shape = Shape::new(PdProtocol::VllmNixl, &pair, 7, false);
     let decode = drive(&f, shape, tx).await.unwrap();
     assert_eq!(decode.status, axum::http::StatusCode::OK);
     rx.await.unwrap();
@@ -509,7 +509,7 @@ async fn each_leg_is_pinned_to_its_dp_rank_and_a_serial_prefill_completes_before
     let plain = pair_one();
     let (f, _aborts) = fake(axum::http::StatusCode::OK, axum::http::StatusCode::OK);
     let (tx, _rx) = tokio::sync::oneshot::channel();
-    drive(&f, Shape::new(Protocol::VllmNixl, &plain, 7, false), tx)
+    drive(&f, Shape::new(PdProtocol::VllmNixl, &plain, 7, false), tx)
         .await
         .unwrap();
     assert!(f.sent.lock().unwrap().iter().all(|o| o.dp_rank().is_none()));
@@ -528,7 +528,7 @@ async fn a_concurrent_prefill_is_prefilled_when_its_answer_ends() {
     );
     let (f, aborts) = fake(axum::http::StatusCode::OK, axum::http::StatusCode::OK);
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let shape = Shape::new(Protocol::SglangBootstrap, &pair, 7, false);
+    let shape = Shape::new(PdProtocol::SglangBootstrap, &pair, 7, false);
     let decode = drive(&f, shape, tx).await.unwrap();
     // The prefill's answer is drained in the background; then it counts as prefilled.
     rx.await.unwrap();
@@ -552,7 +552,7 @@ async fn an_sglang_prefill_that_fails_aborts_the_decode_leg_it_left_running() {
         axum::http::StatusCode::OK,
     );
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let shape = Shape::new(Protocol::SglangBootstrap, &pair, 7, false);
+    let shape = Shape::new(PdProtocol::SglangBootstrap, &pair, 7, false);
     let rid = sglang_rid(shape.room);
     let e = drive(&f, shape, tx).await.unwrap_err();
     assert!(matches!(e, LegError::Status { .. }), "{e:?}");
@@ -586,7 +586,7 @@ async fn an_sglang_decode_that_refuses_aborts_the_prefill_leg_still_running() {
         axum::http::StatusCode::BAD_REQUEST,
     );
     let (tx, _rx) = tokio::sync::oneshot::channel();
-    let shape = Shape::new(Protocol::SglangBootstrap, &pair, 7, false);
+    let shape = Shape::new(PdProtocol::SglangBootstrap, &pair, 7, false);
     let decode = drive(&f, shape, tx).await.unwrap();
     assert_eq!(decode.status, axum::http::StatusCode::BAD_REQUEST);
     drop((decode, f));

@@ -275,7 +275,7 @@ pub struct MockPdConfig {
     /// Prefill or decode.
     pub role: infera_core::event::Role,
     /// `--disaggregation-protocol`.
-    pub protocol: String,
+    pub protocol: infera_core::pd::PdProtocol,
     /// `--disaggregation-bootstrap-port`.
     pub bootstrap_port: u16,
 }
@@ -402,18 +402,12 @@ fn mock_pd(mode: &str, protocol: &str, port: u16) -> Result<Option<MockPdConfig>
             ));
         }
     };
-    if !infera_adapters::mock::PD_PROTOCOLS.contains(&protocol) {
-        return Err(ConfigError::new(
-            "--disaggregation-protocol",
-            format!(
-                "{protocol}: expected one of {}",
-                infera_adapters::mock::PD_PROTOCOLS.join(", ")
-            ),
-        ));
-    }
+    let protocol = protocol
+        .parse()
+        .map_err(|e| ConfigError::new("--disaggregation-protocol", format!("{e}")))?;
     Ok(Some(MockPdConfig {
         role,
-        protocol: protocol.to_owned(),
+        protocol,
         bootstrap_port: port,
     }))
 }

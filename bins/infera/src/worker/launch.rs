@@ -25,6 +25,7 @@
 use crate::config::worker::{EngineKind, EngineProcessConfig, WorkerConfig};
 use crate::net::url_host;
 use infera_core::event::Role;
+use infera_core::pd::{DisaggMeta, PdFamily, PdProtocol};
 use serde_json::{Map, Value, json};
 
 /// The topic the launcher asks engines to publish KV events on.
@@ -270,14 +271,14 @@ fn disaggregation(
                 .unwrap_or(u32::from(SGLANG_BOOTSTRAP_PORT));
             let backend = flag_value(passthrough, &["--disaggregation-transfer-backend"])
                 .unwrap_or("mooncake");
-            let meta = json!({
-                "protocol": "sglang-bootstrap",
-                "params": {
+            let meta = disagg_meta(
+                PdProtocol::SglangBootstrap,
+                json!({
                     "bootstrap_host": host,
                     "bootstrap_port": port,
                     "transfer_backend": backend,
-                },
-            });
+                }),
+            );
             Ok((role, Some(meta)))
         }
         EngineKind::Vllm | EngineKind::Atom => {
@@ -339,11 +340,12 @@ fn vllm_meta(host: &str, transfer: &Map<String, Value>, mori_read: bool) -> Opti
             .filter_map(Value::as_object)
             .find_map(|child| {
                 let protocol = child.get("kv_connector").and_then(Value::as_str);
-                Some((vllm_protocol(protocol?, mori_read)?, extra_of(child)))
+                let protocol = PdProtocol::of_vllm_connector(protocol?, mori_read)?;
+                Some((protocol, extra_of(child)))
             })
     } else {
         connector
-            .and_then(|name| vllm_protocol(name, mori_read))
+            .and_then(|name| PdProtocol::of_vllm_connector(name, mori_read))
             .map(|protocol| (protocol, extra_of(transfer)))
     };
     let Some((protocol, extra)) = found else {
@@ -359,11 +361,11 @@ fn vllm_meta(host: &str, transfer: &Map<String, Value>, mori_read: bool) -> Opti
         "kv_port": transfer.get("kv_port"),
         "kv_connector_extra_config": extra,
     });
-    if protocol == "vllm-mooncake" {
+    if protocol == PdProtocol::VllmMooncake {
         params["bootstrap_addr"] =
             format!("http://{}:{VLLM_MOONCAKE_BOOTSTRAP_PORT}", url_host(host)).into();
     }
-    Some(json!({ "protocol": protocol, "params": params }))
+    Some(disagg_meta(protocol, params))
 }
 
 /// The engine id a vLLM PD worker registers when its `--kv-transfer-config` names none.
@@ -374,55 +376,55 @@ pub fn default_engine_id(config: &WorkerConfig) -> String {
 /// The `disagg_meta` of a PD-role mock: the shape the launcher registers for the protocol's
 /// engine, with `bootstrap_port` as its bootstrap (SGLang, vLLM Mooncake) or handshake (MoRI,
 /// ATOM) port and `bootstrap_port + 1` as MoRI's notify port.
-pub fn mock_disagg_meta(config: &WorkerConfig, protocol: &str, bootstrap_port: u16) -> Value {
+pub fn mock_disagg_meta(config: &WorkerConfig, protocol: PdProtocol, bootstrap_port: u16) -> Value {
     let host = config.advertise_host.as_str();
-    let params = match protocol {
-        "sglang-bootstrap" => json!({
+    let params = match protocol.family() {
+        PdFamily::Sglang => json!({
             "bootstrap_host": host,
             "bootstrap_port": bootstrap_port,
             "transfer_backend": "mock",
         }),
-        "atom-mooncake" => json!({
+        PdFamily::Atom => json!({
             "host": host,
             "http_port": config.port,
             "handshake_port": bootstrap_port,
             "tp_size": 1,
             "dp_size": 1,
         }),
-        _ => {
+        PdFamily::Vllm => {
             let mut params = json!({
                 "engine_id": default_engine_id(config),
                 "kv_ip": null,
                 "kv_port": null,
                 "kv_connector_extra_config": {},
             });
-            if protocol.starts_with("vllm-mori") {
+            if matches!(
+                protocol,
+                PdProtocol::VllmMoriRead | PdProtocol::VllmMoriWrite
+            ) {
                 params["kv_connector_extra_config"] = json!({
                     "handshake_port": bootstrap_port,
                     "notify_port": u32::from(bootstrap_port) + 1,
                     "tp_size": 1,
                 });
             }
-            if protocol == "vllm-mooncake" {
+            if protocol == PdProtocol::VllmMooncake {
                 params["bootstrap_addr"] =
                     format!("http://{}:{bootstrap_port}", url_host(host)).into();
             }
             params
         }
     };
-    json!({ "protocol": protocol, "params": params })
+    disagg_meta(protocol, params)
 }
 
-/// The PD protocol of a vLLM connector; MoRIIO reads instead of writing when vLLM's
-/// `VLLM_MORIIO_CONNECTOR_READ_MODE` is set.
-fn vllm_protocol(connector: &str, mori_read: bool) -> Option<&'static str> {
-    match connector {
-        "MooncakeConnector" | "MooncakeStoreConnector" => Some("vllm-mooncake"),
-        "MoRIIOConnector" if mori_read => Some("vllm-mori-read"),
-        "MoRIIOConnector" => Some("vllm-mori-write"),
-        "NixlConnector" => Some("vllm-nixl"),
-        _ => None,
-    }
+/// The registration's `disagg_meta` for `protocol` with the engine's `params` (a JSON object).
+fn disagg_meta(protocol: PdProtocol, params: Value) -> Value {
+    let params = match params {
+        Value::Object(map) => map,
+        _ => Map::new(),
+    };
+    DisaggMeta { protocol, params }.to_value()
 }
 
 fn atom_meta(
@@ -446,16 +448,16 @@ fn atom_meta(
         .and_then(Value::as_u64)
         .unwrap_or(u64::from(ATOM_HANDSHAKE_PORT));
     let dp_size = transfer.get("dp_size").and_then(Value::as_u64).unwrap_or(1);
-    Some(json!({
-        "protocol": "atom-mooncake",
-        "params": {
+    Some(disagg_meta(
+        PdProtocol::AtomMooncake,
+        json!({
             "host": config.advertise_host,
             "http_port": config.port,
             "handshake_port": handshake,
             "tp_size": process.tensor_parallel_size.unwrap_or(1),
             "dp_size": dp_size,
-        },
-    }))
+        }),
+    ))
 }
 
 /// The last value of any spelling in `flags` (`--flag V` or `--flag=V`).

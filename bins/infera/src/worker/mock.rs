@@ -107,7 +107,7 @@ impl RunningMock {
         mock_config.drain_timeout = config.drain_timeout.0;
         mock_config.pd = mock.pd.as_ref().map(|pd| MockPd {
             role: pd.role,
-            protocol: pd.protocol.clone(),
+            protocol: pd.protocol,
             engine_id: super::launch::default_engine_id(config),
             host: config.advertise_host.clone(),
             port: config.port,

@@ -204,7 +204,7 @@ async fn run_mock(
         record.disagg_mode = pd.role;
         record.disagg_meta = Some(launch::mock_disagg_meta(
             config,
-            &pd.protocol,
+            pd.protocol,
             pd.bootstrap_port,
         ));
     }

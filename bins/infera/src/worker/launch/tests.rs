@@ -313,7 +313,7 @@ fn a_pd_mock_registers_what_the_launcher_registers_for_its_protocol() {
     .unwrap()
     .disagg_meta
     .unwrap();
-    let meta = mock_disagg_meta(&config, "vllm-mooncake", 8998);
+    let meta = mock_disagg_meta(&config, PdProtocol::VllmMooncake, 8998);
     assert_eq!(meta["protocol"], launched["protocol"]);
     assert_eq!(meta["params"]["engine_id"], launched["params"]["engine_id"]);
     assert_eq!(
@@ -321,11 +321,11 @@ fn a_pd_mock_registers_what_the_launcher_registers_for_its_protocol() {
         launched["params"]["bootstrap_addr"]
     );
     // SGLang: the prefill's bootstrap host and port.
-    let meta = mock_disagg_meta(&config, "sglang-bootstrap", 9000);
+    let meta = mock_disagg_meta(&config, PdProtocol::SglangBootstrap, 9000);
     assert_eq!(meta["params"]["bootstrap_host"], "h1");
     assert_eq!(meta["params"]["bootstrap_port"], 9000);
     // MoRI: the side-channel ports its forged request ids name.
-    let meta = mock_disagg_meta(&config, "vllm-mori-read", 9000);
+    let meta = mock_disagg_meta(&config, PdProtocol::VllmMoriRead, 9000);
     assert_eq!(
         meta["params"]["kv_connector_extra_config"],
         json!({"handshake_port": 9000, "notify_port": 9001, "tp_size": 1})
@@ -342,10 +342,10 @@ fn a_pd_mock_registers_what_the_launcher_registers_for_its_protocol() {
     };
     let pd = mock.pd.as_ref().unwrap();
     assert_eq!(
-        (pd.role, pd.protocol.as_str()),
+        (pd.role, pd.protocol.name()),
         (Role::Decode, "atom-mooncake")
     );
-    let meta = mock_disagg_meta(&config, &pd.protocol, pd.bootstrap_port);
+    let meta = mock_disagg_meta(&config, pd.protocol, pd.bootstrap_port);
     assert_eq!(meta["params"]["http_port"], 8003);
     assert_eq!(meta["params"]["handshake_port"], 8998);
 }
