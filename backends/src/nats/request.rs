@@ -5,7 +5,8 @@
 //! # Behaviour
 //! - Admission: with `max_pending`, a worker with that many requests in flight from this server
 //!   is refused at once ([`TransportError::Overloaded`], 429 with `Retry-After: 1`), which the
-//!   relay retries on another worker. The count is released when the reply ends or is dropped.
+//!   relay retries on another worker; so is a request the worker refused at its own
+//!   `--nats-req-max-pending` (an `error` reply with `rs-status: 429`). The count is released when the reply ends or is dropped.
 //!   It is this server's own count (the Python Infera reads a JetStream work queue's backlog
 //!   instead), so each server replica admits up to the limit.
 //! - Status: a stream whose first chunk is SSE is answered 200 `text/event-stream` at once;
@@ -353,7 +354,15 @@ fn parse_reply(
                 .and_then(|s| http::StatusCode::from_u16(s).ok())
                 .unwrap_or(http::StatusCode::OK),
         )),
-        // The worker's own --nats-req-max-duration ended it: a timeout, not a failed worker.
+        // The worker is at its --nats-req-max-pending: try another one.
+        TYPE_ERROR if header(HDR_STATUS).is_some_and(|s| s.trim() == "429") => {
+            Err(TransportError::Overloaded {
+                message: format!("worker {worker}: {}", String::from_utf8_lossy(&msg.payload)),
+                retry_after_s: 1,
+            })
+        }
+        // The worker's own --nats-req-max-duration or idle timeout ended it: a timeout, not a
+        // failed worker.
         TYPE_ERROR if header(HDR_STATUS).is_some_and(|s| s.trim() == "504") => {
             Err(TransportError::Timeout(format!(
                 "worker {worker}: {}",

@@ -12,6 +12,12 @@
 //!   backstop for a server that died or a cancel that was lost: past it the engine connection is
 //!   dropped (the engine aborts the request) and the reply ends with an `error` carrying
 //!   `rs-status: 504`, which the server reports as a timeout, not as a failed worker.
+//!   `idle_timeout` (`--nats-req-idle-timeout`) does the same when the engine sends nothing
+//!   (no response head, no chunk) for that long.
+//! - `max_pending` (`--nats-req-max-pending`) admits at most that many requests at once; one
+//!   more is answered at once with one `error` carrying `rs-status: 429` and nothing is sent to
+//!   the engine. The server fails it over to another worker (a 429 of its own when every worker
+//!   refused).
 //! - [`NatsResponder::stop_accepting`] unsubscribes from requests and returns once the broker
 //!   has it (the broker then answers the server "no responders", which fails over), while
 //!   in-flight requests and cancels go on;
@@ -47,6 +53,10 @@ pub struct ResponderConfig {
     pub engine_url: String,
     /// Local bound on each request; `None` is unbounded.
     pub max_duration: Option<Duration>,
+    /// Longest wait for the engine's next response byte; `None` is unbounded.
+    pub idle_timeout: Option<Duration>,
+    /// Requests admitted at once; `None` is unlimited.
+    pub max_pending: Option<u32>,
 }
 
 /// A running responder. See the module docs.
@@ -202,6 +212,10 @@ async fn run(client: async_nats::Client, config: ResponderConfig, subs: Subs, to
                     tracing::warn!("nats request without a reply subject dropped");
                     continue;
                 };
+                if config.max_pending.is_some_and(|max| tasks.len() >= max as usize) {
+                    refuse(&client, reply, tasks.len()).await;
+                    continue;
+                }
                 let token = CancellationToken::new();
                 inflight
                     .lock()
@@ -212,6 +226,7 @@ async fn run(client: async_nats::Client, config: ResponderConfig, subs: Subs, to
                     http: http.clone(),
                     engine_url: config.engine_url.clone(),
                     max_duration: config.max_duration,
+                    idle_timeout: config.idle_timeout,
                     reply,
                     inflight: Arc::clone(&inflight),
                 };
@@ -254,10 +269,28 @@ async fn run(client: async_nats::Client, config: ResponderConfig, subs: Subs, to
     unsubscribed.cancel();
 }
 
+/// Answers a request over the admission limit: one `error` with `rs-status: 429`.
+async fn refuse(client: &async_nats::Client, reply: String, pending: usize) {
+    tracing::debug!(%reply, pending, "nats request refused at --nats-req-max-pending");
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(HDR_TYPE, TYPE_ERROR);
+    headers.insert(HDR_SEQ, "0");
+    headers.insert(HDR_STATUS, "429");
+    let text = format!("the worker has {pending} requests in flight, its --nats-req-max-pending");
+    if let Err(e) = client
+        .publish_with_headers(reply, headers, Bytes::from(text))
+        .await
+    {
+        tracing::warn!(error = %e, "cannot publish a nats refusal");
+    }
+}
+
 /// Why a request ended without `done`.
 enum Failure {
     /// It ran past the worker's `max_duration` (the engine request was dropped).
     Timeout(Duration),
+    /// The engine sent nothing for the worker's `idle_timeout` (the request was dropped).
+    Idle(Duration),
     /// The payload, the engine or the link failed; the text says how.
     Other(String),
 }
@@ -267,6 +300,7 @@ struct Job {
     http: HttpClient,
     engine_url: String,
     max_duration: Option<Duration>,
+    idle_timeout: Option<Duration>,
     reply: String,
     inflight: Inflight,
 }
@@ -290,6 +324,15 @@ impl Job {
                 self.publish(&mut seq, TYPE_ERROR, Some(504), Bytes::from(text))
                     .await;
             }
+            Some(Err(Failure::Idle(d))) => {
+                let text = format!(
+                    "the engine sent nothing for the worker's --nats-req-idle-timeout ({d:?}); \
+                     the request was cancelled in the engine"
+                );
+                tracing::warn!(reply = %self.reply, limit = ?d, "nats request idle");
+                self.publish(&mut seq, TYPE_ERROR, Some(504), Bytes::from(text))
+                    .await;
+            }
             Some(Err(Failure::Other(text))) => {
                 tracing::warn!(reply = %self.reply, error = %text, "nats request failed");
                 self.publish(&mut seq, TYPE_ERROR, None, Bytes::from(text))
@@ -304,16 +347,26 @@ impl Job {
 
     async fn bounded(&self, payload: &[u8], seq: &mut u64) -> Result<(), Failure> {
         match self.max_duration {
-            None => self.proxy(payload, seq).await.map_err(Failure::Other),
+            None => self.proxy(payload, seq).await,
             Some(d) => match tokio::time::timeout(d, self.proxy(payload, seq)).await {
-                Ok(r) => r.map_err(Failure::Other),
+                Ok(r) => r,
                 Err(_) => Err(Failure::Timeout(d)),
             },
         }
     }
 
-    async fn proxy(&self, payload: &[u8], seq: &mut u64) -> Result<(), String> {
-        let req = RequestPayload::parse(payload)?;
+    /// `step` bounded by the idle timeout.
+    async fn idle<T>(&self, step: impl Future<Output = T>) -> Result<T, Failure> {
+        match self.idle_timeout {
+            None => Ok(step.await),
+            Some(d) => tokio::time::timeout(d, step)
+                .await
+                .map_err(|_| Failure::Idle(d)),
+        }
+    }
+
+    async fn proxy(&self, payload: &[u8], seq: &mut u64) -> Result<(), Failure> {
+        let req = RequestPayload::parse(payload).map_err(Failure::Other)?;
         let target = format!("{}{}", self.engine_url, req.path);
         let mut builder = hyper::Request::post(&target);
         let mut has_content_type = false;
@@ -334,19 +387,18 @@ impl Job {
         if !has_content_type {
             builder = builder.header("content-type", "application/json");
         }
-        let body = serde_json::to_vec(&req.body).map_err(|e| e.to_string())?;
-        let request = builder
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| format!("cannot build the engine request to {target}: {e}"))?;
-        let resp = self
-            .http
-            .request(request)
-            .await
-            .map_err(|e| format!("engine at {} unreachable: {e}", self.engine_url))?;
+        let body = serde_json::to_vec(&req.body).map_err(|e| Failure::Other(e.to_string()))?;
+        let request = builder.body(Full::new(Bytes::from(body))).map_err(|e| {
+            Failure::Other(format!("cannot build the engine request to {target}: {e}"))
+        })?;
+        let resp = self.idle(self.http.request(request)).await?.map_err(|e| {
+            Failure::Other(format!("engine at {} unreachable: {e}", self.engine_url))
+        })?;
         let status = resp.status();
         let mut body = resp.into_body().into_data_stream();
-        while let Some(chunk) = body.next().await {
-            let chunk = chunk.map_err(|e| format!("engine response failed midway: {e}"))?;
+        while let Some(chunk) = self.idle(body.next()).await? {
+            let chunk =
+                chunk.map_err(|e| Failure::Other(format!("engine response failed midway: {e}")))?;
             if !chunk.is_empty() {
                 self.publish(seq, TYPE_DATA, None, chunk).await;
             }

@@ -48,24 +48,24 @@ async fn engine(speedup: f64) -> (String, oneshot::Sender<()>, JoinHandle<()>) {
 }
 
 async fn responder(client: &nats::Client, engine_url: &str) -> NatsResponder {
-    bounded_responder(client, engine_url, None).await
+    bounded_responder(client, engine_url, |_| {}).await
 }
 
+/// A responder whose config `limit` changes (its timeouts and admission limit).
 async fn bounded_responder(
     client: &nats::Client,
     engine_url: &str,
-    max_duration: Option<Duration>,
+    limit: impl FnOnce(&mut ResponderConfig),
 ) -> NatsResponder {
-    NatsResponder::start(
-        client.clone(),
-        ResponderConfig {
-            worker_id: WORKER.to_owned(),
-            engine_url: engine_url.to_owned(),
-            max_duration,
-        },
-    )
-    .await
-    .unwrap()
+    let mut config = ResponderConfig {
+        worker_id: WORKER.to_owned(),
+        engine_url: engine_url.to_owned(),
+        max_duration: None,
+        idle_timeout: None,
+        max_pending: None,
+    };
+    limit(&mut config);
+    NatsResponder::start(client.clone(), config).await.unwrap()
 }
 
 fn outbound(body: Value, stream: bool) -> Outbound {
@@ -177,7 +177,10 @@ async fn the_responders_own_max_duration_ends_a_request_with_a_timeout() {
     let client = nats::connect(&broker.url(), "test").await.unwrap();
     // Real speed: 4000 tokens take minutes; the responder gives each request 1 s.
     let (url, _stop, _engine) = engine(1.0).await;
-    let responder = bounded_responder(&client, &url, Some(Duration::from_secs(1))).await;
+    let responder = bounded_responder(&client, &url, |c| {
+        c.max_duration = Some(Duration::from_secs(1));
+    })
+    .await;
     // The server side has no timer of its own.
     let transport = NatsTransport::new(client.clone(), NatsRequestConfig::default());
 
@@ -329,4 +332,67 @@ async fn a_request_pinned_to_a_dp_rank_reaches_the_engine_with_its_rank_header()
             rank.map(|r| r.to_string())
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_own_max_pending_refuses_one_more_with_429_until_a_request_ends() {
+    let broker = NatsServer::start().await.unwrap();
+    let client = nats::connect(&broker.url(), "test").await.unwrap();
+    let (url, _stop, _engine) = engine(1.0).await;
+    let _responder = bounded_responder(&client, &url, |c| c.max_pending = Some(1)).await;
+    // The server side has no limit of its own: the worker's counts.
+    let transport = NatsTransport::new(client.clone(), NatsRequestConfig::default());
+    let long = json!({"model": "m", "prompt": "long", "max_tokens": 4000, "stream": true});
+    let held = transport.send(outbound(long.clone(), true)).await.unwrap();
+    let err = timeout(DEADLINE, transport.send(outbound(long.clone(), true)))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, TransportError::Overloaded { .. }), "{err:?}");
+    assert!(err.to_string().contains("--nats-req-max-pending"), "{err}");
+    assert!(err.retry_elsewhere(), "another worker is tried");
+    drop(held);
+    // Once the held stream's cancel reached the worker and its engine request ended, the
+    // worker admits again.
+    let again = loop {
+        match timeout(DEADLINE, transport.send(outbound(long.clone(), true)))
+            .await
+            .unwrap()
+        {
+            Ok(resp) => break resp,
+            Err(TransportError::Overloaded { .. }) => tokio::task::yield_now().await,
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(again.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_sends_nothing_is_ended_at_the_workers_idle_timeout() {
+    let broker = NatsServer::start().await.unwrap();
+    let client = nats::connect(&broker.url(), "test").await.unwrap();
+    // An "engine" that accepts connections and never answers.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", silent.local_addr().unwrap());
+    let _held = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            conns.push(conn);
+        }
+    });
+    let _responder = bounded_responder(&client, &url, |c| {
+        c.idle_timeout = Some(Duration::from_millis(500));
+    })
+    .await;
+    // The server side has no timer of its own.
+    let transport = NatsTransport::new(client.clone(), NatsRequestConfig::default());
+    let err = timeout(
+        DEADLINE,
+        transport.send(outbound(json!({"model": "m", "prompt": "hi"}), false)),
+    )
+    .await
+    .expect("the worker ends the request, the server does not hang")
+    .unwrap_err();
+    assert!(matches!(err, TransportError::Timeout(_)), "{err:?}");
+    assert!(err.to_string().contains("--nats-req-idle-timeout"), "{err}");
 }

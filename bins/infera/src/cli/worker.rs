@@ -158,7 +158,13 @@ pub struct WorkerArgs {
 
     /// Infera extension: on SIGTERM, how long in-flight requests may finish after
     /// deregistration before the engine is stopped (0 = do not wait).
-    #[arg(long, default_value = "30s", value_name = "DURATION", help_heading = EXTENSIONS)]
+    #[arg(
+        long,
+        env = "INFERA_DRAIN_TIMEOUT",
+        default_value = "30s",
+        value_name = "DURATION",
+        help_heading = EXTENSIONS
+    )]
     pub drain_timeout: HumanDuration,
 
     /// Infera extension: TTL of the worker's etcd lease (renewed every third of it). A worker
@@ -188,8 +194,36 @@ pub struct WorkerArgs {
     /// Infera extension: NATS requests: the worker's own wall-clock cap per request (0 = off).
     /// Past it the engine request is cancelled and the reply ends with a 504 error, even if the
     /// server that sent it died or its cancel was lost.
-    #[arg(long, default_value = "0", value_name = "DURATION", help_heading = EXTENSIONS)]
+    #[arg(
+        long,
+        env = "INFERA_NATS_REQ_MAX_DURATION",
+        default_value = "0",
+        value_name = "DURATION",
+        help_heading = EXTENSIONS
+    )]
     pub nats_req_max_duration: HumanDuration,
+
+    /// NATS requests: the worker's local read timeout: a request whose engine sends nothing (no
+    /// response head, no chunk) for this long is cancelled in the engine and ends with a 504
+    /// error (0 = off).
+    #[arg(
+        long,
+        env = "INFERA_NATS_REQ_IDLE_TIMEOUT",
+        default_value = "900s",
+        value_name = "DURATION"
+    )]
+    pub nats_req_idle_timeout: HumanDuration,
+
+    /// NATS requests: how many this worker admits at once (0 = no limit). One more is refused
+    /// at once with a 429 error, which the server fails over to another worker. Counted by this
+    /// worker, so the limit holds across server replicas.
+    #[arg(
+        long,
+        env = "INFERA_NATS_REQ_MAX_PENDING",
+        default_value_t = 0,
+        value_name = "N"
+    )]
+    pub nats_req_max_pending: u32,
 
     /// Infera extension: namespace of this worker's Pod (kubernetes discovery).
     /// [default: the Pod's own namespace]

@@ -314,6 +314,11 @@ pub struct WorkerConfig {
     pub nats_server: String,
     /// The worker's own cap on each NATS request (`--nats-req-max-duration`); `None` is off.
     pub nats_req_max_duration: Option<HumanDuration>,
+    /// The worker's local read timeout of NATS requests (`--nats-req-idle-timeout`); `None` is
+    /// off.
+    pub nats_req_idle_timeout: Option<HumanDuration>,
+    /// NATS requests admitted at once (`--nats-req-max-pending`); `None` is no limit.
+    pub nats_req_max_pending: Option<u32>,
     /// How long in-flight requests may finish on shutdown; 0 = do not wait.
     pub drain_timeout: HumanDuration,
     /// TTL of the etcd lease the registration is attached to.
@@ -424,6 +429,8 @@ struct Shared {
     kv_events: KvEventsConfig,
     nats_server: String,
     nats_req_max_duration: Option<HumanDuration>,
+    nats_req_idle_timeout: Option<HumanDuration>,
+    nats_req_max_pending: Option<u32>,
     drain_timeout: HumanDuration,
     etcd_lease_ttl: HumanDuration,
 }
@@ -467,6 +474,9 @@ impl Shared {
             },
             nats_server: args.nats_server,
             nats_req_max_duration: args.nats_req_max_duration.non_zero(),
+            nats_req_idle_timeout: args.nats_req_idle_timeout.non_zero(),
+            nats_req_max_pending: (args.nats_req_max_pending > 0)
+                .then_some(args.nats_req_max_pending),
             drain_timeout: args.drain_timeout,
             etcd_lease_ttl: positive_duration("--etcd-lease-ttl", args.etcd_lease_ttl, 1)?,
         })
@@ -484,6 +494,8 @@ impl Shared {
             kv_events: self.kv_events,
             nats_server: self.nats_server,
             nats_req_max_duration: self.nats_req_max_duration,
+            nats_req_idle_timeout: self.nats_req_idle_timeout,
+            nats_req_max_pending: self.nats_req_max_pending,
             drain_timeout: self.drain_timeout,
             etcd_lease_ttl: self.etcd_lease_ttl,
             launch,

@@ -137,6 +137,8 @@ async fn start_responder(
             worker_id: worker_id(config),
             engine_url,
             max_duration: config.nats_req_max_duration.map(|d| d.0),
+            idle_timeout: config.nats_req_idle_timeout.map(|d| d.0),
+            max_pending: config.nats_req_max_pending,
         },
     )
     .await?;
