@@ -201,12 +201,14 @@ async fn vllm_launcher_runs_registers_serves_and_stops_its_engine() {
         &seen.argv[8..11],
         &["--served-model-name", "chat", "--enforce-eager"]
     );
-    assert_eq!(seen.argv[11], "--kv-events-config");
-    let kv: Value = serde_json::from_str(&seen.argv[12]).unwrap();
+    // The Python launchers' fp8 KV-cache default, then the KV-event publisher.
+    assert_eq!(&seen.argv[11..13], &["--kv-cache-dtype", "fp8_e4m3"]);
+    assert_eq!(seen.argv[13], "--kv-events-config");
+    let kv: Value = serde_json::from_str(&seen.argv[14]).unwrap();
     assert_eq!(kv["publisher"], "zmq");
     assert_eq!(kv["topic"], "kv-events");
     assert_eq!(kv["enable_kv_cache_events"], true);
-    assert_eq!(seen.argv.len(), 13);
+    assert_eq!(seen.argv.len(), 15);
     assert!(seen.env.iter().any(|l| l == "PYTHONHASHSEED=0"));
     assert!(
         seen.env
@@ -263,7 +265,8 @@ async fn sglang_and_atom_launchers_inject_their_own_settings() {
             "32",
         ]
     );
-    let kv: Value = serde_json::from_str(&sglang.seen.argv[9]).unwrap();
+    assert_eq!(&sglang.seen.argv[8..10], &["--kv-cache-dtype", "fp8_e4m3"]);
+    let kv: Value = serde_json::from_str(&sglang.seen.argv[11]).unwrap();
     assert_eq!(kv.get("enable_kv_cache_events"), None);
     assert!(
         !sglang

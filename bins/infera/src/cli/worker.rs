@@ -265,9 +265,39 @@ pub struct EngineWorkerArgs {
     )]
     pub engine_ready_timeout: HumanDuration,
 
+    /// Benchmark-only: start a prefill or decode worker without an RDMA KV transport (SGLang:
+    /// no explicit RDMA --disaggregation-transfer-backend; vLLM: no Mooncake, MoRIIO or NIXL
+    /// connector), which the launcher otherwise refuses as a silent TCP fallback.
+    #[arg(long)]
+    pub disaggregation_allow_tcp: bool,
+
+    /// KV events: `off` starts the engine without them (the router then balances this worker
+    /// by load alone); `on` and `auto` publish them, as --enable-kv-events.
+    #[arg(long, value_enum, default_value = "auto", value_name = "MODE")]
+    pub kv_events: KvEventsMode,
+
+    /// ZMQ endpoint the engine's KV-event publisher binds, e.g. tcp://0.0.0.0:5557; its port
+    /// is advertised with --advertise-host. [default: a free port]
+    #[arg(long, value_name = "ENDPOINT")]
+    pub kv_events_bind: Option<String>,
+
+    /// The Python router's coalescing unit, in tokens (not the engine's block size). Accepted
+    /// for the Python launchers' command lines; Infera's router indexes at the engine's own
+    /// block size, which the worker registers as kv_block_size.
+    #[arg(long, default_value_t = 64, value_name = "TOKENS")]
+    pub index_block_size: u32,
+
     /// The arguments forwarded to the engine, filled in by the argument splitter.
     #[arg(skip)]
     pub engine_args: Vec<String>,
+}
+
+/// `--kv-events`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvEventsMode {
+    On,
+    Off,
+    Auto,
 }
 
 /// The flags of `infera worker mock`.

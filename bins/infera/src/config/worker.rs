@@ -219,6 +219,12 @@ pub struct EngineProcessConfig {
     pub data_parallel_size: Option<u32>,
     /// How long the engine may take to become healthy (`--engine-ready-timeout`).
     pub ready_timeout: HumanDuration,
+    /// Start a PD worker without an RDMA transport (`--disaggregation-allow-tcp`).
+    pub allow_tcp: bool,
+    /// The KV-event publisher's bind endpoint (`--kv-events-bind`); `None` is a free port.
+    pub kv_events_bind: Option<String>,
+    /// `--index-block-size` (accepted for the Python launchers; not used by this router).
+    pub index_block_size: u32,
 }
 
 /// Quadratic timing coefficients `A,B,C`: `A·x² + B·x + C` milliseconds.
@@ -341,7 +347,21 @@ impl TryFrom<WorkerCommand> for WorkerConfig {
 }
 
 fn from_engine(engine: EngineKind, args: EngineWorkerArgs) -> Result<WorkerConfig, ConfigError> {
-    let shared = Shared::try_new(engine, args.common)?;
+    let mut shared = Shared::try_new(engine, args.common)?;
+    if args.kv_events == crate::cli::worker::KvEventsMode::Off {
+        shared.kv_events.enabled = false;
+    }
+    if args.index_block_size == 0 {
+        return Err(ConfigError::new("--index-block-size", "must be at least 1"));
+    }
+    if let Some(bind) = &args.kv_events_bind
+        && !bind.starts_with("tcp://")
+    {
+        return Err(ConfigError::new(
+            "--kv-events-bind",
+            format!("{bind}: expected a ZMQ endpoint tcp://HOST:PORT"),
+        ));
+    }
     let command_line = args
         .engine_cmd
         .or_else(|| engine.default_command().map(str::to_owned))
@@ -370,6 +390,9 @@ fn from_engine(engine: EngineKind, args: EngineWorkerArgs) -> Result<WorkerConfi
         tensor_parallel_size: peek(&passthrough, engine.tensor_parallel_flags())?,
         data_parallel_size: peek(&passthrough, engine.data_parallel_flags())?,
         ready_timeout: args.engine_ready_timeout,
+        allow_tcp: args.disaggregation_allow_tcp,
+        kv_events_bind: args.kv_events_bind,
+        index_block_size: args.index_block_size,
         passthrough,
     });
     Ok(shared.into_config(engine, launch))

@@ -14,7 +14,9 @@
 //! | ATOM   | `ATOM_KV_EVENTS_ENABLE=1`, `ATOM_KV_EVENTS_ENDPOINT=tcp://*:P`, `ATOM_KV_EVENTS_TOPIC=kv-events` | `--port <free>` (ATOM's internal torch-distributed port) when absent |
 //!
 //! A `--kv-events-config` (or `ATOM_KV_EVENTS_ENDPOINT`) given by the user is kept, and its
-//! endpoint is the one advertised. PD: SGLang's `--disaggregation-mode` and vLLM/ATOM's
+//! endpoint is the one advertised; `--kv-events-bind` sets the endpoint the launcher writes
+//! (else a free port). The Python launchers' engine defaults (fp8 KV cache, SGLang's decode
+//! radix cache) and PD preflight are in [`defaults`]. PD: SGLang's `--disaggregation-mode` and vLLM/ATOM's
 //! `--kv-transfer-config` `kv_role` give the role; the connector gives the protocol the server's
 //! two-leg dispatch speaks (`sglang-bootstrap`, `vllm-mooncake`, `vllm-mori-read|write`,
 //! `vllm-nixl`, `atom-mooncake`). A vLLM PD worker's `engine_id` is pinned into the forwarded
@@ -27,6 +29,8 @@ use crate::net::url_host;
 use infera_core::event::Role;
 use infera_core::pd::{DisaggMeta, PdFamily, PdProtocol};
 use serde_json::{Map, Value, json};
+
+mod defaults;
 
 /// The topic the launcher asks engines to publish KV events on.
 pub const KV_EVENTS_TOPIC: &str = "kv-events";
@@ -98,6 +102,7 @@ pub fn plan(
         .ok_or_else(|| LaunchError("--engine-cmd is empty".to_owned()))?;
     let mut args: Vec<String> = command_args.to_vec();
     args.extend(process.args.iter().cloned());
+    let users_end = args.len();
     let mut env_out = Vec::new();
     let passthrough = &process.passthrough;
 
@@ -137,15 +142,12 @@ pub fn plan(
     };
     let (kv_events_endpoint, kv_events_replay_endpoint) = if config.kv_events.enabled {
         let at = |p: u32| format!("tcp://{}:{p}", url_host(&config.advertise_host));
-        match kv_events(
-            engine,
-            passthrough,
-            env,
+        let publisher = Publisher {
             ports,
-            &mut args,
-            &mut env_out,
+            bind: process.kv_events_bind.as_deref(),
             dp_rank,
-        )? {
+        };
+        match kv_events(engine, passthrough, env, publisher, &mut args, &mut env_out)? {
             Some((events, replay)) => (Some(at(events)), replay.map(at)),
             None => (None, None),
         }
@@ -157,6 +159,16 @@ pub fn plan(
         .map_or_else(|| config.model.clone(), str::to_owned);
     let mori_read = env("VLLM_MORIIO_CONNECTOR_READ_MODE").is_some();
     let (role, disagg_meta) = disaggregation(config, process, mori_read, &mut args)?;
+    defaults::preflight(
+        engine,
+        role,
+        &config.advertise_host,
+        disagg_meta.is_some(),
+        passthrough,
+        process.allow_tcp,
+    )?;
+    let added = defaults::added_args(engine, role, config.kv_events.enabled, passthrough, env);
+    args.splice(users_end..users_end, added);
     let kv_block_size = process.kv_block_size.or(match engine {
         // vLLM and ATOM page 16 tokens unless told otherwise; SGLang's page size is resolved
         // from the running server (see `worker::process`).
@@ -178,18 +190,36 @@ pub fn plan(
     })
 }
 
+/// Where the engine's KV-event publisher goes: the free ports picked, the user's
+/// `--kv-events-bind`, and the first DP rank (rank `r` publishes on the port + `r`).
+#[derive(Debug, Clone, Copy)]
+struct Publisher<'a> {
+    ports: FreePorts,
+    bind: Option<&'a str>,
+    dp_rank: u32,
+}
+
 /// Adds the KV-event settings the engine needs and returns the ports rank `dp_rank` publishes
 /// and replays on (vLLM's replay socket, or one a user-given config names).
 fn kv_events(
     engine: EngineKind,
     passthrough: &[String],
     env: &dyn Fn(&str) -> Option<String>,
-    ports: FreePorts,
+    publisher: Publisher<'_>,
     args: &mut Vec<String>,
     env_out: &mut Vec<(String, String)>,
-    dp_rank: u32,
 ) -> Result<Option<(u32, Option<u32>)>, LaunchError> {
+    let Publisher {
+        ports,
+        bind,
+        dp_rank,
+    } = publisher;
     let offset = |port: u32| port + dp_rank;
+    // The endpoint the publisher binds and the port it advertises.
+    let (endpoint, events_port) = match bind.and_then(|b| Some((b, endpoint_port(b)?))) {
+        Some((bind, port)) => (bind.to_owned(), port),
+        None => (format!("tcp://*:{}", ports.events), u32::from(ports.events)),
+    };
     match engine {
         EngineKind::Vllm | EngineKind::Sglang => {
             if let Some(given) = flag_value(passthrough, &["--kv-events-config"]) {
@@ -208,10 +238,7 @@ fn kv_events(
                 config.insert("enable_kv_cache_events".into(), true.into());
             }
             config.insert("publisher".into(), "zmq".into());
-            config.insert(
-                "endpoint".into(),
-                format!("tcp://*:{}", ports.events).into(),
-            );
+            config.insert("endpoint".into(), endpoint.into());
             if engine == EngineKind::Vllm {
                 config.insert(
                     "replay_endpoint".into(),
@@ -222,20 +249,19 @@ fn kv_events(
             args.push("--kv-events-config".to_owned());
             args.push(Value::Object(config).to_string());
             let replay = (engine == EngineKind::Vllm).then(|| offset(u32::from(ports.replay)));
-            Ok(Some((offset(u32::from(ports.events)), replay)))
+            Ok(Some((offset(events_port), replay)))
         }
         EngineKind::Atom => {
             if let Some(given) = env("ATOM_KV_EVENTS_ENDPOINT") {
                 return Ok(endpoint_port(&given).map(|p| (offset(p), None)));
             }
-            let endpoint = format!("tcp://*:{}", ports.events);
             env_out.push(("ATOM_KV_EVENTS_ENABLE".to_owned(), "1".to_owned()));
             env_out.push(("ATOM_KV_EVENTS_ENDPOINT".to_owned(), endpoint));
             env_out.push((
                 "ATOM_KV_EVENTS_TOPIC".to_owned(),
                 KV_EVENTS_TOPIC.to_owned(),
             ));
-            Ok(Some((offset(u32::from(ports.events)), None)))
+            Ok(Some((offset(events_port), None)))
         }
         EngineKind::Mock => Ok(None),
     }

@@ -63,6 +63,8 @@ fn vllm_gets_kv_events_and_a_fixed_hash_seed() {
             "2",
             "--served-model-name",
             "chat",
+            "--kv-cache-dtype",
+            "fp8_e4m3",
             "--kv-events-config",
         ])[..],
         &plan.args[..plan.args.len() - 1]
@@ -156,6 +158,8 @@ fn sglang_pd_registers_its_bootstrap() {
             "prefill",
             "--disaggregation-bootstrap-port",
             "9000",
+            "--disaggregation-transfer-backend",
+            "mooncake",
         ],
         &[],
     )
@@ -370,4 +374,67 @@ fn disabled_kv_events_add_nothing() {
     let plan = plan_for(&["vllm", "--model", "m", "--no-enable-kv-events"], &[]).unwrap();
     assert!(!plan.args.iter().any(|a| a == "--kv-events-config"));
     assert_eq!(plan.kv_events_endpoint, None);
+}
+
+#[test]
+fn the_python_launchers_flags_set_the_publisher_and_the_preflight() {
+    // --kv-events-bind: the endpoint written and the port advertised.
+    let plan = plan_for(
+        &[
+            "sglang",
+            "--model-path",
+            "m",
+            "--advertise-host",
+            "10.0.0.7",
+            "--kv-events-bind",
+            "tcp://0.0.0.0:6100",
+        ],
+        &[],
+    )
+    .unwrap();
+    let kv: Value = serde_json::from_str(plan.args.last().unwrap()).unwrap();
+    assert_eq!(kv["endpoint"], "tcp://0.0.0.0:6100");
+    assert_eq!(
+        plan.kv_events_endpoint.as_deref(),
+        Some("tcp://10.0.0.7:6100")
+    );
+    assert_eq!(
+        flag_value(&plan.args, &["--kv-cache-dtype"]),
+        Some("fp8_e4m3")
+    );
+    // --kv-events off: no publisher, nothing advertised.
+    let plan = plan_for(&["vllm", "--model", "m", "--kv-events", "off"], &[]).unwrap();
+    assert!(flag_value(&plan.args, &["--kv-events-config"]).is_none());
+    assert_eq!(plan.kv_events_endpoint, None);
+    // A decode worker without an RDMA backend is refused unless allowed.
+    let decode = [
+        "sglang",
+        "--model-path",
+        "m",
+        "--advertise-host",
+        "10.0.0.7",
+        "--disaggregation-mode",
+        "decode",
+    ];
+    let error = plan_for(&decode, &[]).unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("--disaggregation-transfer-backend"),
+        "{error}"
+    );
+    let mut allowed = decode.to_vec();
+    allowed.push("--disaggregation-allow-tcp");
+    let plan = plan_for(&allowed, &[("INFERA_DEFAULT_KV_FP8", "0")]).unwrap();
+    assert_eq!(plan.role, Role::Decode);
+    assert!(flag_value(&plan.args, &["--kv-cache-dtype"]).is_none());
+    // A Mooncake decode worker with events gets SGLang's decode radix cache.
+    let mut mooncake = decode.to_vec();
+    mooncake.extend(["--disaggregation-transfer-backend", "mooncake"]);
+    let plan = plan_for(&mooncake, &[]).unwrap();
+    assert!(
+        plan.args
+            .iter()
+            .any(|a| a == "--disaggregation-decode-enable-radix-cache")
+    );
 }
