@@ -30,7 +30,9 @@
 //! not know the transport: the binary connects the sink to the ZeroMQ publisher.
 //!
 //! # Connections
-//! Accepted connections set `TCP_NODELAY`, so that every streamed token leaves at once.
+//! Served by the crate's serve loop ([`crate::serve`]) with its default deadlines and
+//! connection cap; accepted connections set `TCP_NODELAY`, so that every streamed token leaves
+//! at once.
 //!
 //! # Shutdown
 //! [`MockServer::serve`] stops accepting when its shutdown future completes, lets in-flight
@@ -52,11 +54,11 @@ mod pd;
 pub use openai::{DEFAULT_MAX_TOKENS, FILLER, filler};
 pub use pd::{MockPd, PROTOCOLS as PD_PROTOCOLS};
 
+use crate::serve::ServeLimits;
 use crate::tokenize::Tokenizer;
-use axum::serve::ListenerExt as _;
 use infera_core::engine::{EngineConfig, EngineConfigError, EngineModel};
 use infera_core::kv_events::EngineBatch;
-use std::future::{Future, IntoFuture as _};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -287,20 +289,13 @@ impl MockServer {
             }
         };
         let app = http::router(state, max_body_bytes);
-        // Streamed tokens are small writes: without TCP_NODELAY, Nagle's algorithm holds each
-        // one back until the client's (delayed, up to 40 ms) ACK of the previous write.
-        let listener = listener.tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "cannot set TCP_NODELAY on a mock connection");
-            }
-        });
-        let server = axum::serve(listener, app).with_graceful_shutdown(signal);
+        let server = crate::serve::serve(listener, app, ServeLimits::default(), signal);
         let bound = async {
             draining.cancelled().await;
             tokio::time::sleep(drain_timeout).await;
         };
         let result = tokio::select! {
-            r = server.into_future() => r.map_err(MockError::Serve),
+            r = server => r.map_err(MockError::Serve),
             () = bound => {
                 tracing::warn!(
                     timeout_ms = drain_timeout.as_millis() as u64,
