@@ -164,6 +164,27 @@ async fn idle_keep_alive_connections_are_closed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stops_arriving_is_answered_408() {
+    let front = Front::with_limits(ServeLimits {
+        body_timeout: Some(Duration::from_millis(300)),
+        idle_timeout: Some(Duration::from_millis(300)),
+        ..no_limits()
+    })
+    .await;
+    let mut tcp = TcpStream::connect(front.addr).await.expect("connect");
+    tcp.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-length: 100\r\n\r\n{\"model\"",
+    )
+    .await
+    .expect("part of a body");
+    let got = until_closed(&mut tcp).await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("TimeoutError"), "{text}");
+    front.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_the_cap_new_clients_are_answered_at_once_and_served_once_a_slot_frees() {
     let front = Front::with_limits(ServeLimits {
         max_connections: 2,

@@ -5,7 +5,8 @@
 //! once when `Content-Length` says so); with a [`ParseBudget`] every frame is charged to it as
 //! it arrives, and a frame that does not fit is answered 503 with `Retry-After` — the server
 //! refuses work rather than allocating past its budget. A body that misses the serve loop's
-//! deadline ([`BodyTimeout`]) is answered 408.
+//! deadline ([`BodyTimeout`]) is answered 408. A body that must become a JSON tree (Anthropic
+//! Messages, translated as one) is charged [`TREE_COST`] times its size.
 //!
 //! # Parsing
 //! [`parse`] reads an OpenAI completions or chat body without building a JSON tree: the fields
@@ -72,6 +73,33 @@ pub(super) async fn read_limited(
         bytes.extend_from_slice(&data);
     }
     Ok((Bytes::from(bytes), held))
+}
+
+/// What a JSON tree of a body costs against the parse budget, in multiples of its text: up to
+/// ~48× for arrays of small numbers, a few times for text.
+pub(super) const TREE_COST: usize = 16;
+
+/// Charges a body of `len` bytes, already charged once to `held`, for being parsed into a JSON
+/// tree: [`TREE_COST`] times its size in all, but never more than the whole budget, so that a
+/// body alone always fits.
+///
+/// # Errors
+/// 503 with `Retry-After` when the budget cannot take it now.
+pub(super) fn charge_tree(
+    budget: &ParseBudget,
+    held: &mut Option<OwnedSemaphorePermit>,
+    len: usize,
+) -> Result<(), ApiError> {
+    let holding = held.as_ref().map_or(0, OwnedSemaphorePermit::num_permits);
+    let more = len
+        .saturating_mul(TREE_COST)
+        .min(budget.bytes())
+        .saturating_sub(holding);
+    if budget.charge(held, more) {
+        Ok(())
+    } else {
+        Err(over_budget(budget))
+    }
 }
 
 fn over_budget(budget: &ParseBudget) -> ApiError {

@@ -1,8 +1,9 @@
-//! The server's axum routes: request parsing and validation, retention stamping (PROTOCOLS.md §5),
-//! tokenization on the blocking pool, hashing, and the status pages (`/v1/models`, `/health`,
-//! `/v1/workers`, `/metrics`). Errors use the OpenAI shape `{"error": {"message", "type",
-//! "code"}}` with one status per cause (400, 404, 413, 429 with `Retry-After`, 500, 502, 503,
-//! 504).
+//! The server's axum routes: the request pipeline (body read and parsed by the `body` module
+//! within the parse budget, retention stamped per PROTOCOLS.md §5, tokenization on the blocking
+//! pool, hashing), the admin routes behind the `client` module's token guard, and the status
+//! pages (`/v1/models`, `/health`, `/v1/workers`, `/metrics`). Errors use the OpenAI shape
+//! `{"error": {"message", "type", "code"}}` with one status per cause (400, 401, 404, 408, 413,
+//! 429 and 503 with `Retry-After`, 500, 502, 504).
 
 use super::body::Shape;
 use super::{ServerState, relay};
@@ -33,7 +34,7 @@ const DP_RANK: &str = "x-dp-rank";
 pub(crate) struct ApiError {
     pub(crate) status: StatusCode,
     pub(crate) message: String,
-    /// Sent as `Retry-After` (seconds) with a 429.
+    /// Sent as `Retry-After` (seconds) with a 429 or 503.
     pub(crate) retry_after_s: Option<u32>,
 }
 
@@ -198,7 +199,7 @@ async fn pipeline(
     id: &str,
 ) -> Result<Response, ApiError> {
     let options = &st.inner.options;
-    let (bytes, parse_charge) = super::body::read_limited(
+    let (bytes, mut parse_charge) = super::body::read_limited(
         body,
         headers,
         options.max_body_bytes,
@@ -210,6 +211,7 @@ async fn pipeline(
         Endpoint::Chat => (bytes, Shape::Messages),
         // Anthropic bodies are translated as a tree, then read as the chat body they become.
         Endpoint::Messages => {
+            super::body::charge_tree(&options.client.parse_budget, &mut parse_charge, bytes.len())?;
             let json: Value = serde_json::from_slice(&bytes).map_err(|e| {
                 ApiError::bad_request(format!("request body is not valid JSON: {e}"))
             })?;
