@@ -1,5 +1,5 @@
-//! What the server asks of its clients, over real sockets on 127.0.0.1: the header and idle
-//! deadlines and the connection cap of the serve loop, the admin token, and the parse budget
+//! What the server asks of its clients, over real sockets on 127.0.0.1: the header, idle and
+//! body deadlines and the connection cap of the serve loop (the mock engine's too), the admin token, and the parse budget
 //! with token-id prompts read without a JSON tree.
 //!
 //! Deadlines are configured short and the tests wait on the socket's end (EOF), bounded by
@@ -145,6 +145,34 @@ async fn a_half_sent_head_is_closed_at_its_deadline_while_others_are_served() {
     let got = until_closed(&mut slow).await;
     assert!(got.is_empty(), "{}", String::from_utf8_lossy(&got));
     front.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mock_engine_closes_a_half_sent_head_too() {
+    let mut config = MockConfig::new(MODEL, EngineConfig::default());
+    config.limits = ServeLimits {
+        header_timeout: Some(Duration::from_millis(500)),
+        ..no_limits()
+    };
+    let mock = MockServer::bind("127.0.0.1:0", config, None)
+        .await
+        .expect("mock binds");
+    let addr = mock.local_addr();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(mock.serve(async move {
+        let _ = stopped.await;
+    }));
+    let mut slow = TcpStream::connect(addr).await.expect("connect");
+    slow.write_all(b"GET /he").await.expect("half a head");
+    let (status, _) = exchange(addr, "GET", "/health", Vec::new()).await;
+    assert_eq!(status, 200, "a normal client is served meanwhile");
+    assert!(until_closed(&mut slow).await.is_empty());
+    let _ = stop.send(());
+    tokio::time::timeout(TIMEOUT, task)
+        .await
+        .expect("mock stops in time")
+        .expect("mock task did not panic")
+        .expect("mock served without error");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -30,8 +30,7 @@
 //! not know the transport: the binary connects the sink to the ZeroMQ publisher.
 //!
 //! # Connections
-//! Served by the crate's serve loop ([`crate::serve`]) with its default deadlines and
-//! connection cap; accepted connections set `TCP_NODELAY`, so that every streamed token leaves
+//! Served by the crate's serve loop ([`crate::serve`]) within [`MockConfig::limits`]; accepted connections set `TCP_NODELAY`, so that every streamed token leaves
 //! at once.
 //!
 //! # Shutdown
@@ -91,10 +90,13 @@ pub struct MockConfig {
     pub salt: Option<u64>,
     /// A leg of a PD pair to play (see the `pd` module); `None`: a mixed engine.
     pub pd: Option<MockPd>,
+    /// Client connection deadlines and cap of its HTTP server.
+    pub limits: ServeLimits,
 }
 
 impl MockConfig {
-    /// Defaults: 32 MiB bodies, a queue of 4096 requests, a 30 s drain, a random salt.
+    /// Defaults: 32 MiB bodies, a queue of 4096 requests, a 30 s drain, a random salt, the serve
+    /// loop's default client bounds.
     pub fn new(model_name: impl Into<String>, engine: EngineConfig) -> Self {
         Self {
             engine,
@@ -105,6 +107,7 @@ impl MockConfig {
             drain_timeout: Duration::from_secs(30),
             salt: None,
             pd: None,
+            limits: ServeLimits::default(),
         }
     }
 }
@@ -164,6 +167,7 @@ pub struct MockServer {
     engine_cancel: CancelOnDrop,
     max_body_bytes: usize,
     drain_timeout: Duration,
+    limits: ServeLimits,
     salt: u64,
     engine_config: EngineConfig,
 }
@@ -240,6 +244,7 @@ impl MockServer {
             engine_cancel: CancelOnDrop(cancel),
             max_body_bytes: config.max_body_bytes,
             drain_timeout: config.drain_timeout,
+            limits: config.limits,
             salt,
             engine_config: config.engine,
         })
@@ -277,6 +282,7 @@ impl MockServer {
             engine_cancel,
             max_body_bytes,
             drain_timeout,
+            limits,
             ..
         } = self;
         let draining = CancellationToken::new();
@@ -289,7 +295,7 @@ impl MockServer {
             }
         };
         let app = http::router(state, max_body_bytes);
-        let server = crate::serve::serve(listener, app, ServeLimits::default(), signal);
+        let server = crate::serve::serve(listener, app, limits, signal);
         let bound = async {
             draining.cancelled().await;
             tokio::time::sleep(drain_timeout).await;

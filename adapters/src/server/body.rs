@@ -20,7 +20,7 @@
 
 use super::client::ParseBudget;
 use super::http::{ApiError, Input};
-use super::prompt::Prompt;
+use super::prompt::{Prompt, PromptSeed};
 use crate::serve::BodyTimeout;
 use crate::tokenize::ChatMessage;
 use axum::body::{Body, Bytes};
@@ -28,7 +28,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use http_body_util::BodyExt as _;
 use infera_core::event::Retention;
 use serde::Deserialize;
-use serde::de::{Deserializer, IgnoredAny};
+use serde::de::{DeserializeSeed as _, Deserializer, IgnoredAny};
 use serde_json::value::RawValue;
 use std::fmt;
 use tokio::sync::OwnedSemaphorePermit;
@@ -69,6 +69,13 @@ pub(super) async fn read_limited(
             && !budget.charge(&mut held, data.len())
         {
             return Err(over_budget(budget));
+        }
+        let needed = bytes.len() + data.len();
+        if needed > bytes.capacity() {
+            // Doubling, as a Vec grows, but never past the declared length.
+            let grown = needed.max(bytes.capacity() * 2);
+            let target = declared.map_or(grown, |d| grown.min(d as usize).max(needed));
+            bytes.reserve_exact(target - bytes.len());
         }
         bytes.extend_from_slice(&data);
     }
@@ -212,7 +219,11 @@ pub(super) fn parse(bytes: Bytes, shape: Shape) -> Result<Parsed, ApiError> {
     let input = match shape {
         Shape::Prompt => match fields.prompt {
             None => return Err(bad("`prompt` is required")),
-            Some(raw) => prompt_input(&mut serde_json::Deserializer::from_str(raw.get()))?,
+            Some(raw) => {
+                // Every id but the last is followed by a comma.
+                let most_ids = memchr::memchr_iter(b',', raw.get().as_bytes()).count() + 1;
+                prompt_input(&mut serde_json::Deserializer::from_str(raw.get()), most_ids)?
+            }
         },
         Shape::Messages => match fields.messages {
             None => return Err(bad("`messages` is required")),
@@ -261,9 +272,13 @@ pub(super) fn messages_input<E: fmt::Display>(
     Ok(Input::Chat(messages))
 }
 
-/// The prompt input read from `d` (the value of `prompt`).
-pub(super) fn prompt_input<'de, D: Deserializer<'de>>(d: D) -> Result<Input, ApiError> {
-    match Prompt::deserialize(d) {
+/// The prompt input read from `d` (the value of `prompt`), whose token ids number at most
+/// `most_ids` (0: unknown).
+pub(super) fn prompt_input<'de, D: Deserializer<'de>>(
+    d: D,
+    most_ids: usize,
+) -> Result<Input, ApiError> {
+    match PromptSeed(most_ids).deserialize(d) {
         Ok(Prompt(result)) => result.map_err(bad),
         Err(e) => Err(bad(format!("`prompt` is malformed: {e}"))),
     }

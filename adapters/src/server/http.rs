@@ -350,7 +350,7 @@ pub(super) async fn read_body(
 pub(super) fn parse_prompt(value: Option<&Value>) -> Result<Input, ApiError> {
     match value {
         None => Err(ApiError::bad_request("`prompt` is required")),
-        Some(v) => super::body::prompt_input(v),
+        Some(v) => super::body::prompt_input(v, 0),
     }
 }
 

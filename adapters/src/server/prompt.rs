@@ -1,6 +1,8 @@
 //! The `prompt` of a completions request, read by one streaming visitor from any serde
 //! deserializer (the raw body text, or a `serde_json::Value` for prewarm): token ids go straight
-//! into a `Vec<u32>`, nothing else of the array is kept.
+//! into a `Vec<u32>`, nothing else of the array is kept. Given the number of ids the text can
+//! hold at most ([`PromptSeed`]), the ids are allocated once instead of growing by doubling
+//! (whose last copy held 3× the ids at once).
 //!
 //! Accepted shapes, as OpenAI's: a string; an array of token ids; an array holding one string
 //! or one array of token ids. An empty array, several prompts, a token id that is not a `u32`
@@ -9,7 +11,7 @@
 
 use super::http::Input;
 use serde::Deserialize;
-use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use std::fmt;
 
 /// The most characters of a client value quoted in an error message.
@@ -47,11 +49,31 @@ fn float_text(f: f64) -> String {
 
 impl<'de> Deserialize<'de> for Prompt {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(PromptVisitor)
+        PromptSeed(0).deserialize(d)
     }
 }
 
-struct PromptVisitor;
+/// Reads a [`Prompt`] whose token ids number at most `.0` (0: unknown), e.g. one more than
+/// the commas of its JSON text.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PromptSeed(pub usize);
+
+impl<'de> DeserializeSeed<'de> for PromptSeed {
+    type Value = Prompt;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Prompt, D::Error> {
+        d.deserialize_any(PromptVisitor(self.0))
+    }
+}
+
+/// At most how many ids to allocate ahead: a wrong hint costs no more than this.
+const HINT_MAX: usize = 64 << 20;
+
+fn with_hint(hint: usize) -> Vec<u32> {
+    Vec::with_capacity(hint.min(HINT_MAX))
+}
+
+struct PromptVisitor(usize);
 
 impl<'de> Visitor<'de> for PromptVisitor {
     type Value = Prompt;
@@ -69,14 +91,21 @@ impl<'de> Visitor<'de> for PromptVisitor {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+        // Allocated at the first id: a prompt of one nested array never needs it.
         let mut ids = Vec::new();
         let mut first_bad: Option<(usize, String)> = None;
         let mut first: Option<Elem> = None;
         let mut all_numbers = true;
         let mut len = 0usize;
-        while let Some(elem) = seq.next_element::<Elem>()? {
+        // Only the first element may be the nested array of ids worth the hint.
+        while let Some(elem) = seq.next_element_seed(ElemSeed(if len == 0 { self.0 } else { 0 }))? {
             match elem {
-                Elem::Id(t) if all_numbers && first_bad.is_none() => ids.push(t),
+                Elem::Id(t) if all_numbers && first_bad.is_none() => {
+                    if ids.capacity() == 0 {
+                        ids = with_hint(self.0);
+                    }
+                    ids.push(t);
+                }
                 Elem::Id(_) => {}
                 Elem::BadNumber(text) => {
                     first_bad.get_or_insert((len, text));
@@ -136,13 +165,19 @@ impl<'de> Visitor<'de> for PromptVisitor {
     }
 }
 
-impl<'de> Deserialize<'de> for Elem {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(ElemVisitor)
+/// Reads one [`Elem`]; a nested array allocates `.0` ids ahead.
+#[derive(Clone, Copy)]
+struct ElemSeed(usize);
+
+impl<'de> DeserializeSeed<'de> for ElemSeed {
+    type Value = Elem;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Elem, D::Error> {
+        d.deserialize_any(ElemVisitor(self.0))
     }
 }
 
-struct ElemVisitor;
+struct ElemVisitor(usize);
 
 impl<'de> Visitor<'de> for ElemVisitor {
     type Value = Elem;
@@ -172,7 +207,7 @@ impl<'de> Visitor<'de> for ElemVisitor {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Elem, A::Error> {
-        let mut ids = Vec::new();
+        let mut ids = with_hint(self.0);
         let mut bad: Option<String> = None;
         let mut i = 0usize;
         while let Some(id) = seq.next_element::<InnerId>()? {
