@@ -107,7 +107,7 @@ pub struct BodyTimeout(pub Duration);
 
 /// What an over-the-cap connection is told before it is closed.
 const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
-retry-after: 1\r\nconnection: close\r\ncontent-length: 113\r\n\r\n\
+retry-after: 1\r\nconnection: close\r\ncontent-length: 120\r\n\r\n\
 {\"error\":{\"message\":\"the server is at its connection limit; retry shortly\",\"type\":\"ServiceUnavailableError\",\"code\":503}}";
 
 /// Serves `app` on `listener` within `limits` until `shutdown` completes, then lets the open
@@ -491,7 +491,7 @@ mod tests {
             .position(|w| w == b"\r\n\r\n")
             .expect("head ends");
         let body = &BUSY[split + 4..];
-        assert_eq!(body.len(), 113);
+        assert_eq!(body.len(), 120);
         let parsed: serde_json::Value = serde_json::from_slice(body).expect("json body");
         assert_eq!(parsed["error"]["code"], 503);
     }

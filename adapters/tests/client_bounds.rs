@@ -233,8 +233,10 @@ async fn over_the_cap_new_clients_are_answered_at_once_and_served_once_a_slot_fr
             got.is_empty() || text.starts_with("HTTP/1.1 503"),
             "over the cap: 503 or a close, got {text}"
         );
-        if !got.is_empty() {
-            assert!(text.contains("retry-after: 1"), "{text}");
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            assert!(head.contains("retry-after: 1"), "{text}");
+            let body: Value = serde_json::from_str(body).expect("a whole JSON error");
+            assert_eq!(body["error"]["code"], 503, "{body}");
         }
     }
     // The held connections are still served; one that ends frees its slot.
