@@ -11,7 +11,7 @@ use axum::body::Bytes;
 use common::{TIMEOUT, body_of, exchange, get, post, post_raw, request, request_with};
 use futures::StreamExt as _;
 use infera_adapters::mock::{MockConfig, MockError, MockPd, MockServer};
-use infera_adapters::server::{ServerOptions, ServerState, serve};
+use infera_adapters::server::{ClientOptions, ServerOptions, ServerState, serve};
 use infera_adapters::tokenize::Tokenizer;
 use infera_core::engine::EngineConfig;
 use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
@@ -151,6 +151,7 @@ fn options(policy: PolicyKind, max_retries: u32, direct: bool) -> ServerOptions 
         fleet: FleetConfig::default(),
         chat_template: None,
         direct,
+        client: ClientOptions::default(),
     }
 }
 

@@ -30,7 +30,8 @@
 //! not know the transport: the binary connects the sink to the ZeroMQ publisher.
 //!
 //! # Connections
-//! Accepted connections set `TCP_NODELAY`, so that every streamed token leaves at once.
+//! Served by the crate's serve loop ([`crate::serve`]) within [`MockConfig::limits`]; accepted connections set `TCP_NODELAY`, so that every streamed token leaves
+//! at once.
 //!
 //! # Shutdown
 //! [`MockServer::serve`] stops accepting when its shutdown future completes, lets in-flight
@@ -52,11 +53,11 @@ mod pd;
 pub use openai::{DEFAULT_MAX_TOKENS, FILLER, filler};
 pub use pd::MockPd;
 
+use crate::serve::ServeLimits;
 use crate::tokenize::Tokenizer;
-use axum::serve::ListenerExt as _;
 use infera_core::engine::{EngineConfig, EngineConfigError, EngineModel};
 use infera_core::kv_events::EngineBatch;
-use std::future::{Future, IntoFuture as _};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -89,10 +90,13 @@ pub struct MockConfig {
     pub salt: Option<u64>,
     /// A leg of a PD pair to play (see the `pd` module); `None`: a mixed engine.
     pub pd: Option<MockPd>,
+    /// Client connection deadlines and cap of its HTTP server.
+    pub limits: ServeLimits,
 }
 
 impl MockConfig {
-    /// Defaults: 32 MiB bodies, a queue of 4096 requests, a 30 s drain, a random salt.
+    /// Defaults: 32 MiB bodies, a queue of 4096 requests, a 30 s drain, a random salt, the serve
+    /// loop's default client bounds.
     pub fn new(model_name: impl Into<String>, engine: EngineConfig) -> Self {
         Self {
             engine,
@@ -103,6 +107,7 @@ impl MockConfig {
             drain_timeout: Duration::from_secs(30),
             salt: None,
             pd: None,
+            limits: ServeLimits::default(),
         }
     }
 }
@@ -162,6 +167,7 @@ pub struct MockServer {
     engine_cancel: CancelOnDrop,
     max_body_bytes: usize,
     drain_timeout: Duration,
+    limits: ServeLimits,
     salt: u64,
     engine_config: EngineConfig,
 }
@@ -238,6 +244,7 @@ impl MockServer {
             engine_cancel: CancelOnDrop(cancel),
             max_body_bytes: config.max_body_bytes,
             drain_timeout: config.drain_timeout,
+            limits: config.limits,
             salt,
             engine_config: config.engine,
         })
@@ -275,6 +282,7 @@ impl MockServer {
             engine_cancel,
             max_body_bytes,
             drain_timeout,
+            limits,
             ..
         } = self;
         let draining = CancellationToken::new();
@@ -287,20 +295,13 @@ impl MockServer {
             }
         };
         let app = http::router(state, max_body_bytes);
-        // Streamed tokens are small writes: without TCP_NODELAY, Nagle's algorithm holds each
-        // one back until the client's (delayed, up to 40 ms) ACK of the previous write.
-        let listener = listener.tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "cannot set TCP_NODELAY on a mock connection");
-            }
-        });
-        let server = axum::serve(listener, app).with_graceful_shutdown(signal);
+        let server = crate::serve::serve(listener, app, limits, signal);
         let bound = async {
             draining.cancelled().await;
             tokio::time::sleep(drain_timeout).await;
         };
         let result = tokio::select! {
-            r = server.into_future() => r.map_err(MockError::Serve),
+            r = server => r.map_err(MockError::Serve),
             () = bound => {
                 tracing::warn!(
                     timeout_ms = drain_timeout.as_millis() as u64,

@@ -1,9 +1,11 @@
-//! The server's axum routes: request parsing and validation, retention stamping (PROTOCOLS.md §5),
-//! tokenization on the blocking pool, hashing, and the status pages (`/v1/models`, `/health`,
-//! `/v1/workers`, `/metrics`). Errors use the OpenAI shape `{"error": {"message", "type",
-//! "code"}}` with one status per cause (400, 404, 413, 429 with `Retry-After`, 500, 502, 503,
-//! 504).
+//! The server's axum routes: the request pipeline (body read and parsed by the `body` module
+//! within the parse budget, retention stamped per PROTOCOLS.md §5, tokenization on the blocking
+//! pool, hashing), the admin routes behind the `client` module's token guard, and the status
+//! pages (`/v1/models`, `/health`, `/v1/workers`, `/metrics`). Errors use the OpenAI shape
+//! `{"error": {"message", "type", "code"}}` with one status per cause (400, 401, 404, 408, 413,
+//! 429 and 503 with `Retry-After`, 500, 502, 504).
 
+use super::body::Shape;
 use super::{ServerState, relay};
 use crate::tokenize::{ChatMessage, TokenizeError};
 use axum::body::{Body, Bytes};
@@ -11,11 +13,11 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use infera_core::event::Retention;
 use infera_core::hashing::hash_blocks;
 use infera_core::ids::{RequestId, WorkerRank};
 use infera_core::policy::{DirectPick, PolicyKind, RouteError, RouteRequest};
-use serde_json::{Map, Value, json};
+use serde::Deserialize as _;
+use serde_json::{Value, json};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The request-id header, echoed or generated.
@@ -32,7 +34,7 @@ const DP_RANK: &str = "x-dp-rank";
 pub(crate) struct ApiError {
     pub(crate) status: StatusCode,
     pub(crate) message: String,
-    /// Sent as `Retry-After` (seconds) with a 429.
+    /// Sent as `Retry-After` (seconds) with a 429 or 503.
     pub(crate) retry_after_s: Option<u32>,
 }
 
@@ -57,6 +59,8 @@ impl ApiError {
             StatusCode::BAD_GATEWAY => "BadGatewayError",
             StatusCode::GATEWAY_TIMEOUT => "TimeoutError",
             StatusCode::TOO_MANY_REQUESTS => "RateLimitError",
+            StatusCode::UNAUTHORIZED => "AuthenticationError",
+            StatusCode::REQUEST_TIMEOUT => "TimeoutError",
             s if s.is_client_error() => "BadRequestError",
             _ => "InternalServerError",
         }
@@ -93,14 +97,19 @@ pub(crate) fn route_error(e: &RouteError) -> ApiError {
 }
 
 pub(crate) fn router(state: ServerState) -> axum::Router {
+    // Admin routes first: the guard covers the routes added before it.
     axum::Router::new()
+        .route("/v1/admin/profile/{action}", post(super::profile::profile))
+        .route("/v1/workers", get(workers))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            super::client::require_admin,
+        ))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
         .route("/v1/cache/prewarm", post(super::prewarm::prewarm))
-        .route("/v1/admin/profile/{action}", post(super::profile::profile))
         .route("/v1/models", get(models))
-        .route("/v1/workers", get(workers))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .with_state(state)
@@ -175,6 +184,7 @@ async fn handle(st: ServerState, ep: Endpoint, headers: HeaderMap, body: Body) -
 }
 
 /// What to tokenize.
+#[derive(Debug)]
 pub(super) enum Input {
     Text(String),
     Tokens(Vec<u32>),
@@ -188,47 +198,44 @@ async fn pipeline(
     body: Body,
     id: &str,
 ) -> Result<Response, ApiError> {
-    let max = st.inner.options.max_body_bytes;
-    let bytes = read_body(body, headers, max).await?;
-    let mut json: Value = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::bad_request(format!("request body is not valid JSON: {e}")))?;
-    if ep == Endpoint::Messages {
-        json = super::anthropic::to_chat(&json)?;
-    }
-    let obj = json
-        .as_object_mut()
-        .ok_or_else(|| ApiError::bad_request("request body must be a JSON object"))?;
-    let model = match obj.get("model") {
-        Some(Value::String(s)) => s.clone(),
-        Some(_) => return Err(ApiError::bad_request("`model` must be a string")),
-        None => return Err(ApiError::bad_request("`model` is required")),
+    let options = &st.inner.options;
+    let (bytes, mut parse_charge) = super::body::read_limited(
+        body,
+        headers,
+        options.max_body_bytes,
+        Some(&options.client.parse_budget),
+    )
+    .await?;
+    let (bytes, shape) = match ep {
+        Endpoint::Completions => (bytes, Shape::Prompt),
+        Endpoint::Chat => (bytes, Shape::Messages),
+        // Anthropic bodies are translated as a tree, then read as the chat body they become.
+        Endpoint::Messages => {
+            super::body::charge_tree(&options.client.parse_budget, &mut parse_charge, bytes.len())?;
+            let json: Value = serde_json::from_slice(&bytes).map_err(|e| {
+                ApiError::bad_request(format!("request body is not valid JSON: {e}"))
+            })?;
+            let chat = serde_json::to_vec(&super::anthropic::to_chat(&json)?).map_err(|e| {
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("re-encoding the body: {e}"),
+                )
+            })?;
+            (Bytes::from(chat), Shape::Messages)
+        }
     };
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ApiError::bad_request("`stream` must be a boolean")),
-    };
-    let input = match ep {
-        Endpoint::Completions => parse_prompt(obj.get("prompt"))?,
-        Endpoint::Chat | Endpoint::Messages => parse_messages(obj.get("messages"))?,
-    };
-    let (retention, stamped) = stamp_retention(obj)?;
-    let direct = if st.inner.options.direct {
+    let super::body::Parsed {
+        model,
+        stream,
+        input,
+        retention,
+        forward: forward_body,
+        session_id,
+    } = super::body::parse(bytes, shape)?;
+    let direct = if options.direct {
         Some(direct_pick(headers)?)
     } else {
         None
-    };
-    // The client's bytes go on as they came wherever the stamp allows: re-encoding a long
-    // prompt costs as much as parsing it.
-    let forward_body = match stamped {
-        Stamped::Kept if ep != Endpoint::Messages => bytes,
-        Stamped::Added(stamp) if ep != Endpoint::Messages => append_params(&bytes, stamp),
-        _ => Bytes::from(serde_json::to_vec(&json).map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("re-encoding the body: {e}"),
-            )
-        })?),
     };
 
     let block_sizes: Vec<u32> = st.with_fleet(|f| {
@@ -265,11 +272,7 @@ async fn pipeline(
             .get("x-session-id")
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned)
-            .or_else(|| {
-                json.get("session_id")
-                    .and_then(Value::as_str)
-                    .map(str::to_owned)
-            })
+            .or(session_id)
             .filter(|s| !s.is_empty() && s.len() <= 256);
         st.feed_meta(super::RequestMeta {
             request_id: id.to_owned(),
@@ -285,6 +288,8 @@ async fn pipeline(
         retention,
         exclude: Vec::<WorkerRank>::new(),
     };
+    // Parsed: the body's charge to the parse budget ends here.
+    drop(parse_charge);
     let model = req.model.clone();
     let resp = relay::forward(st, req, direct, ep.path(), forward_body, stream).await?;
     Ok(if ep == Endpoint::Messages {
@@ -330,175 +335,29 @@ fn direct_pick(headers: &HeaderMap) -> Result<DirectPick, ApiError> {
     })
 }
 
+/// Reads `body` whole (see [`super::body::read_limited`]), outside the parse budget.
 pub(super) async fn read_body(
     body: Body,
     headers: &HeaderMap,
     max: usize,
 ) -> Result<Bytes, ApiError> {
-    let too_large = || {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("request body is larger than the server's limit of {max} bytes"),
-        )
-    };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > max as u64) {
-        return Err(too_large());
-    }
-    axum::body::to_bytes(body, max).await.map_err(|e| {
-        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
-        while let Some(s) = source {
-            if s.is::<http_body_util::LengthLimitError>() {
-                return too_large();
-            }
-            source = s.source();
-        }
-        ApiError::bad_request(format!("cannot read the request body: {e}"))
-    })
+    super::body::read_limited(body, headers, max, None)
+        .await
+        .map(|(bytes, _)| bytes)
 }
 
+/// The completions input of a parsed `prompt` (see [`super::prompt`]).
 pub(super) fn parse_prompt(value: Option<&Value>) -> Result<Input, ApiError> {
-    const SHAPE: &str =
-        "`prompt` must be a string, a list of token ids, or a list holding one of those";
-    let ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
-        items
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                v.as_u64()
-                    .and_then(|t| u32::try_from(t).ok())
-                    .ok_or_else(|| {
-                        ApiError::bad_request(format!("`prompt[{i}]` must be a token id, got {v}"))
-                    })
-            })
-            .collect()
-    };
     match value {
         None => Err(ApiError::bad_request("`prompt` is required")),
-        Some(Value::String(s)) => Ok(Input::Text(s.clone())),
-        Some(Value::Array(items)) if items.is_empty() => {
-            Err(ApiError::bad_request("`prompt` must not be empty"))
-        }
-        Some(Value::Array(items)) if items.iter().all(Value::is_number) => {
-            ids(items).map(Input::Tokens)
-        }
-        Some(Value::Array(items)) if items.len() == 1 => match &items[0] {
-            Value::String(s) => Ok(Input::Text(s.clone())),
-            Value::Array(inner) => ids(inner).map(Input::Tokens),
-            _ => Err(ApiError::bad_request(SHAPE)),
-        },
-        Some(Value::Array(_)) => Err(ApiError::bad_request(
-            "`prompt` holds several prompts; send one prompt per request",
-        )),
-        Some(_) => Err(ApiError::bad_request(SHAPE)),
+        Some(v) => super::body::prompt_input(v, 0),
     }
 }
 
+/// The chat input of a parsed `messages`.
 pub(super) fn parse_messages(value: Option<&Value>) -> Result<Input, ApiError> {
     let value = value.ok_or_else(|| ApiError::bad_request("`messages` is required"))?;
-    if !value.is_array() {
-        return Err(ApiError::bad_request("`messages` must be an array"));
-    }
-    let messages: Vec<ChatMessage> = serde_json::from_value(value.clone())
-        .map_err(|e| ApiError::bad_request(format!("`messages` is malformed: {e}")))?;
-    if messages.is_empty() {
-        return Err(ApiError::bad_request("`messages` must not be empty"));
-    }
-    Ok(Input::Chat(messages))
-}
-
-/// How stamping the retention changed the body.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stamped {
-    /// The client set `kv_transfer_params.infera_retention` itself.
-    Kept,
-    /// The body had no `kv_transfer_params`; it now holds just the stamp.
-    Added(&'static str),
-    /// An existing `kv_transfer_params` object gained the stamp.
-    Edited,
-}
-
-/// The client's JSON object `body` with `"kv_transfer_params":{"infera_retention":stamp}` as
-/// its last member: the object [`stamp_retention`] built, without re-encoding the rest.
-/// `body` parsed as a JSON object that has `model`, so it ends with `}` after optional
-/// whitespace and has a member before the new one.
-fn append_params(body: &[u8], stamp: &str) -> Bytes {
-    let end = body
-        .iter()
-        .rposition(|b| !b.is_ascii_whitespace())
-        .unwrap_or(0);
-    let mut out = Vec::with_capacity(body.len() + 64);
-    out.extend_from_slice(&body[..end]);
-    out.extend_from_slice(b",\"kv_transfer_params\":{\"infera_retention\":\"");
-    out.extend_from_slice(stamp.as_bytes());
-    out.extend_from_slice(b"\"}}");
-    Bytes::from(out)
-}
-
-/// Reads the client's retention hint (PROTOCOLS.md §5) and stamps
-/// `kv_transfer_params.infera_retention` into the body (client value kept, else derived from
-/// `prompt_cache_retention`, else `long`). Returns the hint the router scales with and how the
-/// body changed.
-fn stamp_retention(obj: &mut Map<String, Value>) -> Result<(Option<Retention>, Stamped), ApiError> {
-    let mut hint = None;
-    let absent = !obj.contains_key("kv_transfer_params");
-    match obj.get("kv_transfer_params") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(p)) => match p.get("infera_retention") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) => {
-                hint = Some(Retention::parse(s).ok_or_else(|| {
-                    ApiError::bad_request(format!(
-                        "`kv_transfer_params.infera_retention` must be none, short or long, got {s:?}"
-                    ))
-                })?);
-            }
-            Some(_) => {
-                return Err(ApiError::bad_request(
-                    "`kv_transfer_params.infera_retention` must be a string",
-                ));
-            }
-        },
-        Some(_) => {
-            return Err(ApiError::bad_request(
-                "`kv_transfer_params` must be an object",
-            ));
-        }
-    }
-    // The client's own stamp leaves the body as it came.
-    let kept = hint.is_some();
-    if hint.is_none() {
-        hint = match obj.get("prompt_cache_retention").and_then(Value::as_str) {
-            Some("24h" | "1h" | "long") => Some(Retention::Long),
-            Some("5m" | "short") => Some(Retention::Short),
-            Some("none" | "off") => Some(Retention::None),
-            _ => None,
-        };
-    }
-    let stamp = hint.unwrap_or(Retention::Long).as_str();
-    let params = obj
-        .entry("kv_transfer_params")
-        .or_insert_with(|| Value::Object(Map::new()));
-    if params.is_null() {
-        *params = Value::Object(Map::new());
-    }
-    if let Value::Object(p) = params {
-        let slot = p.entry("infera_retention").or_insert(Value::Null);
-        if slot.is_null() {
-            *slot = Value::String(stamp.to_owned());
-        }
-    }
-    let stamped = if absent {
-        Stamped::Added(stamp)
-    } else if kept {
-        Stamped::Kept
-    } else {
-        Stamped::Edited
-    };
-    Ok((hint, stamped))
+    super::body::messages_input(value.is_array(), || Vec::<ChatMessage>::deserialize(value))
 }
 
 pub(super) async fn tokenize(st: &ServerState, input: Input) -> Result<Vec<u32>, ApiError> {
@@ -585,82 +444,4 @@ async fn metrics(State(st): State<ServerState>) -> Response {
     let mut text = st.inner.metrics.render(inflight, workers, active);
     st.render_extra_metrics(&mut text);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    /// What the engine receives for a client body: the stamped object, and the bytes forwarded.
-    fn forwarded(body: &str) -> (Option<Retention>, Value) {
-        let mut json: Value = serde_json::from_str(body).unwrap();
-        let obj = json.as_object_mut().unwrap();
-        let (hint, stamped) = stamp_retention(obj).unwrap();
-        let bytes = match stamped {
-            Stamped::Kept => Bytes::copy_from_slice(body.as_bytes()),
-            Stamped::Added(stamp) => append_params(body.as_bytes(), stamp),
-            Stamped::Edited => Bytes::from(serde_json::to_vec(&json).unwrap()),
-        };
-        let sent: Value = serde_json::from_slice(&bytes).unwrap();
-        assert_eq!(
-            sent, json,
-            "the forwarded bytes say what the stamped object says"
-        );
-        (hint, sent)
-    }
-
-    #[test]
-    fn retention_is_stamped_for_the_engine() {
-        // No hint: `long`, appended after the client's own members (trailing space kept out).
-        let (hint, sent) = forwarded("{\"model\":\"m\",\"prompt\":\"hi\"}  \n");
-        assert_eq!(hint, None);
-        assert_eq!(
-            sent["kv_transfer_params"],
-            json!({"infera_retention": "long"})
-        );
-        assert_eq!(sent["prompt"], "hi");
-        // OpenAI's prompt_cache_retention maps onto a class.
-        let (hint, sent) = forwarded(r#"{"model":"m","prompt_cache_retention":"5m"}"#);
-        assert_eq!(hint, Some(Retention::Short));
-        assert_eq!(sent["kv_transfer_params"]["infera_retention"], "short");
-        // The client's own stamp wins and its other transfer params stay.
-        let (hint, sent) = forwarded(
-            r#"{"model":"m","prompt_cache_retention":"24h","kv_transfer_params":{"infera_retention":"none","x":1}}"#,
-        );
-        assert_eq!(hint, Some(Retention::None));
-        assert_eq!(
-            sent["kv_transfer_params"],
-            json!({"infera_retention": "none", "x": 1})
-        );
-        // Existing params without a stamp, or null, gain one.
-        let (_, sent) = forwarded(r#"{"model":"m","kv_transfer_params":{"x":1}}"#);
-        assert_eq!(
-            sent["kv_transfer_params"],
-            json!({"infera_retention": "long", "x": 1})
-        );
-        let (_, sent) = forwarded(r#"{"model":"m","kv_transfer_params":null}"#);
-        assert_eq!(
-            sent["kv_transfer_params"],
-            json!({"infera_retention": "long"})
-        );
-    }
-
-    #[test]
-    fn bad_retention_hints_are_refused_naming_the_field() {
-        for body in [
-            json!({"model": "m", "kv_transfer_params": 3}),
-            json!({"model": "m", "kv_transfer_params": {"infera_retention": 1}}),
-            json!({"model": "m", "kv_transfer_params": {"infera_retention": "forever"}}),
-        ] {
-            let mut body = body;
-            let err = stamp_retention(body.as_object_mut().unwrap()).unwrap_err();
-            assert_eq!(err.status, StatusCode::BAD_REQUEST);
-            assert!(
-                err.message.contains("kv_transfer_params"),
-                "{}",
-                err.message
-            );
-        }
-    }
 }

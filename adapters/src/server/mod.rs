@@ -50,8 +50,16 @@
 //! # Other endpoints
 //! `/v1/messages` is translated by the private `anthropic` module; `/v1/cache/prewarm` and
 //! `/v1/admin/profile/{start,stop}` are served by the `prewarm` and `profile` modules.
+//!
+//! # Clients
+//! Connections are served by the crate's one serve loop ([`crate::serve`]: header, idle and body
+//! deadlines, a connection cap); request bodies are parsed within a server-wide memory budget
+//! without building a JSON tree of their token ids (private `body` module); the admin
+//! endpoints and `/v1/workers` take an optional bearer token (private `client` module).
 
 mod anthropic;
+mod body;
+mod client;
 mod durable;
 mod http;
 mod metrics;
@@ -59,12 +67,14 @@ mod pd;
 mod pd_abort;
 mod prewarm;
 mod profile;
+mod prompt;
 mod relay;
 mod taps;
 #[cfg(test)]
 mod test_support;
 pub mod transport;
 
+pub use client::{AdminToken, ClientOptions, ParseBudget};
 pub use durable::{COMPACT_EVERY, DurableLog, REPLICA_PREFIX, attach as attach_event_log};
 pub use metrics::ServerMetrics;
 pub use prewarm::{DEFAULT_DEADLINE_MS, MAX_KEYS};
@@ -108,6 +118,8 @@ pub struct ServerOptions {
     /// header names (and `x-prefill-instance-id`, `x-dp-rank`), picked by an external endpoint
     /// picker; no policy, no failover.
     pub direct: bool,
+    /// Client connection deadlines and cap, the parse budget and the admin token.
+    pub client: ClientOptions,
 }
 
 /// The router's kernel and the consumers of its committed stream, under one short lock.
@@ -359,7 +371,8 @@ impl KvSink for ServerState {
     }
 }
 
-/// Serves the API on `listener` until `shutdown` completes, then lets in-flight requests finish.
+/// Serves the API on `listener` until `shutdown` completes, then lets in-flight requests finish,
+/// within the client bounds of [`ServerOptions::client`] (see [`crate::serve`]).
 ///
 /// # Errors
 /// The listener's I/O error when serving fails.
@@ -367,15 +380,6 @@ pub async fn serve<F>(listener: TcpListener, state: ServerState, shutdown: F) ->
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    use axum::serve::ListenerExt as _;
-    // Streamed tokens are small writes: without TCP_NODELAY, Nagle's algorithm holds each one
-    // until the client's delayed ACK (up to 40 ms of TTFT).
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY on an accepted connection");
-        }
-    });
-    axum::serve(listener, state.router())
-        .with_graceful_shutdown(shutdown)
-        .await
+    let limits = state.inner.options.client.limits.clone();
+    crate::serve::serve(listener, state.router(), limits, shutdown).await
 }

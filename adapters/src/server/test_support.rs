@@ -21,6 +21,7 @@ pub(crate) fn state() -> ServerState {
         fleet: FleetConfig::default(),
         chat_template: None,
         direct: false,
+        client: super::ClientOptions::default(),
     };
     ServerState::new(options, Arc::new(tokenizer))
 }

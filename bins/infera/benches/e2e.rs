@@ -204,6 +204,7 @@ fn fleet(
             fleet: FleetConfig::default(),
             chat_template: None,
             direct: false,
+            client: infera_adapters::server::ClientOptions::default(),
         };
         let state = ServerState::new(options, Arc::clone(tok));
         if let Some(dir) = recording {

@@ -88,6 +88,24 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         fleet: FleetConfig::default(),
         chat_template,
         direct: config.router.mode == RouterMode::Direct,
+        client: infera_adapters::server::ClientOptions {
+            limits: infera_adapters::serve::ServeLimits {
+                header_timeout: config.http.client_header_timeout.map(|d| d.0),
+                idle_timeout: config.http.client_idle_timeout.map(|d| d.0),
+                body_timeout: config.http.client_body_timeout.map(|d| d.0),
+                max_connections: config
+                    .http
+                    .max_connections
+                    .map_or_else(infera_adapters::serve::default_max_connections, |n| {
+                        n as usize
+                    }),
+            },
+            admin_token: (config.http.admin_token.as_ref())
+                .map(|t| infera_adapters::server::AdminToken::new(t.expose())),
+            parse_budget: infera_adapters::server::ParseBudget::new(
+                usize::try_from(config.http.parse_budget.bytes()).unwrap_or(usize::MAX),
+            ),
+        },
     };
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -200,6 +200,7 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
         fleet: FleetConfig::default(),
         chat_template: None,
         direct: false,
+        client: infera_adapters::server::ClientOptions::default(),
     };
     let state = ServerState::new(options, Arc::clone(&tokenizer));
     let signals = Signals::register()?;

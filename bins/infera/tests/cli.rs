@@ -154,6 +154,15 @@ const SERVER_EXTENSION_FLAGS: &[FlagSpec] = &[
     ("--record-prompts", &["--record-trace"]),
     ("--chat-template", &["FILE"]),
     ("--max-body-bytes", &["[default: 32MiB]"]),
+    ("--client-header-timeout", &["[default: 10s]", "0 = off"]),
+    ("--client-idle-timeout", &["[default: 60s]", "0 = off"]),
+    ("--client-body-timeout", &["[default: 60s]", "408"]),
+    ("--max-connections", &["open-file limit", "503"]),
+    ("--parse-budget", &["[default: 512MiB]", "503"]),
+    (
+        "--admin-token",
+        &["INFERA_ADMIN_TOKEN", "/v1/admin/*", "/v1/workers", "401"],
+    ),
 ];
 
 const WORKER_SEED_FLAGS: &[FlagSpec] = &[
@@ -677,7 +686,17 @@ fn server_defaults_and_units_resolve() {
     let config = check_config(&["server", "--router-tokenizer-path", tok]);
     assert_eq!(
         config["http"],
-        json!({"host": "0.0.0.0", "port": 8000, "max_body_bytes": "32MiB"})
+        json!({
+            "host": "0.0.0.0",
+            "port": 8000,
+            "max_body_bytes": "32MiB",
+            "client_header_timeout": "10s",
+            "client_idle_timeout": "1m",
+            "client_body_timeout": "1m",
+            "max_connections": null,
+            "parse_budget": "512MiB",
+            "admin_token": null
+        })
     );
     assert_eq!(
         config["nats"],

@@ -29,6 +29,47 @@ pub struct ServerArgs {
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
 
+    /// Infera extension: close a client connection whose request head is not complete this
+    /// long after it connected (first request) or after the head's first byte (later ones):
+    /// slow or stalled headers; 0 = off. e.g. 10s.
+    #[arg(long, default_value = "10s", value_name = "DURATION", help_heading = EXTENSIONS)]
+    pub client_header_timeout: HumanDuration,
+
+    /// Infera extension: close a keep-alive client connection that sends nothing this long
+    /// after its last response; 0 = off.
+    #[arg(long, default_value = "60s", value_name = "DURATION", help_heading = EXTENSIONS)]
+    pub client_idle_timeout: HumanDuration,
+
+    /// Infera extension: answer 408 when a request body has not arrived whole this long after
+    /// its head; 0 = off.
+    #[arg(long, default_value = "60s", value_name = "DURATION", help_heading = EXTENSIONS)]
+    pub client_body_timeout: HumanDuration,
+
+    /// Infera extension: client connections served at once; a connection beyond it is
+    /// answered 503 with Retry-After and closed at once. [default: three quarters of the
+    /// open-file limit (ulimit -n)]
+    #[arg(long, value_name = "N", help_heading = EXTENSIONS)]
+    pub max_connections: Option<u32>,
+
+    /// Infera extension: bytes of request bodies being read and parsed at once, server-wide
+    /// (parsing holds about 3x a body's size); a body beyond it is answered 503 with
+    /// Retry-After instead of growing memory; 0 = unlimited. e.g. 512MiB, 2GiB.
+    #[arg(long, default_value = "512MiB", value_name = "SIZE", help_heading = EXTENSIONS)]
+    pub parse_budget: ByteSize,
+
+    /// Infera extension: bearer token required by the admin endpoints (/v1/admin/*) and the
+    /// workers view (/v1/workers), answered 401 without it; every other endpoint stays open.
+    /// Prefer the environment variable: a flag shows in the process list.
+    /// [default: unset, nothing is asked]
+    #[arg(
+        long,
+        env = "INFERA_ADMIN_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN",
+        help_heading = EXTENSIONS
+    )]
+    pub admin_token: Option<String>,
+
     /// Tokenizer for prefix hashing (required): a directory containing tokenizer.json, or a
     /// tokenizer.json file. Must match the workers' model.
     #[arg(long, value_name = "PATH", help_heading = ROUTING)]

@@ -3,7 +3,7 @@
 //! Built only by `TryFrom<ServerArgs>`, which checks, in this order: the tokenizer path
 //! (required; a directory with `tokenizer.json` or a readable file; it is read, not loaded),
 //! discovery (etcd needs an endpoint), routing weights and temperature (finite, ≥ 0), the
-//! body-size limit (> 0), the event log location, trace recording and the chat template.
+//! HTTP front (body size and connection cap > 0, an admin token fit for a header), the event log location, trace recording and the chat template.
 //! Durations of 0 become `None` ("off" / "forever"), as the seed documents them.
 
 use crate::cli::server::ServerArgs;
@@ -62,6 +62,57 @@ pub struct HttpConfig {
     pub port: u16,
     /// Largest accepted request body.
     pub max_body_bytes: ByteSize,
+    /// Deadline of a request head; `None` is off.
+    pub client_header_timeout: Option<HumanDuration>,
+    /// Deadline of an idle keep-alive connection; `None` is off.
+    pub client_idle_timeout: Option<HumanDuration>,
+    /// Deadline of a request body; `None` is off.
+    pub client_body_timeout: Option<HumanDuration>,
+    /// Client connections at once; `None`: three quarters of the open-file limit.
+    pub max_connections: Option<u32>,
+    /// Bytes of request bodies in parse at once; 0 is unlimited.
+    pub parse_budget: ByteSize,
+    /// Bearer token of the admin endpoints and `/v1/workers`; `None` leaves them open.
+    #[serde(default)]
+    pub admin_token: Option<AdminToken>,
+}
+
+/// `--admin-token`: printed and serialized as `<redacted>`.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct AdminToken(String);
+
+impl AdminToken {
+    /// The token itself.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl Serialize for AdminToken {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str("<redacted>")
+    }
+}
+
+/// `--admin-token` must be usable in an `Authorization` header: visible ASCII, no spaces.
+fn admin_token(token: Option<String>) -> Result<Option<AdminToken>, ConfigError> {
+    match token {
+        Some(t) if t.is_empty() || !t.bytes().all(|b| b.is_ascii_graphic()) => {
+            Err(ConfigError::new(
+                "--admin-token",
+                "must be non-empty visible ASCII without spaces (it is sent as \
+                 Authorization: Bearer <token>); check INFERA_ADMIN_TOKEN",
+            ))
+        }
+        t => Ok(t.map(AdminToken)),
+    }
 }
 
 /// Routing: tokenizer, policy and its weights.
@@ -168,6 +219,15 @@ impl TryFrom<ServerArgs> for ServerConfig {
             port: args.port,
             max_body_bytes: positive("--max-body-bytes", args.max_body_bytes.bytes())
                 .map(ByteSize)?,
+            client_header_timeout: args.client_header_timeout.non_zero(),
+            client_idle_timeout: args.client_idle_timeout.non_zero(),
+            client_body_timeout: args.client_body_timeout.non_zero(),
+            max_connections: args
+                .max_connections
+                .map(|n| positive("--max-connections", n))
+                .transpose()?,
+            parse_budget: args.parse_budget,
+            admin_token: admin_token(args.admin_token)?,
         };
         let event_log = event_log(&args.event_log, &args.nats_server)?;
         Ok(Self {
@@ -457,6 +517,64 @@ mod tests {
         let file = empty.path().join("tok.json");
         std::fs::write(&file, b"{}").unwrap();
         assert_eq!(tokenizer(Some(file.clone())).unwrap(), (file.clone(), file));
+    }
+
+    #[test]
+    fn client_bounds_default_on_turn_off_with_zero_and_the_token_stays_secret() {
+        let config = parse(&[]).unwrap();
+        assert_eq!(
+            config.http.client_header_timeout,
+            Some("10s".parse().unwrap())
+        );
+        assert_eq!(
+            config.http.client_idle_timeout,
+            Some("60s".parse().unwrap())
+        );
+        assert_eq!(
+            config.http.client_body_timeout,
+            Some("60s".parse().unwrap())
+        );
+        assert_eq!(config.http.max_connections, None);
+        assert_eq!(config.http.parse_budget, ByteSize(512 << 20));
+        assert_eq!(config.http.admin_token, None);
+        let config = parse(&[
+            "--client-header-timeout",
+            "0",
+            "--client-idle-timeout",
+            "0",
+            "--client-body-timeout",
+            "2m",
+            "--max-connections",
+            "100",
+            "--parse-budget",
+            "0",
+            "--admin-token",
+            "s3cret-token",
+        ])
+        .unwrap();
+        assert_eq!(config.http.client_header_timeout, None);
+        assert_eq!(config.http.client_idle_timeout, None);
+        assert_eq!(
+            config.http.client_body_timeout,
+            Some("120s".parse().unwrap())
+        );
+        assert_eq!(config.http.max_connections, Some(100));
+        assert_eq!(config.http.parse_budget, ByteSize(0));
+        let token = config.http.admin_token.as_ref().unwrap();
+        assert_eq!(token.expose(), "s3cret-token");
+        let printed = format!("{} {config:?}", serde_json::to_string(&config).unwrap());
+        assert!(!printed.contains("s3cret"), "{printed}");
+        for (flag, value) in [
+            ("--max-connections", "0"),
+            ("--admin-token", ""),
+            ("--admin-token", "two words"),
+        ] {
+            assert_eq!(
+                parse(&[flag, value]).unwrap_err().flag,
+                flag,
+                "{flag} {value:?}"
+            );
+        }
     }
 
     #[test]
