@@ -52,6 +52,7 @@ pub struct KvdArgs {
 
     /// L3 I/O: auto picks O_DIRECT on NVMe, buffered on NFS/SATA/rotating disks (decided from
     /// /sys/block and logged at startup); io_uring is used where the kernel allows it.
+    /// INFERA_KVD_IO_MODE=direct|buffered overrides this flag, as in the Python kvd.
     #[arg(long, value_enum, default_value = "auto", help_heading = L3)]
     pub io_mode: IoMode,
 

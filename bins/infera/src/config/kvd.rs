@@ -189,11 +189,30 @@ impl TryFrom<KvdArgs> for KvdConfig {
             long_tier: layout.map(|layout| LongTierConfig {
                 layout,
                 bytes: long_bytes,
-                io_mode: args.io_mode,
+                io_mode: io_mode(args.io_mode, std::env::var(IO_MODE_ENV).ok().as_deref()),
                 durable_writes: args.durable_long_writes,
             }),
             limits,
         })
+    }
+}
+
+/// The variable that overrides `--io-mode` (the Python kvd's operator escape hatch).
+pub const IO_MODE_ENV: &str = "INFERA_KVD_IO_MODE";
+
+/// The L3 I/O mode: [`IO_MODE_ENV`] when it is `direct` or `buffered` (any case, trimmed),
+/// else the flag. The environment wins, as the Python kvd reads it.
+fn io_mode(flag: IoMode, env: Option<&str>) -> IoMode {
+    match env.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        Some("direct") => {
+            tracing::info!("L3 io_mode direct ({IO_MODE_ENV})");
+            IoMode::Direct
+        }
+        Some("buffered") => {
+            tracing::info!("L3 io_mode buffered ({IO_MODE_ENV})");
+            IoMode::Buffered
+        }
+        _ => flag,
     }
 }
 
@@ -446,5 +465,14 @@ mod tests {
         let config = parse(&["--long-paths", "/a,/b"]).unwrap();
         let json = serde_json::to_string(&config).unwrap();
         assert_eq!(serde_json::from_str::<KvdConfig>(&json).unwrap(), config);
+    }
+
+    #[test]
+    fn the_io_mode_variable_overrides_the_flag_as_in_the_python_kvd() {
+        assert_eq!(io_mode(IoMode::Auto, Some(" Direct ")), IoMode::Direct);
+        assert_eq!(io_mode(IoMode::Direct, Some("buffered")), IoMode::Buffered);
+        assert_eq!(io_mode(IoMode::Direct, Some("auto")), IoMode::Direct);
+        assert_eq!(io_mode(IoMode::Buffered, Some("")), IoMode::Buffered);
+        assert_eq!(io_mode(IoMode::Auto, None), IoMode::Auto);
     }
 }
