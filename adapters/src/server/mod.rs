@@ -52,6 +52,7 @@
 //! `/v1/admin/profile/{start,stop}` are served by the `prewarm` and `profile` modules.
 
 mod anthropic;
+mod breaker;
 mod durable;
 mod http;
 mod metrics;
@@ -65,11 +66,12 @@ mod taps;
 mod test_support;
 pub mod transport;
 
+pub use breaker::{BreakerConfig, BreakerState, PROBE_TIMEOUT};
 pub use durable::{COMPACT_EVERY, DurableLog, REPLICA_PREFIX, attach as attach_event_log};
 pub use metrics::ServerMetrics;
 pub use prewarm::{DEFAULT_DEADLINE_MS, MAX_KEYS};
 pub use taps::{EventBatch, RequestMeta, write_family};
-pub use transport::HttpTransport;
+pub use transport::{HttpDeadlines, HttpTransport};
 
 use crate::tokenize::{ChatTemplate, Tokenizer};
 use infera_core::clock::{Clock, SystemClock};
@@ -165,6 +167,7 @@ pub(crate) struct Inner {
     pub(crate) prefetch: Mutex<Option<Arc<dyn KvPrefetch>>>,
     pub(crate) profiling: std::sync::atomic::AtomicBool,
     pub(crate) meta_tap: Mutex<Option<taps::MetaTap>>,
+    pub(crate) breaker: breaker::Breaker,
 }
 
 /// A cheap, cloneable handle on the server's state. See the module docs.
@@ -211,6 +214,7 @@ impl ServerState {
                 prefetch: Mutex::new(None),
                 profiling: std::sync::atomic::AtomicBool::new(false),
                 meta_tap: Mutex::new(None),
+                breaker: breaker::Breaker::default(),
             }),
         }
     }

@@ -1,9 +1,15 @@
 //! The request path after parsing (PROTOCOLS.md §2): decide, hand the body to the configured
 //! [`RequestTransport`](super::transport::RequestTransport), relay status and body; fail over
-//! before the first response byte (an unreachable worker, a 5xx, or a 429 admission reject of the
-//! transport), up to `request_max_retries` more times. A transport timeout is answered 504 at
-//! once (the worker was told to cancel); when every attempt was refused for load, the client gets
-//! 429 with `Retry-After`.
+//! before the first response byte, up to `request_max_retries` more times, on an unreachable
+//! worker, a 429 admission reject of the transport, a timeout (connect or first byte; the worker
+//! was told to cancel), a 5xx, or a body that fails before its first byte (the first chunk is
+//! read before the client gets the head, so a worker that answers its head and then hangs or
+//! dies is failed over too). When every attempt was refused for load the client gets 429 with
+//! `Retry-After`; when the last one timed out, 504; else 502.
+//!
+//! Each attempt's outcome before the first byte feeds the circuit breaker (`breaker`): workers
+//! whose breaker is open are added to the request's exclusions when deciding, so no policy
+//! picks them until their cooldown ends (unless no other candidate is left).
 //!
 //! Each attempt is an [`Attempt`] that owns the request's load in the fleet: it appends
 //! `RequestPrefilled` at the first response byte — for a PD pair, when the prefill leg's answer
@@ -23,6 +29,7 @@
 //! registration lacks a parameter, the prefill's answer lacks the hand-off) is not retried.
 
 use super::ServerState;
+use super::breaker::{Judge, Outcome, answer_outcome, breaker_outcome};
 use super::http::{ApiError, route_error};
 use super::metrics::inc;
 use super::pd;
@@ -59,17 +66,50 @@ enum Route {
     Pd(Box<pd::Pair>),
 }
 
+impl Route {
+    /// The workers of the attempt.
+    fn workers(&self) -> Vec<infera_core::ids::WorkerId> {
+        match self {
+            Route::Single { rank, .. } => vec![rank.worker.clone()],
+            Route::Pd(pair) => vec![
+                pair.prefill.rank.worker.clone(),
+                pair.decode.rank.worker.clone(),
+            ],
+        }
+    }
+}
+
 /// Decides, appends `RequestRouted` (both legs of a PD pair, each with its role) and applies
 /// it; returns the chosen worker(s).
 fn decide(
     st: &ServerState,
-    req: &RouteRequest,
+    req: &mut RouteRequest,
     direct: Option<&DirectPick>,
 ) -> Result<Route, RouteError> {
     let now = st.inner.clock.now_us();
     let metrics = &st.inner.metrics;
     let mut core = st.lock();
-    let routed = match core.kernel.route(req, direct, now) {
+    // Workers whose circuit breaker is open are excluded like failed ranks, unless that leaves
+    // no candidate (see `breaker`); an endpoint picker's choice is its own.
+    let own = req.exclude.len();
+    if direct.is_none() {
+        let fleet = core.kernel.fleet();
+        let blocked = st
+            .inner
+            .breaker
+            .blocked(|w| fleet.worker(w).is_some(), metrics);
+        req.exclude.extend(blocked_ranks(fleet, &blocked));
+    }
+    let mut routed = core.kernel.route(req, direct, now);
+    if req.exclude.len() > own {
+        req.exclude.truncate(own);
+        if let Err(RouteError::NoWorker { .. }) = &routed {
+            tracing::warn!(model = %req.model,
+                "every candidate's circuit breaker is open; routing as if none were");
+            routed = core.kernel.route(req, direct, now);
+        }
+    }
+    let routed = match routed {
         Ok(r) => r,
         Err(e) => {
             match &e {
@@ -119,6 +159,19 @@ fn decide(
     drop(core);
     metrics.events_applied(applied as u64);
     Ok(route)
+}
+
+/// Every rank of the registered workers in `workers`.
+fn blocked_ranks<'a>(
+    fleet: &'a infera_core::fleet::FleetState,
+    workers: &'a [infera_core::ids::WorkerId],
+) -> impl Iterator<Item = WorkerRank> + 'a {
+    workers
+        .iter()
+        .filter_map(|w| fleet.worker(w))
+        .flat_map(|r| {
+            (0..r.dp_size.max(1)).map(|i| WorkerRank::new(r.worker_id.clone(), r.dp_rank + i))
+        })
 }
 
 /// One attempt's lifecycle in the fleet. See the module docs.
@@ -313,11 +366,19 @@ pub(crate) async fn forward(
         if attempt > 0 {
             inc(&st.inner.metrics.retries, 1);
         }
-        let route = match decide(st, &req, direct.as_ref()) {
+        let route = match decide(st, &mut req, direct.as_ref()) {
             Ok(x) => x,
             Err(RouteError::NoWorker { .. }) if last_error.is_some() => break,
             Err(e) => return Err(route_error(&e)),
         };
+        let judge = Judge::new(
+            st,
+            if direct.is_some() {
+                Vec::new()
+            } else {
+                route.workers()
+            },
+        );
         let mut guard = Attempt::new(st, &req, matches!(route, Route::Pd(_)));
         let (rank, outcome) = match route {
             Route::Single { rank, url, dp_rank } => {
@@ -381,8 +442,9 @@ pub(crate) async fn forward(
                 if role == Role::Prefill {
                     inc(&st.inner.metrics.pd_prefill_failures, 1);
                 }
+                judge.record(&rank, breaker_outcome(&error));
                 guard.finish(failure_status(&error), Usage::default());
-                if !error.retry_elsewhere() {
+                if !fails_over(&error) {
                     return Err(transport_error(error));
                 }
                 tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
@@ -393,7 +455,16 @@ pub(crate) async fn forward(
             }
             Err(pd::LegError::Status { rank, response }) => {
                 inc(&st.inner.metrics.pd_prefill_failures, 1);
-                if response.status.is_server_error() && !last_attempt {
+                let failed = response.status.is_server_error();
+                judge.record(
+                    &rank,
+                    if failed {
+                        Outcome::Failure
+                    } else {
+                        Outcome::Neutral
+                    },
+                );
+                if failed && !last_attempt {
                     tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
                         status = %response.status,
                         "PD prefill leg answered 5xx before any byte; failing over");
@@ -412,12 +483,14 @@ pub(crate) async fn forward(
             Err(pd::LegError::Pd(e)) => {
                 tracing::error!(request_id = %base_id, error = %e, "PD pair cannot be driven");
                 inc(&st.inner.metrics.pd_pair_errors, 1);
+                judge.release();
                 guard.finish(RequestStatus::WorkerError, Usage::default());
                 return Err(ApiError::new(e.status(), e.to_string()));
             }
             Ok(resp) if resp.status.is_server_error() && !last_attempt => {
                 tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
                     status = %resp.status, "worker answered 5xx before any byte; failing over");
+                judge.record(&rank, Outcome::Failure);
                 guard.finish(RequestStatus::WorkerError, Usage::default());
                 last_error = Some(TransportError::Unreachable(format!(
                     "worker {} answered {}",
@@ -426,11 +499,37 @@ pub(crate) async fn forward(
                 )));
                 req.exclude.push(rank);
             }
-            Ok(resp) => return Ok(relay(guard, resp, stream).await),
+            Ok(mut resp) => match first_chunk(&mut resp.body).await {
+                // Nothing reached the client yet: the worker failed before its first byte.
+                Some(Err(error)) => {
+                    st.inner.metrics.transport_error(&error);
+                    judge.record(&rank, Outcome::Failure);
+                    guard.finish(failure_status(&error), Usage::default());
+                    tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
+                        error = %error, "worker failed before its first byte; failing over");
+                    last_error = Some(error);
+                    req.exclude.push(rank);
+                }
+                first => {
+                    judge.record(&rank, answer_outcome(resp.status));
+                    if let Some(Ok(chunk)) = first {
+                        resp.body = futures::stream::once(async move { Ok(chunk) })
+                            .chain(resp.body)
+                            .boxed();
+                    }
+                    return Ok(relay(guard, resp, stream).await);
+                }
+            },
         }
     }
     Err(match last_error {
         Some(e @ TransportError::Overloaded { .. }) => transport_error(e),
+        Some(e @ TransportError::Timeout(_)) => ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            format!(
+                "no worker answered within its deadline after {attempts} attempt(s); last error: {e}"
+            ),
+        ),
         other => ApiError::new(
             StatusCode::BAD_GATEWAY,
             format!(
@@ -439,6 +538,22 @@ pub(crate) async fn forward(
             ),
         ),
     })
+}
+
+/// Whether a transport error before the first byte is tried on another worker: an unreachable
+/// or overloaded worker, and one that timed out (connect or first byte; it was told to cancel).
+fn fails_over(e: &TransportError) -> bool {
+    e.retry_elsewhere() || matches!(e, TransportError::Timeout(_))
+}
+
+/// The first non-empty chunk of `body` (`None` when it ended without one).
+async fn first_chunk(body: &mut BodyStream) -> Option<Result<Bytes, TransportError>> {
+    loop {
+        match body.next().await? {
+            Ok(chunk) if chunk.is_empty() => {}
+            item => return Some(item),
+        }
+    }
 }
 
 /// The client's (already stamped) body as an object, for rewriting into PD legs.
