@@ -440,3 +440,43 @@ async fn a_worker_whose_breaker_is_open_is_still_tried_when_it_is_the_only_one()
     assert_eq!(front.state.metrics().breaker_trips_total(), 1);
     front.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_transport_ends_a_response_past_its_max_duration_with_a_timeout() {
+    use infera_core::ports::transport::{Outbound, RequestTransport as _, TransportError};
+    let mut slow = Fake::start(Behaviour::OneEventThenHang).await;
+    let transport = HttpTransport::with_deadlines(HttpDeadlines {
+        max_duration: Some(Duration::from_millis(200)),
+        ..HttpDeadlines::default()
+    });
+    let out = Outbound::new(
+        slow.id(),
+        format!("http://{}", slow.addr),
+        "/v1/completions",
+        Bytes::from_static(b"{}"),
+        true,
+        "r-1",
+    );
+    let mut inbound = tokio::time::timeout(TIMEOUT, transport.send(out))
+        .await
+        .expect("head in time")
+        .expect("head");
+    assert_eq!(inbound.status, StatusCode::OK);
+    let first = inbound.body.next().await.expect("a chunk").expect("data");
+    assert_eq!(&first[..], b"data: {\"a\":1}\n\n");
+    let end = tokio::time::timeout(TIMEOUT, inbound.body.next())
+        .await
+        .expect("the deadline ends the body");
+    match end {
+        Some(Err(TransportError::Timeout(m))) => {
+            assert!(m.contains("--http-req-max-duration"), "{m}");
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert!(
+        inbound.body.next().await.is_none(),
+        "the stream ends after its error"
+    );
+    drop(inbound);
+    slow.abandoned().await;
+}

@@ -17,9 +17,10 @@
 //! use, and decided by the [`Router`] (round-robin needs no prefix, so under it requests are
 //! neither tokenized nor hashed); the `RequestRouted` event is appended before the request
 //! is handed to the [`RequestTransport`] the server was built with (HTTP to `worker.url + path`
-//! by default, NATS from `infera-backends`). A connection failure, a 429 admission reject or a
-//! 5xx before the first response byte finishes that attempt (`RequestFinished` with `worker_error`) and re-decides with the
-//! failed rank excluded, up to `request_max_retries` more times; each attempt has its own request
+//! by default, NATS from `infera-backends`). A connection failure, a 429 admission reject, a
+//! timeout or a 5xx before the first response byte finishes that attempt (`RequestFinished` with
+//! `worker_error`) and re-decides with the failed rank excluded (and every worker whose circuit
+//! breaker is open, see the private `breaker` module), up to `request_max_retries` more times; each attempt has its own request
 //! id (`<id>#<n>`, `n` unique to the server) so the fleet's in-flight accounting never mixes
 //! attempts, nor requests that share a client id.
 //! `RequestPrefilled` is appended at the first response byte (for a prefill/decode pair: when

@@ -192,9 +192,14 @@ impl RequestTransport for HttpTransport {
         let worker = format!("{} at {}", req.worker.as_str(), req.url);
         let Some(sent) = until(earliest(first_byte, end), self.client.request(http_req)).await
         else {
+            let flag = if earliest(first_byte, end) == first_byte {
+                "--http-req-first-byte-timeout"
+            } else {
+                "--http-req-max-duration"
+            };
             return Err(TransportError::Timeout(format!(
-                "worker {worker} sent no response within its deadline \
-                 (--http-req-first-byte-timeout); the request was dropped"
+                "worker {worker} sent no response within its deadline ({flag}); \
+                 the request was dropped"
             )));
         };
         let resp = sent
