@@ -480,3 +480,180 @@ async fn the_transport_ends_a_response_past_its_max_duration_with_a_timeout() {
     drop(inbound);
     slow.abandoned().await;
 }
+
+/// A completion stream frame of `id` carrying `text`.
+fn frame(id: &str, text: &str, finish: Option<&str>) -> String {
+    let v = json!({"id": id, "object": "text_completion", "model": MODEL,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish}]});
+    format!("data: {v}\n\n")
+}
+
+/// A streaming worker that sends "Hello" and ",", then dies (its connection breaks) when `die`
+/// is notified.
+async fn dying_worker(die: Arc<tokio::sync::Notify>) -> (SocketAddr, JoinHandle<()>) {
+    let handler = move |_body: Bytes| {
+        let die = die.clone();
+        async move {
+            let head = futures::stream::iter([
+                Ok(Bytes::from(frame("cmpl-A", "Hello", None))),
+                Ok(Bytes::from(frame("cmpl-A", ",", None))),
+            ]);
+            let death = futures::stream::once(async move {
+                die.notified().await;
+                Err::<Bytes, _>(std::io::Error::other("engine died"))
+            });
+            (
+                [(header::CONTENT_TYPE, "text/event-stream")],
+                Body::from_stream(head.chain(death)),
+            )
+        }
+    };
+    serve_app(axum::Router::new().route("/v1/completions", axum::routing::post(handler))).await
+}
+
+/// A streaming worker that finishes any generation with " world" and reports each request body.
+async fn continuing_worker(bodies: mpsc::Sender<Value>) -> (SocketAddr, JoinHandle<()>) {
+    let handler = move |body: Bytes| {
+        let bodies = bodies.clone();
+        async move {
+            let _ = bodies.try_send(serde_json::from_slice(&body).unwrap_or(Value::Null));
+            let frames = [
+                frame("cmpl-B", " world", None),
+                frame("cmpl-B", "", Some("length")),
+                "data: [DONE]\n\n".to_owned(),
+            ];
+            let body =
+                futures::stream::iter(frames.map(|f| Ok::<_, std::io::Error>(Bytes::from(f))));
+            (
+                [(header::CONTENT_TYPE, "text/event-stream")],
+                Body::from_stream(body),
+            )
+        }
+    };
+    serve_app(axum::Router::new().route("/v1/completions", axum::routing::post(handler))).await
+}
+
+async fn serve_app(app: axum::Router) -> (SocketAddr, JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (addr, task)
+}
+
+fn record_at(addr: SocketAddr) -> WorkerRecord {
+    WorkerRecord {
+        worker_id: WorkerId::new(addr.to_string()),
+        url: format!("http://{addr}"),
+        model_name: MODEL.to_owned(),
+        engine: Engine::Vllm,
+        disagg_mode: Role::Mixed,
+        disagg_meta: None,
+        kv_events_endpoint: None,
+        kv_block_size: 16,
+        dp_rank: 0,
+        dp_size: 1,
+        request_transport: RequestTransport::Http,
+        kv: None,
+        extra: serde_json::Map::new(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_worker_dies_is_continued_on_another_worker_with_the_text_so_far() {
+    use http_body_util::BodyExt as _;
+    let die = Arc::new(tokio::sync::Notify::new());
+    let (dying, dying_task) = dying_worker(die.clone()).await;
+    let (bodies_tx, mut bodies) = mpsc::channel(4);
+    let (healthy, healthy_task) = continuing_worker(bodies_tx).await;
+    let front = Front::start(1, HttpDeadlines::default()).await;
+    front.state.set_migration_limit(1);
+    front.state.register_worker(record_at(dying));
+
+    let req = json!({"model": MODEL, "prompt": "Say:", "max_tokens": 8, "stream": true});
+    let ex = common::request(
+        front.addr,
+        "POST",
+        "/v1/completions",
+        req.to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!(ex.response.status(), 200);
+    let mut body = ex.response.into_body();
+    let mut text = String::new();
+    // The first worker's two frames reach the client; then the second worker joins and the
+    // first one dies.
+    while text.matches("\n\n").count() < 2 {
+        let f = tokio::time::timeout(TIMEOUT, body.frame())
+            .await
+            .expect("frame in time")
+            .expect("a frame")
+            .expect("frame ok");
+        text.push_str(&String::from_utf8_lossy(&f.into_data().unwrap_or_default()));
+    }
+    front.state.register_worker(record_at(healthy));
+    die.notify_one();
+    let rest = tokio::time::timeout(TIMEOUT, body.collect())
+        .await
+        .expect("the rest in time")
+        .expect("the rest")
+        .to_bytes();
+    text.push_str(&String::from_utf8_lossy(&rest));
+
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 5, "{text}");
+    let pieces: Vec<Value> = events[..4]
+        .iter()
+        .map(|e| serde_json::from_str(e.strip_prefix("data: ").expect("data")).expect("json"))
+        .collect();
+    for p in &pieces {
+        assert_eq!(p["id"], "cmpl-A", "one stream id throughout: {p}");
+        assert!(p.get("error").is_none(), "{p}");
+    }
+    let said: String = pieces
+        .iter()
+        .map(|p| p["choices"][0]["text"].as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(said, "Hello, world");
+    assert_eq!(pieces[3]["choices"][0]["finish_reason"], "length");
+    assert_eq!(events[4], "data: [DONE]");
+
+    // The continuation carried the text so far and the rest of the token budget.
+    let sent = bodies.recv().await.expect("the continuation");
+    assert_eq!(sent["prompt"], "Say:Hello,");
+    assert_eq!(sent["max_tokens"], 6);
+    assert_eq!(front.state.metrics().migrations_total(), 1);
+    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+
+    // Without another worker (the healthy one gone, the dying one already failed this stream),
+    // the stream ends with an error event, as without migration.
+    front
+        .state
+        .deregister_worker(WorkerId::new(healthy.to_string()), "test".to_owned());
+    let ex = common::request(
+        front.addr,
+        "POST",
+        "/v1/completions",
+        req.to_string().into_bytes(),
+    )
+    .await;
+    let mut body = ex.response.into_body();
+    let first = tokio::time::timeout(TIMEOUT, body.frame())
+        .await
+        .expect("frame in time");
+    assert!(first.is_some());
+    die.notify_one();
+    let rest = tokio::time::timeout(TIMEOUT, body.collect())
+        .await
+        .expect("the rest in time")
+        .expect("the rest")
+        .to_bytes();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(rest.contains("\"error\""), "{rest}");
+    assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
+    assert_eq!(front.state.metrics().migrations_total(), 1);
+    front.stop().await;
+    dying_task.abort();
+    healthy_task.abort();
+}

@@ -41,6 +41,8 @@ pub struct ServerMetrics {
     pub(crate) breaker_open: AtomicU64,
     /// Workers whose breaker is half-open now (a gauge).
     pub(crate) breaker_half_open: AtomicU64,
+    /// Streams continued on another worker after theirs failed (see `migrate`).
+    pub(crate) migrations: AtomicU64,
 }
 
 fn get(c: &AtomicU64) -> u64 {
@@ -93,6 +95,11 @@ impl ServerMetrics {
     /// Circuit breakers opened so far (a failed half-open probe reopens, and counts).
     pub fn breaker_trips_total(&self) -> u64 {
         get(&self.breaker_trips)
+    }
+
+    /// Streams migrated to another worker so far.
+    pub fn migrations_total(&self) -> u64 {
+        get(&self.migrations)
     }
 
     /// Events appended and applied so far.
@@ -291,6 +298,12 @@ impl ServerMetrics {
             "gauge",
             "Workers whose circuit breaker is half-open (admitting one probe at a time).",
             get(&self.breaker_half_open),
+        );
+        metric(
+            "infera_stream_migrations_total",
+            "counter",
+            "Streams continued on another worker after theirs failed mid-stream (--migration-limit).",
+            get(&self.migrations),
         );
         out
     }

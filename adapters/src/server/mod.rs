@@ -57,6 +57,7 @@ mod breaker;
 mod durable;
 mod http;
 mod metrics;
+mod migrate;
 mod pd;
 mod pd_abort;
 mod prewarm;
@@ -169,6 +170,7 @@ pub(crate) struct Inner {
     pub(crate) profiling: std::sync::atomic::AtomicBool,
     pub(crate) meta_tap: Mutex<Option<taps::MetaTap>>,
     pub(crate) breaker: breaker::Breaker,
+    pub(crate) migration_limit: std::sync::atomic::AtomicU32,
 }
 
 /// A cheap, cloneable handle on the server's state. See the module docs.
@@ -216,6 +218,7 @@ impl ServerState {
                 profiling: std::sync::atomic::AtomicBool::new(false),
                 meta_tap: Mutex::new(None),
                 breaker: breaker::Breaker::default(),
+                migration_limit: std::sync::atomic::AtomicU32::new(0),
             }),
         }
     }

@@ -20,7 +20,8 @@
 //! (`X-data-parallel-rank`) when its worker fronts several. Streams are relayed frame by frame
 //! as they arrive; a worker failure mid-stream (a broken connection, a lost or reordered chunk, a
 //! timeout) ends the client's stream with an SSE error event (`code` 502 or 504) and
-//! `data: [DONE]`, never with a silently truncated or corrupted body.
+//! `data: [DONE]`, never with a silently truncated or corrupted body — unless the stream can be
+//! continued on another worker (`--migration-limit`, see `migrate`).
 //!
 //! A decision with a prefill and a decode leg is sent by [`pd`] (both legs, per their
 //! protocol) and relayed as the decode leg's response. A leg the worker did not take (or a
@@ -32,6 +33,7 @@ use super::ServerState;
 use super::breaker::{Judge, Outcome, answer_outcome, breaker_outcome};
 use super::http::{ApiError, route_error};
 use super::metrics::inc;
+use super::migrate::Migration;
 use super::pd;
 use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
@@ -176,7 +178,7 @@ fn blocked_ranks<'a>(
 
 /// One attempt's lifecycle in the fleet. See the module docs.
 #[derive(Debug)]
-struct Attempt {
+pub(super) struct Attempt {
     st: ServerState,
     id: RequestId,
     started: Instant,
@@ -222,7 +224,7 @@ impl PrefillState {
 }
 
 impl Attempt {
-    fn new(st: &ServerState, req: &RouteRequest, pd: bool) -> Self {
+    pub(super) fn new(st: &ServerState, req: &RouteRequest, pd: bool) -> Self {
         Attempt {
             st: st.clone(),
             id: req.request_id.clone(),
@@ -240,7 +242,7 @@ impl Attempt {
     }
 
     /// The client's first byte: the TTFT; for one leg, the prompt is processed too.
-    fn first_byte(&mut self) {
+    pub(super) fn first_byte(&mut self) {
         if self.ttft_us.is_some() {
             return;
         }
@@ -248,6 +250,11 @@ impl Attempt {
         if !self.pd {
             self.prefill.prefilled();
         }
+    }
+
+    /// Finishes the attempt as a worker error.
+    pub(super) fn finish_failed(&mut self) {
+        self.finish(RequestStatus::WorkerError, Usage::default());
     }
 
     fn finish(&mut self, status: RequestStatus, usage: Usage) {
@@ -334,6 +341,31 @@ fn status_of(code: StatusCode) -> RequestStatus {
 /// Numbers the attempts of this process (see [`forward`]).
 static NEXT_ATTEMPT: AtomicU64 = AtomicU64::new(0);
 
+/// A new attempt's id: `<client id>#<n>`, `n` unique to this server (see [`forward`]).
+pub(super) fn attempt_id(st: &ServerState, base_id: &str) -> RequestId {
+    let n = st
+        .inner
+        .id_prefix
+        .wrapping_add(NEXT_ATTEMPT.fetch_add(1, Ordering::Relaxed));
+    RequestId::new(format!("{base_id}#{n}"))
+}
+
+/// Decides one mixed worker for `req` (a migrating stream's next worker): its rank, URL and
+/// engine DP rank; `None` when the model is served by prefill/decode pairs (that decision is
+/// finished at once, as cancelled).
+pub(super) fn decide_single(
+    st: &ServerState,
+    req: &mut RouteRequest,
+) -> Result<Option<(WorkerRank, String, Option<u32>)>, RouteError> {
+    match decide(st, req, None)? {
+        Route::Single { rank, url, dp_rank } => Ok(Some((rank, url, dp_rank))),
+        Route::Pd(_) => {
+            drop(Attempt::new(st, req, true));
+            Ok(None)
+        }
+    }
+}
+
 /// Decides and forwards, failing over before the first response byte. See the module docs.
 pub(crate) async fn forward(
     st: &ServerState,
@@ -358,11 +390,7 @@ pub(crate) async fn forward(
         // The router's own identity of each attempt, `<client id>#<n>` with `n` unique to this
         // server: a client may send one `x-infera-request-id` with concurrent requests, and
         // the fleet's in-flight accounting must never merge them.
-        let n = st
-            .inner
-            .id_prefix
-            .wrapping_add(NEXT_ATTEMPT.fetch_add(1, Ordering::Relaxed));
-        req.request_id = RequestId::new(format!("{base_id}#{n}"));
+        req.request_id = attempt_id(st, &base_id);
         if attempt > 0 {
             inc(&st.inner.metrics.retries, 1);
         }
@@ -379,7 +407,8 @@ pub(crate) async fn forward(
                 route.workers()
             },
         );
-        let mut guard = Attempt::new(st, &req, matches!(route, Route::Pd(_)));
+        let single = matches!(route, Route::Single { .. });
+        let mut guard = Attempt::new(st, &req, !single);
         let (rank, outcome) = match route {
             Route::Single { rank, url, dp_rank } => {
                 let outbound = Outbound::new(
@@ -477,7 +506,7 @@ pub(crate) async fn forward(
                     req.exclude.push(rank);
                 } else {
                     // The prefill's own error is the client's answer; the decode leg is gone.
-                    return Ok(relay(guard, response, false).await);
+                    return Ok(relay(guard, response, false, None).await);
                 }
             }
             Err(pd::LegError::Pd(e)) => {
@@ -517,7 +546,11 @@ pub(crate) async fn forward(
                             .chain(resp.body)
                             .boxed();
                     }
-                    return Ok(relay(guard, resp, stream).await);
+                    let movable = stream && single && direct.is_none();
+                    let migration = (movable && resp.status.is_success())
+                        .then(|| Migration::new(st, &req, path, &body, rank, &base_id))
+                        .flatten();
+                    return Ok(relay(guard, resp, stream, migration).await);
                 }
             },
         }
@@ -547,7 +580,7 @@ fn fails_over(e: &TransportError) -> bool {
 }
 
 /// The first non-empty chunk of `body` (`None` when it ended without one).
-async fn first_chunk(body: &mut BodyStream) -> Option<Result<Bytes, TransportError>> {
+pub(super) async fn first_chunk(body: &mut BodyStream) -> Option<Result<Bytes, TransportError>> {
     loop {
         match body.next().await? {
             Ok(chunk) if chunk.is_empty() => {}
@@ -587,7 +620,12 @@ fn transport_error(e: TransportError) -> ApiError {
     err
 }
 
-async fn relay(mut guard: Attempt, resp: Inbound, stream: bool) -> Response {
+async fn relay(
+    mut guard: Attempt,
+    resp: Inbound,
+    stream: bool,
+    migration: Option<Box<Migration>>,
+) -> Response {
     let Inbound {
         status: code,
         content_type,
@@ -628,12 +666,19 @@ async fn relay(mut guard: Attempt, resp: Inbound, stream: bool) -> Response {
         status,
         last_byte: b'\n',
         usage: Usage::default(),
+        migration,
     });
     let s = futures::stream::unfold(state, |state| async move {
         let mut r = state?;
         loop {
             match r.body.next().await {
-                Some(Ok(data)) => {
+                Some(Ok(mut data)) => {
+                    if let Some(m) = &mut r.migration {
+                        if m.continued() {
+                            data = m.rewrite(&data);
+                        }
+                        m.observe(&data);
+                    }
                     if data.is_empty() {
                         continue;
                     }
@@ -649,6 +694,12 @@ async fn relay(mut guard: Attempt, resp: Inbound, stream: bool) -> Response {
                 Some(Err(e)) => {
                     r.guard.st.inner.metrics.transport_error(&e);
                     r.guard.finish(failure_status(&e), Usage::default());
+                    if let Some(m) = &mut r.migration
+                        && let Some((guard, body)) = m.resume().await
+                    {
+                        (r.guard, r.body, r.usage) = (guard, body, Usage::default());
+                        continue;
+                    }
                     let code = e.status();
                     let kind = if code == StatusCode::GATEWAY_TIMEOUT {
                         "TimeoutError"
@@ -677,6 +728,8 @@ struct StreamRelay {
     /// The usage of the stream's usage chunk (`stream_options.include_usage`), when seen whole
     /// within one frame.
     usage: Usage,
+    /// How the stream moves to another worker when its own fails (`--migration-limit`).
+    migration: Option<Box<Migration>>,
 }
 
 impl StreamRelay {

@@ -145,6 +145,7 @@ async fn serve_all(
         },
         Arc::new(SystemClock),
     );
+    state.set_migration_limit(config.worker_edge.migration_limit);
     if let Some(path) = &config.kvd_socket_path {
         state.set_prefetch(Arc::new(crate::prewarm::KvdPrefetch::new(path.clone())));
         tracing::info!(socket = %path.display(), "POST /v1/cache/prewarm hints the KV-cache daemon");

@@ -58,6 +58,7 @@ fn help_lists_the_deadlines_and_breaker_flags_with_their_defaults() {
         ("--breaker-failure-threshold", "[default: 3]"),
         ("--breaker-cooldown-s", "[default: 5]"),
         ("--breaker-max-cooldown-s", "[default: 60]"),
+        ("--migration-limit", "[default: 0]"),
     ] {
         let at = help
             .find(&format!("{flag} <"))
@@ -84,6 +85,7 @@ fn defaults_and_values_resolve_into_the_configuration() {
             "breaker_failure_threshold": 3,
             "breaker_cooldown_s": 5.0,
             "breaker_max_cooldown_s": 60.0,
+            "migration_limit": 0,
         })
     );
     // The Python launcher passes floats; 0 turns a deadline off, and the breaker.
@@ -102,6 +104,8 @@ fn defaults_and_values_resolve_into_the_configuration() {
         "0.5",
         "--breaker-max-cooldown-s",
         "2.5",
+        "--migration-limit",
+        "2",
     ]);
     assert_eq!(config["connect_timeout"], Value::Null);
     assert_eq!(config["first_byte_timeout"], "2m");
@@ -110,6 +114,7 @@ fn defaults_and_values_resolve_into_the_configuration() {
     assert_eq!(config["breaker_failure_threshold"], 0);
     assert_eq!(config["breaker_cooldown_s"], 0.5);
     assert_eq!(config["breaker_max_cooldown_s"], 2.5);
+    assert_eq!(config["migration_limit"], 2);
 }
 
 #[test]

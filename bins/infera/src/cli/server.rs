@@ -178,6 +178,12 @@ pub struct ServerArgs {
     )]
     pub breaker_max_cooldown_s: f64,
 
+    /// Continue a stream whose worker fails mid-stream on another worker (the text so far is
+    /// carried in the prompt, the token budget reduced), at most N times per request and never
+    /// on a worker that already failed it; mixed streams of one choice only. 0 disables.
+    #[arg(long, default_value_t = 0, value_name = "N", help_heading = ROUTING)]
+    pub migration_limit: u32,
+
     /// kvd Unix socket; enables POST /v1/cache/prewarm (L3 prefetch), which answers 503
     /// without it.
     #[arg(long, value_name = "PATH")]

@@ -105,8 +105,8 @@ pub struct NatsConfig {
     pub req_max_pending: Option<u32>,
 }
 
-/// Deadlines of HTTP requests to workers and the circuit breaker (`--http-req-*`,
-/// `--breaker-*`); a `None` deadline is off.
+/// Deadlines of HTTP requests to workers, the circuit breaker and stream migration
+/// (`--http-req-*`, `--breaker-*`, `--migration-limit`); a `None` deadline is off.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerEdgeConfig {
@@ -124,6 +124,8 @@ pub struct WorkerEdgeConfig {
     pub breaker_cooldown_s: f64,
     /// Ceiling of the doubling cooldown, in seconds.
     pub breaker_max_cooldown_s: f64,
+    /// Times one stream may move to another worker mid-stream; 0 is off.
+    pub migration_limit: u32,
 }
 
 impl WorkerEdgeConfig {
@@ -144,6 +146,7 @@ impl WorkerEdgeConfig {
             breaker_failure_threshold: args.breaker_failure_threshold,
             breaker_cooldown_s: cooldown,
             breaker_max_cooldown_s: max,
+            migration_limit: args.migration_limit,
         })
     }
 }
