@@ -11,8 +11,10 @@
 //! `max_completion_tokens`) reduced by what was produced. The continuation's frames are relayed
 //! with the first stream's `id`, and a chat continuation's role-only opening frame is dropped,
 //! so the client reads one stream. The new worker is decided like any attempt (a new
-//! `RequestRouted`, the failed ranks excluded), and must answer its first byte before it is
-//! used; otherwise the stream ends with the error event as without migration.
+//! `RequestRouted`, the failed ranks and open circuit breakers excluded; its answer before the
+//! first byte feeds its breaker), and must answer its first byte before it is used; otherwise
+//! the stream ends with the error event as without migration. A mid-stream failure itself is
+//! not held against a worker's breaker.
 //!
 //! # Limits
 //! Only mixed (not prefill/decode) streams of one choice (`n`, `best_of` ≤ 1) with a text prompt
@@ -21,6 +23,7 @@
 //! state does not move, so a fixed seed is not reproduced.
 
 use super::ServerState;
+use super::breaker::{Judge, Outcome, answer_outcome, breaker_outcome};
 use super::metrics::inc;
 use super::relay::{Attempt, attempt_id, first_chunk};
 use axum::body::Bytes;
@@ -205,6 +208,7 @@ impl Migration {
             }
         };
         let mut guard = Attempt::new(&self.st, &self.req, false);
+        let judge = Judge::new(&self.st, vec![rank.worker.clone()]);
         let out = Outbound::new(
             rank.worker.clone(),
             url,
@@ -214,13 +218,22 @@ impl Migration {
             &self.client_id,
         )
         .with_dp_rank(dp_rank);
-        let resp = match self.st.inner.transport.send(out).await {
-            Ok(r) if r.status.is_success() => Some(r),
-            _ => None,
+        let mut resp = match self.st.inner.transport.send(out).await {
+            Ok(r) if r.status.is_success() => r,
+            Ok(r) => {
+                judge.record(&rank, answer_outcome(r.status));
+                guard.finish_failed();
+                return None;
+            }
+            Err(e) => {
+                judge.record(&rank, breaker_outcome(&e));
+                guard.finish_failed();
+                return None;
+            }
         };
-        let mut resp = resp?;
         match first_chunk(&mut resp.body).await {
             Some(Ok(chunk)) => {
+                judge.record(&rank, Outcome::Success);
                 tracing::warn!(request_id = %self.client_id, from = %failed.worker.as_str(),
                     to = %rank.worker.as_str(), tokens = self.tokens,
                     "stream migrated to another worker");
@@ -234,6 +247,7 @@ impl Migration {
                 Some((guard, body))
             }
             _ => {
+                judge.record(&rank, Outcome::Failure);
                 guard.finish_failed();
                 None
             }
