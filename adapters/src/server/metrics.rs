@@ -35,6 +35,14 @@ pub struct ServerMetrics {
     pub(crate) pd_requests: AtomicU64,
     pub(crate) pd_prefill_failures: AtomicU64,
     pub(crate) pd_pair_errors: AtomicU64,
+    /// Circuit breakers that opened (see `breaker`).
+    pub(crate) breaker_trips: AtomicU64,
+    /// Workers whose breaker is open now (a gauge).
+    pub(crate) breaker_open: AtomicU64,
+    /// Workers whose breaker is half-open now (a gauge).
+    pub(crate) breaker_half_open: AtomicU64,
+    /// Streams continued on another worker after theirs failed (see `migrate`).
+    pub(crate) migrations: AtomicU64,
 }
 
 fn get(c: &AtomicU64) -> u64 {
@@ -82,6 +90,16 @@ impl ServerMetrics {
     /// Total attempts retried on another worker.
     pub fn retries_total(&self) -> u64 {
         get(&self.retries)
+    }
+
+    /// Circuit breakers opened so far (a failed half-open probe reopens, and counts).
+    pub fn breaker_trips_total(&self) -> u64 {
+        get(&self.breaker_trips)
+    }
+
+    /// Streams migrated to another worker so far.
+    pub fn migrations_total(&self) -> u64 {
+        get(&self.migrations)
     }
 
     /// Events appended and applied so far.
@@ -261,6 +279,31 @@ impl ServerMetrics {
             "counter",
             "PD attempts refused because the pair's protocols differ or a registration lacks a parameter (500) or the prefill's answer lacks the hand-off (502).",
             get(&self.pd_pair_errors),
+        );
+        metric(
+            "infera_breaker_trips_total",
+            "counter",
+            "Circuit breakers opened: a worker taken out of routing after consecutive failures \
+             before the first byte, or a failed half-open probe.",
+            get(&self.breaker_trips),
+        );
+        metric(
+            "infera_breaker_open_workers",
+            "gauge",
+            "Workers whose circuit breaker is open (excluded from routing until the cooldown).",
+            get(&self.breaker_open),
+        );
+        metric(
+            "infera_breaker_half_open_workers",
+            "gauge",
+            "Workers whose circuit breaker is half-open (admitting one probe at a time).",
+            get(&self.breaker_half_open),
+        );
+        metric(
+            "infera_stream_migrations_total",
+            "counter",
+            "Streams continued on another worker after theirs failed mid-stream (--migration-limit).",
+            get(&self.migrations),
         );
         out
     }

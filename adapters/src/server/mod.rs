@@ -17,9 +17,10 @@
 //! use, and decided by the [`Router`] (round-robin needs no prefix, so under it requests are
 //! neither tokenized nor hashed); the `RequestRouted` event is appended before the request
 //! is handed to the [`RequestTransport`] the server was built with (HTTP to `worker.url + path`
-//! by default, NATS from `infera-backends`). A connection failure, a 429 admission reject or a
-//! 5xx before the first response byte finishes that attempt (`RequestFinished` with `worker_error`) and re-decides with the
-//! failed rank excluded, up to `request_max_retries` more times; each attempt has its own request
+//! by default, NATS from `infera-backends`). A connection failure, a 429 admission reject, a
+//! timeout or a 5xx before the first response byte finishes that attempt (`RequestFinished` with
+//! `worker_error`) and re-decides with the failed rank excluded (and every worker whose circuit
+//! breaker is open, see the private `breaker` module), up to `request_max_retries` more times; each attempt has its own request
 //! id (`<id>#<n>`, `n` unique to the server) so the fleet's in-flight accounting never mixes
 //! attempts, nor requests that share a client id.
 //! `RequestPrefilled` is appended at the first response byte (for a prefill/decode pair: when
@@ -59,10 +60,12 @@
 
 mod anthropic;
 mod body;
+mod breaker;
 mod client;
 mod durable;
 mod http;
 mod metrics;
+mod migrate;
 mod pd;
 mod pd_abort;
 mod prewarm;
@@ -74,12 +77,13 @@ mod taps;
 mod test_support;
 pub mod transport;
 
+pub use breaker::{BreakerConfig, BreakerState, PROBE_TIMEOUT};
 pub use client::{AdminToken, ClientOptions, ParseBudget};
 pub use durable::{COMPACT_EVERY, DurableLog, REPLICA_PREFIX, attach as attach_event_log};
 pub use metrics::ServerMetrics;
 pub use prewarm::{DEFAULT_DEADLINE_MS, MAX_KEYS};
 pub use taps::{EventBatch, RequestMeta, write_family};
-pub use transport::HttpTransport;
+pub use transport::{HttpDeadlines, HttpTransport};
 
 use crate::tokenize::{ChatTemplate, Tokenizer};
 use infera_core::clock::{Clock, SystemClock};
@@ -177,6 +181,8 @@ pub(crate) struct Inner {
     pub(crate) prefetch: Mutex<Option<Arc<dyn KvPrefetch>>>,
     pub(crate) profiling: std::sync::atomic::AtomicBool,
     pub(crate) meta_tap: Mutex<Option<taps::MetaTap>>,
+    pub(crate) breaker: breaker::Breaker,
+    pub(crate) migration_limit: std::sync::atomic::AtomicU32,
 }
 
 /// A cheap, cloneable handle on the server's state. See the module docs.
@@ -223,6 +229,8 @@ impl ServerState {
                 prefetch: Mutex::new(None),
                 profiling: std::sync::atomic::AtomicBool::new(false),
                 meta_tap: Mutex::new(None),
+                breaker: breaker::Breaker::default(),
+                migration_limit: std::sync::atomic::AtomicU32::new(0),
             }),
         }
     }

@@ -1,9 +1,15 @@
 //! The request path after parsing (PROTOCOLS.md §2): decide, hand the body to the configured
 //! [`RequestTransport`](super::transport::RequestTransport), relay status and body; fail over
-//! before the first response byte (an unreachable worker, a 5xx, or a 429 admission reject of the
-//! transport), up to `request_max_retries` more times. A transport timeout is answered 504 at
-//! once (the worker was told to cancel); when every attempt was refused for load, the client gets
-//! 429 with `Retry-After`.
+//! before the first response byte, up to `request_max_retries` more times, on an unreachable
+//! worker, a 429 admission reject of the transport, a timeout (connect or first byte; the worker
+//! was told to cancel), a 5xx, or a body that fails before its first byte (the first chunk is
+//! read before the client gets the head, so a worker that answers its head and then hangs or
+//! dies is failed over too). When every attempt was refused for load the client gets 429 with
+//! `Retry-After`; when the last one timed out, 504; else 502.
+//!
+//! Each attempt's outcome before the first byte feeds the circuit breaker (`breaker`): workers
+//! whose breaker is open are added to the request's exclusions when deciding, so no policy
+//! picks them until their cooldown ends (unless no other candidate is left).
 //!
 //! Each attempt is an [`Attempt`] that owns the request's load in the fleet: it appends
 //! `RequestPrefilled` at the first response byte — for a PD pair, when the prefill leg's answer
@@ -14,7 +20,8 @@
 //! (`X-data-parallel-rank`) when its worker fronts several. Streams are relayed frame by frame
 //! as they arrive; a worker failure mid-stream (a broken connection, a lost or reordered chunk, a
 //! timeout) ends the client's stream with an SSE error event (`code` 502 or 504) and
-//! `data: [DONE]`, never with a silently truncated or corrupted body.
+//! `data: [DONE]`, never with a silently truncated or corrupted body — unless the stream can be
+//! continued on another worker (`--migration-limit`, see `migrate`).
 //!
 //! A decision with a prefill and a decode leg is sent by [`pd`] (both legs, per their
 //! protocol) and relayed as the decode leg's response. A leg the worker did not take (or a
@@ -23,8 +30,10 @@
 //! registration lacks a parameter, the prefill's answer lacks the hand-off) is not retried.
 
 use super::ServerState;
+use super::breaker::{Judge, Outcome, answer_outcome, breaker_outcome};
 use super::http::{ApiError, route_error};
 use super::metrics::inc;
+use super::migrate::Migration;
 use super::pd;
 use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
@@ -59,17 +68,50 @@ enum Route {
     Pd(Box<pd::Pair>),
 }
 
+impl Route {
+    /// The workers of the attempt.
+    fn workers(&self) -> Vec<infera_core::ids::WorkerId> {
+        match self {
+            Route::Single { rank, .. } => vec![rank.worker.clone()],
+            Route::Pd(pair) => vec![
+                pair.prefill.rank.worker.clone(),
+                pair.decode.rank.worker.clone(),
+            ],
+        }
+    }
+}
+
 /// Decides, appends `RequestRouted` (both legs of a PD pair, each with its role) and applies
 /// it; returns the chosen worker(s).
 fn decide(
     st: &ServerState,
-    req: &RouteRequest,
+    req: &mut RouteRequest,
     direct: Option<&DirectPick>,
 ) -> Result<Route, RouteError> {
     let now = st.inner.clock.now_us();
     let metrics = &st.inner.metrics;
     let mut core = st.lock();
-    let routed = match core.kernel.route(req, direct, now) {
+    // Workers whose circuit breaker is open are excluded like failed ranks, unless that leaves
+    // no candidate (see `breaker`); an endpoint picker's choice is its own.
+    let own = req.exclude.len();
+    if direct.is_none() {
+        let fleet = core.kernel.fleet();
+        let blocked = st
+            .inner
+            .breaker
+            .blocked(|w| fleet.worker(w).is_some(), metrics);
+        req.exclude.extend(blocked_ranks(fleet, &blocked));
+    }
+    let mut routed = core.kernel.route(req, direct, now);
+    if req.exclude.len() > own {
+        req.exclude.truncate(own);
+        if let Err(RouteError::NoWorker { .. }) = &routed {
+            tracing::warn!(model = %req.model,
+                "every candidate's circuit breaker is open; routing as if none were");
+            routed = core.kernel.route(req, direct, now);
+        }
+    }
+    let routed = match routed {
         Ok(r) => r,
         Err(e) => {
             match &e {
@@ -121,9 +163,22 @@ fn decide(
     Ok(route)
 }
 
+/// Every rank of the registered workers in `workers`.
+fn blocked_ranks<'a>(
+    fleet: &'a infera_core::fleet::FleetState,
+    workers: &'a [infera_core::ids::WorkerId],
+) -> impl Iterator<Item = WorkerRank> + 'a {
+    workers
+        .iter()
+        .filter_map(|w| fleet.worker(w))
+        .flat_map(|r| {
+            (0..r.dp_size.max(1)).map(|i| WorkerRank::new(r.worker_id.clone(), r.dp_rank + i))
+        })
+}
+
 /// One attempt's lifecycle in the fleet. See the module docs.
 #[derive(Debug)]
-struct Attempt {
+pub(super) struct Attempt {
     st: ServerState,
     id: RequestId,
     started: Instant,
@@ -169,7 +224,7 @@ impl PrefillState {
 }
 
 impl Attempt {
-    fn new(st: &ServerState, req: &RouteRequest, pd: bool) -> Self {
+    pub(super) fn new(st: &ServerState, req: &RouteRequest, pd: bool) -> Self {
         Attempt {
             st: st.clone(),
             id: req.request_id.clone(),
@@ -187,7 +242,7 @@ impl Attempt {
     }
 
     /// The client's first byte: the TTFT; for one leg, the prompt is processed too.
-    fn first_byte(&mut self) {
+    pub(super) fn first_byte(&mut self) {
         if self.ttft_us.is_some() {
             return;
         }
@@ -195,6 +250,11 @@ impl Attempt {
         if !self.pd {
             self.prefill.prefilled();
         }
+    }
+
+    /// Finishes the attempt as a worker error.
+    pub(super) fn finish_failed(&mut self) {
+        self.finish(RequestStatus::WorkerError, Usage::default());
     }
 
     fn finish(&mut self, status: RequestStatus, usage: Usage) {
@@ -281,6 +341,31 @@ fn status_of(code: StatusCode) -> RequestStatus {
 /// Numbers the attempts of this process (see [`forward`]).
 static NEXT_ATTEMPT: AtomicU64 = AtomicU64::new(0);
 
+/// A new attempt's id: `<client id>#<n>`, `n` unique to this server (see [`forward`]).
+pub(super) fn attempt_id(st: &ServerState, base_id: &str) -> RequestId {
+    let n = st
+        .inner
+        .id_prefix
+        .wrapping_add(NEXT_ATTEMPT.fetch_add(1, Ordering::Relaxed));
+    RequestId::new(format!("{base_id}#{n}"))
+}
+
+/// Decides one mixed worker for `req` (a migrating stream's next worker): its rank, URL and
+/// engine DP rank; `None` when the model is served by prefill/decode pairs (that decision is
+/// finished at once, as cancelled).
+pub(super) fn decide_single(
+    st: &ServerState,
+    req: &mut RouteRequest,
+) -> Result<Option<(WorkerRank, String, Option<u32>)>, RouteError> {
+    match decide(st, req, None)? {
+        Route::Single { rank, url, dp_rank } => Ok(Some((rank, url, dp_rank))),
+        Route::Pd(_) => {
+            drop(Attempt::new(st, req, true));
+            Ok(None)
+        }
+    }
+}
+
 /// Decides and forwards, failing over before the first response byte. See the module docs.
 pub(crate) async fn forward(
     st: &ServerState,
@@ -305,20 +390,25 @@ pub(crate) async fn forward(
         // The router's own identity of each attempt, `<client id>#<n>` with `n` unique to this
         // server: a client may send one `x-infera-request-id` with concurrent requests, and
         // the fleet's in-flight accounting must never merge them.
-        let n = st
-            .inner
-            .id_prefix
-            .wrapping_add(NEXT_ATTEMPT.fetch_add(1, Ordering::Relaxed));
-        req.request_id = RequestId::new(format!("{base_id}#{n}"));
+        req.request_id = attempt_id(st, &base_id);
         if attempt > 0 {
             inc(&st.inner.metrics.retries, 1);
         }
-        let route = match decide(st, &req, direct.as_ref()) {
+        let route = match decide(st, &mut req, direct.as_ref()) {
             Ok(x) => x,
             Err(RouteError::NoWorker { .. }) if last_error.is_some() => break,
             Err(e) => return Err(route_error(&e)),
         };
-        let mut guard = Attempt::new(st, &req, matches!(route, Route::Pd(_)));
+        let judge = Judge::new(
+            st,
+            if direct.is_some() {
+                Vec::new()
+            } else {
+                route.workers()
+            },
+        );
+        let single = matches!(route, Route::Single { .. });
+        let mut guard = Attempt::new(st, &req, !single);
         let (rank, outcome) = match route {
             Route::Single { rank, url, dp_rank } => {
                 let outbound = Outbound::new(
@@ -381,8 +471,9 @@ pub(crate) async fn forward(
                 if role == Role::Prefill {
                     inc(&st.inner.metrics.pd_prefill_failures, 1);
                 }
+                judge.record(&rank, breaker_outcome(&error));
                 guard.finish(failure_status(&error), Usage::default());
-                if !error.retry_elsewhere() {
+                if !fails_over(&error) {
                     return Err(transport_error(error));
                 }
                 tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
@@ -393,7 +484,16 @@ pub(crate) async fn forward(
             }
             Err(pd::LegError::Status { rank, response }) => {
                 inc(&st.inner.metrics.pd_prefill_failures, 1);
-                if response.status.is_server_error() && !last_attempt {
+                let failed = response.status.is_server_error();
+                judge.record(
+                    &rank,
+                    if failed {
+                        Outcome::Failure
+                    } else {
+                        Outcome::Neutral
+                    },
+                );
+                if failed && !last_attempt {
                     tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
                         status = %response.status,
                         "PD prefill leg answered 5xx before any byte; failing over");
@@ -406,18 +506,20 @@ pub(crate) async fn forward(
                     req.exclude.push(rank);
                 } else {
                     // The prefill's own error is the client's answer; the decode leg is gone.
-                    return Ok(relay(guard, response, false).await);
+                    return Ok(relay(guard, response, false, None).await);
                 }
             }
             Err(pd::LegError::Pd(e)) => {
                 tracing::error!(request_id = %base_id, error = %e, "PD pair cannot be driven");
                 inc(&st.inner.metrics.pd_pair_errors, 1);
+                judge.release();
                 guard.finish(RequestStatus::WorkerError, Usage::default());
                 return Err(ApiError::new(e.status(), e.to_string()));
             }
             Ok(resp) if resp.status.is_server_error() && !last_attempt => {
                 tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
                     status = %resp.status, "worker answered 5xx before any byte; failing over");
+                judge.record(&rank, Outcome::Failure);
                 guard.finish(RequestStatus::WorkerError, Usage::default());
                 last_error = Some(TransportError::Unreachable(format!(
                     "worker {} answered {}",
@@ -426,11 +528,41 @@ pub(crate) async fn forward(
                 )));
                 req.exclude.push(rank);
             }
-            Ok(resp) => return Ok(relay(guard, resp, stream).await),
+            Ok(mut resp) => match first_chunk(&mut resp.body).await {
+                // Nothing reached the client yet: the worker failed before its first byte.
+                Some(Err(error)) => {
+                    st.inner.metrics.transport_error(&error);
+                    judge.record(&rank, Outcome::Failure);
+                    guard.finish(failure_status(&error), Usage::default());
+                    tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
+                        error = %error, "worker failed before its first byte; failing over");
+                    last_error = Some(error);
+                    req.exclude.push(rank);
+                }
+                first => {
+                    judge.record(&rank, answer_outcome(resp.status));
+                    if let Some(Ok(chunk)) = first {
+                        resp.body = futures::stream::once(async move { Ok(chunk) })
+                            .chain(resp.body)
+                            .boxed();
+                    }
+                    let movable = stream && single && direct.is_none();
+                    let migration = (movable && resp.status.is_success())
+                        .then(|| Migration::new(st, &req, path, &body, rank, &base_id))
+                        .flatten();
+                    return Ok(relay(guard, resp, stream, migration).await);
+                }
+            },
         }
     }
     Err(match last_error {
         Some(e @ TransportError::Overloaded { .. }) => transport_error(e),
+        Some(e @ TransportError::Timeout(_)) => ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            format!(
+                "no worker answered within its deadline after {attempts} attempt(s); last error: {e}"
+            ),
+        ),
         other => ApiError::new(
             StatusCode::BAD_GATEWAY,
             format!(
@@ -439,6 +571,22 @@ pub(crate) async fn forward(
             ),
         ),
     })
+}
+
+/// Whether a transport error before the first byte is tried on another worker: an unreachable
+/// or overloaded worker, and one that timed out (connect or first byte; it was told to cancel).
+fn fails_over(e: &TransportError) -> bool {
+    e.retry_elsewhere() || matches!(e, TransportError::Timeout(_))
+}
+
+/// The first non-empty chunk of `body` (`None` when it ended without one).
+pub(super) async fn first_chunk(body: &mut BodyStream) -> Option<Result<Bytes, TransportError>> {
+    loop {
+        match body.next().await? {
+            Ok(chunk) if chunk.is_empty() => {}
+            item => return Some(item),
+        }
+    }
 }
 
 /// The client's (already stamped) body as an object, for rewriting into PD legs.
@@ -472,7 +620,12 @@ fn transport_error(e: TransportError) -> ApiError {
     err
 }
 
-async fn relay(mut guard: Attempt, resp: Inbound, stream: bool) -> Response {
+async fn relay(
+    mut guard: Attempt,
+    resp: Inbound,
+    stream: bool,
+    migration: Option<Box<Migration>>,
+) -> Response {
     let Inbound {
         status: code,
         content_type,
@@ -513,12 +666,19 @@ async fn relay(mut guard: Attempt, resp: Inbound, stream: bool) -> Response {
         status,
         last_byte: b'\n',
         usage: Usage::default(),
+        migration,
     });
     let s = futures::stream::unfold(state, |state| async move {
         let mut r = state?;
         loop {
             match r.body.next().await {
-                Some(Ok(data)) => {
+                Some(Ok(mut data)) => {
+                    if let Some(m) = &mut r.migration {
+                        if m.continued() {
+                            data = m.rewrite(&data);
+                        }
+                        m.observe(&data);
+                    }
                     if data.is_empty() {
                         continue;
                     }
@@ -534,6 +694,12 @@ async fn relay(mut guard: Attempt, resp: Inbound, stream: bool) -> Response {
                 Some(Err(e)) => {
                     r.guard.st.inner.metrics.transport_error(&e);
                     r.guard.finish(failure_status(&e), Usage::default());
+                    if let Some(m) = &mut r.migration
+                        && let Some((guard, body)) = m.resume().await
+                    {
+                        (r.guard, r.body, r.usage) = (guard, body, Usage::default());
+                        continue;
+                    }
                     let code = e.status();
                     let kind = if code == StatusCode::GATEWAY_TIMEOUT {
                         "TimeoutError"
@@ -562,6 +728,8 @@ struct StreamRelay {
     /// The usage of the stream's usage chunk (`stream_options.include_usage`), when seen whole
     /// within one frame.
     usage: Usage,
+    /// How the stream moves to another worker when its own fails (`--migration-limit`).
+    migration: Option<Box<Migration>>,
 }
 
 impl StreamRelay {

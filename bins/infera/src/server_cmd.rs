@@ -28,7 +28,8 @@ use crate::record::Recording;
 use crate::signals::Signals;
 use anyhow::Context as _;
 use infera_adapters::server::{
-    DurableLog, HttpTransport, ServerOptions, ServerState, attach_event_log, serve,
+    BreakerConfig, DurableLog, HttpDeadlines, HttpTransport, ServerOptions, ServerState,
+    attach_event_log, serve,
 };
 use infera_adapters::tokenize::Tokenizer;
 use infera_backends::discovery::{DiscoveryChange, DiscoveryStream};
@@ -140,7 +141,12 @@ async fn serve_all(
                 max_pending: config.nats.req_max_pending,
             },
         )),
-        _ => Arc::new(HttpTransport::new()),
+        _ => Arc::new(HttpTransport::with_deadlines(HttpDeadlines {
+            connect: config.worker_edge.connect_timeout.map(|d| d.0),
+            first_byte: config.worker_edge.first_byte_timeout.map(|d| d.0),
+            idle: config.worker_edge.idle_timeout.map(|d| d.0),
+            max_duration: config.worker_edge.max_duration.map(|d| d.0),
+        })),
     };
     let kv_source: Arc<dyn KvEventSource> = match (&config.kv_event_transport, nats) {
         (KvEventTransport::Nats, Some(client)) => Arc::new(NatsKvSource::new(client)),
@@ -148,6 +154,16 @@ async fn serve_all(
     };
     let state = ServerState::with_transport(options, tokenizer, transport);
     state.set_profiling(config.enable_profiling);
+    let seconds = |s: f64| Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX);
+    state.set_breaker(
+        BreakerConfig {
+            failure_threshold: config.worker_edge.breaker_failure_threshold,
+            cooldown: seconds(config.worker_edge.breaker_cooldown_s),
+            max_cooldown: seconds(config.worker_edge.breaker_max_cooldown_s),
+        },
+        Arc::new(SystemClock),
+    );
+    state.set_migration_limit(config.worker_edge.migration_limit);
     if let Some(path) = &config.kvd_socket_path {
         state.set_prefetch(Arc::new(crate::prewarm::KvdPrefetch::new(path.clone())));
         tracing::info!(socket = %path.display(), "POST /v1/cache/prewarm hints the KV-cache daemon");

@@ -172,6 +172,59 @@ pub struct ServerArgs {
     #[arg(long, default_value_t = 0, value_name = "N", help_heading = TRANSPORT)]
     pub nats_req_max_pending: u32,
 
+    /// HTTP requests to workers: TCP connect timeout; a worker not connected by then is
+    /// tried elsewhere (0 = the OS's own); e.g. 10s, 500ms.
+    #[arg(long, default_value = "10s", value_name = "DURATION", help_heading = TRANSPORT)]
+    pub http_req_connect_timeout: HumanDuration,
+
+    /// HTTP requests to workers: longest wait from sending a request to the first byte of its
+    /// response body (time to first token; a whole non-streamed answer); past it the request
+    /// is cancelled and tried on another worker within --request-max-retries (0 = forever).
+    #[arg(long, default_value = "900s", value_name = "DURATION", help_heading = TRANSPORT)]
+    pub http_req_first_byte_timeout: HumanDuration,
+
+    /// HTTP requests to workers: longest gap between response chunks once the first came; past
+    /// it the stream ends with an error event (504) and the request is cancelled (0 = forever).
+    #[arg(long, default_value = "900s", value_name = "DURATION", help_heading = TRANSPORT)]
+    pub http_req_idle_timeout: HumanDuration,
+
+    /// HTTP requests to workers: hard wall-clock cap per request (0 = off).
+    #[arg(long, default_value = "0", value_name = "DURATION", help_heading = TRANSPORT)]
+    pub http_req_max_duration: HumanDuration,
+
+    /// Consecutive failures of a worker before its first response byte (unreachable, timeout,
+    /// 5xx; 4xx and 429 excluded) that take it out of routing for a cooldown; 0 disables the
+    /// circuit breaker.
+    #[arg(long, default_value_t = 3, value_name = "N", help_heading = ROUTING)]
+    pub breaker_failure_threshold: u32,
+
+    /// Seconds a tripped worker is excluded before one probe request is admitted; a successful
+    /// probe closes the breaker.
+    #[arg(
+        long,
+        default_value = "5",
+        value_name = "SECONDS",
+        allow_negative_numbers = true,
+        help_heading = ROUTING
+    )]
+    pub breaker_cooldown_s: f64,
+
+    /// Ceiling of the breaker cooldown, which doubles on each failed probe.
+    #[arg(
+        long,
+        default_value = "60",
+        value_name = "SECONDS",
+        allow_negative_numbers = true,
+        help_heading = ROUTING
+    )]
+    pub breaker_max_cooldown_s: f64,
+
+    /// Continue a stream whose worker fails mid-stream on another worker (the text so far is
+    /// carried in the prompt, the token budget reduced), at most N times per request and never
+    /// on a worker that already failed it; mixed streams of one choice only. 0 disables.
+    #[arg(long, default_value_t = 0, value_name = "N", help_heading = ROUTING)]
+    pub migration_limit: u32,
+
     /// kvd Unix socket; enables POST /v1/cache/prewarm (L3 prefetch), which answers 503
     /// without it.
     #[arg(long, value_name = "PATH")]

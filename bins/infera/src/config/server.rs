@@ -1,6 +1,7 @@
 //! [`ServerConfig`]: the validated configuration of `infera server`.
 //!
-//! Built only by `TryFrom<ServerArgs>`, which checks, in this order: the tokenizer path
+//! Built only by `TryFrom<ServerArgs>`, which checks, in this order: the breaker cooldowns
+//! (finite, ≥ 0, the ceiling not below the first), the tokenizer path
 //! (required; a directory with `tokenizer.json` or a readable file; it is read, not loaded),
 //! discovery (etcd needs an endpoint), routing weights and temperature (finite, ≥ 0), the
 //! HTTP front (body size and connection cap > 0, an admin token fit for a header), the event log location, trace recording and the chat template.
@@ -155,6 +156,52 @@ pub struct NatsConfig {
     pub req_max_pending: Option<u32>,
 }
 
+/// Deadlines of HTTP requests to workers, the circuit breaker and stream migration
+/// (`--http-req-*`, `--breaker-*`, `--migration-limit`); a `None` deadline is off.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerEdgeConfig {
+    /// TCP connect to a worker; `None` leaves it to the OS.
+    pub connect_timeout: Option<HumanDuration>,
+    /// Request sent → first response body byte; `None` waits forever.
+    pub first_byte_timeout: Option<HumanDuration>,
+    /// Longest gap between response chunks; `None` waits forever.
+    pub idle_timeout: Option<HumanDuration>,
+    /// Longest whole request; `None` is unlimited.
+    pub max_duration: Option<HumanDuration>,
+    /// Consecutive pre-first-byte failures that open a worker's breaker; 0 disables it.
+    pub breaker_failure_threshold: u32,
+    /// First cooldown of an open breaker, in seconds.
+    pub breaker_cooldown_s: f64,
+    /// Ceiling of the doubling cooldown, in seconds.
+    pub breaker_max_cooldown_s: f64,
+    /// Times one stream may move to another worker mid-stream; 0 is off.
+    pub migration_limit: u32,
+}
+
+impl WorkerEdgeConfig {
+    fn from_args(args: &ServerArgs) -> Result<Self, ConfigError> {
+        let cooldown = non_negative_f64("--breaker-cooldown-s", args.breaker_cooldown_s)?;
+        let max = non_negative_f64("--breaker-max-cooldown-s", args.breaker_max_cooldown_s)?;
+        if max < cooldown {
+            return Err(ConfigError::new(
+                "--breaker-max-cooldown-s",
+                format!("must be at least --breaker-cooldown-s ({cooldown}), got {max}"),
+            ));
+        }
+        Ok(Self {
+            connect_timeout: args.http_req_connect_timeout.non_zero(),
+            first_byte_timeout: args.http_req_first_byte_timeout.non_zero(),
+            idle_timeout: args.http_req_idle_timeout.non_zero(),
+            max_duration: args.http_req_max_duration.non_zero(),
+            breaker_failure_threshold: args.breaker_failure_threshold,
+            breaker_cooldown_s: cooldown,
+            breaker_max_cooldown_s: max,
+            migration_limit: args.migration_limit,
+        })
+    }
+}
+
 /// The validated configuration of `infera server`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -179,12 +226,15 @@ pub struct ServerConfig {
     pub event_log: EventLogConfig,
     /// Trace recording, if enabled.
     pub record_trace: Option<TraceRecordingConfig>,
+    /// Deadlines toward workers over HTTP and the circuit breaker.
+    pub worker_edge: WorkerEdgeConfig,
 }
 
 impl TryFrom<ServerArgs> for ServerConfig {
     type Error = ConfigError;
 
     fn try_from(args: ServerArgs) -> Result<Self, ConfigError> {
+        let worker_edge = WorkerEdgeConfig::from_args(&args)?;
         let (tokenizer_path, tokenizer_file) = tokenizer(args.router_tokenizer_path)?;
         let discovery = DiscoveryConfig::try_from(DiscoveryFlags {
             backend: args.discovery_backend,
@@ -252,6 +302,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
                 args.record_segment_bytes,
                 args.record_segment_age,
             )?,
+            worker_edge,
         })
     }
 }

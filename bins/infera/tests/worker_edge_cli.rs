@@ -1,0 +1,153 @@
+//! The flags of the server's edge toward workers, against the real binary: the HTTP request
+//! deadlines (`--http-req-*`) and the Python Infera's circuit-breaker flags (`--breaker-*`) are
+//! listed in `--help` with their defaults, resolve into the printed configuration, and bad
+//! values fail on one line naming the flag.
+#![allow(clippy::unwrap_used)]
+
+use serde_json::{Value, json};
+use std::process::{Command, Output};
+
+fn infera(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_infera"))
+        .args(args)
+        .env_remove("NATS_SERVER")
+        .env_remove("INFERA_K8S_LABEL_SELECTOR")
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap()
+}
+
+/// `infera server --check-config` with a readable tokenizer and `extra`.
+fn server(extra: &[&str]) -> Output {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokenizer.json"), b"{}").unwrap();
+    let mut args = vec![
+        "server",
+        "--router-tokenizer-path",
+        dir.path().to_str().unwrap(),
+        "--check-config",
+    ];
+    args.extend_from_slice(extra);
+    infera(&args)
+}
+
+fn edge_config(extra: &[&str]) -> Value {
+    let output = server(extra);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let config: Value = serde_json::from_slice(&output.stdout).unwrap();
+    config["worker_edge"].clone()
+}
+
+#[test]
+fn help_lists_the_deadlines_and_breaker_flags_with_their_defaults() {
+    let output = infera(&["server", "--help"]);
+    assert_eq!(output.status.code(), Some(0));
+    let help = String::from_utf8_lossy(&output.stdout);
+    // One whitespace-collapsed text, so a flag's help may wrap over lines.
+    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    for (flag, default) in [
+        ("--http-req-connect-timeout", "[default: 10s]"),
+        ("--http-req-first-byte-timeout", "[default: 900s]"),
+        ("--http-req-idle-timeout", "[default: 900s]"),
+        ("--http-req-max-duration", "[default: 0]"),
+        ("--breaker-failure-threshold", "[default: 3]"),
+        ("--breaker-cooldown-s", "[default: 5]"),
+        ("--breaker-max-cooldown-s", "[default: 60]"),
+        ("--migration-limit", "[default: 0]"),
+    ] {
+        let at = help
+            .find(&format!("{flag} <"))
+            .unwrap_or_else(|| panic!("--help lacks {flag}: {help}"));
+        // The entry's default is the first one after its name.
+        let entry = &help[at..];
+        let shown = entry.find("[default:").map(|i| &entry[i..]);
+        assert!(
+            shown.is_some_and(|d| d.starts_with(default)),
+            "{flag} should show {default}: {entry}"
+        );
+    }
+}
+
+#[test]
+fn defaults_and_values_resolve_into_the_configuration() {
+    assert_eq!(
+        edge_config(&[]),
+        json!({
+            "connect_timeout": "10s",
+            "first_byte_timeout": "15m",
+            "idle_timeout": "15m",
+            "max_duration": null,
+            "breaker_failure_threshold": 3,
+            "breaker_cooldown_s": 5.0,
+            "breaker_max_cooldown_s": 60.0,
+            "migration_limit": 0,
+        })
+    );
+    // The Python launcher passes floats; 0 turns a deadline off, and the breaker.
+    let config = edge_config(&[
+        "--http-req-connect-timeout",
+        "0",
+        "--http-req-first-byte-timeout",
+        "2m",
+        "--http-req-idle-timeout",
+        "30s",
+        "--http-req-max-duration",
+        "1h",
+        "--breaker-failure-threshold",
+        "0",
+        "--breaker-cooldown-s",
+        "0.5",
+        "--breaker-max-cooldown-s",
+        "2.5",
+        "--migration-limit",
+        "2",
+    ]);
+    assert_eq!(config["connect_timeout"], Value::Null);
+    assert_eq!(config["first_byte_timeout"], "2m");
+    assert_eq!(config["idle_timeout"], "30s");
+    assert_eq!(config["max_duration"], "1h");
+    assert_eq!(config["breaker_failure_threshold"], 0);
+    assert_eq!(config["breaker_cooldown_s"], 0.5);
+    assert_eq!(config["breaker_max_cooldown_s"], 2.5);
+    assert_eq!(config["migration_limit"], 2);
+}
+
+#[test]
+fn bad_values_fail_on_one_line_naming_the_flag() {
+    for (args, flag) in [
+        (&["--breaker-cooldown-s", "-1"][..], "--breaker-cooldown-s"),
+        (
+            &[
+                "--breaker-cooldown-s",
+                "10",
+                "--breaker-max-cooldown-s",
+                "5",
+            ][..],
+            "--breaker-max-cooldown-s",
+        ),
+        (&["--breaker-cooldown-s", "inf"][..], "--breaker-cooldown-s"),
+        (
+            &["--http-req-idle-timeout", "soon"][..],
+            "--http-req-idle-timeout",
+        ),
+        (
+            &["--breaker-failure-threshold", "x"][..],
+            "--breaker-failure-threshold",
+        ),
+    ] {
+        let output = server(args);
+        let message = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {message}");
+        let lines: Vec<&str> = message.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert!(
+            lines.iter().any(|l| l.contains(flag)),
+            "{args:?}: {message} does not name {flag}"
+        );
+        assert!(output.stdout.is_empty(), "{args:?} printed to stdout");
+    }
+}
