@@ -369,6 +369,7 @@ impl Recorder {
                 session_id: None,
                 retention: r.retention,
                 ttl_seconds: None,
+                think_time_us: None,
             },
             worker: first.worker.worker.as_str().to_owned(),
             dp_rank: first.worker.dp_rank,

@@ -504,6 +504,7 @@ mod tests {
             session_id: None,
             retention: None,
             ttl_seconds: None,
+            think_time_us: None,
         };
         let trace: Vec<TraceRequest> = [5_000_000, 6_000_000, 9_000_000, 25_000_000]
             .into_iter()
