@@ -5,6 +5,7 @@
 //! - [`sim`]: the discrete-event simulator (simulated engines + kvd tiers, core's router);
 //! - [`rules`]: retention rules (`--retention-rule`);
 //! - [`sweep`]: `--sweep` grids run in parallel;
+//! - [`tune`]: `--tune`, the Pareto front of a search over the router's tunables;
 //! - [`record`]: the trace recorder behind `infera server --record-trace`;
 //! - [`report`], [`output`], [`plot`]: tables, Parquet results, SVG and PNG charts.
 
@@ -17,3 +18,4 @@ pub mod rules;
 pub mod sim;
 pub mod sweep;
 pub mod trace;
+pub mod tune;

@@ -106,9 +106,9 @@ impl SynthConfig {
     /// Checks every setting.
     ///
     /// # Errors
-    /// [`TraceError::InvalidOption`] naming the first setting out of range.
+    /// [`TraceError::InvalidSynth`] naming the first setting out of range.
     pub fn validate(&self) -> Result<(), TraceError> {
-        let bad = |what: &str| Err(TraceError::InvalidOption(what.to_owned()));
+        let bad = |what: &str| Err(TraceError::InvalidSynth(what.to_owned()));
         if self.sessions == 0 {
             return bad("sessions must be at least 1");
         }
@@ -132,7 +132,7 @@ impl SynthConfig {
             ("user think time", self.user_think_s),
         ] {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(TraceError::InvalidOption(format!(
+                return Err(TraceError::InvalidSynth(format!(
                     "the {name} must be a non-negative number"
                 )));
             }
@@ -141,7 +141,7 @@ impl SynthConfig {
             + u64::from(self.system_tokens)
             + u64::from(self.first_input_tokens.max(1));
         if prefix > u64::from(self.max_context_tokens) {
-            return Err(TraceError::InvalidOption(format!(
+            return Err(TraceError::InvalidSynth(format!(
                 "the max context ({} tokens) must hold the tool definitions, the system prompt \
                  and the first input ({prefix} tokens)",
                 self.max_context_tokens
@@ -212,7 +212,7 @@ impl Chain<'_> {
 /// Generates the trace described by `cfg` (see the module docs).
 ///
 /// # Errors
-/// [`TraceError::InvalidOption`] when a setting is out of range ([`SynthConfig::validate`]).
+/// [`TraceError::InvalidSynth`] when a setting is out of range ([`SynthConfig::validate`]).
 pub fn synthesize(cfg: &SynthConfig) -> Result<Trace, TraceError> {
     cfg.validate()?;
     let mut starts = Rng::new(cfg.seed ^ 0x5747_0000_0000_0001);

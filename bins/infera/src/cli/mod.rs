@@ -10,6 +10,7 @@ pub mod bench;
 pub mod kvd;
 pub mod passthrough;
 pub mod server;
+pub mod synth;
 pub mod worker;
 
 use crate::{replay_cmd, up_cmd};
