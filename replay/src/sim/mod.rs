@@ -21,7 +21,7 @@
 mod sessions;
 mod tiers;
 
-pub use sessions::Playback;
+pub use sessions::{Playback, SessionLinks};
 pub use tiers::{LowerHits, TierConfig, Tiers};
 
 use crate::rules::{RequestShape, RetentionRule, classify};
@@ -215,7 +215,7 @@ struct Sim<'a> {
     events: u64,
     makespan_us: u64,
     block_size: u32,
-    links: sessions::SessionLinks,
+    links: SessionLinks,
 }
 
 /// Runs one configuration over `trace`.
@@ -292,7 +292,7 @@ pub fn run(trace: &Trace, cfg: &SimConfig) -> Result<SimResult, SimError> {
         events: 0,
         makespan_us: 0,
         block_size,
-        links: sessions::SessionLinks::new(trace, cfg.playback),
+        links: SessionLinks::new(&trace.requests, cfg.playback),
     };
     let mut registrations = Vec::new();
     for (role, count) in pools {

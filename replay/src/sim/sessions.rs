@@ -14,7 +14,7 @@
 //! predecessor comes earlier in the trace, so every chain starts at a request on the timeline and
 //! every request arrives exactly once.
 
-use crate::trace::Trace;
+use crate::trace::TraceRequest;
 use rustc_hash::FxHashMap;
 
 /// How request arrivals are timed.
@@ -38,9 +38,10 @@ impl Playback {
     }
 }
 
-/// The closed-loop links of one trace under one [`Playback`].
+/// The closed-loop links of one trace under one [`Playback`] (used by the simulator and by
+/// `infera bench`).
 #[derive(Debug, Clone)]
-pub(super) struct SessionLinks {
+pub struct SessionLinks {
     /// The next turn of each request's session that waits for it.
     next: Vec<Option<usize>>,
     /// Whether each request waits for its predecessor (is off the timeline).
@@ -48,13 +49,13 @@ pub(super) struct SessionLinks {
 }
 
 impl SessionLinks {
-    pub(super) fn new(trace: &Trace, playback: Playback) -> Self {
-        let n = trace.requests.len();
+    pub fn new(requests: &[TraceRequest], playback: Playback) -> Self {
+        let n = requests.len();
         let mut next = vec![None; n];
         let mut follows = vec![false; n];
         if playback == Playback::Sessions {
             let mut last: FxHashMap<&str, usize> = FxHashMap::default();
-            for (i, r) in trace.requests.iter().enumerate() {
+            for (i, r) in requests.iter().enumerate() {
                 let Some(session) = r.session_id.as_deref() else {
                     continue;
                 };
@@ -71,12 +72,12 @@ impl SessionLinks {
     }
 
     /// Whether request `i` is released by its predecessor rather than by the timeline.
-    pub(super) fn follows(&self, i: usize) -> bool {
+    pub fn follows(&self, i: usize) -> bool {
         self.follows.get(i).copied().unwrap_or(false)
     }
 
     /// The turn that request `i`'s completion releases.
-    pub(super) fn next(&self, i: usize) -> Option<usize> {
+    pub fn next(&self, i: usize) -> Option<usize> {
         self.next.get(i).copied().flatten()
     }
 }
@@ -84,7 +85,6 @@ impl SessionLinks {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::TraceRequest;
 
     fn row(session: Option<&str>, think: Option<u64>) -> TraceRequest {
         TraceRequest {
@@ -105,18 +105,14 @@ mod tests {
 
     #[test]
     fn turns_with_think_time_follow_the_previous_row_of_their_session() {
-        let trace = Trace {
-            requests: vec![
-                row(Some("a"), None),
-                row(Some("b"), None),
-                row(Some("a"), Some(5)),
-                row(None, Some(5)),
-                row(Some("b"), None),
-                row(Some("a"), Some(7)),
-            ],
-            source: String::new(),
-            notes: Vec::new(),
-        };
+        let trace = [
+            row(Some("a"), None),
+            row(Some("b"), None),
+            row(Some("a"), Some(5)),
+            row(None, Some(5)),
+            row(Some("b"), None),
+            row(Some("a"), Some(7)),
+        ];
         let links = SessionLinks::new(&trace, Playback::Sessions);
         let follows: Vec<bool> = (0..6).map(|i| links.follows(i)).collect();
         assert_eq!(follows, [false, false, true, false, false, true]);
