@@ -6,6 +6,7 @@
 //! - [`rules`]: retention rules (`--retention-rule`);
 //! - [`sweep`]: `--sweep` grids run in parallel;
 //! - [`tune`]: `--tune`, the Pareto front of a search over the router's tunables;
+//! - [`suite`]: the routing-quality suite behind `cargo xtask bench routing`;
 //! - [`record`]: the trace recorder behind `infera server --record-trace`;
 //! - [`report`], [`output`], [`plot`]: tables, Parquet results, SVG and PNG charts.
 
@@ -16,6 +17,7 @@ pub mod record;
 pub mod report;
 pub mod rules;
 pub mod sim;
+pub mod suite;
 pub mod sweep;
 pub mod trace;
 pub mod tune;
