@@ -459,7 +459,7 @@ mod tests {
             session_id: i.is_multiple_of(3).then(|| "s".to_owned()),
             retention: (i % 2 == 1).then_some(Retention::Short),
             ttl_seconds: (i % 2 == 1).then_some(60),
-            think_time_us: (i % 2 == 0).then_some(i * 1_000),
+            think_time_us: i.is_multiple_of(2).then_some(i * 1_000),
         }
     }
 
