@@ -2,14 +2,17 @@
 //! (import, inspect and synthesize traces). Flag parsing and wiring only; the work is in
 //! `infera-replay`.
 
+use crate::cli::trace::{TraceArgs, TraceCmd};
 use anyhow::{Context, bail};
-use clap::{Args, Subcommand, ValueEnum};
+use clap::{Args, ValueEnum};
 use infera_core::engine::TimingModel;
 use infera_core::policy::PolicyKind;
 use infera_replay::plot;
 use infera_replay::report::{self, Row, Summary};
 use infera_replay::rules::RetentionRule;
-use infera_replay::sim::{DEFAULT_FRONTEND_US, Playback, SimConfig, SimResult, TierConfig};
+use infera_replay::sim::{
+    DEFAULT_FRONTEND_US, Playback, SessionLinks, SimConfig, SimResult, TierConfig,
+};
 use infera_replay::sweep::{self, SweepAxis};
 use infera_replay::{output, trace, tune};
 use std::io::IsTerminal;
@@ -158,64 +161,6 @@ pub struct ReplayArgs {
     /// Pareto front.
     #[arg(long, value_name = "FILE.svg|FILE.png")]
     pub plot: Option<PathBuf>,
-}
-
-/// Arguments of `infera trace`.
-#[derive(Debug, Args)]
-pub struct TraceArgs {
-    #[command(subcommand)]
-    pub cmd: TraceCmd,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum TraceCmd {
-    /// Convert a Mooncake JSONL or Azure CSV trace (or a Parquet trace) to Infera's Parquet schema.
-    Import {
-        /// Source trace (.jsonl, .csv, .parquet or a directory of segments).
-        input: PathBuf,
-        /// Destination Parquet file (written atomically).
-        output: PathBuf,
-        #[command(flatten)]
-        load: LoadArgs,
-    },
-    /// Generate a trace of agentic multi-turn sessions: turns that extend a growing prompt
-    /// after a think time, shared tool definitions and system prompts.
-    Synth(crate::cli::synth::SynthArgs),
-    /// Summarise a trace: counts, span, rate, length percentiles, ideal hit rate.
-    Inspect {
-        /// Trace (.parquet, .jsonl, .csv or a directory of segments).
-        input: PathBuf,
-        #[command(flatten)]
-        load: LoadArgs,
-    },
-}
-
-#[derive(Debug, Args)]
-pub struct LoadArgs {
-    /// Seed for spreading arrivals within Mooncake's timestamp buckets.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Keep the timestamp buckets as they are.
-    #[arg(long)]
-    pub no_spread: bool,
-    /// Tokens per block of the trace's hash ids [default: the format's: Mooncake JSONL 512,
-    /// Azure CSV 16 (the invented ids); a Parquet trace's own, which a value here must match].
-    #[arg(long, alias = "azure-block-size", value_name = "TOKENS")]
-    pub trace_block_size: Option<u32>,
-    /// Model name for traces that carry none.
-    #[arg(long, default_value = "default")]
-    pub model: String,
-}
-
-impl LoadArgs {
-    fn options(&self) -> trace::LoadOptions {
-        trace::LoadOptions {
-            seed: self.seed,
-            spread_buckets: !self.no_spread,
-            block_size: self.trace_block_size,
-            model: self.model.clone(),
-        }
-    }
 }
 
 fn parse_coeffs(flag: &str, s: &str) -> anyhow::Result<[f64; 3]> {
@@ -446,6 +391,16 @@ fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
         trace_bs,
         summary.blocks_total
     );
+    if base.playback == Playback::Sessions {
+        let links = SessionLinks::new(&tr.requests, Playback::Sessions);
+        let turns = (0..tr.requests.len()).filter(|&i| links.follows(i)).count();
+        if turns > 0 {
+            notes.push(format!(
+                "{turns} session turns leave when their predecessor finished plus their think \
+                 time (--playback sessions); the others at their recorded arrival"
+            ));
+        }
+    }
     for n in &notes {
         println!("note: {n}");
     }

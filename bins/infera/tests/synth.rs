@@ -58,6 +58,11 @@ fn synth_is_deterministic_for_a_seed_and_replays_as_sessions() {
         let stdout = text(&out.stdout);
         assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
         assert!(stdout.contains("best: base"), "{stdout}");
+        assert_eq!(
+            stdout.contains("session turns leave when their predecessor finished"),
+            playback == "sessions",
+            "{stdout}"
+        );
     }
 }
 
