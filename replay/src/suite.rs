@@ -1,21 +1,26 @@
 //! The routing-quality suite (`cargo xtask bench routing`): standard traces through the
 //! simulator under each policy, against two bounds, as one markdown table.
 //!
-//! For each [`SuiteTrace`] and each [`POLICIES`] entry the suite reports the hit rate, TTFT p50
-//! and p99 and the busiest worker's share over the mean, and measures the hit rate against:
+//! For each [`SuiteTrace`], each [`POLICIES`] entry and `--tune`'s pick (the configuration
+//! [`crate::tune::recommend`] chooses from the [`crate::tune::default_axes`] grid, labelled with
+//! its flags) the suite reports the hit rate, TTFT p50 and p99 and the busiest worker's share over
+//! the mean, and measures the hit rate against:
 //! - the **ideal**: every block that any earlier request of the trace used is a hit (unlimited
 //!   cache, arrival order; [`crate::trace::summarize`]);
 //! - the **capacity-aware bound**: the same trace replayed on one worker that holds the whole
 //!   fleet's pooled capacity (GPU blocks, batch tokens and sequences times the worker count), so
 //!   no routing decision can split a prefix; what the fleet's memory allows, evictions
-//!   included.
+//!   included. It is itself a replay with its own timing (one engine's steps), so a fleet can
+//!   beat it by a fraction of a point.
 //!
 //! Every configuration is independent and deterministic; they run on the caller's rayon pool and
 //! come back in trace, then policy, order.
 
 use crate::report::Summary;
 use crate::sim::{self, SimConfig, SimError};
+use crate::sweep::{self, Point};
 use crate::trace::{Trace, summarize};
+use crate::tune;
 use infera_core::policy::PolicyKind;
 use rayon::prelude::*;
 use std::fmt::Write as _;
@@ -70,59 +75,91 @@ pub fn pooled(base: &SimConfig) -> SimConfig {
     c
 }
 
-/// Runs every trace under every policy, and each trace's bound, on the current rayon pool.
+/// One simulation of the suite: trace `t`'s bound, one of its [`POLICIES`], or a point of its
+/// `--tune` grid.
+enum Job {
+    Bound,
+    Policy(usize),
+    Tune(Box<Point>),
+}
+
+/// What one trace's simulations gave: its bound, its policies' and its grid's summaries.
+#[derive(Default, Clone)]
+struct Outcomes {
+    bound: f64,
+    policies: Vec<(String, Summary)>,
+    grid: Vec<(String, Summary)>,
+}
+
+/// Runs every trace under every policy, its `--tune` grid and its bound, on the current rayon
+/// pool. Rows come in trace order: the policies, then `--tune`'s pick.
 ///
 /// # Errors
 /// The first configuration the simulator refuses, naming the trace.
 pub fn run(traces: &[SuiteTrace]) -> Result<Vec<SuiteRow>, SimError> {
-    // Job `(t, None)` is trace t's bound; `(t, Some(p))` its run under policy p.
-    let jobs: Vec<(usize, Option<usize>)> = (0..traces.len())
-        .flat_map(|t| {
-            std::iter::once((t, None)).chain((0..POLICIES.len()).map(move |p| (t, Some(p))))
-        })
-        .collect();
+    let mut jobs: Vec<(usize, Job)> = Vec::new();
+    for (t, st) in traces.iter().enumerate() {
+        jobs.push((t, Job::Bound));
+        jobs.extend((0..POLICIES.len()).map(|p| (t, Job::Policy(p))));
+        let grid = sweep::grid(&st.base, &tune::default_axes(&st.base))
+            .map_err(|e| SimError::Invalid(format!("{}: {e}", st.name)))?;
+        jobs.extend(grid.into_iter().map(|p| (t, Job::Tune(Box::new(p)))));
+    }
     let results: Vec<Result<Summary, SimError>> = jobs
         .par_iter()
-        .map(|&(t, policy)| {
-            let st = &traces[t];
-            let cfg = match policy {
-                None => pooled(&st.base),
-                Some(p) => {
+        .map(|(t, job)| {
+            let st = &traces[*t];
+            let cfg = match job {
+                Job::Bound => pooled(&st.base),
+                Job::Policy(p) => {
                     let mut c = st.base.clone();
-                    c.router.policy = POLICIES[p].1;
-                    c.router.overlap_weight = POLICIES[p].2;
+                    c.router.policy = POLICIES[*p].1;
+                    c.router.overlap_weight = POLICIES[*p].2;
                     c
                 }
+                Job::Tune(point) => point.config.clone(),
             };
             sim::run(&st.trace, &cfg)
                 .map(|r| Summary::of(&r, 0.0))
                 .map_err(|e| SimError::Invalid(format!("{}: {e}", st.name)))
         })
         .collect();
-    let ideals: Vec<f64> = traces
-        .iter()
-        .map(|t| summarize(&t.trace).ideal_hit_rate)
-        .collect();
     let mut rows = Vec::new();
-    let mut bound = 0.0;
-    for ((t, policy), result) in jobs.into_iter().zip(results) {
+    let mut by_trace = vec![Outcomes::default(); traces.len()];
+    for ((t, job), result) in jobs.into_iter().zip(results) {
         let s = result?;
-        let st = &traces[t];
-        let Some(p) = policy else {
-            bound = s.hit_rate;
-            continue;
-        };
-        rows.push(SuiteRow {
-            trace: st.name.clone(),
-            workers: st.base.pd.map_or(st.base.workers, |(p, d)| p + d),
-            policy: POLICIES[p].0.to_owned(),
-            hit_rate: s.hit_rate,
-            ideal: ideals[t],
+        match job {
+            Job::Bound => by_trace[t].bound = s.hit_rate,
+            Job::Policy(p) => by_trace[t].policies.push((POLICIES[p].0.to_owned(), s)),
+            Job::Tune(point) => by_trace[t].grid.push((tune::flags(&point.values), s)),
+        }
+    }
+    for (st, outcomes) in traces.iter().zip(by_trace) {
+        let Outcomes {
             bound,
-            ttft_p50_ms: s.ttft_p50_ms,
-            ttft_p99_ms: s.ttft_p99_ms,
-            max_share: s.imbalance,
+            policies,
+            grid,
+        } = outcomes;
+        let ideal = summarize(&st.trace).ideal_hit_rate;
+        let objs: Vec<tune::Objectives> =
+            grid.iter().map(|(_, s)| tune::Objectives::of(s)).collect();
+        let pick = tune::recommend(&objs).map(|i| {
+            let (flags, s) = &grid[i];
+            (format!("--tune's pick: {flags}"), s.clone())
         });
+        for (policy, s) in policies.into_iter().chain(pick) {
+            rows.push(SuiteRow {
+                trace: st.name.clone(),
+                workers: st.base.pd.map_or(st.base.workers, |(p, d)| p + d),
+                policy,
+                hit_rate: s.hit_rate,
+                ideal,
+                bound,
+                ttft_p50_ms: s.ttft_p50_ms,
+                ttft_p99_ms: s.ttft_p99_ms,
+                max_share: s.imbalance,
+            });
+        }
     }
     Ok(rows)
 }
@@ -130,8 +167,8 @@ pub fn run(traces: &[SuiteTrace]) -> Result<Vec<SuiteRow>, SimError> {
 /// The rows as a GitHub-flavoured markdown table.
 pub fn markdown(rows: &[SuiteRow]) -> String {
     let mut out = String::from(
-        "| trace | workers | policy | hit rate | of ideal | of capacity bound | TTFT p50 | TTFT p99 | max share / mean |\n\
-         |---|---:|---|---:|---:|---:|---:|---:|---:|\n",
+        "| trace | workers | policy | hit rate | ideal | capacity bound | of ideal | of bound | TTFT p50 | TTFT p99 | max share / mean |\n\
+         |---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let pct = |x: f64, of: f64| {
         if of > 0.0 {
@@ -143,15 +180,15 @@ pub fn markdown(rows: &[SuiteRow]) -> String {
     for r in rows {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {:.1} % | {} (ideal {:.1} %) | {} (bound {:.1} %) | {:.0} ms | {:.0} ms | {:.2}× |",
+            "| {} | {} | {} | {:.1} % | {:.1} % | {:.1} % | {} | {} | {:.0} ms | {:.0} ms | {:.2}× |",
             r.trace,
             r.workers,
             r.policy,
             r.hit_rate * 100.0,
-            pct(r.hit_rate, r.ideal),
             r.ideal * 100.0,
-            pct(r.hit_rate, r.bound),
             r.bound * 100.0,
+            pct(r.hit_rate, r.ideal),
+            pct(r.hit_rate, r.bound),
             r.ttft_p50_ms,
             r.ttft_p99_ms,
             r.max_share
@@ -203,7 +240,12 @@ mod tests {
             base,
         }])
         .expect("suite");
-        assert_eq!(rows.len(), POLICIES.len());
+        assert_eq!(rows.len(), POLICIES.len() + 1);
+        assert!(
+            rows[POLICIES.len()]
+                .policy
+                .starts_with("--tune's pick: --kv-overlap-weight ")
+        );
         for r in &rows {
             assert!(r.hit_rate <= r.ideal + 1e-9, "{r:?}");
             assert!(r.bound > 0.0 && r.bound <= r.ideal + 1e-9, "{r:?}");
@@ -213,7 +255,7 @@ mod tests {
             "kv-aware beats round-robin"
         );
         let table = markdown(&rows);
-        assert_eq!(table.lines().count(), 2 + POLICIES.len());
+        assert_eq!(table.lines().count(), 3 + POLICIES.len());
         assert!(table.contains("| agentic | 2 | round-robin |"), "{table}");
     }
 }
