@@ -111,3 +111,23 @@ impl SynthArgs {
         Ok(cfg)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::cli::trace::TraceCmd;
+    use crate::cli::{Cli, Command};
+    use clap::Parser;
+    use infera_replay::trace::synth::SynthConfig;
+
+    #[test]
+    fn the_flags_defaults_are_the_generators() {
+        let cli = Cli::try_parse_from(["infera", "trace", "synth", "x.parquet"]).unwrap();
+        let Command::Trace(trace) = cli.command else {
+            panic!("not trace");
+        };
+        let TraceCmd::Synth(synth) = trace.cmd else {
+            panic!("not synth");
+        };
+        assert_eq!(synth.config().unwrap(), SynthConfig::default());
+    }
+}
