@@ -42,11 +42,27 @@ fn workers_by_session(trace: &Trace, r: &SimResult) -> HashMap<String, Vec<Strin
 }
 
 #[test]
-fn a_turn_leaves_after_its_predecessor_finished_plus_its_think_time() {
+fn a_turn_leaves_after_its_predecessor_finished_plus_its_think_time_mixed_or_pd() {
     let trace = agentic();
     let mut cfg = config(PolicyKind::KvAware, Playback::Sessions);
     cfg.speedup = 2.0;
-    let r = sim::run(&trace, &cfg).expect("run");
+    let pd = SimConfig {
+        pd: Some((1, 2)),
+        ..cfg.clone()
+    };
+    for cfg in [cfg, pd] {
+        check_session_timing(&trace, &cfg);
+    }
+
+    let open = sim::run(&trace, &config(PolicyKind::KvAware, Playback::Timeline)).expect("run");
+    for (row, out) in trace.requests.iter().zip(&open.requests) {
+        assert_eq!(out.arrival_us, row.arrival_us, "{}", row.request_id);
+    }
+}
+
+/// Every turn finishes, and each later turn arrives its think time after its predecessor's end.
+fn check_session_timing(trace: &Trace, cfg: &SimConfig) {
+    let r = sim::run(trace, cfg).expect("run");
     let mut last: HashMap<&str, usize> = HashMap::new();
     let mut closed_loop = 0;
     for (i, row) in trace.requests.iter().enumerate() {
@@ -67,11 +83,6 @@ fn a_turn_leaves_after_its_predecessor_finished_plus_its_think_time() {
         assert!(r.requests[i].finish_us > 0, "{} finished", row.request_id);
     }
     assert!(closed_loop > trace.requests.len() / 2);
-
-    let open = sim::run(&trace, &config(PolicyKind::KvAware, Playback::Timeline)).expect("run");
-    for (row, out) in trace.requests.iter().zip(&open.requests) {
-        assert_eq!(out.arrival_us, row.arrival_us, "{}", row.request_id);
-    }
 }
 
 /// The share of later turns that ran on the same worker as their predecessor.
