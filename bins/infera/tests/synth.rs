@@ -100,6 +100,20 @@ fn tune_prints_the_front_with_flags_and_charts_it() {
         "{svg:.200}"
     );
 
+    // The --sweep axes, when given, are the search space.
+    let custom = infera(&[
+        "replay",
+        &trace.display().to_string(),
+        "--workers",
+        "2",
+        "--tune",
+        "--sweep",
+        "kv-overlap-weight=0,4",
+    ]);
+    let custom = text(&custom.stdout);
+    assert!(custom.contains("of 2 configurations"), "{custom}");
+    assert!(!custom.contains("--router-temperature"), "{custom}");
+
     // Deterministic: the same search recommends the same flags.
     let again = infera(&[
         "replay",
