@@ -563,6 +563,7 @@ mod tests {
             session_id: None,
             retention: None,
             ttl_seconds: None,
+            think_time_us: None,
         }
     }
 

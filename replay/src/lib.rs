@@ -5,6 +5,8 @@
 //! - [`sim`]: the discrete-event simulator (simulated engines + kvd tiers, core's router);
 //! - [`rules`]: retention rules (`--retention-rule`);
 //! - [`sweep`]: `--sweep` grids run in parallel;
+//! - [`tune`]: `--tune`, the Pareto front of a search over the router's tunables;
+//! - [`suite`]: the routing-quality suite behind `cargo xtask bench routing`;
 //! - [`record`]: the trace recorder behind `infera server --record-trace`;
 //! - [`report`], [`output`], [`plot`]: tables, Parquet results, SVG and PNG charts.
 
@@ -15,5 +17,7 @@ pub mod record;
 pub mod report;
 pub mod rules;
 pub mod sim;
+pub mod suite;
 pub mod sweep;
 pub mod trace;
+pub mod tune;

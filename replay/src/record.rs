@@ -16,7 +16,8 @@
 //!   event's JSON, as the event log stores it), for analytics; `infera replay` reads only the
 //!   request segments.
 //! - `session_id` and, with `--record-prompts`, `token_ids` come from [`Recorder::note_request`]
-//!   (the server's request-metadata tap), not from the events.
+//!   (the server's request-metadata tap), not from the events; `think_time_us` of a session's
+//!   turn that arrived after its predecessor finished is the gap between the two (see [`think`]).
 //!
 //! `<session>` is the recorder's start time (20 zero-padded digits of Unix µs) and `<n>` counts
 //! segments, so file-name order is time order across restarts.
@@ -154,6 +155,8 @@ pub struct Recorder {
     /// What the events do not carry, by client request id: session id and prompt token ids,
     /// with when it was noted.
     metas: HashMap<String, Meta>,
+    /// Each session's last finish, for the think times of its later turns.
+    sessions: think::SessionClock,
 }
 
 /// The client request an attempt id belongs to: `<id>#<n>` → `<id>`.
@@ -217,6 +220,7 @@ impl Recorder {
             stats: RecorderStats::default(),
             errors: Vec::new(),
             metas: HashMap::new(),
+            sessions: think::SessionClock::default(),
         })
     }
 
@@ -369,6 +373,7 @@ impl Recorder {
                 session_id: None,
                 retention: r.retention,
                 ttl_seconds: None,
+                think_time_us: None,
             },
             worker: first.worker.worker.as_str().to_owned(),
             dp_rank: first.worker.dp_rank,
@@ -424,7 +429,10 @@ impl Recorder {
         let ready = self
             .rows
             .partition_point(|r| r.request.arrival_us < watermark);
-        let rows: Vec<Row> = self.rows.drain(..ready).collect();
+        let mut rows: Vec<Row> = self.rows.drain(..ready).collect();
+        self.sessions.forget_idle(now_us);
+        self.sessions
+            .stamp(rows.iter_mut().map(|r| (&mut r.request, r.finish_us)));
         let events = std::mem::take(&mut self.events);
         let kept_bytes: u64 = self
             .rows
@@ -592,6 +600,8 @@ fn write_events(events: &[EventRow], path: &Path) -> Result<(), TraceError> {
         batches,
     )
 }
+
+pub mod think;
 
 #[cfg(test)]
 mod tests;

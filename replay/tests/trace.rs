@@ -323,6 +323,7 @@ fn request_strategy() -> impl Strategy<Value = (u64, TraceRequest)> {
                         session_id: session,
                         retention: ret,
                         ttl_seconds: ttl,
+                        think_time_us: None,
                     },
                 )
             },
@@ -731,6 +732,7 @@ fn sample_rows(n: u64) -> Vec<TraceRequest> {
             session_id: None,
             retention: None,
             ttl_seconds: None,
+            think_time_us: None,
         })
         .collect()
 }

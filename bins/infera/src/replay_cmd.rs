@@ -1,16 +1,20 @@
 //! `infera replay` (offline replay of a trace through the real router) and `infera trace`
-//! (import and inspect traces). Flag parsing and wiring only; the work is in `infera-replay`.
+//! (import, inspect and synthesize traces). Flag parsing and wiring only; the work is in
+//! `infera-replay`.
 
+use crate::cli::trace::{TraceArgs, TraceCmd};
 use anyhow::{Context, bail};
-use clap::{Args, Subcommand, ValueEnum};
+use clap::{Args, ValueEnum};
 use infera_core::engine::TimingModel;
 use infera_core::policy::PolicyKind;
 use infera_replay::plot;
 use infera_replay::report::{self, Row, Summary};
 use infera_replay::rules::RetentionRule;
-use infera_replay::sim::{DEFAULT_FRONTEND_US, SimConfig, SimResult, TierConfig};
+use infera_replay::sim::{
+    DEFAULT_FRONTEND_US, Playback, SessionLinks, SimConfig, SimResult, TierConfig,
+};
 use infera_replay::sweep::{self, SweepAxis};
-use infera_replay::{output, trace};
+use infera_replay::{output, trace, tune};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -26,6 +30,16 @@ const DEFAULT_GPU_TOKENS: usize = 1 << 20;
 pub enum PolicyArg {
     KvAware,
     RoundRobin,
+}
+
+/// `--playback` values.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum PlaybackArg {
+    /// Session turns that carry a think time (`infera trace synth` writes them) leave when
+    /// their predecessor finished plus that time; every other request at its recorded arrival.
+    Sessions,
+    /// Every request at its recorded arrival (open loop).
+    Timeline,
 }
 
 /// Arguments of `infera replay`.
@@ -92,9 +106,13 @@ pub struct ReplayArgs {
     /// Cost of loading one block from the host/disk tiers into the GPU.
     #[arg(long, default_value_t = 0.02)]
     pub load_ms_per_block: f64,
-    /// Play the trace this many times faster (arrival times are divided by it).
+    /// Play the trace this many times faster (arrival and think times are divided by it).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
+    /// How requests are released: a session's turn after its predecessor's answer plus its
+    /// think time, or every request at its recorded arrival.
+    #[arg(long, value_enum, default_value = "sessions")]
+    pub playback: PlaybackArg,
     /// Seed for tie-breaking, sampling and arrival spreading.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -116,6 +134,12 @@ pub struct ReplayArgs {
     /// kv-overlap-weight=0,0.5,1,2,4,8,16,32.
     #[arg(long = "sweep", value_name = "KEY=V1,V2,...")]
     pub sweeps: Vec<String>,
+    /// Search the router's tunables and print the Pareto front of hit rate, TTFT p50 and balance
+    /// with the flags to use. Searches the --sweep axes when given [default: kv-overlap-weight
+    /// (the prefill weight on a PD fleet) 0..32 against router-temperature 0, 0.1, 0.5]; with
+    /// --plot, charts hit rate against balance with the recommended point marked.
+    #[arg(long)]
+    pub tune: bool,
     /// Worker threads for sweeps [default: all cores]
     #[arg(long)]
     pub threads: Option<usize>,
@@ -133,64 +157,10 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "FILE.parquet")]
     pub out: Option<PathBuf>,
     /// Chart each metric (hit rate, TTFT p50 and p99, TPOT, tokens/s, imbalance) against the
-    /// swept value, one line per value of the other --sweep (.svg or .png).
+    /// swept value, one line per value of the other --sweep (.svg or .png); with --tune, the
+    /// Pareto front.
     #[arg(long, value_name = "FILE.svg|FILE.png")]
     pub plot: Option<PathBuf>,
-}
-
-/// Arguments of `infera trace`.
-#[derive(Debug, Args)]
-pub struct TraceArgs {
-    #[command(subcommand)]
-    pub cmd: TraceCmd,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum TraceCmd {
-    /// Convert a Mooncake JSONL or Azure CSV trace (or a Parquet trace) to Infera's Parquet schema.
-    Import {
-        /// Source trace (.jsonl, .csv, .parquet or a directory of segments).
-        input: PathBuf,
-        /// Destination Parquet file (written atomically).
-        output: PathBuf,
-        #[command(flatten)]
-        load: LoadArgs,
-    },
-    /// Summarise a trace: counts, span, rate, length percentiles, ideal hit rate.
-    Inspect {
-        /// Trace (.parquet, .jsonl, .csv or a directory of segments).
-        input: PathBuf,
-        #[command(flatten)]
-        load: LoadArgs,
-    },
-}
-
-#[derive(Debug, Args)]
-pub struct LoadArgs {
-    /// Seed for spreading arrivals within Mooncake's timestamp buckets.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Keep the timestamp buckets as they are.
-    #[arg(long)]
-    pub no_spread: bool,
-    /// Tokens per block of the trace's hash ids [default: the format's: Mooncake JSONL 512,
-    /// Azure CSV 16 (the invented ids); a Parquet trace's own, which a value here must match].
-    #[arg(long, alias = "azure-block-size", value_name = "TOKENS")]
-    pub trace_block_size: Option<u32>,
-    /// Model name for traces that carry none.
-    #[arg(long, default_value = "default")]
-    pub model: String,
-}
-
-impl LoadArgs {
-    fn options(&self) -> trace::LoadOptions {
-        trace::LoadOptions {
-            seed: self.seed,
-            spread_buckets: !self.no_spread,
-            block_size: self.trace_block_size,
-            model: self.model.clone(),
-        }
-    }
 }
 
 fn parse_coeffs(flag: &str, s: &str) -> anyhow::Result<[f64; 3]> {
@@ -282,6 +252,10 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
     };
     cfg.rules = rules;
     cfg.speedup = a.speedup;
+    cfg.playback = match a.playback {
+        PlaybackArg::Sessions => Playback::Sessions,
+        PlaybackArg::Timeline => Playback::Timeline,
+    };
     cfg.kv_event_delay_us = (a.kv_event_delay_ms * 1000.0) as u64;
     cfg.frontend_us = (a.frontend_ms * 1000.0).round() as u64;
     cfg.engine.validate().context("engine settings")?;
@@ -393,6 +367,11 @@ fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
     let mut base = base_config(&args, trace_bs)?;
     let mut notes = tr.notes.clone();
     notes.extend(sweep::resolve_pd(&mut base));
+    let axes = if args.tune && axes.is_empty() {
+        tune::default_axes(&base)
+    } else {
+        axes
+    };
     let mut points = sweep::grid(&base, &axes)?;
     for p in &mut points {
         // Sweeping a PD weight on a mixed fleet implies the default split too.
@@ -412,6 +391,16 @@ fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
         trace_bs,
         summary.blocks_total
     );
+    if base.playback == Playback::Sessions {
+        let links = SessionLinks::new(&tr.requests, Playback::Sessions);
+        let turns = (0..tr.requests.len()).filter(|&i| links.follows(i)).count();
+        if turns > 0 {
+            notes.push(format!(
+                "{turns} session turns leave when their predecessor finished plus their think \
+                 time (--playback sessions); the others at their recorded arrival"
+            ));
+        }
+    }
     for n in &notes {
         println!("note: {n}");
     }
@@ -504,7 +493,30 @@ fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
             output::summary_path(out).display()
         );
     }
-    if let (Some(path), Some(format)) = (&args.plot, plot_format) {
+    let values: Vec<Vec<(String, String)>> = runs
+        .iter()
+        .map(|(i, _, _)| points[*i].values.clone())
+        .collect();
+    let summaries: Vec<Summary> = runs.iter().map(|(_, _, s)| s.clone()).collect();
+    if args.tune {
+        println!();
+        print!("{}", tune::report(&values, &summaries));
+    }
+    if let (Some(path), Some(format), true) = (&args.plot, plot_format, args.tune) {
+        let pts = tune::chart_points(&values, &summaries);
+        let objs: Vec<tune::Objectives> = summaries.iter().map(tune::Objectives::of).collect();
+        let name = args.trace.file_name().unwrap_or(args.trace.as_os_str());
+        let title = format!("--tune on {}", name.to_string_lossy());
+        let chart = plot::Pareto {
+            title: &title,
+            x_label: "busiest worker's share / mean share",
+            y_label: "hit rate (%)",
+            points: &pts,
+            recommended: tune::recommend(&objs),
+        };
+        write_atomic(path, &plot::pareto(&chart, format)?)?;
+        println!("wrote {}", path.display());
+    } else if let (Some(path), Some(format)) = (&args.plot, plot_format) {
         let runs: Vec<plot::SweepRun<'_>> = runs
             .iter()
             .map(|(i, _, s)| plot::SweepRun {
@@ -576,8 +588,16 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 }
 
 pub fn run_trace(args: TraceArgs) -> Result<(), ReplayFailure> {
-    if let TraceCmd::Import { output, .. } = &args.cmd {
-        check_output_path(Some(output), "parquet", "output").map_err(ReplayFailure::Invalid)?;
+    match &args.cmd {
+        TraceCmd::Import { output, .. } => {
+            check_output_path(Some(output), "parquet", "output").map_err(ReplayFailure::Invalid)?;
+        }
+        TraceCmd::Synth(synth) => {
+            check_output_path(Some(&synth.output), "parquet", "output")
+                .and_then(|()| synth.config().map(drop))
+                .map_err(ReplayFailure::Invalid)?;
+        }
+        TraceCmd::Inspect { .. } => {}
     }
     Ok(trace_cmd(args)?)
 }
@@ -599,6 +619,18 @@ fn trace_cmd(args: TraceArgs) -> anyhow::Result<()> {
                 output.display(),
                 tr.requests.len()
             );
+            Ok(())
+        }
+        TraceCmd::Synth(synth) => {
+            let tr = trace::synth::synthesize(&synth.config()?)?;
+            trace::write_parquet(&tr, &synth.output)?;
+            println!(
+                "wrote {} ({} turns of {} sessions)",
+                synth.output.display(),
+                tr.requests.len(),
+                synth.sessions
+            );
+            print!("{}", trace::summarize(&tr));
             Ok(())
         }
         TraceCmd::Inspect { input, load } => {

@@ -6,6 +6,8 @@
 //!   `cargo test` arguments (e.g. `-- -p infera`, which narrows both steps to that package, or
 //!   `-- -- --nocapture`).
 //! - `cargo xtask bench [-- ARGS]`: `cargo bench --workspace ARGS`.
+//! - `cargo xtask bench routing [-- ARGS]`: the routing-quality suite (see [`routing`]): the
+//!   standard traces through the replay under each policy, as a markdown table.
 //! - `cargo xtask tools`: only the tool check and installation.
 //! - `cargo xtask layers`: the crates' dependency rules (see [`layers`]); `test` checks them
 //!   first.
@@ -16,6 +18,7 @@
 // Tests may unwrap; the non-test build still denies it everywhere.
 
 mod layers;
+mod routing;
 mod tools;
 
 use anyhow::{Context, bail};
@@ -23,7 +26,8 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
-const USAGE: &str = "usage: cargo xtask <test|bench|tools|layers> [-- extra cargo arguments]";
+const USAGE: &str =
+    "usage: cargo xtask <test|bench|bench routing|tools|layers> [-- extra arguments]";
 
 fn main() -> ExitCode {
     match run(std::env::args_os().skip(1).collect()) {
@@ -39,6 +43,8 @@ fn run(args: Vec<OsString>) -> anyhow::Result<()> {
     let Some((task, rest)) = args.split_first() else {
         bail!("no task given\n{USAGE}");
     };
+    let routing = task == "bench" && rest.first().is_some_and(|a| a == "routing");
+    let rest = if routing { &rest[1..] } else { rest };
     let extra: Vec<OsString> = match rest.split_first() {
         None => Vec::new(),
         Some((separator, extra)) if separator == "--" => extra.to_vec(),
@@ -49,6 +55,7 @@ fn run(args: Vec<OsString>) -> anyhow::Result<()> {
     let root = workspace_root();
     match task.to_str() {
         Some("test") => test(&root, &extra),
+        Some("bench") if routing => routing::run(&root, &extra),
         Some("bench") => bench(&root, &extra),
         Some("tools") if extra.is_empty() => tools::ensure().map(drop),
         Some("layers") if extra.is_empty() => layers::check(&root),

@@ -338,3 +338,22 @@ fn sessions_and_prompts_join_their_rows_whenever_they_arrive() {
         [(Some("s1"), Some(32)), (Some("s2"), None), (None, None)]
     );
 }
+
+#[test]
+fn a_sessions_later_turn_records_its_think_time() {
+    let mut rig = Rig::new(|_| {});
+    for (id, at) in [("t0", 10), ("t1", 100), ("t2", 150)] {
+        rig.rec.note_request(id.into(), Some("s".into()), None, at);
+    }
+    rig.feed(10, routed("t0", "w1", 10, 32));
+    rig.feed(60, finished("t0", RequestStatus::Ok));
+    rig.feed(100, routed("t1", "w1", 100, 48));
+    // t2 is sent while t1 still runs: no think time, it replays on the timeline.
+    rig.feed(150, routed("t2", "w1", 150, 48));
+    rig.feed(170, finished("t1", RequestStatus::Ok));
+    rig.feed(180, finished("t2", RequestStatus::Ok));
+    rig.rec.finish(200);
+    let trace = load(&rig.path(), &LoadOptions::default()).expect("load");
+    let think: Vec<Option<u64>> = trace.requests.iter().map(|r| r.think_time_us).collect();
+    assert_eq!(think, [None, Some(40), None]);
+}

@@ -12,13 +12,16 @@
 //! [`SimConfig::frontend_us`]) → finished (`RequestFinished`). KV events become visible to the
 //! router `kv_event_delay_us` after the step that produced them, as a real engine's ZMQ events
 //! would. In PD mode the prefill leg runs with one output token, then the decode leg starts on its
-//! decode engine with the prompt's KV transferred.
+//! decode engine with the prompt's KV transferred. Under [`Playback::Sessions`] a session's turn
+//! arrives when its predecessor finished plus its think time instead (see [`sessions`]).
 //!
 //! Conservation laws checked by the tests: every request finishes exactly once; per engine, blocks
 //! stored = blocks resident + blocks removed.
 
+mod sessions;
 mod tiers;
 
+pub use sessions::{Playback, SessionLinks};
 pub use tiers::{LowerHits, TierConfig, Tiers};
 
 use crate::rules::{RequestShape, RetentionRule, classify};
@@ -76,6 +79,8 @@ pub struct SimConfig {
     /// Simulate quiet decode steps one by one instead of as one event (same results, slower;
     /// the tests use it to prove that).
     pub step_by_step: bool,
+    /// Whether session turns wait for their predecessor ([`Playback`]).
+    pub playback: Playback,
 }
 
 impl Default for SimConfig {
@@ -95,6 +100,7 @@ impl Default for SimConfig {
             frontend_us: DEFAULT_FRONTEND_US,
             fleet: FleetConfig::default(),
             step_by_step: false,
+            playback: Playback::default(),
         }
     }
 }
@@ -209,6 +215,7 @@ struct Sim<'a> {
     events: u64,
     makespan_us: u64,
     block_size: u32,
+    links: SessionLinks,
 }
 
 /// Runs one configuration over `trace`.
@@ -285,6 +292,7 @@ pub fn run(trace: &Trace, cfg: &SimConfig) -> Result<SimResult, SimError> {
         events: 0,
         makespan_us: 0,
         block_size,
+        links: SessionLinks::new(&trace.requests, cfg.playback),
     };
     let mut registrations = Vec::new();
     for (role, count) in pools {
@@ -364,12 +372,16 @@ impl Sim<'_> {
         (self.trace.requests[i].arrival_us as f64 / self.cfg.speedup) as u64
     }
 
-    /// Arrivals come straight from the (sorted) trace; the heap holds only engine steps and KV
-    /// deliveries, so it stays as small as the fleet. At equal times arrivals go first.
+    /// Timeline arrivals come straight from the (sorted) trace; the heap holds engine steps, KV
+    /// deliveries and released session turns, so it stays as small as the fleet plus the open
+    /// sessions. At equal times timeline arrivals go first.
     fn run_loop(&mut self) {
         let mut next_arrival = 0usize;
         let n = self.trace.requests.len();
         loop {
+            while next_arrival < n && self.links.follows(next_arrival) {
+                next_arrival += 1;
+            }
             let heap_next = self.queue.peek().map(|Reverse((at, _, _))| *at);
             let arrival_next = (next_arrival < n).then(|| self.arrival_us(next_arrival));
             let ev = match (arrival_next, heap_next) {
@@ -436,6 +448,7 @@ impl Sim<'_> {
                 // Unreachable with a registered fleet serving the trace's model; count it as rejected.
                 out.rejected = true;
                 self.done[i] = true;
+                self.release_next(i, now);
                 return;
             }
         };
@@ -494,6 +507,15 @@ impl Sim<'_> {
             }
         }
         self.kick(w);
+    }
+
+    /// Schedules the session turn waiting for request `i`, which its client saw end at `at`.
+    fn release_next(&mut self, i: usize, at: u64) {
+        if let Some(j) = self.links.next(i) {
+            let think = self.trace.requests[j].think_time_us.unwrap_or(0);
+            let think = (think as f64 / self.cfg.speedup) as u64;
+            self.push(at.saturating_add(think), Ev::Arrive(j));
+        }
     }
 
     fn quiet_done(&mut self, w: usize, generation: u64) {
@@ -659,6 +681,9 @@ impl Sim<'_> {
             let o = &mut self.out[i];
             o.rejected = f.rejected;
             o.finish_us = now + self.cfg.frontend_us;
+            let finish_us = o.finish_us;
+            self.release_next(i, finish_us);
+            let o = &mut self.out[i];
             if o.output_tokens > 1 && !f.rejected {
                 o.tpot_us = now.saturating_sub(self.first_token_us[i]) as f64
                     / (o.output_tokens - 1) as f64;

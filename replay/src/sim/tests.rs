@@ -21,6 +21,7 @@ fn conversations(sessions: u64, turns: u64, gap_us: u64) -> Trace {
                 session_id: Some(format!("s{s}")),
                 retention: None,
                 ttl_seconds: None,
+                think_time_us: None,
             });
         }
     }

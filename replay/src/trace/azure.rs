@@ -134,6 +134,7 @@ pub fn import(path: &Path, opts: &LoadOptions) -> Result<Trace, TraceError> {
             session_id: None,
             retention: None,
             ttl_seconds: None,
+            think_time_us: None,
         });
     }
     if requests.is_empty() {

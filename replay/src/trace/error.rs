@@ -64,6 +64,9 @@ pub enum TraceError {
     /// A [`crate::trace::LoadOptions`] value is out of range.
     #[error("invalid load option: {0}")]
     InvalidOption(String),
+    /// A [`crate::trace::synth::SynthConfig`] value is out of range.
+    #[error("invalid synth setting: {0}")]
+    InvalidSynth(String),
     /// A Parquet trace's own block size differs from the one the caller gave.
     #[error(
         "{}: request {request_id:?} has block size {found}, but the trace block size given is \

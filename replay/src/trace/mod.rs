@@ -21,6 +21,8 @@
 //!   `i` exactly when they share the value;
 //! - `token_ids`, when present, has exactly `input_length` entries.
 //!
+//! [`synth::synthesize`] generates traces of agentic multi-turn sessions from a seed.
+//!
 //! [`summarize`] computes the statistics an operator looks at first (rate, lengths, ideal hit rate).
 
 pub mod azure;
@@ -30,6 +32,7 @@ pub mod parquet;
 pub mod schema;
 pub mod spread;
 pub mod summary;
+pub mod synth;
 
 pub use error::TraceError;
 pub use parquet::{write_atomic, write_parquet, write_parquet_with};
@@ -61,6 +64,12 @@ pub struct TraceRequest {
     pub session_id: Option<String>,
     pub retention: Option<Retention>,
     pub ttl_seconds: Option<u32>,
+    /// For a session's turn after its first: the client's think time between receiving the
+    /// previous turn's answer (the previous row of the same `session_id`) and sending this one.
+    /// Session playback ([`crate::sim::Playback::Sessions`]) issues the turn that long after its
+    /// predecessor finished instead of at `arrival_us`.
+    #[serde(default)]
+    pub think_time_us: Option<u64>,
 }
 
 /// A whole trace, in arrival order.
@@ -269,6 +278,7 @@ mod tests {
             session_id: None,
             retention: None,
             ttl_seconds: None,
+            think_time_us: None,
         }
     }
 

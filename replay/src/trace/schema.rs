@@ -15,6 +15,7 @@
 //! | `session_id` | `Utf8` | yes | conversation / session the request belongs to |
 //! | `retention` | `Utf8` | yes | `none`, `ephemeral`, `short` or `long` |
 //! | `ttl_seconds` | `UInt32` | yes | requested KV retention time |
+//! | `think_time_us` | `UInt64` | yes | a session turn's client think time after its predecessor's answer |
 //!
 //! Readers also accept `LargeUtf8`/`Utf8View` strings and `LargeList` lists (what Polars and
 //! DuckDB may write), ignore columns they do not know, and read an absent nullable column as all
@@ -61,9 +62,10 @@ pub mod col {
     pub const SESSION_ID: &str = "session_id";
     pub const RETENTION: &str = "retention";
     pub const TTL_SECONDS: &str = "ttl_seconds";
+    pub const THINK_TIME_US: &str = "think_time_us";
 
     /// Every column, in schema order.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 12] = [
         ARRIVAL_US,
         REQUEST_ID,
         MODEL,
@@ -75,6 +77,7 @@ pub mod col {
         SESSION_ID,
         RETENTION,
         TTL_SECONDS,
+        THINK_TIME_US,
     ];
 }
 
@@ -127,6 +130,7 @@ pub fn trace_schema() -> SchemaRef {
         Field::new(col::SESSION_ID, Utf8, true),
         Field::new(col::RETENTION, Utf8, true),
         Field::new(col::TTL_SECONDS, UInt32, true),
+        Field::new(col::THINK_TIME_US, UInt64, true),
     ]))
 }
 
@@ -259,6 +263,9 @@ pub fn to_record_batch(rows: &[TraceRequest]) -> Result<RecordBatch, ArrowError>
         Arc::new(PrimitiveArray::<UInt32Type>::from_iter(
             rows.iter().map(|r| r.ttl_seconds),
         )),
+        Arc::new(PrimitiveArray::<UInt64Type>::from_iter(
+            rows.iter().map(|r| r.think_time_us),
+        )),
     ];
     RecordBatch::try_new(trace_schema(), columns)
 }
@@ -274,7 +281,7 @@ fn accepts(column: &str, dt: &DataType) -> bool {
         _ => false,
     };
     match column {
-        col::ARRIVAL_US => *dt == DataType::UInt64,
+        col::ARRIVAL_US | col::THINK_TIME_US => *dt == DataType::UInt64,
         col::REQUEST_ID | col::MODEL | col::SESSION_ID | col::RETENTION => string,
         col::INPUT_LENGTH | col::OUTPUT_LENGTH | col::BLOCK_SIZE | col::TTL_SECONDS => {
             *dt == DataType::UInt32
@@ -395,6 +402,12 @@ pub fn from_record_batch(batch: &RecordBatch) -> Result<Vec<TraceRequest>, Colum
             .collect(),
         None => vec![None; n],
     };
+    let think: Vec<Option<u64>> = match optional(col::THINK_TIME_US) {
+        Some(a) => primitive::<UInt64Type>(col::THINK_TIME_US, a)?
+            .iter()
+            .collect(),
+        None => vec![None; n],
+    };
 
     let mut out = Vec::with_capacity(n);
     let mut hashes = hashes.into_iter();
@@ -422,6 +435,7 @@ pub fn from_record_batch(batch: &RecordBatch) -> Result<Vec<TraceRequest>, Colum
             session_id: session[row].map(str::to_owned),
             retention,
             ttl_seconds: ttl[row],
+            think_time_us: think[row],
         });
     }
     Ok(out)
@@ -445,6 +459,7 @@ mod tests {
             session_id: i.is_multiple_of(3).then(|| "s".to_owned()),
             retention: (i % 2 == 1).then_some(Retention::Short),
             ttl_seconds: (i % 2 == 1).then_some(60),
+            think_time_us: i.is_multiple_of(2).then_some(i * 1_000),
         }
     }
 

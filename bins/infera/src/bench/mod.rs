@@ -8,6 +8,13 @@
 //! order), and its wait is recorded and counted, so a saturated target shows up as send lag
 //! rather than as a silently slower schedule.
 //!
+//! Sessions (`--playback sessions`, the default): a row with a `session_id` and a
+//! `think_time_us` (what `infera trace synth` writes) is a turn whose client waited for the
+//! previous turn of its session; it is sent `think_time_us / --speedup` after its predecessor's
+//! answer ended (its last chunk, or its error), not at its recorded arrival, and its scheduled
+//! time is that moment. Every other row keeps the timeline. `--limit` and `--duration` apply to
+//! session turns as to the rest.
+//!
 //! Everything runs on one thread (a current-thread tokio runtime): the dispatcher sleeps until
 //! each scheduled time and spawns the request; each request task builds its body (prompt from
 //! the trace's block hashes, see [`infera_replay::bench`]), sends it with `stream: true` and
@@ -20,6 +27,7 @@
 //! none did (the first error is named); exit 2 for invalid flags.
 
 use crate::cli::bench::{Api, BenchArgs};
+use crate::replay_cmd::PlaybackArg;
 use crate::replay_cmd::{ReplayFailure, check_output_path};
 use anyhow::{Context as _, bail};
 use bytes::Bytes;
@@ -35,6 +43,7 @@ use infera_replay::bench::{
 };
 use infera_replay::output;
 use infera_replay::report::Summary;
+use infera_replay::sim::{Playback, SessionLinks};
 use infera_replay::trace::{self, TraceRequest};
 use serde_json::json;
 use std::sync::Arc;
@@ -122,17 +131,53 @@ struct Planned {
     scheduled_us: u64,
 }
 
-/// The requests to send, in order, with their due times (see the module docs).
-fn plan(requests: &[TraceRequest], args: &BenchArgs) -> Vec<Planned> {
+/// How sessions are played and where the run stops.
+#[derive(Debug)]
+struct Play {
+    links: SessionLinks,
+    speedup: f64,
+    /// Requests at or past this index are not sent.
+    limit: usize,
+    /// Requests due at or after this offset from the start are not sent.
+    until_us: Option<f64>,
+}
+
+impl Play {
+    fn new(requests: &[TraceRequest], args: &BenchArgs) -> Self {
+        let playback = match args.playback {
+            PlaybackArg::Sessions => Playback::Sessions,
+            PlaybackArg::Timeline => Playback::Timeline,
+        };
+        Self {
+            links: SessionLinks::new(requests, playback),
+            speedup: args.speedup,
+            limit: args.limit.unwrap_or(usize::MAX),
+            until_us: args.duration.map(|d| d * 1e6),
+        }
+    }
+
+    /// The session turn that request `i`'s answer releases, and its think time.
+    fn next(&self, trace: &[TraceRequest], i: usize) -> Option<(usize, Duration)> {
+        let j = self.links.next(i).filter(|&j| j < self.limit)?;
+        let think_us = trace[j].think_time_us.unwrap_or(0) as f64 / self.speedup;
+        Some((j, Duration::from_micros(think_us as u64)))
+    }
+}
+
+/// The timeline's requests, in order, with their due times (see the module docs); session
+/// turns that wait for a predecessor are sent by [`session`] instead.
+fn plan(requests: &[TraceRequest], play: &Play) -> Vec<Planned> {
     let first = requests.first().map_or(0, |r| r.arrival_us);
-    let limit_us = args.duration.map(|d| d * 1e6);
+    let limit_us = play.until_us;
+    let speedup = play.speedup;
     requests
         .iter()
         .enumerate()
-        .take(args.limit.unwrap_or(usize::MAX))
+        .take(play.limit)
+        .filter(|(index, _)| !play.links.follows(*index))
         .map(|(index, r)| Planned {
             index,
-            scheduled_us: ((r.arrival_us - first) as f64 / args.speedup) as u64,
+            scheduled_us: ((r.arrival_us - first) as f64 / speedup) as u64,
         })
         .take_while(|p| limit_us.is_none_or(|l| (p.scheduled_us as f64) < l))
         .collect()
@@ -146,11 +191,20 @@ fn bench(args: &BenchArgs, settings: Settings) -> anyhow::Result<()> {
         ..Default::default()
     };
     let tr = trace::load(&args.trace, &opts)?;
-    let planned = plan(&tr.requests, args);
+    let play = Play::new(&tr.requests, args);
+    let planned = plan(&tr.requests, &play);
     let span_s = planned.last().map_or(0, |p| p.scheduled_us) as f64 / 1e6;
+    let turns = (0..tr.requests.len().min(play.limit))
+        .filter(|&i| play.links.follows(i))
+        .count();
     if !args.json {
+        let sessions = if turns > 0 {
+            format!(" (+ up to {turns} session turns after their predecessors)")
+        } else {
+            String::new()
+        };
         println!(
-            "trace: {} — sending {} of {} requests over {:.1} s (speedup {}) to {}",
+            "trace: {} — sending {}{sessions} of {} requests over {:.1} s (speedup {}) to {}",
             args.trace.display(),
             planned.len(),
             tr.requests.len(),
@@ -167,7 +221,13 @@ fn bench(args: &BenchArgs, settings: Settings) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("cannot start the tokio runtime")?;
-    let mut records = runtime.block_on(drive(args, &settings, Arc::clone(&trace), planned));
+    let mut records = runtime.block_on(drive(
+        args,
+        &settings,
+        Arc::clone(&trace),
+        Arc::new(play),
+        planned,
+    ));
     records.sort_by_key(|r| r.index);
     let summary = BenchSummary::of(&records);
     if summary.ok == 0 {
@@ -231,6 +291,7 @@ async fn drive(
     args: &BenchArgs,
     settings: &Settings,
     trace: Arc<Vec<TraceRequest>>,
+    play: Arc<Play>,
     planned: Vec<Planned>,
 ) -> Vec<RequestRecord> {
     let client: HttpClient = Client::builder(TokioExecutor::new())
@@ -258,13 +319,23 @@ async fn drive(
                 Some(done) = tasks.join_next() => push_joined(&mut records, done),
             }
         }
-        let (client, trace, shape, slots) = (
+        let (client, trace, shape, slots, play) = (
             client.clone(),
             Arc::clone(&trace),
             Arc::clone(&shape),
             slots.clone(),
+            Arc::clone(&play),
         );
-        tasks.spawn(async move { one(&client, &trace, &shape, slots.as_deref(), start, p).await });
+        tasks.spawn(async move {
+            let ctx = Ctx {
+                client: &client,
+                trace: &trace,
+                shape: &shape,
+                slots: slots.as_deref(),
+                start,
+            };
+            session(&ctx, &play, p).await
+        });
     }
     while let Some(done) = tasks.join_next().await {
         push_joined(&mut records, done);
@@ -272,12 +343,46 @@ async fn drive(
     records
 }
 
+/// What one request task needs to send requests.
+struct Ctx<'a> {
+    client: &'a HttpClient,
+    trace: &'a [TraceRequest],
+    shape: &'a Shape,
+    slots: Option<&'a Semaphore>,
+    start: Instant,
+}
+
+/// Sends a timeline request, then each session turn that waits for it, one think time after the
+/// previous answer ended, until the session ends or `--limit` / `--duration` stop it.
+async fn session(ctx: &Ctx<'_>, play: &Play, first: Planned) -> Vec<RequestRecord> {
+    let mut records = Vec::new();
+    let mut p = first;
+    loop {
+        let i = p.index;
+        records.push(one(ctx.client, ctx.trace, ctx.shape, ctx.slots, ctx.start, p).await);
+        let Some((j, think)) = play.next(ctx.trace, i) else {
+            break;
+        };
+        let due = Instant::now() + think;
+        let scheduled_us = micros(due - ctx.start);
+        if play.until_us.is_some_and(|l| scheduled_us as f64 >= l) {
+            break;
+        }
+        tokio::time::sleep_until(due).await;
+        p = Planned {
+            index: j,
+            scheduled_us,
+        };
+    }
+    records
+}
+
 fn push_joined(
     records: &mut Vec<RequestRecord>,
-    done: Result<RequestRecord, tokio::task::JoinError>,
+    done: Result<Vec<RequestRecord>, tokio::task::JoinError>,
 ) {
     match done {
-        Ok(r) => records.push(r),
+        Ok(r) => records.extend(r),
         // A request task cannot panic short of a bug; say so rather than lose it silently.
         Err(e) => tracing::error!(error = %e, "a request task failed"),
     }
@@ -491,6 +596,41 @@ mod tests {
     }
 
     #[test]
+    fn session_turns_leave_the_timeline_and_follow_their_predecessor() {
+        let req = |arrival_us, session: &str, think_time_us| TraceRequest {
+            arrival_us,
+            request_id: "r".into(),
+            model: "m".into(),
+            input_length: 4,
+            output_length: 2,
+            block_size: 4,
+            block_hashes: vec![1],
+            token_ids: None,
+            session_id: Some(session.to_owned()),
+            retention: None,
+            ttl_seconds: None,
+            think_time_us,
+        };
+        let trace = vec![
+            req(0, "a", None),
+            req(1_000_000, "b", None),
+            req(2_000_000, "a", Some(400_000)),
+            req(3_000_000, "a", Some(800_000)),
+        ];
+        let play = Play::new(&trace, &args(&["--speedup", "2"]));
+        let timeline: Vec<usize> = plan(&trace, &play).iter().map(|p| p.index).collect();
+        assert_eq!(timeline, [0, 1]);
+        assert_eq!(play.next(&trace, 0), Some((2, Duration::from_millis(200))));
+        assert_eq!(play.next(&trace, 2), Some((3, Duration::from_millis(400))));
+        assert_eq!(play.next(&trace, 1), None);
+        let limited = Play::new(&trace, &args(&["--limit", "3"]));
+        assert_eq!(limited.next(&trace, 2), None, "--limit stops the session");
+        let open = Play::new(&trace, &args(&["--playback", "timeline"]));
+        assert_eq!(plan(&trace, &open).len(), 4);
+        assert_eq!(open.next(&trace, 0), None);
+    }
+
+    #[test]
     fn the_plan_follows_the_trace_timeline() {
         let req = |arrival_us| TraceRequest {
             arrival_us,
@@ -504,13 +644,17 @@ mod tests {
             session_id: None,
             retention: None,
             ttl_seconds: None,
+            think_time_us: None,
         };
         let trace: Vec<TraceRequest> = [5_000_000, 6_000_000, 9_000_000, 25_000_000]
             .into_iter()
             .map(req)
             .collect();
         let due = |a: &BenchArgs| -> Vec<u64> {
-            plan(&trace, a).iter().map(|p| p.scheduled_us).collect()
+            plan(&trace, &Play::new(&trace, a))
+                .iter()
+                .map(|p| p.scheduled_us)
+                .collect()
         };
         assert_eq!(
             due(&args(&["--speedup", "2"])),

@@ -1,4 +1,5 @@
-//! Flags of `infera bench`: play a trace against a live OpenAI endpoint on the trace's timeline.
+//! Flags of `infera bench`: play a trace against a live OpenAI endpoint on the trace's timeline
+//! (session turns after their predecessors' answers).
 //!
 //! Only the shape of the command line lives here; `crate::bench` checks the values and runs it.
 
@@ -39,9 +40,15 @@ pub struct BenchArgs {
     #[arg(long, value_name = "NAME")]
     pub model: Option<String>,
 
-    /// Play the trace this many times faster (arrival offsets are divided by it).
+    /// Play the trace this many times faster (arrival offsets and think times are divided by it).
     #[arg(long, default_value_t = 1.0, value_name = "X")]
     pub speedup: f64,
+
+    /// How requests are released: a session's turn after its predecessor's answer plus its
+    /// think time (rows with `think_time_us`, as `infera trace synth` writes), or every request
+    /// at its recorded arrival.
+    #[arg(long, value_enum, default_value = "sessions")]
+    pub playback: crate::replay_cmd::PlaybackArg,
 
     /// Most requests in flight at once; later ones wait for a slot, in arrival order, and are
     /// counted [default: unbounded, pure open loop].

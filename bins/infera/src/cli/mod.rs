@@ -10,6 +10,8 @@ pub mod bench;
 pub mod kvd;
 pub mod passthrough;
 pub mod server;
+pub mod synth;
+pub mod trace;
 pub mod worker;
 
 use crate::{replay_cmd, up_cmd};
@@ -38,7 +40,7 @@ pub enum Command {
     /// Replay a recorded or public trace offline through the real router code.
     Replay(replay_cmd::ReplayArgs),
     /// Convert or inspect traces.
-    Trace(replay_cmd::TraceArgs),
+    Trace(trace::TraceArgs),
     /// Play a trace against a live OpenAI endpoint on its own timeline; report TTFT, ITL,
     /// throughput and the server-reported hit rate.
     Bench(bench::BenchArgs),
