@@ -550,10 +550,24 @@ async fn direct_mode_routes_to_the_worker_the_picker_named() {
         "{metrics_b}"
     );
 
-    // No header, a bad rank, an unknown worker: clear errors, nothing forwarded.
+    // No header: the policy picks one of the workers, as without --router-mode direct.
     let (status, text) = send(vec![]).await;
-    assert_eq!(status, 400, "{text}");
-    assert!(text.contains("x-worker-instance-id"), "{text}");
+    assert_eq!(status, 200, "{text}");
+    let served = |metrics: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("vllm:request_success_total{model_name=\"mock-model\"} "))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let (_, metrics_a) = get(a.addr, "/metrics").await;
+    let (_, metrics_b) = get(b.addr, "/metrics").await;
+    assert_eq!(
+        served(&metrics_a) + served(&metrics_b),
+        4,
+        "{metrics_a}\n{metrics_b}"
+    );
+    // A bad rank, an unknown worker: clear errors, nothing forwarded.
     let (status, _) = send(vec![
         ("x-worker-instance-id", a.addr.to_string()),
         ("x-dp-rank", "x".to_owned()),

@@ -233,7 +233,7 @@ async fn pipeline(
         session_id,
     } = super::body::parse(bytes, shape)?;
     let direct = if options.direct {
-        Some(direct_pick(headers)?)
+        direct_pick(headers)?
     } else {
         None
     };
@@ -299,8 +299,9 @@ async fn pipeline(
     })
 }
 
-/// The worker(s) named by the request's headers in direct mode.
-fn direct_pick(headers: &HeaderMap) -> Result<DirectPick, ApiError> {
+/// The worker(s) named by the request's headers in direct mode; `None` without the worker
+/// header, which the policy then picks for (as the Python Infera does).
+fn direct_pick(headers: &HeaderMap) -> Result<Option<DirectPick>, ApiError> {
     let text = |name: &str| -> Result<Option<String>, ApiError> {
         match headers.get(name) {
             None => Ok(None),
@@ -315,12 +316,9 @@ fn direct_pick(headers: &HeaderMap) -> Result<DirectPick, ApiError> {
                 }),
         }
     };
-    let worker = text(WORKER_INSTANCE_ID)?.ok_or_else(|| {
-        ApiError::bad_request(format!(
-            "--router-mode direct: the {WORKER_INSTANCE_ID} header (the endpoint picker's choice) \
-             is required"
-        ))
-    })?;
+    let Some(worker) = text(WORKER_INSTANCE_ID)? else {
+        return Ok(None);
+    };
     let dp_rank = text(DP_RANK)?
         .map(|v| {
             v.parse::<u32>().map_err(|_| {
@@ -328,11 +326,11 @@ fn direct_pick(headers: &HeaderMap) -> Result<DirectPick, ApiError> {
             })
         })
         .transpose()?;
-    Ok(DirectPick {
+    Ok(Some(DirectPick {
         worker,
         prefill: text(PREFILL_INSTANCE_ID)?,
         dp_rank,
-    })
+    }))
 }
 
 /// Reads `body` whole (see [`super::body::read_limited`]), outside the parse budget.

@@ -23,9 +23,10 @@
 //! state does not move, so a fixed seed is not reproduced.
 
 use super::ServerState;
+use super::attempt::{Attempt, attempt_id};
 use super::breaker::{Judge, Outcome, answer_outcome, breaker_outcome};
 use super::metrics::inc;
-use super::relay::{Attempt, attempt_id, first_chunk};
+use super::relay::first_chunk;
 use axum::body::Bytes;
 use futures::StreamExt as _;
 use infera_core::ids::WorkerRank;

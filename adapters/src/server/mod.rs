@@ -59,6 +59,7 @@
 //! endpoints and `/v1/workers` take an optional bearer token (private `client` module).
 
 mod anthropic;
+mod attempt;
 mod body;
 mod breaker;
 mod client;

@@ -30,6 +30,7 @@
 //! registration lacks a parameter, the prefill's answer lacks the hand-off) is not retried.
 
 use super::ServerState;
+use super::attempt::{Attempt, Usage, attempt_id, status_of, usage_of};
 use super::breaker::{Judge, Outcome, answer_outcome, breaker_outcome};
 use super::http::{ApiError, route_error};
 use super::metrics::inc;
@@ -39,10 +40,8 @@ use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
 use axum::response::Response;
 use futures::StreamExt as _;
-use infera_core::event::{
-    Event, RequestFinished, RequestPrefilled, RequestStatus, Role, RoutedLeg,
-};
-use infera_core::ids::{RequestId, WorkerRank};
+use infera_core::event::{Event, RequestStatus, Role, RoutedLeg};
+use infera_core::ids::WorkerRank;
 use infera_core::log::NewEvent;
 use infera_core::policy::{DirectPick, RouteError, RouteRequest};
 use infera_core::ports::transport::{
@@ -50,9 +49,6 @@ use infera_core::ports::transport::{
 };
 use serde_json::{Map, Value, json};
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Instant;
 
 /// Where one attempt goes.
 enum Route {
@@ -174,180 +170,6 @@ fn blocked_ranks<'a>(
         .flat_map(|r| {
             (0..r.dp_size.max(1)).map(|i| WorkerRank::new(r.worker_id.clone(), r.dp_rank + i))
         })
-}
-
-/// One attempt's lifecycle in the fleet. See the module docs.
-#[derive(Debug)]
-pub(super) struct Attempt {
-    st: ServerState,
-    id: RequestId,
-    started: Instant,
-    prompt_tokens: u32,
-    ttft_us: Option<u64>,
-    done: bool,
-    prefill: PrefillState,
-    /// A PD attempt: `RequestPrefilled` waits for the prefill leg, not the first byte.
-    pd: bool,
-}
-
-/// Whether an attempt's `RequestPrefilled` was appended, or can no longer be (the attempt
-/// finished first). Shared with a PD attempt's prefill leg, which may complete on another
-/// task; the lock is held across the append, so `RequestPrefilled` never follows
-/// `RequestFinished`.
-#[derive(Debug, Clone)]
-struct PrefillState {
-    st: ServerState,
-    id: RequestId,
-    settled: Arc<Mutex<bool>>,
-}
-
-impl PrefillState {
-    /// Appends `RequestPrefilled`, once, unless the attempt already finished.
-    fn prefilled(&self) {
-        let mut settled = self.settled.lock().unwrap_or_else(PoisonError::into_inner);
-        if !std::mem::replace(&mut *settled, true) {
-            self.st.apply(vec![NewEvent::new(Event::RequestPrefilled(
-                RequestPrefilled {
-                    request_id: self.id.clone(),
-                },
-            ))]);
-        }
-    }
-
-    /// Appends `RequestFinished` (built by `finished`); no `RequestPrefilled` after it.
-    fn finish(&self, finished: RequestFinished) {
-        let mut settled = self.settled.lock().unwrap_or_else(PoisonError::into_inner);
-        *settled = true;
-        self.st
-            .apply(vec![NewEvent::new(Event::RequestFinished(finished))]);
-    }
-}
-
-impl Attempt {
-    pub(super) fn new(st: &ServerState, req: &RouteRequest, pd: bool) -> Self {
-        Attempt {
-            st: st.clone(),
-            id: req.request_id.clone(),
-            started: Instant::now(),
-            prompt_tokens: req.prompt_tokens,
-            ttft_us: None,
-            done: false,
-            prefill: PrefillState {
-                st: st.clone(),
-                id: req.request_id.clone(),
-                settled: Arc::new(Mutex::new(false)),
-            },
-            pd,
-        }
-    }
-
-    /// The client's first byte: the TTFT; for one leg, the prompt is processed too.
-    pub(super) fn first_byte(&mut self) {
-        if self.ttft_us.is_some() {
-            return;
-        }
-        self.ttft_us = Some(self.started.elapsed().as_micros() as u64);
-        if !self.pd {
-            self.prefill.prefilled();
-        }
-    }
-
-    /// Finishes the attempt as a worker error.
-    pub(super) fn finish_failed(&mut self) {
-        self.finish(RequestStatus::WorkerError, Usage::default());
-    }
-
-    fn finish(&mut self, status: RequestStatus, usage: Usage) {
-        if std::mem::replace(&mut self.done, true) {
-            return;
-        }
-        let m = &self.st.inner.metrics;
-        inc(
-            match status {
-                RequestStatus::Ok => &m.requests_ok,
-                RequestStatus::ClientError | RequestStatus::Rejected => &m.requests_client_error,
-                RequestStatus::Cancelled => &m.requests_cancelled,
-                RequestStatus::WorkerError | RequestStatus::Timeout => &m.requests_worker_error,
-            },
-            1,
-        );
-        inc(
-            &m.request_duration_us_sum,
-            self.started.elapsed().as_micros() as u64,
-        );
-        inc(&m.request_duration_count, 1);
-        self.prefill.finish(RequestFinished {
-            request_id: self.id.clone(),
-            status,
-            ttft_us: self.ttft_us,
-            tokens_in: usage.prompt_tokens.unwrap_or(self.prompt_tokens),
-            tokens_out: usage.completion_tokens.unwrap_or(0),
-            cached_tokens: usage.cached_tokens,
-        });
-    }
-}
-
-impl Drop for Attempt {
-    fn drop(&mut self) {
-        self.finish(RequestStatus::Cancelled, Usage::default());
-    }
-}
-
-#[derive(Debug, Default, Clone, Copy)]
-struct Usage {
-    prompt_tokens: Option<u32>,
-    completion_tokens: Option<u32>,
-    cached_tokens: Option<u32>,
-}
-
-/// The `usage` object of a response body (or of one SSE chunk's payload). Everything else in
-/// the body is skipped, not built: a response parsed into a `Value` cost as much as the rest
-/// of relaying it. A count that is not a u32 is absent, as is a body that is not JSON.
-fn usage_of(body: &[u8]) -> Usage {
-    #[derive(serde::Deserialize)]
-    struct Body {
-        usage: Option<UsageWire>,
-    }
-    #[derive(serde::Deserialize)]
-    struct UsageWire {
-        prompt_tokens: Option<Value>,
-        completion_tokens: Option<Value>,
-        prompt_tokens_details: Option<Value>,
-    }
-    let Ok(Body { usage: Some(u) }) = serde_json::from_slice::<Body>(body) else {
-        return Usage::default();
-    };
-    let n = |v: Option<&Value>| v?.as_u64().and_then(|n| u32::try_from(n).ok());
-    Usage {
-        prompt_tokens: n(u.prompt_tokens.as_ref()),
-        completion_tokens: n(u.completion_tokens.as_ref()),
-        cached_tokens: n(u
-            .prompt_tokens_details
-            .as_ref()
-            .and_then(|d| d.get("cached_tokens"))),
-    }
-}
-
-fn status_of(code: StatusCode) -> RequestStatus {
-    if code.is_success() {
-        RequestStatus::Ok
-    } else if code.is_client_error() {
-        RequestStatus::ClientError
-    } else {
-        RequestStatus::WorkerError
-    }
-}
-
-/// Numbers the attempts of this process (see [`forward`]).
-static NEXT_ATTEMPT: AtomicU64 = AtomicU64::new(0);
-
-/// A new attempt's id: `<client id>#<n>`, `n` unique to this server (see [`forward`]).
-pub(super) fn attempt_id(st: &ServerState, base_id: &str) -> RequestId {
-    let n = st
-        .inner
-        .id_prefix
-        .wrapping_add(NEXT_ATTEMPT.fetch_add(1, Ordering::Relaxed));
-    RequestId::new(format!("{base_id}#{n}"))
 }
 
 /// Decides one mixed worker for `req` (a migrating stream's next worker): its rank, URL and
@@ -744,45 +566,6 @@ impl StreamRelay {
                     self.usage = u;
                 }
             }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::usage_of;
-
-    #[test]
-    fn usage_is_read_from_a_whole_response_and_odd_counts_are_absent() {
-        let u = usage_of(
-            br#"{"id":"x","choices":[{"index":0,"text":"a \"usage\": {}","logprobs":null}],
-               "usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15,
-                        "prompt_tokens_details":{"cached_tokens":8}}}"#,
-        );
-        assert_eq!(
-            (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
-            (Some(12), Some(3), Some(8))
-        );
-        let u = usage_of(
-            br#"{"usage":{"prompt_tokens":1.5,"completion_tokens":-1,"prompt_tokens_details":7}}"#,
-        );
-        assert_eq!(
-            (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
-            (None, None, None)
-        );
-        let u = usage_of(br#"{"usage":{"prompt_tokens":4294967296,"completion_tokens":2}}"#);
-        assert_eq!((u.prompt_tokens, u.completion_tokens), (None, Some(2)));
-        for body in [
-            &b"not json"[..],
-            br#"{"usage":null}"#,
-            br#"{"usage":"x"}"#,
-            b"[]",
-        ] {
-            let u = usage_of(body);
-            assert_eq!(
-                (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
-                (None, None, None)
-            );
         }
     }
 }

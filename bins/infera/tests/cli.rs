@@ -803,6 +803,56 @@ fn env_fallbacks_apply_and_flags_override_them() {
 }
 
 #[test]
+fn the_python_infera_variables_are_read_and_flags_override_them() {
+    let tokenizer = tokenizer_dir();
+    let tok = path_str(tokenizer.path());
+    let server_env = [
+        ("INFERA_ROUTER_MODE", "direct"),
+        ("INFERA_REQUEST_MAX_RETRIES", "4"),
+        ("INFERA_ENABLE_PROFILING", "1"),
+        ("INFERA_NATS_REQ_IDLE_TIMEOUT", "30"),
+        ("INFERA_NATS_REQ_MAX_DURATION", "2m"),
+        ("INFERA_NATS_REQ_MAX_PENDING", "8"),
+        ("INFERA_BREAKER_FAILURE_THRESHOLD", "5"),
+        ("INFERA_BREAKER_COOLDOWN_S", "2.5"),
+        ("INFERA_BREAKER_MAX_COOLDOWN_S", "30"),
+        ("INFERA_MIGRATION_LIMIT", "2"),
+        ("INFERA_ROUTER_BACKEND", "rust"),
+    ];
+    let server = ["server", "--router-tokenizer-path", tok];
+    let c = check_config_with_env(&server, &server_env);
+    for (pointer, expected) in [
+        ("/router/mode", json!("direct")),
+        ("/router/request_max_retries", json!(4)),
+        ("/enable_profiling", json!(true)),
+        ("/nats/req_idle_timeout", json!("30s")),
+        ("/nats/req_max_duration", json!("2m")),
+        ("/nats/req_max_pending", json!(8)),
+        ("/worker_edge/breaker_failure_threshold", json!(5)),
+        ("/worker_edge/breaker_cooldown_s", json!(2.5)),
+        ("/worker_edge/breaker_max_cooldown_s", json!(30.0)),
+        ("/worker_edge/migration_limit", json!(2)),
+    ] {
+        assert_eq!(c.pointer(pointer), Some(&expected), "{pointer} in {c}");
+    }
+    let mut flags = server.to_vec();
+    flags.extend(["--router-mode", "auto", "--request-max-retries", "0"]);
+    let c = check_config_with_env(&flags, &server_env);
+    assert_eq!(c.pointer("/router/mode"), Some(&json!("auto")));
+    assert_eq!(c.pointer("/router/request_max_retries"), Some(&json!(0)));
+
+    let worker_env = [
+        ("INFERA_DRAIN_TIMEOUT", "45"),
+        ("INFERA_NATS_REQ_IDLE_TIMEOUT", "60"),
+        ("INFERA_NATS_REQ_MAX_PENDING", "3"),
+    ];
+    let c = check_config_with_env(&["worker", "vllm", "--model", "m"], &worker_env);
+    assert_eq!(c["drain_timeout"], json!("45s"), "{c}");
+    assert_eq!(c["nats_req_idle_timeout"], json!("1m"), "{c}");
+    assert_eq!(c["nats_req_max_pending"], json!(3), "{c}");
+}
+
+#[test]
 fn the_engine_command_comes_from_the_flag_the_environment_or_the_engine() {
     let launch = |config: Value| config["launch"]["command"].clone();
     assert_eq!(

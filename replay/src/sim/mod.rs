@@ -18,13 +18,17 @@
 //! Conservation laws checked by the tests: every request finishes exactly once; per engine, blocks
 //! stored = blocks resident + blocks removed.
 
+mod config;
 mod sessions;
 mod tiers;
 
+pub use config::{
+    DEFAULT_FRONTEND_US, RequestOutcome, SimConfig, SimError, SimResult, default_pd_split,
+};
 pub use sessions::{Playback, SessionLinks};
 pub use tiers::{LowerHits, TierConfig, Tiers};
 
-use crate::rules::{RequestShape, RetentionRule, classify};
+use crate::rules::{RequestShape, classify};
 use crate::trace::Trace;
 use infera_core::clock::{Clock, VirtualClock};
 use infera_core::engine::{EngineConfig, EngineModel, KvChange, SimRequest, StepReport};
@@ -32,144 +36,13 @@ use infera_core::event::{
     Engine, Event, KvBlocksRemoved, KvBlocksStored, RequestFinished, RequestPrefilled,
     RequestStatus, RequestTransport, Retention, Role, Tier, WorkerRecord, WorkerRegistered,
 };
-use infera_core::fleet::FleetConfig;
 use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
 use infera_core::kernel::{Compaction, Kernel};
 use infera_core::log::NewEvent;
-use infera_core::policy::{RouteRequest, RouterConfig};
+use infera_core::policy::RouteRequest;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
-
-/// The default PD split when a PD weight is given without pool sizes: a quarter prefill.
-pub fn default_pd_split(workers: usize) -> (usize, usize) {
-    let prefill = (workers / 4).max(1);
-    (prefill, workers.saturating_sub(prefill).max(1))
-}
-
-/// The simulated fleet and router.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct SimConfig {
-    pub router: RouterConfig,
-    /// Mixed workers (ignored when `pd` is set).
-    pub workers: usize,
-    /// Prefill and decode pool sizes for a disaggregated fleet.
-    pub pd: Option<(usize, usize)>,
-    /// Per engine; `block_size` 0 means "the trace's".
-    pub engine: EngineConfig,
-    pub tiers: TierConfig,
-    /// Retention rules for requests whose trace row has no class.
-    #[serde(skip)]
-    pub rules: Vec<RetentionRule>,
-    /// Arrival times are divided by this (2 = replay the trace twice as fast).
-    pub speedup: f64,
-    /// Delay between an engine step storing blocks and the router seeing the event.
-    pub kv_event_delay_us: u64,
-    /// The serving front end's cost per request, in wall time (not divided by `speedup`): the
-    /// client's request through the router (HTTP, parsing, hashing, routing) to its engine plus
-    /// the first token's way back. The engines start each request the instant it arrives and
-    /// reach its first token at the end of its prefill step; a real fleet's clients wait for
-    /// these hops too, and at 5× compression the same hop is five times larger a share of a
-    /// step. The hops are the same for every request, so they shift a request's whole timeline
-    /// at the engine (and the router's decision with it) without changing what the engines do:
-    /// they are added to each request's `ttft_us` and `finish_us` (and so `queue_us`, `tpot_us`,
-    /// routing, hits and [`SimResult::makespan_us`] do not include them).
-    pub frontend_us: u64,
-    pub fleet: FleetConfig,
-    /// Simulate quiet decode steps one by one instead of as one event (same results, slower;
-    /// the tests use it to prove that).
-    pub step_by_step: bool,
-    /// Whether session turns wait for their predecessor ([`Playback`]).
-    pub playback: Playback,
-}
-
-impl Default for SimConfig {
-    fn default() -> Self {
-        Self {
-            router: RouterConfig::default(),
-            workers: 8,
-            pd: None,
-            engine: EngineConfig {
-                block_size: 0,
-                ..EngineConfig::default()
-            },
-            tiers: TierConfig::default(),
-            rules: Vec::new(),
-            speedup: 1.0,
-            kv_event_delay_us: 1_000,
-            frontend_us: DEFAULT_FRONTEND_US,
-            fleet: FleetConfig::default(),
-            step_by_step: false,
-            playback: Playback::default(),
-        }
-    }
-}
-
-/// The default of [`SimConfig::frontend_us`]: what `infera up` (the server and four mock engines
-/// in one process, on loopback) costs a Mooncake request (~10k prompt tokens sent as token ids,
-/// streamed back) on the 2-core development VM, shared with other builds. Measured by
-/// `cargo bench -p infera --bench fidelity` (1,000 requests at `--speedup 5`) as the clients' mean
-/// TTFT minus the mocks' own mean TTFT (`vllm:time_to_first_token_seconds`, from the handler's
-/// start to the first token): 1.82, 1.38 and 1.44 ms in three runs, median 1.44 ms, rounded to
-/// 1.4 ms. It covers the request's way through the server to its engine and the first token's way
-/// back, CPU contention with the fleet's own streaming included; a faster machine or a separate
-/// router host changes it, so measure yours the same way and pass `--frontend-ms`.
-pub const DEFAULT_FRONTEND_US: u64 = 1_400;
-
-/// A configuration the simulator cannot run.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum SimError {
-    #[error("invalid simulation setting: {0}")]
-    Invalid(String),
-    #[error("the trace is empty")]
-    EmptyTrace,
-}
-
-/// What happened to one request.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct RequestOutcome {
-    pub index: usize,
-    pub request_id: String,
-    pub arrival_us: u64,
-    /// The worker that prefilled it (the only one outside PD).
-    pub worker: String,
-    /// The decode worker in PD mode.
-    pub decode_worker: Option<String>,
-    /// Prefix blocks the router believed the chosen worker held.
-    pub overlap_blocks: u32,
-    pub blocks: u32,
-    pub gpu_hit_blocks: u32,
-    pub host_hit_blocks: u32,
-    pub disk_hit_blocks: u32,
-    pub cached_tokens: u32,
-    pub input_tokens: u32,
-    pub output_tokens: u32,
-    /// Arrival to admission into a batch.
-    pub queue_us: u64,
-    pub ttft_us: u64,
-    pub finish_us: u64,
-    /// Mean time per output token after the first (0 with one output token).
-    pub tpot_us: f64,
-    pub retention: Option<Retention>,
-    pub rejected: bool,
-}
-
-/// Everything a run produced.
-#[derive(Debug, Clone)]
-pub struct SimResult {
-    pub requests: Vec<RequestOutcome>,
-    /// Worker names in fleet order (prefill pool first in PD mode).
-    pub workers: Vec<String>,
-    /// Per engine: (blocks stored, blocks resident, blocks removed).
-    pub block_ledger: Vec<(u64, u64, u64)>,
-    /// Events appended to the log.
-    pub events: u64,
-    /// Engine steps simulated, over all engines.
-    pub steps: u64,
-    /// Virtual time of the engines' last completion (without [`SimConfig::frontend_us`]).
-    pub makespan_us: u64,
-    pub block_size: u32,
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Ev {

@@ -48,7 +48,7 @@ pub struct BenchArgs {
     /// think time (rows with `think_time_us`, as `infera trace synth` writes), or every request
     /// at its recorded arrival.
     #[arg(long, value_enum, default_value = "sessions")]
-    pub playback: crate::replay_cmd::PlaybackArg,
+    pub playback: crate::cli::replay::PlaybackArg,
 
     /// Most requests in flight at once; later ones wait for a slot, in arrival order, and are
     /// counted [default: unbounded, pure open loop].

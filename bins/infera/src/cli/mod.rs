@@ -9,12 +9,13 @@
 pub mod bench;
 pub mod kvd;
 pub mod passthrough;
+pub mod replay;
 pub mod server;
 pub mod synth;
 pub mod trace;
 pub mod worker;
 
-use crate::{replay_cmd, up_cmd};
+use crate::up_cmd;
 use clap::{CommandFactory, Parser, Subcommand};
 use std::ffi::OsString;
 
@@ -38,7 +39,7 @@ pub enum Command {
     /// KV-cache daemon: host RAM (L2) and NVMe (L3) tiers behind a Unix socket.
     Kvd(kvd::KvdArgs),
     /// Replay a recorded or public trace offline through the real router code.
-    Replay(replay_cmd::ReplayArgs),
+    Replay(replay::ReplayArgs),
     /// Convert or inspect traces.
     Trace(trace::TraceArgs),
     /// Play a trace against a live OpenAI endpoint on its own timeline; report TTFT, ITL,

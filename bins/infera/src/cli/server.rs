@@ -77,9 +77,20 @@ pub struct ServerArgs {
 
     /// auto: the in-process policy picks each request's worker; direct: use the worker named
     /// in the x-worker-instance-id header (set by a Gateway API Inference Extension endpoint
-    /// picker).
-    #[arg(long, value_enum, default_value = "auto", help_heading = ROUTING)]
+    /// picker), the policy's pick when a request has none.
+    #[arg(long, env = "INFERA_ROUTER_MODE", value_enum, default_value = "auto", help_heading = ROUTING)]
     pub router_mode: RouterMode,
+
+    /// The Python Infera's data-plane choice: python (its asyncio router) or rust (its separate
+    /// router binary). Accepted for its command lines; Infera has one router, this one.
+    #[arg(
+        long,
+        env = "INFERA_ROUTER_BACKEND",
+        value_enum,
+        default_value = "python",
+        help_heading = ROUTING
+    )]
+    pub router_backend: RouterBackend,
 
     /// Routing policy used when --router-mode auto.
     #[arg(long, value_enum, default_value = "kv-aware", help_heading = ROUTING)]
@@ -108,7 +119,7 @@ pub struct ServerArgs {
 
     /// Retry on an alternate worker on a failure before the response starts (never
     /// mid-stream); 0 disables.
-    #[arg(long, default_value_t = 1, value_name = "N", help_heading = ROUTING)]
+    #[arg(long, env = "INFERA_REQUEST_MAX_RETRIES", default_value_t = 1, value_name = "N", help_heading = ROUTING)]
     pub request_max_retries: u32,
 
     /// How workers are discovered.
@@ -161,15 +172,15 @@ pub struct ServerArgs {
     pub nats_server: String,
 
     /// NATS requests: per-chunk inactivity timeout (0 = forever); e.g. 900s, 15m.
-    #[arg(long, default_value = "900s", value_name = "DURATION", help_heading = TRANSPORT)]
+    #[arg(long, env = "INFERA_NATS_REQ_IDLE_TIMEOUT", default_value = "900s", value_name = "DURATION", help_heading = TRANSPORT)]
     pub nats_req_idle_timeout: HumanDuration,
 
     /// NATS requests: hard wall-clock cap per request (0 = off).
-    #[arg(long, default_value = "0", value_name = "DURATION", help_heading = TRANSPORT)]
+    #[arg(long, env = "INFERA_NATS_REQ_MAX_DURATION", default_value = "0", value_name = "DURATION", help_heading = TRANSPORT)]
     pub nats_req_max_duration: HumanDuration,
 
     /// NATS requests: per-worker admission limit, beyond which requests get 429 (0 = off).
-    #[arg(long, default_value_t = 0, value_name = "N", help_heading = TRANSPORT)]
+    #[arg(long, env = "INFERA_NATS_REQ_MAX_PENDING", default_value_t = 0, value_name = "N", help_heading = TRANSPORT)]
     pub nats_req_max_pending: u32,
 
     /// HTTP requests to workers: TCP connect timeout; a worker not connected by then is
@@ -195,13 +206,14 @@ pub struct ServerArgs {
     /// Consecutive failures of a worker before its first response byte (unreachable, timeout,
     /// 5xx; 4xx and 429 excluded) that take it out of routing for a cooldown; 0 disables the
     /// circuit breaker.
-    #[arg(long, default_value_t = 3, value_name = "N", help_heading = ROUTING)]
+    #[arg(long, env = "INFERA_BREAKER_FAILURE_THRESHOLD", default_value_t = 3, value_name = "N", help_heading = ROUTING)]
     pub breaker_failure_threshold: u32,
 
     /// Seconds a tripped worker is excluded before one probe request is admitted; a successful
     /// probe closes the breaker.
     #[arg(
         long,
+        env = "INFERA_BREAKER_COOLDOWN_S",
         default_value = "5",
         value_name = "SECONDS",
         allow_negative_numbers = true,
@@ -212,6 +224,7 @@ pub struct ServerArgs {
     /// Ceiling of the breaker cooldown, which doubles on each failed probe.
     #[arg(
         long,
+        env = "INFERA_BREAKER_MAX_COOLDOWN_S",
         default_value = "60",
         value_name = "SECONDS",
         allow_negative_numbers = true,
@@ -222,7 +235,7 @@ pub struct ServerArgs {
     /// Continue a stream whose worker fails mid-stream on another worker (the text so far is
     /// carried in the prompt, the token budget reduced), at most N times per request and never
     /// on a worker that already failed it; mixed streams of one choice only. 0 disables.
-    #[arg(long, default_value_t = 0, value_name = "N", help_heading = ROUTING)]
+    #[arg(long, env = "INFERA_MIGRATION_LIMIT", default_value_t = 0, value_name = "N", help_heading = ROUTING)]
     pub migration_limit: u32,
 
     /// kvd Unix socket; enables POST /v1/cache/prewarm (L3 prefetch), which answers 503
@@ -232,7 +245,11 @@ pub struct ServerArgs {
 
     /// Enable the torch-profiler control plane (POST /v1/admin/profile/{start,stop}).
     /// [default: off]
-    #[arg(long)]
+    #[arg(
+        long,
+        env = "INFERA_ENABLE_PROFILING",
+        value_parser = python_truthy
+    )]
     pub enable_profiling: bool,
 
     /// Infera extension: 0 picks the cheapest worker (argmin); above 0 picks at random with
@@ -285,4 +302,20 @@ pub struct ServerArgs {
     /// Validate, print the resolved configuration as JSON on stdout and exit.
     #[arg(long)]
     pub check_config: bool,
+}
+
+/// `--router-backend` (accepted; see its help).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RouterBackend {
+    Python,
+    Rust,
+}
+
+/// A switch's environment variable as the Python Infera reads it: on for `1`, `true` or `yes`
+/// (any case), off for anything else, the empty value included.
+fn python_truthy(value: &str) -> Result<bool, std::convert::Infallible> {
+    Ok(matches!(
+        value.trim().to_ascii_lowercase().as_str(),
+        "1" | "true" | "yes"
+    ))
 }

@@ -1,0 +1,143 @@
+//! Flags of `infera replay`; `crate::replay_cmd` runs them.
+
+use clap::{Args, ValueEnum};
+use infera_replay::sim::DEFAULT_FRONTEND_US;
+use std::path::PathBuf;
+
+/// `--router-policy` values.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum PolicyArg {
+    KvAware,
+    RoundRobin,
+}
+
+/// `--playback` values.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum PlaybackArg {
+    /// Session turns that carry a think time (`infera trace synth` writes them) leave when
+    /// their predecessor finished plus that time; every other request at its recorded arrival.
+    Sessions,
+    /// Every request at its recorded arrival (open loop).
+    Timeline,
+}
+
+/// Arguments of `infera replay`.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Example: infera replay fixtures/traces/conversation_trace.parquet \
+    --kv-prefill-overlap-weight 20 --sweep kv-overlap-weight=0,1,4,16 --out results.parquet"
+)]
+pub struct ReplayArgs {
+    /// Trace to replay: `.parquet`, Mooncake `.jsonl`, Azure `.csv`, or a directory of recorded
+    /// Parquet segments.
+    pub trace: PathBuf,
+
+    /// Routing policy, as `infera server --router-policy`.
+    #[arg(long, value_enum, default_value = "kv-aware")]
+    pub router_policy: PolicyArg,
+    /// KV-aware: cache locality vs load balance, as `infera server`.
+    #[arg(long, default_value_t = 1.0)]
+    pub kv_overlap_weight: f64,
+    /// KV-aware PD: prefill-side weight. Without --prefill-workers/--decode-workers, a PD fleet is
+    /// simulated with a quarter of --workers as prefill workers.
+    #[arg(long)]
+    pub kv_prefill_overlap_weight: Option<f64>,
+    /// KV-aware PD: decode-side weight (same default split as above).
+    #[arg(long)]
+    pub kv_decode_overlap_weight: Option<f64>,
+    /// 0: cheapest worker wins; above 0: softmax over normalised costs (Infera extension).
+    #[arg(long, default_value_t = 0.0)]
+    pub router_temperature: f64,
+
+    /// Mixed (non-PD) workers in the simulated fleet.
+    #[arg(long, default_value_t = 8)]
+    pub workers: usize,
+    /// Prefill workers of a PD fleet (with --decode-workers).
+    #[arg(long, requires = "decode_workers")]
+    pub prefill_workers: Option<usize>,
+    /// Decode workers of a PD fleet (with --prefill-workers).
+    #[arg(long, requires = "prefill_workers")]
+    pub decode_workers: Option<usize>,
+    /// GPU KV-cache capacity per worker, in blocks [default: 1,048,576 tokens' worth at the block size]
+    #[arg(long)]
+    pub gpu_blocks: Option<usize>,
+    /// Simulated kvd host-RAM (L2) tier per worker, in blocks (0 = none).
+    #[arg(long, default_value_t = 0)]
+    pub host_blocks: u64,
+    /// Simulated kvd NVMe (L3) tier per worker, in blocks (0 = none).
+    #[arg(long, default_value_t = 0)]
+    pub disk_blocks: u64,
+    /// Tokens per KV block [default: the trace's]
+    #[arg(long)]
+    pub block_size: Option<u32>,
+    /// Engine per-step token budget.
+    #[arg(long, default_value_t = 8192)]
+    pub max_batched_tokens: u32,
+    /// Engine maximum running sequences.
+    #[arg(long, default_value_t = 256)]
+    pub max_seqs: u32,
+    /// Prefill time model, ms = A·t² + B·t + C for t new prompt tokens in a step.
+    #[arg(long, value_name = "A,B,C", default_value = "4.21e-7,0.01518,16.5")]
+    pub prefill_coeffs: String,
+    /// Decode step time model, ms = A·u² + B·u + C for KV-cache utilisation u in 0..1.
+    #[arg(long, value_name = "A,B,C", default_value = "-25.74,54.01,5.74")]
+    pub decode_coeffs: String,
+    /// Cost of loading one block from the host/disk tiers into the GPU.
+    #[arg(long, default_value_t = 0.02)]
+    pub load_ms_per_block: f64,
+    /// Play the trace this many times faster (arrival and think times are divided by it).
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// How requests are released: a session's turn after its predecessor's answer plus its
+    /// think time, or every request at its recorded arrival.
+    #[arg(long, value_enum, default_value = "sessions")]
+    pub playback: PlaybackArg,
+    /// Seed for tie-breaking, sampling and arrival spreading.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Delay between an engine storing blocks and the router seeing the KV event.
+    #[arg(long, default_value_t = 1.0)]
+    pub kv_event_delay_ms: f64,
+    /// Front-end cost of every request, in wall time (not divided by --speedup): the client's
+    /// request through the router to its engine (HTTP, parsing, hashing, routing) and the first
+    /// token's way back. Added to every request's TTFT and finish time; the engines and the
+    /// routing are not affected. The default was measured through `infera up` on loopback
+    /// (README, "Benchmarks": the fidelity bench); 0 reports the engines alone.
+    #[arg(long, default_value_t = DEFAULT_FRONTEND_US as f64 / 1000.0)]
+    pub frontend_ms: f64,
+    /// Retention class rule COND:CLASS[:ttl=SECONDS], first match wins, e.g.
+    /// 'input_length<2048:short' or '*:long:ttl=600' (repeatable; the trace's own column wins).
+    #[arg(long = "retention-rule", value_name = "RULE")]
+    pub retention_rules: Vec<String>,
+    /// Sweep an option over values, KEY=V1,V2,... (repeatable: a grid), e.g.
+    /// kv-overlap-weight=0,0.5,1,2,4,8,16,32.
+    #[arg(long = "sweep", value_name = "KEY=V1,V2,...")]
+    pub sweeps: Vec<String>,
+    /// Search the router's tunables and print the Pareto front of hit rate, TTFT p50 and balance
+    /// with the flags to use. Searches the --sweep axes when given [default: kv-overlap-weight
+    /// (the prefill weight on a PD fleet) 0..32 against router-temperature 0, 0.1, 0.5]; with
+    /// --plot, charts hit rate against balance with the recommended point marked.
+    #[arg(long)]
+    pub tune: bool,
+    /// Worker threads for sweeps [default: all cores]
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Keep Mooncake's ~3 s timestamp buckets instead of spreading arrivals within them.
+    #[arg(long)]
+    pub no_spread: bool,
+    /// Tokens per block of the trace's hash ids, as `infera trace import --trace-block-size`
+    /// [default: the format's]. The simulated engines' block size is --block-size.
+    #[arg(long, value_name = "TOKENS")]
+    pub trace_block_size: Option<u32>,
+    /// Write per-request rows to this Parquet file and a summary to FILE.summary.parquet.
+    #[arg(long, value_name = "FILE.parquet")]
+    pub out: Option<PathBuf>,
+    /// Chart each metric (hit rate, TTFT p50 and p99, TPOT, tokens/s, imbalance) against the
+    /// swept value, one line per value of the other --sweep (.svg or .png); with --tune, the
+    /// Pareto front.
+    #[arg(long, value_name = "FILE.svg|FILE.png")]
+    pub plot: Option<PathBuf>,
+}
