@@ -16,10 +16,13 @@
 //!   pipeline that turns any transport's frames into index events (sequence, epoch, gaps, restarts).
 //! - [`ports`]: the plugin traits backends and edges implement (discovery, request transport,
 //!   KV-event source, prefetch, metrics sources).
+//! - [`error`]: the one table from an error's code to its HTTP status and OpenAI / Anthropic
+//!   error types.
 //! - [`clock`], [`rng`]: time and randomness as explicit inputs, so replay is deterministic.
 
 pub mod clock;
 pub mod engine;
+pub mod error;
 pub mod event;
 pub mod fleet;
 pub mod hashing;

@@ -53,6 +53,8 @@ impl ApiError {
         }
     }
 
+    /// vLLM's own error types (the mock speaks an engine's wire, not the server's
+    /// `infera_core::error` table).
     fn kind(&self) -> &'static str {
         match self.status {
             StatusCode::NOT_FOUND => "NotFoundError",

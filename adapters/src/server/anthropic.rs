@@ -25,6 +25,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::Response;
 use futures::StreamExt as _;
 use http_body_util::BodyExt as _;
+use infera_core::error::ErrorCode;
 use serde_json::{Map, Value, json};
 
 /// Translates a Messages request body into a chat completions body.
@@ -192,17 +193,9 @@ fn usage(usage: Option<&Value>) -> Value {
     out
 }
 
-/// The Messages error body for `status` and `message`.
+/// The Messages error body for `status` and `message` (the type from [`ErrorCode`]'s table).
 pub(crate) fn error_body(status: StatusCode, message: &str) -> Value {
-    let kind = match status {
-        StatusCode::BAD_REQUEST | StatusCode::UNPROCESSABLE_ENTITY => "invalid_request_error",
-        StatusCode::NOT_FOUND => "not_found_error",
-        StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
-        StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
-        StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
-        s if s.is_client_error() => "invalid_request_error",
-        _ => "api_error",
-    };
+    let kind = ErrorCode::of_status(status).anthropic_type();
     json!({"type": "error", "error": {"type": kind, "message": message}})
 }
 

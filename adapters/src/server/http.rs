@@ -13,6 +13,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use infera_core::error::{ErrorCode, ServiceError as _};
 use infera_core::hashing::hash_blocks;
 use infera_core::ids::{RequestId, WorkerRank};
 use infera_core::policy::{DirectPick, PolicyKind, RouteError, RouteRequest};
@@ -52,18 +53,7 @@ impl ApiError {
     }
 
     fn kind(&self) -> &'static str {
-        match self.status {
-            StatusCode::NOT_FOUND => "NotFoundError",
-            StatusCode::PAYLOAD_TOO_LARGE => "RequestTooLargeError",
-            StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
-            StatusCode::BAD_GATEWAY => "BadGatewayError",
-            StatusCode::GATEWAY_TIMEOUT => "TimeoutError",
-            StatusCode::TOO_MANY_REQUESTS => "RateLimitError",
-            StatusCode::UNAUTHORIZED => "AuthenticationError",
-            StatusCode::REQUEST_TIMEOUT => "TimeoutError",
-            s if s.is_client_error() => "BadRequestError",
-            _ => "InternalServerError",
-        }
+        ErrorCode::of_status(self.status).openai_type()
     }
 
     pub(crate) fn body(&self) -> Value {
@@ -82,18 +72,9 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// The one mapping from a routing error to an HTTP status.
+/// A routing error as the client's answer (its status from [`ErrorCode`]'s table).
 pub(crate) fn route_error(e: &RouteError) -> ApiError {
-    let status = match e {
-        RouteError::UnknownModel(_) => StatusCode::NOT_FOUND,
-        RouteError::NoWorker { .. }
-        | RouteError::UnknownWorker(_)
-        | RouteError::Draining(_)
-        | RouteError::UnknownRank { .. } => StatusCode::SERVICE_UNAVAILABLE,
-        RouteError::WrongModel { .. } => StatusCode::BAD_REQUEST,
-        RouteError::MissingBlockSize(_) => StatusCode::INTERNAL_SERVER_ERROR,
-    };
-    ApiError::new(status, e.to_string())
+    ApiError::new(e.code().http_status(), e.to_string())
 }
 
 pub(crate) fn router(state: ServerState) -> axum::Router {

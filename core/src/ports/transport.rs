@@ -163,13 +163,9 @@ pub enum TransportError {
 }
 
 impl TransportError {
-    /// The status a client sees for this error.
+    /// The status a client sees for this error (its [`crate::error::ErrorCode`]'s).
     pub fn status(&self) -> StatusCode {
-        match self {
-            Self::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Self::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
-            Self::Unreachable(_) | Self::Sequence(_) | Self::Failed(_) => StatusCode::BAD_GATEWAY,
-        }
+        crate::error::ServiceError::code(self).http_status()
     }
 
     /// Whether another worker may be tried (only before the first response byte).

@@ -44,6 +44,7 @@
 use super::pd_abort::{AbortGuard, LegTarget, PrefillMark};
 use axum::body::Bytes;
 use futures::StreamExt as _;
+use infera_core::error::{ErrorCode, ServiceError};
 use infera_core::event::{Role, WorkerRecord};
 use infera_core::ids::WorkerRank;
 use infera_core::pd::{PdProtocol, Registered};
@@ -122,13 +123,20 @@ pub(crate) enum PdError {
     },
 }
 
-impl PdError {
-    /// The status the client gets: 500 for the fleet's configuration, 502 for a prefill answer.
-    pub(crate) fn status(&self) -> axum::http::StatusCode {
+impl ServiceError for PdError {
+    /// Internal for the fleet's configuration, a bad gateway for a prefill's answer.
+    fn code(&self) -> ErrorCode {
         match self {
-            PdError::Handoff { .. } => axum::http::StatusCode::BAD_GATEWAY,
-            _ => axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            PdError::Handoff { .. } => ErrorCode::BadGateway,
+            _ => ErrorCode::Internal,
         }
+    }
+}
+
+impl PdError {
+    /// The status the client gets (see [`ServiceError::code`]).
+    pub(crate) fn status(&self) -> axum::http::StatusCode {
+        self.code().http_status()
     }
 }
 
