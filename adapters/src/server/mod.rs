@@ -64,6 +64,8 @@ mod body;
 mod breaker;
 mod client;
 mod durable;
+#[cfg(test)]
+mod fuzz;
 mod http;
 mod metrics;
 mod migrate;

@@ -43,7 +43,7 @@ fn bad(message: impl Into<String>) -> ApiError {
     ApiError::new(StatusCode::BAD_REQUEST, message)
 }
 
-fn hex_key(i: usize, v: &Value) -> Result<Vec<u8>, ApiError> {
+pub(super) fn hex_key(i: usize, v: &Value) -> Result<Vec<u8>, ApiError> {
     let s = v
         .as_str()
         .ok_or_else(|| bad(format!("`block_hashes[{i}]` must be a hex string")))?;

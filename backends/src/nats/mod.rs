@@ -237,4 +237,37 @@ mod tests {
             assert!(!err.is_empty());
         }
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// A worker reads any bytes as a request or a message saying why not; never a panic.
+        #[test]
+        fn any_payload_is_a_request_or_a_reason(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
+        ) {
+            if let Err(reason) = RequestPayload::parse(&bytes) {
+                proptest::prop_assert!(!reason.is_empty());
+            }
+        }
+
+        /// What the server encodes, the worker reads back field for field.
+        #[test]
+        fn encoded_requests_parse_back(
+            path in "/[a-z/]{0,16}",
+            stream in proptest::prelude::any::<bool>(),
+            header in "[a-z-]{1,12}",
+            value in "[ -~]{0,16}",
+            text in "[ -~]{0,32}",
+        ) {
+            let body = json!({"model": "m", "prompt": text});
+            let bytes = encode_request(&path, stream, &[(&header, &value)], body.to_string().as_bytes());
+            let payload = RequestPayload::parse(&bytes).unwrap();
+            proptest::prop_assert_eq!(payload.path, path);
+            proptest::prop_assert_eq!(payload.stream, stream);
+            proptest::prop_assert_eq!(payload.body, body);
+            let headers = payload.headers.unwrap_or_default();
+            proptest::prop_assert_eq!(headers.get(&header), Some(&Value::String(value)));
+        }
+    }
 }
