@@ -13,7 +13,7 @@
 //! A non-hex key (any non-ASCII character included) is a 400 naming it, never a panic.
 
 use super::ServerState;
-use super::http::{ApiError, Input, parse_messages, parse_prompt, read_body, tokenize};
+use super::http::{ApiError, Input, parse_messages, parse_prompt, tokenize};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -81,7 +81,12 @@ pub(crate) async fn prewarm(
 }
 
 async fn handle(st: &ServerState, headers: &HeaderMap, body: Body) -> Result<usize, ApiError> {
-    let bytes = read_body(body, headers, st.inner.options.max_body_bytes).await?;
+    // The body and its JSON tree are charged to the parse budget until the keys are sent.
+    let options = &st.inner.options;
+    let budget = &options.client.parse_budget;
+    let (bytes, mut charge) =
+        super::body::read_limited(body, headers, options.max_body_bytes, Some(budget)).await?;
+    super::body::charge_tree(budget, &mut charge, bytes.len())?;
     let json: Value = serde_json::from_slice(&bytes)
         .map_err(|e| bad(format!("request body is not valid JSON: {e}")))?;
     let obj = json
