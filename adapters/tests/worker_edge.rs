@@ -380,6 +380,15 @@ async fn a_failing_worker_is_taken_out_of_routing_until_a_probe_succeeds() {
     assert_eq!(front.state.breaker_state(&bad.id()), BreakerState::Open);
     assert_eq!(front.state.metrics().breaker_trips_total(), 1);
     assert_eq!(front.metric("infera_breaker_open_workers").await, 1);
+    let (_, workers) = get(front.addr, "/v1/workers").await;
+    let workers: serde_json::Value = serde_json::from_str(&workers).unwrap();
+    let bad_entry = workers["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["record"]["worker_id"] == bad.id().as_str())
+        .unwrap();
+    assert_eq!(bad_entry["breaker"], "open", "{workers}");
     let retries = front.state.metrics().retries_total();
     for _ in 0..6 {
         complete_ok(&front).await;

@@ -400,6 +400,7 @@ async fn workers(State(st): State<ServerState>) -> Response {
                     "record": w,
                     "draining": draining.is_some(),
                     "drain_reason": draining,
+                    "breaker": st.inner.breaker.state_of(&w.worker_id).as_str(),
                     "load": ranks,
                 })
             })
