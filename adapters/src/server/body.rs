@@ -197,7 +197,7 @@ fn bad(message: impl Into<String>) -> ApiError {
 ///
 /// # Errors
 /// A 400 naming the field at fault, as the JSON-tree parse did.
-pub(super) fn parse(bytes: Bytes, shape: Shape) -> Result<Parsed, ApiError> {
+pub(super) fn parse(bytes: Bytes, shape: Shape, default: Retention) -> Result<Parsed, ApiError> {
     let not_json = |e: serde_json::Error| bad(format!("request body is not valid JSON: {e}"));
     let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
     if first != Some(&b'{') {
@@ -235,7 +235,7 @@ pub(super) fn parse(bytes: Bytes, shape: Shape) -> Result<Parsed, ApiError> {
     let session_id = fields
         .session_id
         .and_then(|raw| serde_json::from_str::<String>(raw.get()).ok());
-    let (retention, edit) = retention(&fields, &bytes)?;
+    let (retention, edit) = retention(&fields, &bytes, default)?;
     let forward = match edit {
         Edit::None => bytes.clone(),
         Edit::Append(stamp) => append_params(&bytes, stamp),
@@ -300,8 +300,12 @@ enum Edit {
 
 /// The client's retention hint and the stamp the body needs (PROTOCOLS.md §5): the client's
 /// own `kv_transfer_params.infera_retention` kept, else derived from `prompt_cache_retention`,
-/// else `long`.
-fn retention(fields: &Fields<'_>, body: &[u8]) -> Result<(Option<Retention>, Edit), ApiError> {
+/// else `default` (`--default-retention`, `long` unless set).
+fn retention(
+    fields: &Fields<'_>,
+    body: &[u8],
+    default: Retention,
+) -> Result<(Option<Retention>, Edit), ApiError> {
     let mut hint = None;
     let mut missing: Option<&RawValue> = None;
     let mut params: Option<&RawValue> = None;
@@ -341,7 +345,7 @@ fn retention(fields: &Fields<'_>, body: &[u8]) -> Result<(Option<Retention>, Edi
             "none" | "off" => Some(Retention::None),
             _ => None,
         });
-    let stamp = hint.unwrap_or(Retention::Long).as_str();
+    let stamp = hint.unwrap_or(default).as_str();
     let edit = match (fields.kv_transfer_params, params, missing) {
         (None, _, _) => Edit::Append(stamp),
         // `"infera_retention": null` becomes the stamp.
@@ -402,7 +406,12 @@ mod tests {
     /// The hint and what the engine receives for a completions body, checked against the
     /// object the JSON-tree stamping built.
     fn forwarded(body: &str) -> (Option<Retention>, Value) {
-        let parsed = parse(Bytes::copy_from_slice(body.as_bytes()), Shape::Prompt).unwrap();
+        let parsed = parse(
+            Bytes::copy_from_slice(body.as_bytes()),
+            Shape::Prompt,
+            Retention::Long,
+        )
+        .unwrap();
         let sent: Value = serde_json::from_slice(&parsed.forward).unwrap();
         let mut want: Value = serde_json::from_str(body).unwrap();
         let params = &mut want["kv_transfer_params"];
@@ -425,13 +434,29 @@ mod tests {
             sent["kv_transfer_params"],
             json!({"infera_retention": "long"})
         );
+        // `--default-retention` (INFERA_ROUTER_DEFAULT_RETENTION) replaces `long` there.
+        let body = b"{\"model\":\"m\",\"prompt\":\"hi\"}";
+        let parsed = parse(Bytes::from_static(body), Shape::Prompt, Retention::None).unwrap();
+        let sent: Value = serde_json::from_slice(&parsed.forward).unwrap();
+        assert_eq!(
+            (
+                parsed.retention,
+                &sent["kv_transfer_params"]["infera_retention"]
+            ),
+            (None, &json!("none"))
+        );
         // OpenAI's prompt_cache_retention maps onto a class.
         let (hint, sent) = forwarded(r#"{"model":"m","prompt":[1],"prompt_cache_retention":"5m"}"#);
         assert_eq!(hint, Some(Retention::Short));
         assert_eq!(sent["kv_transfer_params"]["infera_retention"], "short");
         // The client's own stamp wins, its bytes go on untouched.
         let body = r#"{"model":"m","prompt":"x","prompt_cache_retention":"24h","kv_transfer_params":{"infera_retention":"none","x":1}}"#;
-        let parsed = parse(Bytes::from_static(body.as_bytes()), Shape::Prompt).unwrap();
+        let parsed = parse(
+            Bytes::from_static(body.as_bytes()),
+            Shape::Prompt,
+            Retention::Long,
+        )
+        .unwrap();
         assert_eq!(parsed.retention, Some(Retention::None));
         assert_eq!(&parsed.forward[..], body.as_bytes());
         // Existing params without a stamp, a null stamp, an empty object or null gain one.
@@ -480,7 +505,12 @@ mod tests {
                 "duplicate field",
             ),
         ] {
-            let e = parse(Bytes::from_static(body.as_bytes()), Shape::Prompt).unwrap_err();
+            let e = parse(
+                Bytes::from_static(body.as_bytes()),
+                Shape::Prompt,
+                Retention::Long,
+            )
+            .unwrap_err();
             assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
             assert!(e.message.contains(needle), "{body}: {}", e.message);
         }
@@ -495,7 +525,12 @@ mod tests {
                 "`messages` is malformed",
             ),
         ] {
-            let e = parse(Bytes::from_static(body.as_bytes()), Shape::Messages).unwrap_err();
+            let e = parse(
+                Bytes::from_static(body.as_bytes()),
+                Shape::Messages,
+                Retention::Long,
+            )
+            .unwrap_err();
             assert!(e.message.contains(needle), "{body}: {}", e.message);
         }
     }
@@ -503,7 +538,12 @@ mod tests {
     #[test]
     fn a_chat_body_and_its_session_are_read() {
         let body = r#"{"model":"m","stream":true,"session_id":"s1","messages":[{"role":"user","content":"hi"}]}"#;
-        let parsed = parse(Bytes::from_static(body.as_bytes()), Shape::Messages).unwrap();
+        let parsed = parse(
+            Bytes::from_static(body.as_bytes()),
+            Shape::Messages,
+            Retention::Long,
+        )
+        .unwrap();
         assert_eq!(parsed.model, "m");
         assert!(parsed.stream);
         assert_eq!(parsed.session_id.as_deref(), Some("s1"));

@@ -17,6 +17,7 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse as _, Response};
+use infera_core::event::Retention;
 use std::fmt;
 use std::sync::Arc;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -31,6 +32,8 @@ pub struct ClientOptions {
     pub admin_token: Option<AdminToken>,
     /// Bytes of request bodies being read and parsed at once (`--parse-budget`).
     pub parse_budget: ParseBudget,
+    /// The retention stamped on a request that asks for none (`--default-retention`).
+    pub default_retention: Retention,
 }
 
 /// A bearer token; never printed.

@@ -9,6 +9,7 @@ use super::anthropic::{SseTranslator, to_chat};
 use super::body::{Shape, parse};
 use super::prewarm::hex_key;
 use axum::body::Bytes;
+use infera_core::event::Retention;
 use proptest::prelude::*;
 use serde_json::{Map, Value, json};
 
@@ -66,7 +67,7 @@ proptest! {
         chat in any::<bool>(),
     ) {
         let shape = if chat { Shape::Messages } else { Shape::Prompt };
-        if let Err(e) = parse(Bytes::from(bytes), shape) {
+        if let Err(e) = parse(Bytes::from(bytes), shape, Retention::Long) {
             assert_client_error(e.status, &e.message);
         }
     }
@@ -78,7 +79,7 @@ proptest! {
         chat in any::<bool>(),
     ) {
         let shape = if chat { Shape::Messages } else { Shape::Prompt };
-        match parse(mutated(shape, key, value), shape) {
+        match parse(mutated(shape, key, value), shape, Retention::Short) {
             // What is forwarded is still one JSON object.
             Ok(parsed) => {
                 let forwarded: Value = serde_json::from_slice(&parsed.forward).unwrap();

@@ -212,7 +212,7 @@ async fn pipeline(
         retention,
         forward: forward_body,
         session_id,
-    } = super::body::parse(bytes, shape)?;
+    } = super::body::parse(bytes, shape, options.client.default_retention)?;
     let direct = if options.direct {
         direct_pick(headers)?
     } else {

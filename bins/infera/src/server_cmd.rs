@@ -106,6 +106,7 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
             parse_budget: infera_adapters::server::ParseBudget::new(
                 usize::try_from(config.http.parse_budget.bytes()).unwrap_or(usize::MAX),
             ),
+            default_retention: config.router.default_retention,
         },
     };
     tokio::runtime::Builder::new_multi_thread()

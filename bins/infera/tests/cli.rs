@@ -818,12 +818,14 @@ fn the_python_infera_variables_are_read_and_flags_override_them() {
         ("INFERA_BREAKER_MAX_COOLDOWN_S", "30"),
         ("INFERA_MIGRATION_LIMIT", "2"),
         ("INFERA_ROUTER_BACKEND", "rust"),
+        ("INFERA_ROUTER_DEFAULT_RETENTION", "short"),
     ];
     let server = ["server", "--router-tokenizer-path", tok];
     let c = check_config_with_env(&server, &server_env);
     for (pointer, expected) in [
         ("/router/mode", json!("direct")),
         ("/router/request_max_retries", json!(4)),
+        ("/router/default_retention", json!("short")),
         ("/enable_profiling", json!(true)),
         ("/nats/req_idle_timeout", json!("30s")),
         ("/nats/req_max_duration", json!("2m")),

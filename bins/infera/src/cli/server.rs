@@ -92,6 +92,18 @@ pub struct ServerArgs {
     )]
     pub router_backend: RouterBackend,
 
+    /// Infera extension: the retention class stamped on a request that asks for none (no
+    /// kv_transfer_params.infera_retention or prompt_cache_retention): none, short or long.
+    #[arg(
+        long,
+        env = "INFERA_ROUTER_DEFAULT_RETENTION",
+        value_enum,
+        default_value = "long",
+        value_name = "CLASS",
+        help_heading = ROUTING
+    )]
+    pub default_retention: DefaultRetention,
+
     /// Routing policy used when --router-mode auto.
     #[arg(long, value_enum, default_value = "kv-aware", help_heading = ROUTING)]
     pub router_policy: RouterPolicy,
@@ -302,6 +314,24 @@ pub struct ServerArgs {
     /// Validate, print the resolved configuration as JSON on stdout and exit.
     #[arg(long)]
     pub check_config: bool,
+}
+
+/// `--default-retention`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DefaultRetention {
+    None,
+    Short,
+    Long,
+}
+
+impl From<DefaultRetention> for infera_core::event::Retention {
+    fn from(r: DefaultRetention) -> Self {
+        match r {
+            DefaultRetention::None => Self::None,
+            DefaultRetention::Short => Self::Short,
+            DefaultRetention::Long => Self::Long,
+        }
+    }
 }
 
 /// `--router-backend` (accepted; see its help).

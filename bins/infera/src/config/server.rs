@@ -140,6 +140,8 @@ pub struct RouterConfig {
     pub temperature: f64,
     /// Failovers before the first response byte.
     pub request_max_retries: u32,
+    /// The retention of a request that asks for none.
+    pub default_retention: infera_core::event::Retention,
 }
 
 /// The NATS broker and the limits of NATS requests.
@@ -263,6 +265,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
             )?,
             temperature: non_negative_f64("--router-temperature", args.router_temperature)?,
             request_max_retries: args.request_max_retries,
+            default_retention: args.default_retention.into(),
         };
         let http = HttpConfig {
             host: args.host,
