@@ -8,17 +8,38 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 /// Variables that would change the defaults under test; every run starts without them.
-const ENV_FALLBACKS: [&str; 4] = [
+/// Variables the commands read, removed so the machine's own cannot leak into the tests.
+const ENV_FALLBACKS: &[&str] = &[
     "NATS_SERVER",
     "INFERA_K8S_LABEL_SELECTOR",
     "INFERA_ENGINE_CMD",
     "RUST_LOG",
+    "INFERA_ROUTER_MODE",
+    "INFERA_ROUTER_BACKEND",
+    "INFERA_ROUTER_DEFAULT_RETENTION",
+    "INFERA_REQUEST_MAX_RETRIES",
+    "INFERA_ENABLE_PROFILING",
+    "INFERA_NATS_REQ_IDLE_TIMEOUT",
+    "INFERA_NATS_REQ_MAX_DURATION",
+    "INFERA_NATS_REQ_MAX_PENDING",
+    "INFERA_BREAKER_FAILURE_THRESHOLD",
+    "INFERA_BREAKER_COOLDOWN_S",
+    "INFERA_BREAKER_MAX_COOLDOWN_S",
+    "INFERA_MIGRATION_LIMIT",
+    "INFERA_DRAIN_TIMEOUT",
+    "INFERA_ADMIN_TOKEN",
+    "INFERA_DEFAULT_KV_FP8",
+    "INFERA_KVD_IO_MODE",
+    "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "HF_HOME",
+    "HF_REVISION",
 ];
 
 fn infera_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_infera"));
     command.args(args);
-    for name in ENV_FALLBACKS {
+    for name in ENV_FALLBACKS.iter().copied() {
         command.env_remove(name);
     }
     command.envs(env.iter().copied());
@@ -417,6 +438,41 @@ fn a_tokenizer_file_is_accepted_as_well_as_a_directory() {
         path_str(tokenizer.path()),
     ]);
     assert_eq!(config["router"]["tokenizer_file"], json!(path_str(&file)));
+}
+
+#[test]
+fn a_hugging_face_model_id_is_read_from_the_local_cache() {
+    // The hub layout huggingface_hub writes: a ref naming a snapshot.
+    let cache = tempfile::tempdir().unwrap();
+    let model = cache.path().join("models--Qwen--Qwen3-0.6B");
+    std::fs::create_dir_all(model.join("refs")).unwrap();
+    std::fs::create_dir_all(model.join("snapshots/0123abcd")).unwrap();
+    std::fs::write(model.join("refs/main"), "0123abcd").unwrap();
+    let file = model.join("snapshots/0123abcd/tokenizer.json");
+    std::fs::write(&file, b"{}").unwrap();
+    let env = [("HF_HUB_CACHE", path_str(cache.path()))];
+    let server = ["server", "--router-tokenizer-path", "Qwen/Qwen3-0.6B"];
+    let config = check_config_with_env(&server, &env);
+    assert_eq!(config["router"]["tokenizer_path"], json!("Qwen/Qwen3-0.6B"));
+    assert_eq!(config["router"]["tokenizer_file"], json!(path_str(&file)));
+    // A model the cache lacks: one line naming the cache and how to fill it.
+    let output = infera_with_env(
+        &[
+            "server",
+            "--router-tokenizer-path",
+            "Qwen/Qwen3-8B",
+            "--check-config",
+        ],
+        &env,
+    );
+    assert_eq!(output.status.code(), Some(2));
+    let message = stderr(&output);
+    assert!(message.contains("--router-tokenizer-path"), "{message}");
+    assert!(message.contains(path_str(cache.path())), "{message}");
+    assert!(
+        message.contains("huggingface-cli download Qwen/Qwen3-8B"),
+        "{message}"
+    );
 }
 
 #[test]

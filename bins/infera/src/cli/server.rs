@@ -70,8 +70,9 @@ pub struct ServerArgs {
     )]
     pub admin_token: Option<String>,
 
-    /// Tokenizer for prefix hashing (required): a directory containing tokenizer.json, or a
-    /// tokenizer.json file. Must match the workers' model.
+    /// Tokenizer for prefix hashing (required): a directory containing tokenizer.json, a
+    /// tokenizer.json file, or a Hugging Face model id (e.g. Qwen/Qwen3-0.6B) found in the
+    /// local Hugging Face cache (HF_HUB_CACHE, HF_HOME). Must match the workers' model.
     #[arg(long, value_name = "PATH", help_heading = ROUTING)]
     pub router_tokenizer_path: Option<PathBuf>,
 

@@ -11,6 +11,7 @@
 //! (`deny_unknown_fields`), so a printed config is a complete, reloadable description.
 //! The enums shared by the argument structs and the configs live here.
 
+pub mod hf;
 pub mod kvd;
 pub mod server;
 pub mod units;

@@ -335,11 +335,20 @@ fn tokenizer(path: Option<PathBuf>) -> Result<(PathBuf, PathBuf), ConfigError> {
         return Ok((path, file));
     }
     if !path.exists() {
+        // A Hugging Face model id, as the Python server takes it: from the local cache.
+        if let Some(id) = path.to_str().filter(|p| super::hf::is_model_id(p)) {
+            let env = |key: &str| std::env::var(key).ok();
+            let file = super::hf::cached_tokenizer(id, &env)
+                .map_err(|message| ConfigError::new(FLAG, message))?;
+            readable_file(FLAG, &file)?;
+            return Ok((path, file));
+        }
         return Err(ConfigError::new(
             FLAG,
             format!(
                 "names {}, which does not exist (expected a directory containing \
-                 tokenizer.json, or a tokenizer.json file)",
+                 tokenizer.json, a tokenizer.json file, or a Hugging Face model id in the \
+                 local cache)",
                 path.display()
             ),
         ));
