@@ -15,7 +15,7 @@ use infera_adapters::server::{
 };
 use infera_adapters::tokenize::Tokenizer;
 use infera_core::engine::EngineConfig;
-use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
+use infera_core::event::{Engine, WorkerRecord};
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
 use infera_core::policy::{PolicyKind, RouterConfig};
@@ -365,21 +365,13 @@ async fn a_big_token_array_is_parsed_routed_and_forwarded_whole() {
         let _ = mock_stopped.await;
     }));
     let front = Front::start(ClientOptions::default()).await;
-    front.state.register_worker(WorkerRecord {
-        worker_id: WorkerId::new(mock_addr.to_string()),
-        url: format!("http://{mock_addr}"),
-        model_name: MODEL.to_owned(),
-        engine: Engine::Vllm,
-        disagg_mode: Role::Mixed,
-        disagg_meta: None,
-        kv_events_endpoint: None,
-        kv_block_size: 16,
-        dp_rank: 0,
-        dp_size: 1,
-        request_transport: RequestTransport::Http,
-        kv: None,
-        extra: serde_json::Map::new(),
-    });
+    front.state.register_worker(WorkerRecord::mixed(
+        WorkerId::new(mock_addr.to_string()),
+        format!("http://{mock_addr}"),
+        MODEL,
+        Engine::Vllm,
+        16,
+    ));
     let n = 100_000;
     let body = token_prompt(n);
     let ex = request_with(front.addr, "POST", "/v1/completions", &[], body).await;

@@ -21,7 +21,7 @@ use infera_adapters::server::{
 };
 use infera_adapters::tokenize::Tokenizer;
 use infera_core::clock::VirtualClock;
-use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
+use infera_core::event::{Engine, WorkerRecord};
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
 use infera_core::policy::{PolicyKind, RouterConfig};
@@ -169,21 +169,7 @@ impl Fake {
     }
 
     fn record(&self) -> WorkerRecord {
-        WorkerRecord {
-            worker_id: self.id(),
-            url: format!("http://{}", self.addr),
-            model_name: MODEL.to_owned(),
-            engine: Engine::Vllm,
-            disagg_mode: Role::Mixed,
-            disagg_meta: None,
-            kv_events_endpoint: None,
-            kv_block_size: 16,
-            dp_rank: 0,
-            dp_size: 1,
-            request_transport: RequestTransport::Http,
-            kv: None,
-            extra: serde_json::Map::new(),
-        }
+        record_at(self.addr)
     }
 }
 
@@ -553,21 +539,8 @@ async fn serve_app(app: axum::Router) -> (SocketAddr, JoinHandle<()>) {
 }
 
 fn record_at(addr: SocketAddr) -> WorkerRecord {
-    WorkerRecord {
-        worker_id: WorkerId::new(addr.to_string()),
-        url: format!("http://{addr}"),
-        model_name: MODEL.to_owned(),
-        engine: Engine::Vllm,
-        disagg_mode: Role::Mixed,
-        disagg_meta: None,
-        kv_events_endpoint: None,
-        kv_block_size: 16,
-        dp_rank: 0,
-        dp_size: 1,
-        request_transport: RequestTransport::Http,
-        kv: None,
-        extra: serde_json::Map::new(),
-    }
+    let id = WorkerId::new(addr.to_string());
+    WorkerRecord::mixed(id, format!("http://{addr}"), MODEL, Engine::Vllm, 16)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

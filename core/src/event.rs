@@ -171,6 +171,32 @@ pub struct WorkerRecord {
 pub const KV_EVENTS_REPLAY_ENDPOINT: &str = "kv_events_replay_endpoint";
 
 impl WorkerRecord {
+    /// A mixed (non-PD) worker of one DP rank reached over HTTP, with nothing else registered:
+    /// the record a plain engine's launcher writes, and the base the others change.
+    pub fn mixed(
+        worker_id: WorkerId,
+        url: String,
+        model_name: &str,
+        engine: Engine,
+        kv_block_size: u32,
+    ) -> Self {
+        Self {
+            worker_id,
+            url,
+            model_name: model_name.to_owned(),
+            engine,
+            disagg_mode: Role::Mixed,
+            disagg_meta: None,
+            kv_events_endpoint: None,
+            kv_block_size,
+            dp_rank: 0,
+            dp_size: 1,
+            request_transport: RequestTransport::Http,
+            kv: None,
+            extra: serde_json::Map::new(),
+        }
+    }
+
     /// Where the engine replays KV-event batches it already published, if it says.
     pub fn kv_events_replay_endpoint(&self) -> Option<&str> {
         self.extra

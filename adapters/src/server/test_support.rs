@@ -3,7 +3,7 @@
 
 use super::{ServerOptions, ServerState};
 use crate::tokenize::Tokenizer;
-use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
+use infera_core::event::{Engine, WorkerRecord};
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
 use infera_core::policy::RouterConfig;
@@ -28,19 +28,11 @@ pub(crate) fn state() -> ServerState {
 
 /// A vLLM worker `id` of model `m`, block size 16, one dp rank, HTTP transport.
 pub(crate) fn record(id: &str) -> WorkerRecord {
-    WorkerRecord {
-        worker_id: WorkerId::new(id),
-        url: format!("http://{id}"),
-        model_name: "m".into(),
-        engine: Engine::Vllm,
-        disagg_mode: Role::Mixed,
-        disagg_meta: None,
-        kv_events_endpoint: None,
-        kv_block_size: 16,
-        dp_rank: 0,
-        dp_size: 1,
-        request_transport: RequestTransport::Http,
-        kv: None,
-        extra: serde_json::Map::new(),
-    }
+    WorkerRecord::mixed(
+        WorkerId::new(id),
+        format!("http://{id}"),
+        "m",
+        Engine::Vllm,
+        16,
+    )
 }

@@ -38,7 +38,7 @@ use infera_adapters::server::{ServerOptions, ServerState, serve};
 use infera_adapters::tokenize::Tokenizer;
 use infera_core::clock::Clock as _;
 use infera_core::engine::EngineConfig;
-use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
+use infera_core::event::{Engine, WorkerRecord};
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
 use infera_core::policy::{PolicyKind, RouterConfig};
@@ -216,21 +216,9 @@ fn fleet(
                 Engines::Mock => mock_engine().await,
                 Engines::Instant => instant_engine().await,
             };
-            state.register_worker(WorkerRecord {
-                worker_id: WorkerId::new(addr.to_string()),
-                url: format!("http://{addr}"),
-                model_name: MODEL.to_owned(),
-                engine: Engine::Vllm,
-                disagg_mode: Role::Mixed,
-                disagg_meta: None,
-                kv_events_endpoint: None,
-                kv_block_size: 16,
-                dp_rank: 0,
-                dp_size: 1,
-                request_transport: RequestTransport::Http,
-                kv: None,
-                extra: serde_json::Map::new(),
-            });
+            let id = WorkerId::new(addr.to_string());
+            let url = format!("http://{addr}");
+            state.register_worker(WorkerRecord::mixed(id, url, MODEL, Engine::Vllm, 16));
             workers.push(addr);
         }
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
