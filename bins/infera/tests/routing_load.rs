@@ -31,7 +31,7 @@ enum Transport {
 /// etcd (and nats-server), three mock workers and the server, with every worker discovered.
 /// This file's fleets run one at a time: each picks its ports by probing for free ones, and
 /// fleets started at once raced for them (a worker that lost never registered).
-static ONE_FLEET: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static ONE_FLEET: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 struct Fleet {
     server_port: u16,
@@ -40,15 +40,13 @@ struct Fleet {
     _etcd: EtcdServer,
     _nats: Option<NatsServer>,
     /// Held until everything above is stopped.
-    _one: std::sync::MutexGuard<'static, ()>,
+    _one: tokio::sync::MutexGuard<'static, ()>,
 }
 
 impl Fleet {
     /// Starts the fleet; `mock` flags go to every worker.
     async fn start(transport: Transport, workers: usize, mock: &[&str]) -> Fleet {
-        let one = ONE_FLEET
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let one = ONE_FLEET.lock().await;
         let etcd = EtcdServer::start().await.expect("etcd starts");
         let nats = match transport {
             Transport::HttpZmq => None,
