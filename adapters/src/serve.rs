@@ -13,8 +13,12 @@
 //!   [`ServeLimits::idle_timeout`] after its last response is closed.
 //! - **Bodies.** A request body must arrive whole within [`ServeLimits::body_timeout`] of its
 //!   request head; past it the body yields a [`BodyTimeout`] error, which handlers answer 408.
+//! - **Slow readers.** A write to the client that makes no progress for
+//!   [`ServeLimits::write_timeout`] (the client stopped reading and its socket buffer is full)
+//!   fails, and the connection is closed: its response body is dropped, which ends the request
+//!   toward its worker, so a client that never reads cannot hold a worker slot.
 //!
-//! A response being written (a long stream) is never cut by these deadlines.
+//! A response being written (a long stream) is never cut by the other deadlines.
 //!
 //! # Accept errors
 //! Per-connection errors (reset or aborted before accept) are skipped; any other error (the
@@ -61,6 +65,8 @@ pub struct ServeLimits {
     pub idle_timeout: Option<Duration>,
     /// Longest wait for a whole request body after its head.
     pub body_timeout: Option<Duration>,
+    /// Longest a write to the client may make no progress.
+    pub write_timeout: Option<Duration>,
     /// Connections served at once; more are answered 503 and closed.
     pub max_connections: usize,
 }
@@ -72,6 +78,8 @@ impl ServeLimits {
     pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
     /// The default request-body deadline.
     pub const BODY_TIMEOUT: Duration = Duration::from_secs(60);
+    /// The default stalled-write deadline.
+    pub const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 }
 
 impl Default for ServeLimits {
@@ -80,6 +88,7 @@ impl Default for ServeLimits {
             header_timeout: Some(Self::HEADER_TIMEOUT),
             idle_timeout: Some(Self::IDLE_TIMEOUT),
             body_timeout: Some(Self::BODY_TIMEOUT),
+            write_timeout: Some(Self::WRITE_TIMEOUT),
             max_connections: default_max_connections(),
         }
     }
@@ -313,6 +322,8 @@ async fn connection(
         slot: Some(slot),
         inner: tcp,
         activity: Arc::clone(&activity),
+        write_timeout: limits.write_timeout,
+        stalled: None,
     });
     let routes = TowerToHyperService::new(app);
     let body_timeout = limits.body_timeout;
@@ -368,13 +379,50 @@ async fn connection(
     }
 }
 
-/// The connection's socket, reporting reads to its watchdog. It holds the connection's slot
-/// and frees it before the peer can see the connection end: on shutdown, and on drop (fields
-/// drop in order).
+/// The connection's socket, reporting reads to its watchdog and failing a write that stalls
+/// past `write_timeout`. It holds the connection's slot and frees it before the peer can see
+/// the connection end: on shutdown, and on drop (fields drop in order).
 struct Watched {
     slot: Option<OwnedSemaphorePermit>,
     inner: TcpStream,
     activity: Arc<Activity>,
+    write_timeout: Option<Duration>,
+    /// Armed while a write is pending: when it fires, the write fails.
+    stalled: Option<Pin<Box<Sleep>>>,
+}
+
+impl Watched {
+    /// Passes a write's outcome through, arming the stall deadline while it is pending and
+    /// failing it once the deadline passes.
+    fn stall_check<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        let Some(limit) = self.write_timeout else {
+            return polled;
+        };
+        if polled.is_ready() {
+            self.stalled = None;
+            return polled;
+        }
+        let deadline = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match deadline.as_mut().poll(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(()) => {
+                tracing::debug!(
+                    timeout_ms = limit.as_millis() as u64,
+                    "closing a client connection: it stopped reading"
+                );
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the client read nothing for {limit:?}"),
+                )))
+            }
+        }
+    }
 }
 
 impl AsyncRead for Watched {
@@ -398,7 +446,8 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.stall_check(cx, polled)
     }
 
     fn poll_write_vectored(
@@ -406,7 +455,8 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.stall_check(cx, polled)
     }
 
     fn is_write_vectored(&self) -> bool {

@@ -1,5 +1,5 @@
-//! What the server asks of its clients, over real sockets on 127.0.0.1: the header, idle and
-//! body deadlines and the connection cap of the serve loop (the mock engine's too), the admin token, and the parse budget
+//! What the server asks of its clients, over real sockets on 127.0.0.1: the header, idle,
+//! body and stalled-write deadlines and the connection cap of the serve loop (the mock engine's too), the admin token, and the parse budget
 //! with token-id prompts read without a JSON tree.
 //!
 //! Deadlines are configured short and the tests wait on the socket's end (EOF), bounded by
@@ -7,38 +7,22 @@
 
 mod common;
 
+use common::fleet::{Front, MODEL, tokenizer};
 use common::{TIMEOUT, body_of, exchange, post, request_with};
 use infera_adapters::mock::{MockConfig, MockServer};
 use infera_adapters::serve::ServeLimits;
-use infera_adapters::server::{
-    AdminToken, ClientOptions, ParseBudget, ServerOptions, ServerState, serve,
-};
-use infera_adapters::tokenize::Tokenizer;
+use infera_adapters::server::{AdminToken, ClientOptions, ParseBudget, ServerOptions, ServerState};
 use infera_core::engine::EngineConfig;
 use infera_core::event::{Engine, WorkerRecord};
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
 use infera_core::policy::{PolicyKind, RouterConfig};
 use serde_json::{Value, json};
-use std::net::SocketAddr;
-use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
-
-const MODEL: &str = "mock-model";
-
-fn tokenizer() -> Arc<Tokenizer> {
-    static TOK: OnceLock<Arc<Tokenizer>> = OnceLock::new();
-    TOK.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/deepseek-v4");
-        Arc::new(Tokenizer::from_path(&dir).expect("fixture tokenizer loads"))
-    })
-    .clone()
-}
 
 /// Deadlines off and a large cap: each test turns on what it checks.
 fn no_limits() -> ServeLimits {
@@ -46,6 +30,7 @@ fn no_limits() -> ServeLimits {
         header_timeout: None,
         idle_timeout: None,
         body_timeout: None,
+        write_timeout: None,
         max_connections: 1024,
     }
 }
@@ -60,53 +45,25 @@ fn options(client: ClientOptions) -> ServerOptions {
         },
         fleet: FleetConfig::default(),
         chat_template: None,
+        template_defaults: Default::default(),
+        per_worker_template_kwargs: true,
         direct: false,
         client,
     }
 }
 
-struct Front {
-    addr: SocketAddr,
-    state: ServerState,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<std::io::Result<()>>,
+/// The server front with `client`'s bounds.
+async fn front_of(client: ClientOptions) -> Front {
+    Front::serve(ServerState::new(options(client), tokenizer())).await
 }
 
-impl Front {
-    async fn start(client: ClientOptions) -> Self {
-        let state = ServerState::new(options(client), tokenizer());
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(serve(listener, state.clone(), async move {
-            let _ = stopped.await;
-        }));
-        Self {
-            addr,
-            state,
-            stop: Some(stop),
-            task,
-        }
-    }
-
-    async fn with_limits(limits: ServeLimits) -> Self {
-        Self::start(ClientOptions {
-            limits,
-            ..ClientOptions::default()
-        })
-        .await
-    }
-
-    async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        tokio::time::timeout(TIMEOUT, &mut self.task)
-            .await
-            .expect("server stops in time")
-            .expect("server task did not panic")
-            .expect("server ended without error");
-    }
+/// The server front with `limits` and every other client option at its default.
+async fn front_with_limits(limits: ServeLimits) -> Front {
+    front_of(ClientOptions {
+        limits,
+        ..ClientOptions::default()
+    })
+    .await
 }
 
 /// Everything the peer sends until it closes the connection (a reset counts as a close).
@@ -131,7 +88,7 @@ const HEALTH_THEN_CLOSE: &[u8] = b"GET /health HTTP/1.1\r\nhost: test\r\nconnect
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_half_sent_head_is_closed_at_its_deadline_while_others_are_served() {
-    let front = Front::with_limits(ServeLimits {
+    let front = front_with_limits(ServeLimits {
         header_timeout: Some(Duration::from_millis(500)),
         ..no_limits()
     })
@@ -177,7 +134,7 @@ async fn the_mock_engine_closes_a_half_sent_head_too() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_keep_alive_connections_are_closed() {
-    let front = Front::with_limits(ServeLimits {
+    let front = front_with_limits(ServeLimits {
         idle_timeout: Some(Duration::from_millis(300)),
         ..no_limits()
     })
@@ -191,9 +148,73 @@ async fn idle_keep_alive_connections_are_closed() {
     front.stop().await;
 }
 
+/// A response body that never ends and reports when it is dropped.
+struct Endless(Option<oneshot::Sender<()>>);
+
+impl Drop for Endless {
+    fn drop(&mut self) {
+        if let Some(dropped) = self.0.take() {
+            let _ = dropped.send(());
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_closed_and_its_response_dropped() {
+    let (dropped_tx, dropped) = oneshot::channel();
+    let dropped_tx = Arc::new(std::sync::Mutex::new(Some(dropped_tx)));
+    let app = axum::Router::new().route(
+        "/stream",
+        axum::routing::get(move || {
+            let guard = Endless(dropped_tx.lock().expect("lock").take());
+            let chunks = futures::stream::repeat_with(move || {
+                let _held = &guard;
+                Ok::<_, std::convert::Infallible>(axum::body::Bytes::from(vec![b'x'; 64 << 10]))
+            });
+            async move { axum::body::Body::from_stream(chunks) }
+        }),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let limits = ServeLimits {
+        write_timeout: Some(Duration::from_millis(300)),
+        ..no_limits()
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(infera_adapters::serve::serve(
+        listener,
+        app,
+        limits,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let mut reader = TcpStream::connect(addr).await.expect("connect");
+    reader
+        .write_all(b"GET /stream HTTP/1.1\r\nhost: test\r\n\r\n")
+        .await
+        .expect("request");
+    // The client reads nothing: once both sockets' buffers are full the server's writes stall,
+    // and past the deadline the connection is closed and the endless body dropped.
+    tokio::time::timeout(TIMEOUT, dropped)
+        .await
+        .expect("the stalled response is dropped in time")
+        .expect("the body reports its drop");
+    assert!(
+        !until_closed(&mut reader).await.is_empty(),
+        "what was sent before the stall still arrives, then the end"
+    );
+    let _ = stop.send(());
+    tokio::time::timeout(TIMEOUT, task)
+        .await
+        .expect("stops in time")
+        .expect("no panic")
+        .expect("served without error");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_stops_arriving_is_answered_408() {
-    let front = Front::with_limits(ServeLimits {
+    let front = front_with_limits(ServeLimits {
         body_timeout: Some(Duration::from_millis(300)),
         idle_timeout: Some(Duration::from_millis(300)),
         ..no_limits()
@@ -214,7 +235,7 @@ async fn a_body_that_stops_arriving_is_answered_408() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_the_cap_new_clients_are_answered_at_once_and_served_once_a_slot_frees() {
-    let front = Front::with_limits(ServeLimits {
+    let front = front_with_limits(ServeLimits {
         max_connections: 2,
         ..no_limits()
     })
@@ -252,7 +273,7 @@ async fn over_the_cap_new_clients_are_answered_at_once_and_served_once_a_slot_fr
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_routes_need_the_token_and_nothing_else_does() {
-    let front = Front::start(ClientOptions {
+    let front = front_of(ClientOptions {
         admin_token: Some(AdminToken::new("s3cret")),
         ..ClientOptions::default()
     })
@@ -274,7 +295,13 @@ async fn admin_routes_need_the_token_and_nothing_else_does() {
         Some("s3cret"),
         Some("Basic s3cret"),
     ] {
-        for (method, path) in [("GET", "/v1/workers"), ("POST", "/v1/admin/profile/start")] {
+        let guarded = [
+            ("GET", "/v1/workers"),
+            ("POST", "/v1/admin/profile/start"),
+            ("GET", "/v1/admin/scale"),
+            ("POST", "/v1/admin/scale"),
+        ];
+        for (method, path) in guarded {
             let (status, text, challenge) = call(method, path, auth).await;
             assert_eq!(status, 401, "{method} {path} with {auth:?}: {text}");
             let body: Value = serde_json::from_str(&text).expect("json error");
@@ -288,9 +315,13 @@ async fn admin_routes_need_the_token_and_nothing_else_does() {
     }
     let (status, text, _) = call("GET", "/v1/workers", Some("Bearer s3cret")).await;
     assert_eq!(status, 200, "{text}");
-    // Past the guard, profiling is still off.
+    // Past the guard, profiling and the scaling API are still off.
     let (status, _, _) = call("POST", "/v1/admin/profile/start", Some("Bearer s3cret")).await;
     assert_eq!(status, 403);
+    let (status, text, _) = call("GET", "/v1/admin/scale", Some("Bearer s3cret")).await;
+    assert_eq!(status, 403, "{text}");
+    let body: Value = serde_json::from_str(&text).expect("json error");
+    assert_eq!(body["error"]["type"], "PermissionDeniedError", "{body}");
     for path in ["/health", "/v1/models", "/metrics"] {
         let (status, text, _) = call("GET", path, None).await;
         assert_eq!(status, 200, "{path}: {text}");
@@ -304,7 +335,7 @@ async fn admin_routes_need_the_token_and_nothing_else_does() {
     assert_eq!(status, 404, "completions need no token: {body}");
     front.stop().await;
 
-    let open = Front::start(ClientOptions::default()).await;
+    let open = front_of(ClientOptions::default()).await;
     let (status, text) = exchange(open.addr, "GET", "/v1/workers", Vec::new()).await;
     assert_eq!(status, 200, "no token configured: open as before: {text}");
     open.stop().await;
@@ -319,7 +350,7 @@ fn token_prompt(n: usize) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_beyond_the_parse_budget_is_refused_and_the_server_keeps_serving() {
-    let front = Front::start(ClientOptions {
+    let front = front_of(ClientOptions {
         parse_budget: ParseBudget::new(64 << 10),
         ..ClientOptions::default()
     })
@@ -364,7 +395,7 @@ async fn a_big_token_array_is_parsed_routed_and_forwarded_whole() {
     let mock_task = tokio::spawn(mock.serve(async move {
         let _ = mock_stopped.await;
     }));
-    let front = Front::start(ClientOptions::default()).await;
+    let front = front_of(ClientOptions::default()).await;
     front.state.register_worker(WorkerRecord::mixed(
         WorkerId::new(mock_addr.to_string()),
         format!("http://{mock_addr}"),

@@ -1,6 +1,7 @@
 //! The mock engine over real HTTP on 127.0.0.1: OpenAI shapes (streaming and not), prefix-cache
 //! hits in `usage`, token-id prompts, vLLM KV events through the sink (and back through the
-//! decoder), errors, client disconnects and graceful shutdown.
+//! decoder), errors, client disconnects, graceful shutdown, and two mocks sharing prefixes through
+//! a block store (the lower tier `infera up --kvd` puts kvd behind).
 //!
 //! Every server runs with a large `speedup`, so steps take microseconds. Nothing sleeps to
 //! synchronise: KV events of a request are in the sink before its response ends (the engine
@@ -8,33 +9,28 @@
 
 mod common;
 
+use common::fleet::{MODEL, tokenizer};
+
 use common::{TIMEOUT, body_of, get, post, post_raw, request};
 use http_body_util::BodyExt;
-use infera_adapters::mock::{MockConfig, MockError, MockServer, filler};
-use infera_adapters::tokenize::{ChatMessage, Tokenizer};
+use infera_adapters::mock::{MockConfig, MockError, MockKvStore, MockServer, block_value, filler};
+use infera_adapters::tokenize::{ChatExtras, ChatMessage};
 use infera_core::engine::EngineConfig;
-use infera_core::event::Tier;
+use infera_core::event::{Retention, Tier};
 use infera_core::hashing::hash_blocks;
 use infera_core::ids::{BlockHash, EngineHash};
 use infera_core::kv_events::{EngineBatch, EngineEvent, decode_batch, encode_batch_vllm};
+use infera_core::ports::kv_store::{
+    BlockNamespace, BlockStoreError, KvBlockStore, StoredBlock, block_keys,
+};
 use serde_json::{Value, json};
 use std::net::SocketAddr;
-use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-const MODEL: &str = "mock-model";
 const SALT: u64 = 0x5eed_0000_dead_beef;
-fn tokenizer() -> Arc<Tokenizer> {
-    static TOK: OnceLock<Arc<Tokenizer>> = OnceLock::new();
-    TOK.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/deepseek-v4");
-        Arc::new(Tokenizer::from_path(&dir).expect("fixture tokenizer loads"))
-    })
-    .clone()
-}
 
 fn engine(gpu_blocks: usize, block_size: u32, speedup: f64) -> EngineConfig {
     EngineConfig {
@@ -225,7 +221,7 @@ async fn chat_non_streaming_and_streaming() {
         ChatMessage::text("user", "Name three colours."),
     ];
     let prompt_tokens = tokenizer()
-        .encode_chat(&messages, None)
+        .encode_chat(&messages, &ChatExtras::default(), None)
         .expect("template renders")
         .len() as u64;
     let body = json!({"model": MODEL, "messages": messages, "max_tokens": 4});
@@ -604,4 +600,208 @@ async fn registration_names_the_mock_and_its_capacity() {
         .await
         .expect_err("invalid config");
     assert!(err.to_string().contains("gpu_blocks"), "{err}");
+}
+
+/// Stored blocks by key: their bytes and retention.
+type Blocks = std::collections::HashMap<Vec<u8>, (Vec<u8>, Retention)>;
+
+/// An in-memory block store; with `fail` set every call fails, as a daemon that went away.
+#[derive(Debug, Default)]
+struct MemStore {
+    blocks: std::sync::Mutex<Blocks>,
+    fail: std::sync::atomic::AtomicBool,
+}
+
+impl MemStore {
+    fn check(&self, ns: &BlockNamespace) -> Result<(), BlockStoreError> {
+        assert_eq!((ns.model.as_str(), ns.compat_key.as_str()), (MODEL, ""));
+        if self.fail.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(BlockStoreError::Unavailable("the daemon went away".into()));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl KvBlockStore for MemStore {
+    async fn exists(
+        &self,
+        ns: &BlockNamespace,
+        keys: &[Vec<u8>],
+    ) -> Result<Vec<bool>, BlockStoreError> {
+        self.check(ns)?;
+        let blocks = self.blocks.lock().expect("store lock");
+        Ok(keys.iter().map(|k| blocks.contains_key(k)).collect())
+    }
+
+    async fn get(
+        &self,
+        ns: &BlockNamespace,
+        keys: &[Vec<u8>],
+    ) -> Result<Vec<Option<Vec<u8>>>, BlockStoreError> {
+        self.check(ns)?;
+        let blocks = self.blocks.lock().expect("store lock");
+        Ok(keys
+            .iter()
+            .map(|k| blocks.get(k).map(|(v, _)| v.clone()))
+            .collect())
+    }
+
+    async fn set(
+        &self,
+        ns: &BlockNamespace,
+        stored: Vec<StoredBlock>,
+        retention: Retention,
+    ) -> Result<usize, BlockStoreError> {
+        self.check(ns)?;
+        let n = stored.len();
+        let mut blocks = self.blocks.lock().expect("store lock");
+        for b in stored {
+            blocks.insert(b.key, (b.value, retention));
+        }
+        Ok(n)
+    }
+}
+
+fn metric_of(metrics: &str, name: &str) -> u64 {
+    let series = format!("{name}{{model_name=\"{MODEL}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&series)?.parse().ok())
+        .unwrap_or_else(|| panic!("{series} in {metrics}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mocks_share_prefixes_through_a_block_store_and_its_failures_cost_only_the_hit() {
+    let store = Arc::new(MemStore::default());
+    let with_store = || {
+        let mut c = config(engine(4096, 16, 1000.0), true);
+        c.kv_store = Some(MockKvStore {
+            store: Arc::clone(&store) as Arc<dyn KvBlockStore>,
+            compat_key: String::new(),
+        });
+        c
+    };
+    let (a, b) = (start(with_store()).await, start(with_store()).await);
+
+    // A streamed request on A saves its complete blocks (keys: the connectors' SHA-256 chain)
+    // before its stream ends.
+    let prompt = long_prompt("shared", 130);
+    let tokens = tokenizer().encode(&prompt).expect("encode");
+    let n = tokens.len() as u64;
+    let body = json!({"prompt": prompt, "max_tokens": 2, "stream": true});
+    post_stream(a.addr, "/v1/completions", &body).await;
+    let keys = block_keys(&tokens, 16);
+    {
+        let blocks = store.blocks.lock().unwrap();
+        assert_eq!(blocks.len(), keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            let (value, retention) = &blocks[key];
+            assert_eq!(value, &block_value(&tokens[i * 16..(i + 1) * 16]));
+            assert_eq!(*retention, Retention::Long);
+        }
+    }
+
+    // B has none of it on its GPU: every complete block comes from the store.
+    let req = json!({"prompt": prompt, "max_tokens": 2});
+    let (_, on_b) = post(b.addr, "/v1/completions", &req).await;
+    assert_usage(&on_b["usage"], n, 2, all_cached(n, 16));
+    let (_, metrics) = get(b.addr, "/metrics").await;
+    assert_eq!(
+        metric_of(&metrics, "infera_mock_kvd_hit_tokens_total"),
+        all_cached(n, 16)
+    );
+
+    // Wrong bytes under a key are a miss, never a hit; the retention asked for is kept.
+    let other = long_prompt("corrupt", 130);
+    let mut short = json!({"prompt": other, "max_tokens": 2});
+    short["kv_transfer_params"] = json!({"infera_retention": "short"});
+    post(a.addr, "/v1/completions", &short).await;
+    let first = block_keys(&tokenizer().encode(&other).unwrap(), 16).remove(0);
+    {
+        let mut blocks = store.blocks.lock().unwrap();
+        let entry = blocks.get_mut(&first).unwrap();
+        assert_eq!(entry.1, Retention::Short);
+        entry.0[0] ^= 1;
+    }
+    let (_, corrupt) = post(
+        b.addr,
+        "/v1/completions",
+        &json!({"prompt": other, "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(
+        corrupt["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0
+    );
+
+    // A store that fails: the request is served without it, and the failure is counted.
+    store.fail.store(true, std::sync::atomic::Ordering::Relaxed);
+    let third = long_prompt("down", 130);
+    let (status, down) = post(
+        b.addr,
+        "/v1/completions",
+        &json!({"prompt": third, "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200, "{down}");
+    assert_eq!(down["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let (_, metrics) = get(b.addr, "/metrics").await;
+    assert!(metric_of(&metrics, "infera_mock_kvd_errors_total") >= 1);
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_ids_are_reported_on_request_and_a_prompt_of_them_is_continued() {
+    let mock = start(config(engine(4096, 16, 1e6), true)).await;
+    let prompt = "Tell me something:";
+    let prompt_ids = tokenizer().encode(prompt).expect("encode");
+    let events = post_stream(
+        mock.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 4, "stream": true, "return_token_ids": true}),
+    )
+    .await;
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("chunk json"))
+        .collect();
+    assert_eq!(chunks.len(), 4);
+    assert_eq!(chunks[0]["prompt_token_ids"], json!(prompt_ids));
+    assert!(
+        chunks[1].get("prompt_token_ids").is_none(),
+        "first chunk only"
+    );
+    let mut generated = Vec::new();
+    for c in &chunks {
+        let text = c["choices"][0]["text"].as_str().expect("text");
+        let ids: Vec<u32> =
+            serde_json::from_value(c["choices"][0]["token_ids"].clone()).expect("each chunk's ids");
+        assert_eq!(tokenizer().encode(text).expect("encode"), ids, "{text}");
+        generated.extend(ids);
+    }
+    // The prompt's ids and the ids generated so far, as a token prompt: the answer goes on
+    // where it stopped, as a migrated stream's continuation does.
+    let mut carried = prompt_ids;
+    carried.extend(&generated);
+    let (status, body) = post(
+        mock.addr,
+        "/v1/completions",
+        &json!({"prompt": carried, "max_tokens": 3, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["text"], filler(4, 7));
+    assert_eq!(body["prompt_token_ids"], json!(carried));
+    // Without the field, none of it.
+    let (_, plain) = post(
+        mock.addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 2}),
+    )
+    .await;
+    assert!(
+        plain.get("prompt_token_ids").is_none() && plain["choices"][0].get("token_ids").is_none()
+    );
 }

@@ -8,199 +8,19 @@
 mod common;
 
 use axum::body::Bytes;
+use common::fleet::{Front, MODEL, Mock, options, record, tokenizer};
 use common::{TIMEOUT, body_of, exchange, get, post, post_raw, request, request_with};
 use futures::StreamExt as _;
-use infera_adapters::mock::{MockConfig, MockError, MockPd, MockServer};
-use infera_adapters::server::{ClientOptions, ServerOptions, ServerState, serve};
-use infera_adapters::tokenize::Tokenizer;
-use infera_core::engine::EngineConfig;
-use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
-use infera_core::fleet::FleetConfig;
-use infera_core::ids::{WorkerId, WorkerRank};
-use infera_core::kv_events::EngineBatch;
-use infera_core::policy::{PolicyKind, RouterConfig};
+use infera_adapters::server::ServerState;
+use infera_core::event::{Role, WorkerRecord};
+use infera_core::ids::WorkerRank;
+use infera_core::policy::PolicyKind;
 use serde_json::{Value, json};
 use std::net::SocketAddr;
-use std::path::Path;
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::sync::Arc;
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-
-const MODEL: &str = "mock-model";
-const BLOCK: u32 = 16;
-fn tokenizer() -> Arc<Tokenizer> {
-    static TOK: OnceLock<Arc<Tokenizer>> = OnceLock::new();
-    TOK.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/deepseek-v4");
-        Arc::new(Tokenizer::from_path(&dir).expect("fixture tokenizer loads"))
-    })
-    .clone()
-}
-
-struct Mock {
-    addr: SocketAddr,
-    events: mpsc::Receiver<EngineBatch>,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<Result<(), MockError>>,
-}
-
-impl Mock {
-    async fn start() -> Self {
-        Self::start_as(None).await
-    }
-
-    /// A mock playing one leg of a PD pair.
-    async fn start_pd(role: Role, protocol: &str) -> Self {
-        Self::start_as(Some(MockPd {
-            role,
-            protocol: protocol.parse().expect("a PD protocol name"),
-            engine_id: format!("eng-{}", role.as_str()),
-            host: "127.0.0.1".to_owned(),
-            port: 18998,
-        }))
-        .await
-    }
-
-    async fn start_as(pd: Option<MockPd>) -> Self {
-        let engine = EngineConfig {
-            gpu_blocks: 4096,
-            block_size: BLOCK,
-            speedup: 1000.0,
-            ..EngineConfig::default()
-        };
-        let mut config = MockConfig::new(MODEL, engine);
-        config.tokenizer = Some(tokenizer());
-        config.drain_timeout = Duration::from_secs(5);
-        config.pd = pd;
-        let (sink, events) = mpsc::channel(4096);
-        let server = MockServer::bind("127.0.0.1:0", config, Some(sink))
-            .await
-            .expect("mock binds");
-        let addr = server.local_addr();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(server.serve(async move {
-            let _ = stopped.await;
-        }));
-        Self {
-            addr,
-            events,
-            stop: Some(stop),
-            task,
-        }
-    }
-
-    fn id(&self) -> WorkerId {
-        WorkerId::new(self.addr.to_string())
-    }
-
-    /// Feeds every batch the sink holds now into the server; returns how many there were.
-    fn feed(&mut self, server: &ServerState) -> usize {
-        let rank = WorkerRank::new(self.id(), 0);
-        let mut n = 0;
-        while let Ok(batch) = self.events.try_recv() {
-            let stats = server
-                .ingest_kv_batch(&rank, None, &batch)
-                .expect("worker registered");
-            assert_eq!(stats.dropped(), 0, "{stats:?}");
-            n += 1;
-        }
-        n
-    }
-
-    async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        tokio::time::timeout(TIMEOUT, &mut self.task)
-            .await
-            .expect("mock stops in time")
-            .expect("mock task did not panic")
-            .expect("mock served without error");
-    }
-}
-
-fn record(addr: SocketAddr) -> WorkerRecord {
-    WorkerRecord {
-        worker_id: WorkerId::new(addr.to_string()),
-        url: format!("http://{addr}"),
-        model_name: MODEL.to_owned(),
-        engine: Engine::Vllm,
-        disagg_mode: Role::Mixed,
-        disagg_meta: None,
-        kv_events_endpoint: None,
-        kv_block_size: BLOCK,
-        dp_rank: 0,
-        dp_size: 1,
-        request_transport: RequestTransport::Http,
-        kv: None,
-        extra: serde_json::Map::new(),
-    }
-}
-
-fn options(policy: PolicyKind, max_retries: u32, direct: bool) -> ServerOptions {
-    ServerOptions {
-        max_body_bytes: 64 << 10,
-        request_max_retries: max_retries,
-        router: RouterConfig {
-            policy,
-            overlap_weight: 10.0,
-            ..RouterConfig::default()
-        },
-        fleet: FleetConfig::default(),
-        chat_template: None,
-        direct,
-        client: ClientOptions::default(),
-    }
-}
-
-struct Front {
-    addr: SocketAddr,
-    state: ServerState,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<std::io::Result<()>>,
-}
-
-impl Front {
-    async fn start(policy: PolicyKind, max_retries: u32) -> Self {
-        Self::start_with(policy, max_retries, false).await
-    }
-
-    async fn start_with(policy: PolicyKind, max_retries: u32, direct: bool) -> Self {
-        Self::serve(ServerState::new(
-            options(policy, max_retries, direct),
-            tokenizer(),
-        ))
-        .await
-    }
-
-    async fn serve(state: ServerState) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(serve(listener, state.clone(), async move {
-            let _ = stopped.await;
-        }));
-        Self {
-            addr,
-            state,
-            stop: Some(stop),
-            task,
-        }
-    }
-
-    async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        tokio::time::timeout(TIMEOUT, &mut self.task)
-            .await
-            .expect("server stops in time")
-            .expect("server task did not panic")
-            .expect("server ended without error");
-    }
-}
 
 fn long_prompt(seed: &str, words: usize) -> String {
     let mut s = format!("{seed}:");
@@ -274,9 +94,18 @@ async fn completions_are_relayed_streaming_and_not() {
     let (_, workers) = exchange(front.addr, "GET", "/v1/workers", Vec::new()).await;
     assert!(workers.contains(&mock.addr.to_string()), "{workers}");
     let (_, metrics) = exchange(front.addr, "GET", "/metrics", Vec::new()).await;
-    assert!(metrics.contains("infera_router_picks_total 3"), "{metrics}");
-    assert!(metrics.contains("infera_request_inflight 0"), "{metrics}");
-    assert!(metrics.contains("infera_active_workers 1"), "{metrics}");
+    assert!(
+        metrics.contains("infera_router_decisions_total{outcome=\"routed\"} 3"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("infera_request_inflight{router=\"mixed\"} 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("infera_active_workers{disagg_mode=\"mixed\"} 1"),
+        "{metrics}"
+    );
 
     front.stop().await;
     mock.stop().await;

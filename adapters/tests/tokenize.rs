@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use infera_adapters::tokenize::{
-    CacheConfig, ChatContent, ChatMessage, ChatTemplate, ContentPart, FastPath, TemplateError,
-    TokenizeError, Tokenizer, TokenizerOptions,
+    CacheConfig, ChatContent, ChatExtras, ChatMessage, ChatTemplate, ContentPart, FastPath,
+    TemplateError, TokenizeError, Tokenizer, TokenizerOptions,
 };
 use proptest::prelude::*;
 
@@ -281,7 +281,7 @@ fn three_messages() -> Vec<ChatMessage> {
 #[test]
 fn deepseek_template_renders_expected_string() {
     let rendered = fine()
-        .render_chat(&three_messages(), None)
+        .render_chat(&three_messages(), &ChatExtras::default(), None)
         .expect("template renders");
     assert_eq!(
         rendered,
@@ -289,7 +289,7 @@ fn deepseek_template_renders_expected_string() {
          <｜Assistant｜>4.<｜end▁of▁sentence｜><｜Assistant｜>"
     );
     let ids = fine()
-        .encode_chat(&three_messages(), None)
+        .encode_chat(&three_messages(), &ChatExtras::default(), None)
         .expect("encodes");
     assert_eq!(ids, plain(fine(), &rendered));
     assert_eq!(ids.first(), Some(&0));
@@ -311,11 +311,16 @@ fn array_content_is_joined_and_non_text_is_rejected() {
                 text: Some("second".into()),
             },
         ])),
+        extra: Default::default(),
     };
     let joined = ChatMessage::text("user", "first\nsecond");
     assert_eq!(
-        fine().render_chat(&[parts], None).expect("renders"),
-        fine().render_chat(&[joined], None).expect("renders")
+        fine()
+            .render_chat(&[parts], &ChatExtras::default(), None)
+            .expect("renders"),
+        fine()
+            .render_chat(&[joined], &ChatExtras::default(), None)
+            .expect("renders")
     );
     let image = ChatMessage {
         role: "user".into(),
@@ -323,9 +328,10 @@ fn array_content_is_joined_and_non_text_is_rejected() {
             kind: "image_url".into(),
             text: None,
         }])),
+        extra: Default::default(),
     };
     assert!(matches!(
-        fine().render_chat(&[image], None),
+        fine().render_chat(&[image], &ChatExtras::default(), None),
         Err(TemplateError::UnsupportedContent { index: 0, .. })
     ));
 }
@@ -336,8 +342,12 @@ fn multi_turn_chats_match_plain_and_reuse_the_prefix() {
     let mut messages = vec![ChatMessage::text("system", FRAGMENTS[0])];
     for turn in 0..8 {
         messages.push(ChatMessage::text("user", long_prompt(3 + turn)));
-        let ids = tok.encode_chat(&messages, None).expect("encodes");
-        let rendered = tok.render_chat(&messages, None).expect("renders");
+        let ids = tok
+            .encode_chat(&messages, &ChatExtras::default(), None)
+            .expect("encodes");
+        let rendered = tok
+            .render_chat(&messages, &ChatExtras::default(), None)
+            .expect("renders");
         assert_eq!(ids, plain(tok, &rendered));
         messages.push(ChatMessage::text(
             "assistant",
@@ -376,7 +386,11 @@ fn override_template_and_bad_template() {
     )
     .expect("compiles");
     let rendered = fine()
-        .render_chat(&three_messages()[1..], Some(&custom))
+        .render_chat(
+            &three_messages()[1..],
+            &ChatExtras::default(),
+            Some(&custom),
+        )
         .expect("renders");
     assert_eq!(rendered, "[user]What is 2 + 2?\n[assistant]4.\n");
 
@@ -395,7 +409,9 @@ fn template_file_and_missing_template() {
     .expect("write");
     let template = fine().load_chat_template(&file).expect("loads");
     assert_eq!(
-        template.render(&three_messages()).expect("renders"),
+        template
+            .render(&three_messages(), &ChatExtras::default())
+            .expect("renders"),
         "<｜begin▁of▁sentence｜>You are a helpful assistant.<｜end▁of▁sentence｜>"
     );
     let missing = fine().load_chat_template(&dir.path().join("nope.jinja"));
@@ -408,7 +424,7 @@ fn template_file_and_missing_template() {
     )
     .expect("copy");
     let bare = Tokenizer::from_path(&dir.path().join("tokenizer.json")).expect("loads");
-    let err = bare.encode_chat(&three_messages(), None);
+    let err = bare.encode_chat(&three_messages(), &ChatExtras::default(), None);
     assert!(
         matches!(
             err,
@@ -416,7 +432,10 @@ fn template_file_and_missing_template() {
         ),
         "{err:?}"
     );
-    assert!(bare.encode_chat(&three_messages(), Some(&template)).is_ok());
+    assert!(
+        bare.encode_chat(&three_messages(), &ChatExtras::default(), Some(&template))
+            .is_ok()
+    );
 }
 
 #[test]

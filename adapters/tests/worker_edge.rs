@@ -14,37 +14,24 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use common::fleet::{Front, MODEL, options, tokenizer};
 use common::{TIMEOUT, exchange, get, post};
 use futures::StreamExt as _;
 use infera_adapters::server::{
-    BreakerConfig, BreakerState, HttpDeadlines, HttpTransport, ServerOptions, ServerState, serve,
+    BreakerConfig, BreakerState, HttpDeadlines, HttpTransport, ServerState,
 };
-use infera_adapters::tokenize::Tokenizer;
 use infera_core::clock::VirtualClock;
 use infera_core::event::{Engine, WorkerRecord};
-use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
-use infera_core::policy::{PolicyKind, RouterConfig};
+use infera_core::policy::PolicyKind;
 use serde_json::{Value, json};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-
-const MODEL: &str = "mock-model";
-
-fn tokenizer() -> Arc<Tokenizer> {
-    static TOK: OnceLock<Arc<Tokenizer>> = OnceLock::new();
-    TOK.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/deepseek-v4");
-        Arc::new(Tokenizer::from_path(&dir).expect("fixture tokenizer loads"))
-    })
-    .clone()
-}
 
 /// What a fake worker does with each request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,69 +166,29 @@ impl Drop for Fake {
     }
 }
 
-struct Front {
-    addr: SocketAddr,
-    state: ServerState,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<std::io::Result<()>>,
+/// The server front, round-robin over HTTP with `deadlines`, retrying `max_retries` times.
+async fn start_front(max_retries: u32, deadlines: HttpDeadlines) -> Front {
+    let transport = Arc::new(HttpTransport::with_deadlines(deadlines));
+    let options = options(PolicyKind::RoundRobin, max_retries, false);
+    Front::serve(ServerState::with_transport(options, tokenizer(), transport)).await
 }
 
-impl Front {
-    async fn start(max_retries: u32, deadlines: HttpDeadlines) -> Self {
-        let options = ServerOptions {
-            max_body_bytes: 64 << 10,
-            request_max_retries: max_retries,
-            router: RouterConfig {
-                policy: PolicyKind::RoundRobin,
-                ..RouterConfig::default()
-            },
-            fleet: FleetConfig::default(),
-            chat_template: None,
-            direct: false,
-            client: infera_adapters::server::ClientOptions::default(),
-        };
-        let transport = Arc::new(HttpTransport::with_deadlines(deadlines));
-        let state = ServerState::with_transport(options, tokenizer(), transport);
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(serve(listener, state.clone(), async move {
-            let _ = stopped.await;
-        }));
-        Self {
-            addr,
-            state,
-            stop: Some(stop),
-            task,
-        }
-    }
+/// Completion number `i` through `front`.
+async fn complete(front: &Front, i: usize) -> (u16, Value) {
+    post(
+        front.addr,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": format!("request {i}"), "max_tokens": 1}),
+    )
+    .await
+}
 
-    async fn complete(&self, i: usize) -> (u16, Value) {
-        post(
-            self.addr,
-            "/v1/completions",
-            &json!({"model": MODEL, "prompt": format!("request {i}"), "max_tokens": 1}),
-        )
-        .await
-    }
-
-    async fn metric(&self, name: &str) -> u64 {
-        let (_, text) = get(self.addr, "/metrics").await;
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or_else(|| panic!("{name} in /metrics:\n{text}"))
-    }
-
-    async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        tokio::time::timeout(TIMEOUT, &mut self.task)
-            .await
-            .expect("server stops in time")
-            .expect("server task did not panic")
-            .expect("server ended without error");
-    }
+/// An unlabelled sample of `front`'s `/metrics`.
+async fn metric(front: &Front, name: &str) -> u64 {
+    let (_, text) = get(front.addr, "/metrics").await;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} in /metrics:\n{text}"))
 }
 
 fn breaker_off() -> BreakerConfig {
@@ -261,7 +208,7 @@ async fn a_worker_that_never_answers_is_cancelled_at_the_first_byte_deadline_and
         first_byte: Some(Duration::from_millis(200)),
         ..HttpDeadlines::default()
     };
-    let front = Front::start(2, deadlines).await;
+    let front = start_front(2, deadlines).await;
     front
         .state
         .set_breaker(breaker_off(), Arc::new(VirtualClock::new(0)));
@@ -270,7 +217,7 @@ async fn a_worker_that_never_answers_is_cancelled_at_the_first_byte_deadline_and
     }
     // Round robin starts each of the three requests on another worker.
     for i in 0..3 {
-        let (status, body) = front.complete(i).await;
+        let (status, body) = complete(&front, i).await;
         assert_eq!(status, 200, "request {i}: {body}");
         assert_eq!(body["choices"][0]["text"], "ok");
     }
@@ -278,12 +225,12 @@ async fn a_worker_that_never_answers_is_cancelled_at_the_first_byte_deadline_and
     hung.abandoned().await;
     head_only.abandoned().await;
     assert!(front.state.metrics().retries_total() >= 2);
-    assert!(front.metric("infera_transport_timeouts_total").await >= 2);
+    assert!(metric(&front, "infera_transport_timeouts_total").await >= 2);
     assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
 
     // With only the silent workers left, the client gets an honest 504, streaming or not.
     front.state.deregister_worker(good.id(), "test".to_owned());
-    let (status, body) = front.complete(9).await;
+    let (status, body) = complete(&front, 9).await;
     assert_eq!(status, 504, "{body}");
     let message = body["error"]["message"].as_str().expect("message");
     assert!(
@@ -311,7 +258,7 @@ async fn a_worker_that_goes_silent_mid_stream_ends_the_stream_with_an_error_even
         idle: Some(Duration::from_millis(200)),
         ..HttpDeadlines::default()
     };
-    let front = Front::start(1, deadlines).await;
+    let front = start_front(1, deadlines).await;
     front.state.register_worker(silent.record());
     let req = json!({"model": MODEL, "prompt": "s", "max_tokens": 3, "stream": true});
     let (status, text) = exchange(
@@ -341,7 +288,7 @@ async fn a_worker_that_goes_silent_mid_stream_ends_the_stream_with_an_error_even
 async fn a_failing_worker_is_taken_out_of_routing_until_a_probe_succeeds() {
     let bad = Fake::start(Behaviour::Fail).await;
     let good = Fake::start(Behaviour::Answer).await;
-    let front = Front::start(1, HttpDeadlines::default()).await;
+    let front = start_front(1, HttpDeadlines::default()).await;
     let clock = Arc::new(VirtualClock::new(1_000_000));
     front
         .state
@@ -351,7 +298,7 @@ async fn a_failing_worker_is_taken_out_of_routing_until_a_probe_succeeds() {
     let mut i = 0;
     let mut complete_ok = async |front: &Front| {
         i += 1;
-        let (status, body) = front.complete(i).await;
+        let (status, body) = complete(front, i).await;
         assert_eq!(status, 200, "{body}");
     };
 
@@ -365,7 +312,21 @@ async fn a_failing_worker_is_taken_out_of_routing_until_a_probe_succeeds() {
     assert_eq!(bad.hits(), 3);
     assert_eq!(front.state.breaker_state(&bad.id()), BreakerState::Open);
     assert_eq!(front.state.metrics().breaker_trips_total(), 1);
-    assert_eq!(front.metric("infera_breaker_open_workers").await, 1);
+    assert_eq!(metric(&front, "infera_breaker_open_workers").await, 1);
+    let (_, text) = get(front.addr, "/metrics").await;
+    let id = bad.id();
+    for line in [
+        format!(
+            r#"infera_router_worker_breaker_state{{worker_id="{}"}} 2"#,
+            id.as_str()
+        ),
+        format!(
+            r#"infera_router_worker_breaker_trips_total{{worker_id="{}"}} 1"#,
+            id.as_str()
+        ),
+    ] {
+        assert!(text.contains(&format!("{line}\n")), "{line} in\n{text}");
+    }
     let (_, workers) = get(front.addr, "/v1/workers").await;
     let workers: serde_json::Value = serde_json::from_str(&workers).unwrap();
     let bad_entry = workers["data"]
@@ -414,7 +375,7 @@ async fn a_failing_worker_is_taken_out_of_routing_until_a_probe_succeeds() {
         complete_ok(&front).await;
     }
     assert_eq!(bad.hits(), 7, "round robin again");
-    assert_eq!(front.metric("infera_breaker_open_workers").await, 0);
+    assert_eq!(metric(&front, "infera_breaker_open_workers").await, 0);
     assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
     front.stop().await;
 }
@@ -422,13 +383,13 @@ async fn a_failing_worker_is_taken_out_of_routing_until_a_probe_succeeds() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_whose_breaker_is_open_is_still_tried_when_it_is_the_only_one() {
     let bad = Fake::start(Behaviour::Fail).await;
-    let front = Front::start(0, HttpDeadlines::default()).await;
+    let front = start_front(0, HttpDeadlines::default()).await;
     front
         .state
         .set_breaker(BreakerConfig::default(), Arc::new(VirtualClock::new(0)));
     front.state.register_worker(bad.record());
     for i in 0..5 {
-        let (status, body) = front.complete(i).await;
+        let (status, body) = complete(&front, i).await;
         assert_eq!(status, 500, "the worker's own answer: {body}");
     }
     assert_eq!(bad.hits(), 5);
@@ -550,7 +511,7 @@ async fn a_stream_whose_worker_dies_is_continued_on_another_worker_with_the_text
     let (dying, dying_task) = dying_worker(die.clone()).await;
     let (bodies_tx, mut bodies) = mpsc::channel(4);
     let (healthy, healthy_task) = continuing_worker(bodies_tx).await;
-    let front = Front::start(1, HttpDeadlines::default()).await;
+    let front = start_front(1, HttpDeadlines::default()).await;
     front.state.set_migration_limit(1);
     front.state.register_worker(record_at(dying));
 
@@ -636,6 +597,14 @@ async fn a_stream_whose_worker_dies_is_continued_on_another_worker_with_the_text
     assert!(rest.contains("\"error\""), "{rest}");
     assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
     assert_eq!(front.state.metrics().migrations_total(), 1);
+    // The Python Infera's families say the same: one carried, one with no candidate.
+    let (_, text) = get(front.addr, "/metrics").await;
+    for line in [
+        r#"infera_migrations_total{reason="stream_broken"} 1"#,
+        r#"infera_migrations_failed_total{reason="no_candidate"} 1"#,
+    ] {
+        assert!(text.contains(&format!("{line}\n")), "{line} in\n{text}");
+    }
     front.stop().await;
     dying_task.abort();
     healthy_task.abort();

@@ -121,6 +121,7 @@ fn setup() -> Setup {
             prompt_tokens: toks.len() as u32,
             hashes: vec![(BS as u32, hash_blocks(&toks, BS, None))],
             retention: None,
+            per_worker: Default::default(),
             exclude: vec![],
         };
         if let Ok(d) = router.decide(&s.fleet, &req, i * 1000) {
@@ -148,6 +149,7 @@ fn benches(c: &mut Criterion) {
                 prompt_tokens: toks.len() as u32,
                 hashes: vec![(BS as u32, hash_blocks(toks, BS, None))],
                 retention: None,
+                per_worker: Default::default(),
                 exclude: vec![],
             };
             black_box(router.decide(&s.fleet, &req, 1_000_000).is_ok())
@@ -167,6 +169,7 @@ fn parts(c: &mut Criterion) {
         prompt_tokens: toks.len() as u32,
         hashes: vec![(BS as u32, hash_blocks(&toks, BS, None))],
         retention: None,
+        per_worker: Default::default(),
         exclude: vec![],
     };
     let mut router = Router::new(RouterConfig::default());

@@ -17,10 +17,14 @@ pub enum ErrorCode {
     BadRequest,
     /// An admin route without the right bearer token (401).
     Unauthorized,
+    /// Authenticated, but not allowed: a disabled admin feature, a refused permission (403).
+    Forbidden,
     /// No such model or route (404).
     NotFound,
     /// The client did not send its request in time (408).
     RequestTimeout,
+    /// The request contradicts the state it would change (409).
+    Conflict,
     /// The body is over a size limit (413).
     PayloadTooLarge,
     /// A worker or the server is at its admission limit: come back later (429).
@@ -41,8 +45,10 @@ impl ErrorCode {
         match self {
             ErrorCode::BadRequest => StatusCode::BAD_REQUEST,
             ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+            ErrorCode::Forbidden => StatusCode::FORBIDDEN,
             ErrorCode::NotFound => StatusCode::NOT_FOUND,
             ErrorCode::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
+            ErrorCode::Conflict => StatusCode::CONFLICT,
             ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::RateLimited => StatusCode::TOO_MANY_REQUESTS,
             ErrorCode::Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -57,7 +63,9 @@ impl ErrorCode {
         match self {
             ErrorCode::BadRequest => "BadRequestError",
             ErrorCode::Unauthorized => "AuthenticationError",
+            ErrorCode::Forbidden => "PermissionDeniedError",
             ErrorCode::NotFound => "NotFoundError",
+            ErrorCode::Conflict => "ConflictError",
             ErrorCode::RequestTimeout | ErrorCode::GatewayTimeout => "TimeoutError",
             ErrorCode::PayloadTooLarge => "RequestTooLargeError",
             ErrorCode::RateLimited => "RateLimitError",
@@ -70,7 +78,10 @@ impl ErrorCode {
     /// The `error.type` of an Anthropic Messages error body.
     pub fn anthropic_type(self) -> &'static str {
         match self {
-            ErrorCode::BadRequest | ErrorCode::RequestTimeout => "invalid_request_error",
+            ErrorCode::BadRequest | ErrorCode::RequestTimeout | ErrorCode::Conflict => {
+                "invalid_request_error"
+            }
+            ErrorCode::Forbidden => "permission_error",
             ErrorCode::Unauthorized => "authentication_error",
             ErrorCode::NotFound => "not_found_error",
             ErrorCode::PayloadTooLarge => "request_too_large",
@@ -85,8 +96,10 @@ impl ErrorCode {
     pub fn of_status(status: StatusCode) -> Self {
         match status {
             StatusCode::UNAUTHORIZED => ErrorCode::Unauthorized,
+            StatusCode::FORBIDDEN => ErrorCode::Forbidden,
             StatusCode::NOT_FOUND => ErrorCode::NotFound,
             StatusCode::REQUEST_TIMEOUT => ErrorCode::RequestTimeout,
+            StatusCode::CONFLICT => ErrorCode::Conflict,
             StatusCode::PAYLOAD_TOO_LARGE => ErrorCode::PayloadTooLarge,
             StatusCode::TOO_MANY_REQUESTS => ErrorCode::RateLimited,
             StatusCode::BAD_GATEWAY => ErrorCode::BadGateway,
@@ -133,11 +146,13 @@ impl ServiceError for TransportError {
 mod tests {
     use super::*;
 
-    const ALL: [ErrorCode; 10] = [
+    const ALL: [ErrorCode; 12] = [
         ErrorCode::BadRequest,
         ErrorCode::Unauthorized,
+        ErrorCode::Forbidden,
         ErrorCode::NotFound,
         ErrorCode::RequestTimeout,
+        ErrorCode::Conflict,
         ErrorCode::PayloadTooLarge,
         ErrorCode::RateLimited,
         ErrorCode::Internal,

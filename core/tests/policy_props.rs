@@ -119,6 +119,7 @@ fn req(id: String, blocks: Vec<BlockHash>) -> RouteRequest {
         prompt_tokens: blocks.len() as u32 * BS,
         hashes: vec![(BS, blocks)],
         retention: None,
+        per_worker: Default::default(),
         exclude: vec![],
     }
 }

@@ -1,5 +1,5 @@
 //! `infera kvd`: the KV-cache daemon — the Unix-socket protocol, the L2 host-RAM store and its
-//! shared arena, the L3 tablespace, the long-term backend trait (L3 now, L4 later), and the
+//! shared arena, the L3 tablespace, the L4 remote tier, the long-term backend trait, and the
 //! client library. It does not depend on the router.
 //!
 //! # Map
@@ -12,7 +12,10 @@
 //! - [`arena`]: the shared arena — a memfd of fixed-size slots with seqlock headers, passed to
 //!   clients over `SCM_RIGHTS`, read and written zero-copy (`get_shared_response`,
 //!   `set_reserve`/`set_commit`).
-//! - [`long`]: the long-term backend trait and its resolver (`--long-backend`).
+//! - [`long`]: the long-term backend trait, its resolver (`--long-backend`) and
+//!   [`long::Stacked`] (L3 with an L4 behind it).
+//! - [`l4`]: the L4 tier over a remote store shared by a fleet — LMCache's Redis/Valkey layout
+//!   and `lm://` server protocol, framed values, write-behind, deadlines and a breaker.
 //! - [`tablespace`]: the L3 implementation — container files, journal, checkpoints, crash-safe
 //!   recovery, O_DIRECT or buffered I/O through io_uring (or `pread`/`pwrite`).
 //! - [`stats`]: counters and their Prometheus text; [`client`]: the async client.
@@ -23,6 +26,7 @@
 
 pub mod arena;
 pub mod client;
+pub mod l4;
 pub mod long;
 pub(crate) mod lru;
 pub mod proto;

@@ -1,6 +1,7 @@
 //! The daemon's counters: a [`Stats`] snapshot (answered by the `stats` op) and its Prometheus
-//! text rendering, [`metrics_text`], which the daemon logs periodically (at debug level) and at
-//! shutdown (at info level). Counters only grow; gauges describe the store at the snapshot.
+//! text rendering by `prometheus_client`, [`metrics_text`], which the daemon logs periodically
+//! (at debug level) and at shutdown (at info level). Counters only grow; gauges describe the
+//! store at the snapshot.
 //!
 //! The snapshot is assembled from three owners, each counting locally and reporting once: the
 //! L2 store (with its arena placement), the long-term backend ([`LongStats`]) and the server's
@@ -8,7 +9,12 @@
 
 use crate::proto::{ExtendedStats, StatsReply};
 use infera_core::event::Retention;
-use std::fmt::Write as _;
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, prometheus_text};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+use std::fmt;
 
 /// What the shared arena reports.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -27,7 +33,78 @@ pub struct ArenaStats {
     pub demotions_total: u64,
 }
 
-/// What a long-term backend (L3 tablespace, later L4) reports.
+/// What the L4 tier reports (all zero without one).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct L4Stats {
+    /// 1 while the breaker is closed (the store answers).
+    pub up: u64,
+    /// Bytes of puts queued (write-behind).
+    pub queued_bytes: u64,
+    /// Operations queued (puts and removals).
+    pub queued_ops: u64,
+    /// Blocks written to the store.
+    pub puts_total: u64,
+    /// Blocks whose L4 copy was dropped (queue full, or the breaker open).
+    pub dropped_total: u64,
+    /// Removals written to the store.
+    pub removes_total: u64,
+    /// Blocks looked up in L4 (queued ones included).
+    pub gets_total: u64,
+    /// Lookups L4 answered.
+    pub hits_total: u64,
+    /// Stored values refused on read: foreign, torn or another key's (read as misses).
+    pub rejected_total: u64,
+    /// Remote operations that failed.
+    pub errors_total: u64,
+    /// Remote operations past their deadline.
+    pub timeouts_total: u64,
+    /// Times the breaker opened.
+    pub breaker_opens_total: u64,
+    /// Times the breaker closed again (the store answered a probe).
+    pub reconnects_total: u64,
+}
+
+impl L4Stats {
+    /// Every field as `(name without the l4_ prefix, value)`, in a stable order.
+    pub fn fields(&self) -> [(&'static str, u64); 13] {
+        [
+            ("up", self.up),
+            ("queued_bytes", self.queued_bytes),
+            ("queued_ops", self.queued_ops),
+            ("puts_total", self.puts_total),
+            ("dropped_total", self.dropped_total),
+            ("removes_total", self.removes_total),
+            ("gets_total", self.gets_total),
+            ("hits_total", self.hits_total),
+            ("rejected_total", self.rejected_total),
+            ("errors_total", self.errors_total),
+            ("timeouts_total", self.timeouts_total),
+            ("breaker_opens_total", self.breaker_opens_total),
+            ("reconnects_total", self.reconnects_total),
+        ]
+    }
+
+    /// The inverse of [`L4Stats::fields`]: `get` answers a field by name.
+    pub fn from_fields(get: impl Fn(&str) -> u64) -> Self {
+        Self {
+            up: get("up"),
+            queued_bytes: get("queued_bytes"),
+            queued_ops: get("queued_ops"),
+            puts_total: get("puts_total"),
+            dropped_total: get("dropped_total"),
+            removes_total: get("removes_total"),
+            gets_total: get("gets_total"),
+            hits_total: get("hits_total"),
+            rejected_total: get("rejected_total"),
+            errors_total: get("errors_total"),
+            timeouts_total: get("timeouts_total"),
+            breaker_opens_total: get("breaker_opens_total"),
+            reconnects_total: get("reconnects_total"),
+        }
+    }
+}
+
+/// What a long-term backend (L3 tablespace, L4, or both) reports.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LongStats {
     /// Entries held (all shards).
@@ -60,6 +137,8 @@ pub struct LongStats {
     pub direct_io: bool,
     /// Whether the data path uses io_uring.
     pub io_uring: bool,
+    /// The L4 tier's counters (zero for the tablespace alone).
+    pub l4: L4Stats,
 }
 
 impl LongStats {
@@ -80,6 +159,11 @@ impl LongStats {
         self.rejected_total += other.rejected_total;
         self.direct_io |= other.direct_io;
         self.io_uring |= other.io_uring;
+        let (a, b) = (self.l4.fields(), other.l4.fields());
+        self.l4 = L4Stats::from_fields(|name| {
+            let at = a.iter().position(|(n, _)| *n == name).unwrap_or_default();
+            a[at].1 + b[at].1
+        });
         self
     }
 }
@@ -171,59 +255,57 @@ impl Stats {
             l3_rejected_total: l.rejected_total,
             l3_direct_io: u64::from(l.direct_io),
             l3_io_uring: u64::from(l.io_uring),
+            l4: l.l4,
         }
     }
 }
 
-/// Renders `stats` in the Prometheus text exposition format (version 0.0.4). Metric names are
-/// `infera_kvd_*`; the per-class series carry a `class` label (`none|ephemeral|short|long`).
-/// Names ending in `_total` are counters, the rest gauges.
+/// Renders `stats` in the Prometheus text exposition format (version 0.0.4), through a
+/// `prometheus_client` registry of the snapshot's values. Metric names are `infera_kvd_*`; the
+/// per-class series carry a `class` label (`none|ephemeral|short|long`). Names ending in `_total`
+/// are counters, the rest gauges.
 pub fn metrics_text(stats: &Stats) -> String {
-    let mut out = String::with_capacity(4096);
+    // Help texts end without a period: the encoder adds one.
     let base = [
-        ("entries", "Entries in the L2 store.", stats.entries),
+        ("entries", "Entries in the L2 store", stats.entries),
         (
             "host_bytes",
-            "Value bytes in the L2 store.",
+            "Value bytes in the L2 store",
             stats.host_bytes,
         ),
-        ("gets_total", "Keys looked up.", stats.gets_total),
-        ("sets_total", "Items written.", stats.sets_total),
+        ("gets_total", "Keys looked up", stats.gets_total),
+        ("sets_total", "Items written", stats.sets_total),
         (
             "hits_total",
-            "Lookups answered from any tier.",
+            "Lookups answered from any tier",
             stats.hits_total,
         ),
         (
             "misses_total",
-            "Lookups that missed every tier.",
+            "Lookups that missed every tier",
             stats.misses_total,
         ),
         (
             "evictions_total",
-            "L2 entries evicted to make room.",
+            "L2 entries evicted to make room",
             stats.evictions_total,
         ),
         (
             "spillover_bytes",
-            "Value bytes of short entries in L3.",
+            "Value bytes of short entries in L3",
             stats.long.short_bytes,
         ),
         (
             "long_bytes",
-            "Value bytes of long entries in L3.",
+            "Value bytes of long entries in L3",
             stats.long.long_bytes,
         ),
     ];
-    let mut metric = |name: &str, help: &str, value: u64| {
-        let kind = if name.ends_with("_total") {
-            "counter"
-        } else {
-            "gauge"
-        };
-        let _ = writeln!(out, "# HELP infera_kvd_{name} {help}");
-        let _ = writeln!(out, "# TYPE infera_kvd_{name} {kind}");
-        let _ = writeln!(out, "infera_kvd_{name} {value}");
+    let mut registry = Registry::with_prefix("infera_kvd");
+    // The encoder adds `_total` to a counter's name.
+    let mut metric = |name: &str, help: &str, value: u64| match name.strip_suffix("_total") {
+        Some(counter) => registry.register(counter, help, ConstCounter::new(value)),
+        None => registry.register(name, help, ConstGauge::new(value)),
     };
     for (name, help, value) in base {
         metric(name, help, value);
@@ -232,31 +314,41 @@ pub fn metrics_text(stats: &Stats) -> String {
         if name.ends_with("_entries") && is_class_series(&name) || name.ends_with("_class_bytes") {
             continue;
         }
-        metric(&name, "See the kvd stats_response documentation.", value);
+        metric(&name, "See the kvd stats_response documentation", value);
     }
-    let mut classed = |name: &str, help: &str, values: &[u64; 4]| {
-        let _ = writeln!(out, "# HELP infera_kvd_{name} {help}");
-        let _ = writeln!(out, "# TYPE infera_kvd_{name} gauge");
-        for class in Retention::ALL {
-            let value = values[class as usize];
-            let _ = writeln!(
-                out,
-                "infera_kvd_{name}{{class=\"{}\"}} {value}",
-                class.as_str()
-            );
-        }
-    };
-    classed(
+    registry.register(
         "class_entries",
-        "L2 entries per retention class.",
-        &stats.class_entries,
+        "L2 entries per retention class",
+        PerClass(stats.class_entries),
     );
-    classed(
+    registry.register(
         "class_bytes",
-        "L2 charged bytes per retention class.",
-        &stats.class_bytes,
+        "L2 charged bytes per retention class",
+        PerClass(stats.class_bytes),
     );
+    let mut out = String::with_capacity(4096);
+    // Writing to a String cannot fail.
+    let _ = prometheus_text::encode(&mut out, &registry);
     out
+}
+
+/// A gauge with one series per retention class (label `class`), indexed by `Retention as usize`
+/// and written in [`Retention::ALL`]'s order.
+#[derive(Debug)]
+struct PerClass([u64; 4]);
+
+impl EncodeMetric for PerClass {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), fmt::Error> {
+        for class in Retention::ALL {
+            let label = [("class", class.as_str())];
+            ConstGauge::new(self.0[class as usize]).encode(encoder.encode_family(&label)?)?;
+        }
+        Ok(())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Gauge
+    }
 }
 
 fn is_class_series(name: &str) -> bool {
@@ -290,7 +382,34 @@ mod tests {
         assert!(text.contains("infera_kvd_class_entries{class=\"short\"} 2\n"));
         assert!(text.contains("# TYPE infera_kvd_evictions_total counter\n"));
         assert!(text.contains("# TYPE infera_kvd_arena_entries gauge\n"));
+        assert!(text.contains("# HELP infera_kvd_entries Entries in the L2 store.\n"));
+        assert!(text.contains("# HELP infera_kvd_hits_total Lookups answered from any tier.\n"));
+        assert!(text.contains(
+            "# HELP infera_kvd_l3_reads_total See the kvd stats_response documentation.\n"
+        ));
+        assert!(text.contains("# TYPE infera_kvd_class_entries gauge\n"));
         assert!(!text.contains("infera_kvd_short_entries"));
+        let classes: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("infera_kvd_class_bytes{class=\""))
+            .collect();
+        assert_eq!(
+            classes,
+            ["none\"} 0", "ephemeral\"} 0", "short\"} 0", "long\"} 0"],
+            "one series per class, in order"
+        );
+        // Every family once, described before its samples.
+        let mut families = Vec::new();
+        for line in text.lines() {
+            if let Some(help) = line.strip_prefix("# HELP ") {
+                let (name, _) = help.split_once(' ').unwrap();
+                assert!(!families.contains(&name), "{name} twice");
+                families.push(name);
+            } else if !line.starts_with('#') {
+                let name = line.split(['{', ' ']).next().unwrap();
+                assert_eq!(families.last(), Some(&name), "{line}");
+            }
+        }
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let (_, value) = line.rsplit_once(' ').unwrap();
             value.parse::<u64>().unwrap();

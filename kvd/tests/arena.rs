@@ -290,3 +290,49 @@ async fn absurd_reserve_sizes_are_refused_and_leave_the_slot_size_to_a_real_writ
     assert_eq!(stats.arena_slot_bytes, 4032);
     daemon.stop().await;
 }
+
+#[tokio::test]
+async fn batch_get_shared_hands_out_slots_that_outlive_the_connection_and_validate() {
+    let daemon = arena_daemon(1 << 20, Some(64 << 10), 4 << 20).await;
+    let mut writer = daemon.client().await;
+    writer
+        .set(&ns(), SetItem::new(key("a"), vec![5u8; 3000]))
+        .await
+        .unwrap();
+    let mut shared = daemon.shared_client().await;
+    let found = shared
+        .batch_get_shared(&ns(), vec![key("a"), key("missing")])
+        .await
+        .unwrap();
+    let slot = match &found[..] {
+        [Some(SharedGet::Slot(slot)), None] => *slot,
+        other => panic!("expected one arena slot and one miss, got {other:?}"),
+    };
+    let arena = shared.arena_handle().unwrap();
+    drop(shared); // the handle keeps the mapping
+    assert!(arena.is_valid(&slot));
+    // The base pointer addresses the same bytes `read` lends.
+    let in_place = arena.read(&slot, |bytes| bytes.as_ptr()).unwrap();
+    assert_eq!(
+        in_place,
+        arena.base().wrapping_add(slot.slot_offset as usize)
+    );
+    assert_eq!(arena.copy(&slot).unwrap(), vec![5u8; 3000]);
+    // A slot that does not lie in the arena never validates.
+    let outside = infera_kvd::proto::SharedSlot {
+        slot_offset: arena.len() as u64,
+        ..slot
+    };
+    assert!(!arena.is_valid(&outside));
+    // Without an arena, the same call answers inline.
+    let mut inline = daemon.client().await;
+    let found = inline
+        .batch_get_shared(&ns(), vec![key("a")])
+        .await
+        .unwrap();
+    assert!(
+        matches!(&found[..], [Some(SharedGet::Inline(hit))] if hit.value.len() == 3000),
+        "{found:?}"
+    );
+    daemon.stop().await;
+}

@@ -23,10 +23,12 @@
 //!   out of a full token budget still gets its per-step token; only its timing differs.
 //! - The token ids of every complete prompt block of a live request are kept (shared by hash,
 //!   reference counted) until the request finishes, so every `BlockStored` carries its tokens.
+//! - The model's lower-tier hook answers from each request's [`Submission::lower_blocks`], found
+//!   in the block store before the request was submitted (see `kvd`).
 //! - [`EngineModel`] has no abort: a request whose client went away stays in the engine until it
 //!   finishes (it keeps its blocks and batch slot); only its progress stops being published.
 
-use infera_core::engine::{EngineModel, Finished, KvChange, Prefilled, SimRequest, no_lower_tiers};
+use infera_core::engine::{EngineModel, Finished, KvChange, Prefilled, SimRequest};
 use infera_core::event::Tier;
 use infera_core::ids::{BlockHash, EngineHash};
 use infera_core::kv_events::{EngineBatch, EngineEvent};
@@ -74,6 +76,8 @@ pub(crate) struct Submission {
     pub progress: watch::Sender<Progress>,
     /// When the handler got the request (for `vllm:time_to_first_token_seconds`).
     pub received: Instant,
+    /// Leading prompt blocks the block store holds (the lower tier; 0 without one).
+    pub lower_blocks: usize,
 }
 
 /// A live request, as the loop tracks it.
@@ -91,6 +95,8 @@ struct Live {
     /// The client went away: progress is no longer published.
     detached: bool,
     received: Instant,
+    /// See [`Submission::lower_blocks`].
+    lower_blocks: usize,
 }
 
 /// Token ids of one resident-or-pending block, shared by every live request that has it.
@@ -174,7 +180,9 @@ impl EngineLoop {
             // over thousands of sub-millisecond decode steps; the step clock wakes within tens
             // of microseconds of each end (see `clock`).
             let started = due.unwrap_or_else(Instant::now);
-            let Some(report) = self.model.step(&mut no_lower_tiers) else {
+            let live = &self.live;
+            let mut lower = |id: u64, asked: &[BlockHash]| lower_tier(live, id, asked);
+            let Some(report) = self.model.step(&mut lower) else {
                 continue;
             };
             self.step_no += 1;
@@ -189,10 +197,7 @@ impl EngineLoop {
                 }
             }
             let late = Instant::now().saturating_duration_since(end);
-            self.metrics.steps.fetch_add(1, Ordering::Relaxed);
-            self.metrics
-                .step_late_us
-                .fetch_add(late.as_micros() as u64, Ordering::Relaxed);
+            self.metrics.step_lateness.observe(late.as_secs_f64());
             if let Some(batch) = self.kv_batch(&report.kv) {
                 self.publish(batch, &cancel).await;
             }
@@ -237,6 +242,7 @@ impl EngineLoop {
                 prefilled_step: 0,
                 detached: false,
                 received: sub.received,
+                lower_blocks: sub.lower_blocks,
             },
         );
     }
@@ -298,9 +304,7 @@ impl EngineLoop {
                 "mock engine stored blocks whose token ids it does not know; their events were \
                  left out"
             );
-            self.metrics
-                .kv_missing_tokens
-                .fetch_add(missing, Ordering::Relaxed);
+            self.metrics.kv_missing_tokens.inc_by(missing);
         }
         Some(EngineBatch {
             ts: unix_seconds(),
@@ -319,15 +323,15 @@ impl EngineLoop {
         };
         match sent {
             Ok(()) => {
-                self.metrics.kv_batches.fetch_add(1, Ordering::Relaxed);
-                self.metrics.kv_events.fetch_add(events, Ordering::Relaxed);
+                self.metrics.kv_batches.inc();
+                self.metrics.kv_events.inc_by(events);
             }
             Err(_) => {
                 tracing::error!(
                     "the kv-event sink was closed; this mock engine stops publishing kv events \
                      and routers will no longer see its cache"
                 );
-                self.metrics.kv_sink_closed.store(1, Ordering::Relaxed);
+                self.metrics.kv_sink_closed.set(1);
                 self.sink = None;
             }
         }
@@ -340,7 +344,7 @@ impl EngineLoop {
         for p in prefilled {
             if let Some(live) = self.live.get_mut(&p.id) {
                 let ttft = now.saturating_duration_since(live.received);
-                self.metrics.ttft.observe_us(ttft.as_micros() as u64);
+                self.metrics.ttft.observe(ttft.as_secs_f64());
                 live.decoding = true;
                 live.prefilled_step = step;
                 live.tokens = 1;
@@ -350,15 +354,17 @@ impl EngineLoop {
                     pr.cached_tokens = cached;
                 });
             }
-            self.metrics.prefix_queries.fetch_add(
+            self.metrics.prefix_queries.inc_by(
                 self.live
                     .get(&p.id)
                     .map_or(0, |l| u64::from(l.prompt_tokens)),
-                Ordering::Relaxed,
             );
-            self.metrics
-                .prefix_hits
-                .fetch_add(u64::from(p.cached_tokens), Ordering::Relaxed);
+            self.metrics.prefix_hits.inc_by(u64::from(p.cached_tokens));
+            // `cached_tokens` is capped (the last prompt token is recomputed); the GPU's blocks
+            // count first, the rest came from the lower tier.
+            let gpu = u64::from(p.gpu_hit_blocks) * self.block_size as u64;
+            let lower = u64::from(p.cached_tokens).saturating_sub(gpu);
+            self.metrics.kvd_hit_tokens.inc_by(lower);
         }
         for f in finished {
             let Some(mut live) = self.live.remove(&f.id) else {
@@ -380,10 +386,8 @@ impl EngineLoop {
                 pr.outcome = Some(outcome);
             });
             self.release_block_tokens(&live.blocks);
-            self.metrics.finished.fetch_add(1, Ordering::Relaxed);
-            self.metrics
-                .generation_tokens
-                .fetch_add(u64::from(total), Ordering::Relaxed);
+            self.metrics.finished.inc();
+            self.metrics.generation_tokens.inc_by(u64::from(total));
         }
         for live in self.live.values_mut() {
             if live.decoding && live.prefilled_step != step && live.tokens + 1 < live.target {
@@ -423,9 +427,18 @@ impl EngineLoop {
             };
             self.model.abort(id);
             self.release_block_tokens(&live.blocks);
-            self.metrics.detached.fetch_add(1, Ordering::Relaxed);
+            self.metrics.detached.inc();
         }
     }
+}
+
+/// The lower-tier hook of the engine model: of the blocks `asked` (the prompt's blocks after its
+/// GPU hit), how many lead the request's lower-tier prefix.
+fn lower_tier(live: &FxHashMap<u64, Live>, id: u64, asked: &[BlockHash]) -> usize {
+    live.get(&id).map_or(0, |l| {
+        let gpu_hit = l.blocks.len().saturating_sub(asked.len());
+        l.lower_blocks.saturating_sub(gpu_hit).min(asked.len())
+    })
 }
 
 /// Publishes a change to a request's progress, unless its client is gone (then marks it

@@ -3,30 +3,33 @@
 //! `POST /abort_request` with the aborts it received (`GET /mock/pd-aborts`).
 //!
 //! A generation request is parsed, tokenized off the async threads (`spawn_blocking`), hashed
-//! into router block hashes, checked against the cache size, and submitted to the engine loop;
-//! the handler then follows the request's [`Progress`] watch. Streaming answers are SSE:
+//! into router block hashes, checked against the cache size, looked up in the block store when
+//! the mock has one (`kvd`), and submitted to the engine loop; the handler then follows the
+//! request's [`Progress`] watch, and saves the request's blocks to the store once it finished,
+//! before the answer ends. Streaming answers are SSE:
 //! one `data: {chunk}` per generated token (the last one with `finish_reason`), an optional
 //! usage chunk (`stream_options.include_usage`), then `data: [DONE]`. Dropping the response
 //! (the client went away) drops the watch receiver, which the engine loop notices.
 
 use super::engine::{Outcome, Progress, Submission};
+use super::kvd::retention_of;
 use super::metrics::{MockMetrics, StaticInfo};
 use super::openai::{
-    ApiError, ChatRequest, CompletionRequest, Endpoint, Prompt, ResponseMeta, filler,
-    output_tokens, parse_prompt, usage,
+    ApiError, ChatRequest, CompletionRequest, Endpoint, Prompt, ResponseMeta, filler, filler_start,
+    filler_start_ids, output_tokens, parse_prompt, usage,
 };
-use crate::tokenize::{ChatContent, ChatMessage, Tokenizer};
+use super::sse::{StreamState, sse_response};
+use crate::tokenize::{ChatContent, ChatExtras, ChatMessage, TemplateKwargs, Tokenizer};
 use axum::Router;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use infera_core::hashing::hash_blocks;
 use serde_json::{Value, json};
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -45,6 +48,32 @@ pub(crate) struct AppState {
     pub pd: Option<super::pd::MockPd>,
     pub pd_log: super::pd::LegLog,
     pub aborts: super::abort::Aborts,
+    /// The block store behind the GPU cache, if any (see `kvd`).
+    pub kvd: Option<super::kvd::Tier>,
+    /// Merged into every chat before it renders (`MockConfig::chat_template_defaults`).
+    pub template_defaults: TemplateKwargs,
+    /// The token ids of each [`super::FILLER`] word (what `return_token_ids` reports).
+    pub filler_ids: Vec<Vec<u32>>,
+}
+
+impl AppState {
+    /// The token ids of generated word `word` (its place in the filler cycle).
+    pub fn word_ids(&self, word: u32) -> &[u32] {
+        self.filler_ids
+            .get(word as usize % self.filler_ids.len().max(1))
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// The token ids of each filler word, with `tokenizer` or one per byte.
+    pub fn filler_ids(tokenizer: Option<&Tokenizer>) -> Vec<Vec<u32>> {
+        super::FILLER
+            .iter()
+            .map(|word| match tokenizer {
+                Some(t) => t.encode(word).unwrap_or_else(|_| byte_tokens(word)),
+                None => byte_tokens(word),
+            })
+            .collect()
+    }
 }
 
 /// The routes, with the body limit applied to every one.
@@ -57,6 +86,7 @@ pub(crate) fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/abort_request", post(abort_request))
         .route("/mock/pd-aborts", get(pd_aborts))
         .route("/health", get(health))
+        .route("/get_server_info", get(server_info))
         .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)
@@ -134,16 +164,20 @@ async fn health() -> Response {
     axum::Json(json!({ "status": "ok" })).into_response()
 }
 
+/// SGLang's server description, as much of it as the router reads: the served model and the
+/// chat template defaults.
+async fn server_info(State(st): State<Arc<AppState>>) -> Response {
+    let defaults = (!st.template_defaults.is_empty()).then_some(&st.template_defaults);
+    axum::Json(json!({
+        "served_model_name": st.model_name,
+        "default_chat_template_kwargs": defaults,
+    }))
+    .into_response()
+}
+
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
-    let text = st.metrics.render(&st.model_name, &st.info);
-    (
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-        )],
-        text,
-    )
-        .into_response()
+    let text = st.metrics.render();
+    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Response {
@@ -182,9 +216,15 @@ async fn completions(
         )?;
         let out = output_tokens(req.max_tokens, req.n)?;
         let out = pd.cap.map_or(out, |cap| out.min(cap));
-        let tokens = match parse_prompt(&req.prompt)? {
-            Prompt::Tokens(ids) => ids,
-            Prompt::Text(text) => tokenize_text(&st, text).await?,
+        let (tokens, first_word) = match parse_prompt(&req.prompt)? {
+            Prompt::Tokens(ids) => {
+                let first_word = filler_start_ids(&ids, &st.filler_ids);
+                (ids, first_word)
+            }
+            Prompt::Text(text) => {
+                let first_word = filler_start(&text);
+                (tokenize_text(&st, text).await?, first_word)
+            }
         };
         let include_usage = req.stream_options.and_then(|o| o.include_usage);
         let reply = Reply {
@@ -193,6 +233,9 @@ async fn completions(
             include_usage: include_usage.unwrap_or(false),
             handoff: pd.handoff,
             rid,
+            retention: retention_of(req.pd.kv_transfer_params.as_ref())?,
+            first_word,
+            return_ids: req.return_token_ids.unwrap_or(false),
         };
         generate(&st, tokens, out, reply, received).await
     }
@@ -223,7 +266,16 @@ async fn chat_completions(
         if req.messages.is_empty() {
             return Err(ApiError::bad_request("`messages` must not be empty"));
         }
-        let tokens = tokenize_chat(&st, req.messages).await?;
+        // A chat continuation ends with the assistant's text so far.
+        let first_word = match req.messages.last() {
+            Some(ChatMessage {
+                role,
+                content: Some(ChatContent::Text(text)),
+                ..
+            }) if role == "assistant" => filler_start(text),
+            _ => 0,
+        };
+        let tokens = tokenize_chat(&st, req.messages, req.extras).await?;
         let include_usage = req.stream_options.and_then(|o| o.include_usage);
         let reply = Reply {
             endpoint: Endpoint::Chat,
@@ -231,6 +283,9 @@ async fn chat_completions(
             include_usage: include_usage.unwrap_or(false),
             handoff: pd.handoff,
             rid,
+            retention: retention_of(req.pd.kv_transfer_params.as_ref())?,
+            first_word,
+            return_ids: req.return_token_ids.unwrap_or(false),
         };
         generate(&st, tokens, out, reply, received).await
     }
@@ -240,7 +295,7 @@ async fn chat_completions(
 
 fn respond(st: &AppState, result: Result<Response, ApiError>) -> Response {
     result.unwrap_or_else(|e| {
-        st.metrics.http_errors.fetch_add(1, Ordering::Relaxed);
+        st.metrics.http_errors.inc();
         e.into_response()
     })
 }
@@ -284,11 +339,27 @@ async fn tokenize_text(st: &AppState, text: String) -> Result<Vec<u32>, ApiError
         .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))
 }
 
-async fn tokenize_chat(st: &AppState, messages: Vec<ChatMessage>) -> Result<Vec<u32>, ApiError> {
+async fn tokenize_chat(
+    st: &AppState,
+    mut messages: Vec<ChatMessage>,
+    mut extras: ChatExtras,
+) -> Result<Vec<u32>, ApiError> {
+    extras.with_defaults(&st.template_defaults);
+    // A vision or audio model's template puts a placeholder where each such part goes.
+    for m in &mut messages {
+        if let Some(ChatContent::Parts(parts)) = &mut m.content {
+            for p in parts.iter_mut().filter(|p| p.kind != "text") {
+                p.text = Some(format!(
+                    "<{}>",
+                    std::mem::replace(&mut p.kind, "text".into())
+                ));
+            }
+        }
+    }
     let Some(tokenizer) = st.tokenizer.clone() else {
         return Ok(byte_tokens(&plain_chat(&messages)));
     };
-    tokio::task::spawn_blocking(move || tokenizer.encode_chat(&messages, None))
+    tokio::task::spawn_blocking(move || tokenizer.encode_chat(&messages, &extras, None))
         .await
         .map_err(|e| internal(format!("tokenizer task failed: {e}")))?
         .map_err(|e| ApiError::bad_request(format!("cannot render or tokenize the messages: {e}")))
@@ -333,11 +404,17 @@ struct Reply {
     handoff: Option<Value>,
     /// SGLang's `rid`: `/abort_request` can end the request.
     rid: Option<String>,
+    /// How long the block store should keep the request's blocks (`none`: never saved).
+    retention: infera_core::event::Retention,
+    /// Where the answer starts in the filler cycle ([`filler_start`]).
+    first_word: u32,
+    /// vLLM's `return_token_ids`: the prompt's ids and each chunk's ids in the answer.
+    return_ids: bool,
 }
 
 /// Submits the request to the engine and answers it; `received`: when the handler started.
 async fn generate(
-    st: &AppState,
+    st: &Arc<AppState>,
     tokens: Vec<u32>,
     out: u32,
     reply: Reply,
@@ -349,7 +426,11 @@ async fn generate(
         include_usage,
         handoff,
         rid,
+        retention,
+        first_word,
+        return_ids,
     } = reply;
+    let prompt_ids = return_ids.then(|| tokens.clone());
     if tokens.is_empty() {
         return Err(ApiError::bad_request("the prompt is empty (0 tokens)"));
     }
@@ -366,6 +447,10 @@ async fn generate(
         )));
     }
     let blocks = hash_blocks(&tokens, st.info.block_size as usize, None);
+    let (lower_blocks, save) = match &st.kvd {
+        Some(tier) => tier.admit(&tokens, retention, &st.metrics).await,
+        None => (0, None),
+    };
     let live = rid.as_deref().map(|r| st.aborts.register(r));
     let seq = st.next_id.fetch_add(1, Ordering::Relaxed);
     let (progress, rx) = watch::channel(Progress::default());
@@ -378,6 +463,7 @@ async fn generate(
             output_tokens: out,
             progress,
             received,
+            lower_blocks,
         })
         .await
         .map_err(|_| {
@@ -386,10 +472,8 @@ async fn generate(
                 "the mock engine is shutting down",
             )
         })?;
-    st.metrics.requests.fetch_add(1, Ordering::Relaxed);
-    st.metrics
-        .prompt_tokens
-        .fetch_add(u64::from(prompt_tokens), Ordering::Relaxed);
+    st.metrics.requests.inc();
+    st.metrics.prompt_tokens.inc_by(u64::from(prompt_tokens));
     let prefix = match endpoint {
         Endpoint::Completions => "cmpl",
         Endpoint::Chat => "chatcmpl",
@@ -402,11 +486,15 @@ async fn generate(
     };
     if stream {
         Ok(sse_response(StreamState {
+            app: Arc::clone(st),
+            save,
             rx,
             meta,
             prompt_tokens,
             include_usage,
             sent: 0,
+            first_word,
+            prompt_ids,
             queue: VecDeque::new(),
             done: false,
             live,
@@ -427,10 +515,20 @@ async fn generate(
                 }
             }
         };
-        let text = filler(0, p.tokens);
+        if let (Some(tier), Some(job), false) = (&st.kvd, save, aborted) {
+            tier.save(job, &st.metrics).await;
+        }
+        let text = filler(first_word, first_word + p.tokens);
         let mut body = meta.full(text, usage(prompt_tokens, p.tokens, p.cached_tokens));
         if aborted {
             body["choices"][0]["finish_reason"] = "abort".into();
+        }
+        if let Some(ids) = prompt_ids {
+            let generated: Vec<u32> = (first_word..first_word + p.tokens)
+                .flat_map(|w| st.word_ids(w).iter().copied())
+                .collect();
+            body["prompt_token_ids"] = json!(ids);
+            body["choices"][0]["token_ids"] = json!(generated);
         }
         if let (Some(h), Some(obj)) = (handoff, body.as_object_mut()) {
             obj.insert("kv_transfer_params".into(), h);
@@ -453,127 +551,15 @@ async fn wait_outcome(mut rx: watch::Receiver<Progress>) -> Result<Progress, Api
     }
 }
 
-fn rejected() -> ApiError {
+pub(super) fn rejected() -> ApiError {
     ApiError::bad_request("the request can never fit in this engine's KV cache")
 }
 
-fn engine_stopped() -> ApiError {
+pub(super) fn engine_stopped() -> ApiError {
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "the mock engine stopped before the request finished",
     )
-}
-
-/// The state of one SSE answer.
-struct StreamState {
-    rx: watch::Receiver<Progress>,
-    meta: ResponseMeta,
-    prompt_tokens: u32,
-    include_usage: bool,
-    /// Tokens already turned into chunks.
-    sent: u32,
-    queue: VecDeque<Bytes>,
-    done: bool,
-    /// The request's `rid` registration, when it named one: an abort ends the stream.
-    live: Option<super::abort::LiveRid>,
-}
-
-impl StreamState {
-    fn push_json(&mut self, value: &Value) {
-        self.queue
-            .push_back(Bytes::from(format!("data: {value}\n\n")));
-    }
-
-    fn push_done(&mut self) {
-        self.queue
-            .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-        self.done = true;
-    }
-
-    /// `/abort_request` named this request: a last chunk with `finish_reason` `"abort"`, then
-    /// `[DONE]`; the request leaves the engine once the stream (its receiver) is dropped.
-    fn abort(&mut self) {
-        let mut chunk = self.meta.chunk("", self.sent == 0, true);
-        chunk["choices"][0]["finish_reason"] = "abort".into();
-        self.push_json(&chunk);
-        self.push_done();
-        self.live = None;
-    }
-
-    /// Turns new progress into chunks; `closed`: the engine dropped the request's channel.
-    fn advance(&mut self, p: Progress, closed: bool) {
-        let finished = p.outcome == Some(Outcome::Finished);
-        for i in self.sent..p.tokens {
-            let last = finished && i + 1 == p.tokens;
-            let chunk = self.meta.chunk(&filler(i, i + 1), i == 0, last);
-            self.push_json(&chunk);
-        }
-        let had_tokens = p.tokens > self.sent;
-        self.sent = self.sent.max(p.tokens);
-        match p.outcome {
-            Some(Outcome::Finished) => {
-                if !had_tokens {
-                    let chunk = self.meta.chunk("", self.sent == 0, true);
-                    self.push_json(&chunk);
-                }
-                if self.include_usage {
-                    let chunk =
-                        self.meta
-                            .usage_chunk(usage(self.prompt_tokens, p.tokens, p.cached_tokens));
-                    self.push_json(&chunk);
-                }
-                self.push_done();
-            }
-            Some(Outcome::Rejected) => {
-                self.push_json(&rejected().body());
-                self.push_done();
-            }
-            None if closed => {
-                self.push_json(&engine_stopped().body());
-                self.push_done();
-            }
-            None => {}
-        }
-    }
-}
-
-fn sse_response(state: StreamState) -> Response {
-    let stream = futures::stream::unfold(state, |mut s| async move {
-        loop {
-            if let Some(bytes) = s.queue.pop_front() {
-                return Some((Ok::<_, Infallible>(bytes), s));
-            }
-            if s.done {
-                return None;
-            }
-            let token = s.live.as_ref().map(|l| l.token.clone());
-            let aborted = async {
-                match token {
-                    Some(t) => t.cancelled_owned().await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                changed = s.rx.changed() => {
-                    let closed = changed.is_err();
-                    let p = *s.rx.borrow_and_update();
-                    s.advance(p, closed);
-                }
-                () = aborted => s.abort(),
-            }
-        }
-    });
-    (
-        [
-            (
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("text/event-stream"),
-            ),
-            (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
-        ],
-        Body::from_stream(stream),
-    )
-        .into_response()
 }
 
 fn unix_now() -> u64 {

@@ -1,49 +1,19 @@
-//! The mock's Prometheus metrics: plain atomics written by the engine loop and the handlers,
-//! rendered as text on `GET /metrics`.
+//! The mock's Prometheus metrics: `prometheus_client` counters, gauges and histograms written by
+//! the engine loop and the handlers, in one registry per mock engine, rendered on
+//! `GET /metrics` as the server renders its own ([`crate::metrics::render`]).
 //!
 //! Names follow vLLM's (`vllm:` prefix, the same meanings) so that dashboards and the launcher's
 //! block-size probe (`vllm:cache_config_info{block_size=…}`) work against the mock unchanged;
-//! what only the mock has is under `infera_mock_`. Every series carries one label,
-//! `model_name`, as vLLM's do.
+//! what only the mock has is under `infera_mock_`. Every series but `vllm:cache_config_info`
+//! carries one label, `model_name`, as vLLM's do.
 
 use infera_core::engine::EngineModel;
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
-
-/// Counters and gauges of one mock engine.
-#[derive(Debug, Default)]
-pub(crate) struct MockMetrics {
-    /// Requests accepted and handed to the engine.
-    pub requests: AtomicU64,
-    /// Requests that left the engine (finished or rejected).
-    pub finished: AtomicU64,
-    /// Requests whose client went away before they finished (aborted in the engine).
-    pub detached: AtomicU64,
-    /// Requests answered with an error status (4xx/5xx).
-    pub http_errors: AtomicU64,
-    pub prompt_tokens: AtomicU64,
-    pub generation_tokens: AtomicU64,
-    /// Prompt tokens looked up in the prefix cache (at first admission).
-    pub prefix_queries: AtomicU64,
-    /// Prompt tokens found in the prefix cache (`cached_tokens`).
-    pub prefix_hits: AtomicU64,
-    pub running: AtomicU64,
-    pub waiting: AtomicU64,
-    /// KV-cache utilisation in [0, 1], as `f64` bits.
-    pub kv_usage_bits: AtomicU64,
-    pub resident_blocks: AtomicU64,
-    pub kv_batches: AtomicU64,
-    pub kv_events: AtomicU64,
-    /// Stored blocks left out of events for want of their token ids (a bug if ever non-zero).
-    pub kv_missing_tokens: AtomicU64,
-    /// 1 once the kv-event sink closed (events are no longer published).
-    pub kv_sink_closed: AtomicU64,
-    /// From the handler's start (body read) to the first token published to its response.
-    pub ttft: Histogram,
-    /// Steps whose results were published, and by how much later than the model said they end.
-    pub steps: AtomicU64,
-    pub step_late_us: AtomicU64,
-}
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 /// Upper bounds (seconds) of `vllm:time_to_first_token_seconds`, as vLLM has them.
 const TTFT_BUCKETS: [f64; 22] = [
@@ -51,207 +21,245 @@ const TTFT_BUCKETS: [f64; 22] = [
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 
-/// A fixed-bucket Prometheus histogram of durations, in plain atomics (microsecond sum).
-#[derive(Debug, Default)]
-pub(crate) struct Histogram {
-    /// Observations per bucket of [`TTFT_BUCKETS`] (not cumulative); the last slot is `+Inf`.
-    buckets: [AtomicU64; TTFT_BUCKETS.len() + 1],
-    sum_us: AtomicU64,
-    count: AtomicU64,
-}
-
-impl Histogram {
-    pub(crate) fn observe_us(&self, us: u64) {
-        let secs = us as f64 / 1e6;
-        let slot = TTFT_BUCKETS
-            .iter()
-            .position(|&le| secs <= le)
-            .unwrap_or(TTFT_BUCKETS.len());
-        self.buckets[slot].fetch_add(1, Ordering::Relaxed);
-        self.sum_us.fetch_add(us, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str, label: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (i, slot) in self.buckets.iter().enumerate() {
-            cumulative += slot.load(Ordering::Relaxed);
-            let le = TTFT_BUCKETS
-                .get(i)
-                .map_or_else(|| "+Inf".to_owned(), |b| b.to_string());
-            let _ = writeln!(out, "{name}_bucket{{{label},le=\"{le}\"}} {cumulative}");
-        }
-        let sum = self.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "{name}_sum{{{label}}} {sum}");
-        let count = self.count.load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_count{{{label}}} {count}");
-    }
+/// The families of one mock engine, and the registry that renders them.
+#[derive(Debug)]
+pub(crate) struct MockMetrics {
+    registry: Registry,
+    /// Requests accepted and handed to the engine.
+    pub requests: Counter,
+    /// Requests that left the engine (finished or rejected).
+    pub finished: Counter,
+    /// Requests whose client went away before they finished (aborted in the engine).
+    pub detached: Counter,
+    /// Requests answered with an error status (4xx/5xx).
+    pub http_errors: Counter,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+    /// Prompt tokens looked up in the prefix cache (at first admission).
+    pub prefix_queries: Counter,
+    /// Prompt tokens found in the prefix cache (`cached_tokens`).
+    pub prefix_hits: Counter,
+    pub running: Gauge,
+    pub waiting: Gauge,
+    /// KV-cache utilisation in [0, 1].
+    pub kv_usage: Gauge<f64, AtomicU64>,
+    pub resident_blocks: Gauge,
+    pub kv_batches: Counter,
+    pub kv_events: Counter,
+    /// Stored blocks left out of events for want of their token ids (a bug if ever non-zero).
+    pub kv_missing_tokens: Counter,
+    /// 1 once the kv-event sink closed (events are no longer published).
+    pub kv_sink_closed: Gauge,
+    /// From the handler's start (body read) to the first token published to its response.
+    pub ttft: Histogram,
+    /// How much later than the model said they end the steps' results were published.
+    pub step_lateness: Histogram,
+    /// Prompt tokens of `cached_tokens` that came from the block store (kvd), not the GPU.
+    pub kvd_hit_tokens: Counter,
+    /// Blocks the block store answered for at admission (leading, with the expected bytes).
+    pub kvd_loaded_blocks: Counter,
+    /// Blocks saved to the block store (accepted by it).
+    pub kvd_saved_blocks: Counter,
+    /// Block-store calls that failed or timed out (the request went on without the store).
+    pub kvd_errors: Counter,
 }
 
 impl MockMetrics {
-    /// Copies the model's gauges (called by the engine loop after every step).
-    pub(crate) fn observe_engine(&self, model: &EngineModel) {
-        self.running
-            .store(model.running() as u64, Ordering::Relaxed);
-        self.waiting
-            .store(model.waiting() as u64, Ordering::Relaxed);
-        self.kv_usage_bits
-            .store(model.utilisation().to_bits(), Ordering::Relaxed);
-        self.resident_blocks
-            .store(model.resident_blocks() as u64, Ordering::Relaxed);
+    /// The families of the mock engine serving `model_name`, registered with `info`'s facts
+    /// (help texts end without a period: the encoder adds one; counter names without `_total`:
+    /// the encoder adds it).
+    pub(crate) fn new(model_name: &str, info: &StaticInfo) -> Self {
+        let mut m = MockMetrics {
+            registry: Registry::default(),
+            requests: Counter::default(),
+            finished: Counter::default(),
+            detached: Counter::default(),
+            http_errors: Counter::default(),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            prefix_queries: Counter::default(),
+            prefix_hits: Counter::default(),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            kv_usage: Gauge::default(),
+            resident_blocks: Gauge::default(),
+            kv_batches: Counter::default(),
+            kv_events: Counter::default(),
+            kv_missing_tokens: Counter::default(),
+            kv_sink_closed: Gauge::default(),
+            ttft: Histogram::new(TTFT_BUCKETS),
+            // Sum and count only (the `+Inf` bucket is the count): prometheus_client has no
+            // summary type.
+            step_lateness: Histogram::new([]),
+            kvd_hit_tokens: Counter::default(),
+            kvd_loaded_blocks: Counter::default(),
+            kvd_saved_blocks: Counter::default(),
+            kvd_errors: Counter::default(),
+        };
+        m.registry = m.registered(model_name, info);
+        m
     }
 
-    /// The Prometheus text exposition.
-    pub(crate) fn render(&self, model_name: &str, static_info: &StaticInfo) -> String {
-        let label = format!("model_name=\"{}\"", escape_label(model_name));
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut out = String::with_capacity(4096);
-        let mut metric = |name: &str, kind: &str, help: &str, value: String| {
-            let _ = writeln!(out, "# HELP {name} {help}");
-            let _ = writeln!(out, "# TYPE {name} {kind}");
-            let _ = writeln!(out, "{name}{{{label}}} {value}");
-        };
-        let usage = f64::from_bits(get(&self.kv_usage_bits));
-        let rows: [(&str, &str, &str, String); 16] = [
+    /// A registry holding every family of `self`: `vllm:cache_config_info` with the cache
+    /// config's labels only, as vLLM's, and the rest under the `model_name` label.
+    fn registered(&self, model_name: &str, info: &StaticInfo) -> Registry {
+        let mut root = Registry::default();
+        root.register(
+            "vllm:cache_config",
+            "Information of the LLMEngine CacheConfig",
+            Info::new([
+                ("block_size", info.block_size.to_string()),
+                ("enable_prefix_caching", "True".to_owned()),
+                ("num_gpu_blocks", info.gpu_blocks.to_string()),
+            ]),
+        );
+        let r = root.sub_registry_with_label(("model_name".into(), model_name.to_owned().into()));
+        let gauges: [(&str, &str, &Gauge); 4] = [
             (
                 "vllm:num_requests_running",
-                "gauge",
-                "Requests in the running batch.",
-                get(&self.running).to_string(),
+                "Requests in the running batch",
+                &self.running,
             ),
             (
                 "vllm:num_requests_waiting",
-                "gauge",
-                "Requests waiting to be admitted.",
-                get(&self.waiting).to_string(),
-            ),
-            (
-                "vllm:kv_cache_usage_perc",
-                "gauge",
-                "KV-cache usage (1 = full).",
-                usage.to_string(),
-            ),
-            (
-                "vllm:gpu_cache_usage_perc",
-                "gauge",
-                "KV-cache usage (1 = full); older name.",
-                usage.to_string(),
-            ),
-            (
-                "vllm:prefix_cache_queries_total",
-                "counter",
-                "Prompt tokens looked up in the prefix cache.",
-                get(&self.prefix_queries).to_string(),
-            ),
-            (
-                "vllm:prefix_cache_hits_total",
-                "counter",
-                "Prompt tokens served from the prefix cache.",
-                get(&self.prefix_hits).to_string(),
-            ),
-            (
-                "vllm:prompt_tokens_total",
-                "counter",
-                "Prompt tokens of accepted requests.",
-                get(&self.prompt_tokens).to_string(),
-            ),
-            (
-                "vllm:generation_tokens_total",
-                "counter",
-                "Tokens generated.",
-                get(&self.generation_tokens).to_string(),
-            ),
-            (
-                "vllm:request_success_total",
-                "counter",
-                "Requests that left the engine.",
-                get(&self.finished).to_string(),
-            ),
-            (
-                "infera_mock_requests_total",
-                "counter",
-                "Requests accepted by the mock engine.",
-                get(&self.requests).to_string(),
-            ),
-            (
-                "infera_mock_requests_detached_total",
-                "counter",
-                "Requests whose client disconnected before the end (aborted in the engine).",
-                get(&self.detached).to_string(),
-            ),
-            (
-                "infera_mock_http_errors_total",
-                "counter",
-                "Requests answered with an error status.",
-                get(&self.http_errors).to_string(),
+                "Requests waiting to be admitted",
+                &self.waiting,
             ),
             (
                 "infera_mock_resident_blocks",
-                "gauge",
-                "Published blocks resident in the simulated GPU cache.",
-                get(&self.resident_blocks).to_string(),
-            ),
-            (
-                "infera_mock_kv_event_batches_total",
-                "counter",
-                "KV-event batches handed to the sink.",
-                get(&self.kv_batches).to_string(),
-            ),
-            (
-                "infera_mock_kv_events_total",
-                "counter",
-                "KV events handed to the sink.",
-                get(&self.kv_events).to_string(),
+                "Published blocks resident in the simulated GPU cache",
+                &self.resident_blocks,
             ),
             (
                 "infera_mock_kv_sink_closed",
-                "gauge",
-                "1 when the kv-event sink closed and events are no longer published.",
-                get(&self.kv_sink_closed).to_string(),
+                "1 when the kv-event sink closed and events are no longer published",
+                &self.kv_sink_closed,
             ),
         ];
-        for (name, kind, help, value) in rows {
-            metric(name, kind, help, value);
+        for (name, help, gauge) in gauges {
+            r.register(name, help, gauge.clone());
         }
-        metric(
-            "infera_mock_kv_events_missing_tokens_total",
-            "counter",
-            "Stored blocks left out of events for want of their token ids.",
-            get(&self.kv_missing_tokens).to_string(),
-        );
-        metric(
+        r.register(
             "infera_mock_tokenizer_loaded",
-            "gauge",
-            "1 when prompts are tokenized with the model's tokenizer, 0 for the byte fallback.",
-            u8::from(static_info.tokenizer_loaded).to_string(),
+            "1 when prompts are tokenized with the model's tokenizer, 0 for the byte fallback",
+            ConstGauge::new(i64::from(info.tokenizer_loaded)),
         );
-        self.ttft.render(
-            &mut out,
+        r.register(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage (1 = full)",
+            self.kv_usage.clone(),
+        );
+        r.register(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage (1 = full); older name",
+            self.kv_usage.clone(),
+        );
+        let counters: [(&str, &str, &Counter); 15] = [
+            (
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                &self.prefix_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prompt tokens served from the prefix cache",
+                &self.prefix_hits,
+            ),
+            (
+                "vllm:prompt_tokens",
+                "Prompt tokens of accepted requests",
+                &self.prompt_tokens,
+            ),
+            (
+                "vllm:generation_tokens",
+                "Tokens generated",
+                &self.generation_tokens,
+            ),
+            (
+                "vllm:request_success",
+                "Requests that left the engine",
+                &self.finished,
+            ),
+            (
+                "infera_mock_requests",
+                "Requests accepted by the mock engine",
+                &self.requests,
+            ),
+            (
+                "infera_mock_requests_detached",
+                "Requests whose client disconnected before the end (aborted in the engine)",
+                &self.detached,
+            ),
+            (
+                "infera_mock_http_errors",
+                "Requests answered with an error status",
+                &self.http_errors,
+            ),
+            (
+                "infera_mock_kv_event_batches",
+                "KV-event batches handed to the sink",
+                &self.kv_batches,
+            ),
+            (
+                "infera_mock_kv_events",
+                "KV events handed to the sink",
+                &self.kv_events,
+            ),
+            (
+                "infera_mock_kv_events_missing_tokens",
+                "Stored blocks left out of events for want of their token ids",
+                &self.kv_missing_tokens,
+            ),
+            (
+                "infera_mock_kvd_hit_tokens",
+                "Prompt tokens of cached_tokens served from kvd, not from the GPU prefix cache",
+                &self.kvd_hit_tokens,
+            ),
+            (
+                "infera_mock_kvd_loaded_blocks",
+                "Blocks kvd held, read at admission",
+                &self.kvd_loaded_blocks,
+            ),
+            (
+                "infera_mock_kvd_saved_blocks",
+                "Blocks saved to kvd and accepted by it",
+                &self.kvd_saved_blocks,
+            ),
+            (
+                "infera_mock_kvd_errors",
+                "kvd calls that failed or timed out (the request went on without kvd)",
+                &self.kvd_errors,
+            ),
+        ];
+        for (name, help, counter) in counters {
+            r.register(name, help, counter.clone());
+        }
+        r.register(
             "vllm:time_to_first_token_seconds",
-            "Time from a request's arrival to its first token.",
-            &label,
+            "Time from a request's arrival to its first token",
+            self.ttft.clone(),
         );
-        let _ = writeln!(
-            out,
-            "# HELP infera_mock_step_lateness_seconds How much later than the model's step end \
-             each step's results were published (timer precision and CPU contention).\n\
-             # TYPE infera_mock_step_lateness_seconds summary\n\
-             infera_mock_step_lateness_seconds_sum{{{label}}} {}\n\
-             infera_mock_step_lateness_seconds_count{{{label}}} {}",
-            get(&self.step_late_us) as f64 / 1e6,
-            get(&self.steps),
+        r.register(
+            "infera_mock_step_lateness_seconds",
+            "How much later than the model's step end each step's results were published (timer \
+             precision and CPU contention)",
+            self.step_lateness.clone(),
         );
-        let _ = writeln!(
-            out,
-            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig.\n\
-             # TYPE vllm:cache_config_info gauge\n\
-             vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",\
-             num_gpu_blocks=\"{}\"}} 1.0",
-            static_info.block_size, static_info.gpu_blocks
-        );
-        out
+        root
+    }
+
+    /// Copies the model's gauges (called by the engine loop after every step).
+    pub(crate) fn observe_engine(&self, model: &EngineModel) {
+        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.running.set(count(model.running()));
+        self.waiting.set(count(model.waiting()));
+        self.kv_usage.set(model.utilisation());
+        self.resident_blocks.set(count(model.resident_blocks()));
+    }
+
+    /// The Prometheus text exposition.
+    pub(crate) fn render(&self) -> String {
+        crate::metrics::render(&self.registry)
     }
 }
 
@@ -261,11 +269,4 @@ pub(crate) struct StaticInfo {
     pub block_size: u32,
     pub gpu_blocks: usize,
     pub tokenizer_loaded: bool,
-}
-
-fn escape_label(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }

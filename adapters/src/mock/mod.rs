@@ -10,10 +10,13 @@
 //! - `clock`: the engine loop's step clock, precise to the microsecond (a timerfd on Linux,
 //!   where tokio's timer would end every step up to 2 ms late).
 //! - `openai`: request parsing, response and error shapes, the filler text.
-//! - `metrics`: vLLM-named Prometheus metrics.
+//! - `metrics`: vLLM-named Prometheus metrics, in one `prometheus_client` registry per mock.
 //! - `pd`: the prefill/decode roles ([`MockConfig::pd`]): what each leg must carry per PD
 //!   protocol (400 otherwise), the prefill's hand-off, and `GET /mock/pd-legs`.
 //! - `abort`: SGLang's `POST /abort_request` by `rid`, and `GET /mock/pd-aborts`.
+//! - `kvd`: the lower tier ([`MockConfig::kv_store`]): blocks loaded from and saved to a
+//!   [`KvBlockStore`](infera_core::ports::kv_store::KvBlockStore), counted apart from the GPU
+//!   prefix cache's hits (`infera_mock_kvd_hit_tokens_total`).
 //!
 //! # Tokens and hashes
 //! With a tokenizer ([`MockConfig::tokenizer`], loaded from `--model-path` by the binary),
@@ -46,15 +49,18 @@ mod abort;
 mod clock;
 mod engine;
 mod http;
+mod kvd;
 mod metrics;
 mod openai;
 mod pd;
+mod sse;
 
-pub use openai::{DEFAULT_MAX_TOKENS, FILLER, filler};
+pub use kvd::{MockKvStore, block_value};
+pub use openai::{DEFAULT_MAX_TOKENS, FILLER, filler, filler_start, filler_start_ids};
 pub use pd::MockPd;
 
 use crate::serve::ServeLimits;
-use crate::tokenize::Tokenizer;
+use crate::tokenize::{TemplateKwargs, Tokenizer};
 use infera_core::engine::{EngineConfig, EngineConfigError, EngineModel};
 use infera_core::kv_events::EngineBatch;
 use std::future::Future;
@@ -92,6 +98,12 @@ pub struct MockConfig {
     pub pd: Option<MockPd>,
     /// Client connection deadlines and cap of its HTTP server.
     pub limits: ServeLimits,
+    /// The block store behind the GPU cache (kvd); `None`: the GPU prefix cache only.
+    pub kv_store: Option<MockKvStore>,
+    /// What the engine merges into every chat request before its template runs, as SGLang's
+    /// `--default-chat-template-kwargs` (a request's own `chat_template_kwargs` win); reported
+    /// at `GET /get_server_info` as SGLang reports it.
+    pub chat_template_defaults: TemplateKwargs,
 }
 
 impl MockConfig {
@@ -108,6 +120,8 @@ impl MockConfig {
             salt: None,
             pd: None,
             limits: ServeLimits::default(),
+            kv_store: None,
+            chat_template_defaults: TemplateKwargs::new(),
         }
     }
 }
@@ -139,11 +153,21 @@ impl MockError {
 
 /// The fields a mock worker adds to its registration record (PROTOCOLS.md §1): it registers with
 /// `engine: "vllm"`, whose formats it speaks, and names itself with `"mock": true`; it also
-/// states its capacity in blocks. The record's own fields (engine, block size) are not repeated.
-pub fn registration_extra(engine: &EngineConfig) -> serde_json::Map<String, serde_json::Value> {
+/// states its capacity in blocks, and with a block store `"kvd_backed": true`. The record's own
+/// fields (engine, block size) are not repeated.
+pub fn registration_extra(
+    engine: &EngineConfig,
+    kvd_backed: bool,
+) -> serde_json::Map<String, serde_json::Value> {
     let mut m = serde_json::Map::new();
     m.insert("mock".into(), true.into());
     m.insert("kv_capacity_blocks".into(), engine.gpu_blocks.into());
+    if kvd_backed {
+        m.insert(
+            infera_core::ports::kv_store::KVD_BACKED_FIELD.into(),
+            true.into(),
+        );
+    }
     m
 }
 
@@ -170,6 +194,7 @@ pub struct MockServer {
     limits: ServeLimits,
     salt: u64,
     engine_config: EngineConfig,
+    kvd_backed: bool,
 }
 
 impl MockServer {
@@ -208,7 +233,12 @@ impl MockServer {
             source,
         })?;
         let salt = config.salt.unwrap_or_else(engine::process_random);
-        let metrics = Arc::new(metrics::MockMetrics::default());
+        let info = metrics::StaticInfo {
+            block_size: config.engine.block_size,
+            gpu_blocks: config.engine.gpu_blocks,
+            tokenizer_loaded: config.tokenizer.is_some(),
+        };
+        let metrics = Arc::new(metrics::MockMetrics::new(&config.model_name, &info));
         let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
         let cancel = CancellationToken::new();
         let engine_loop = engine::EngineLoop::new(model, salt, sink, Arc::clone(&metrics));
@@ -220,13 +250,15 @@ impl MockServer {
                  its block hashes will not match a router that uses the model's tokenizer"
             );
         }
+        let kvd_backed = config.kv_store.is_some();
+        let kvd = config
+            .kv_store
+            .map(|store| kvd::Tier::new(store, &config.model_name, config.engine.block_size));
         let state = Arc::new(http::AppState {
+            kvd,
+            filler_ids: http::AppState::filler_ids(config.tokenizer.as_deref()),
             model_name: config.model_name,
-            info: metrics::StaticInfo {
-                block_size: config.engine.block_size,
-                gpu_blocks: config.engine.gpu_blocks,
-                tokenizer_loaded: config.tokenizer.is_some(),
-            },
+            info,
             tokenizer: config.tokenizer,
             engine: tx,
             metrics,
@@ -235,6 +267,7 @@ impl MockServer {
             pd: config.pd,
             pd_log: pd::LegLog::default(),
             aborts: abort::Aborts::default(),
+            template_defaults: config.chat_template_defaults,
         });
         Ok(Self {
             listener,
@@ -247,6 +280,7 @@ impl MockServer {
             limits: config.limits,
             salt,
             engine_config: config.engine,
+            kvd_backed,
         })
     }
 
@@ -262,7 +296,7 @@ impl MockServer {
 
     /// See [`registration_extra`].
     pub fn registration_extra(&self) -> serde_json::Map<String, serde_json::Value> {
-        registration_extra(&self.engine_config)
+        registration_extra(&self.engine_config, self.kvd_backed)
     }
 
     /// Serves until `shutdown` completes, then drains (bounded by the drain timeout) and stops

@@ -24,6 +24,26 @@ pub const FILLER: [&str; 10] = [
     " the", " of", " and", " to", " in", " is", " that", " for", " it", " with",
 ];
 
+/// Where an answer starts in the [`FILLER`] cycle: after the word `text` ends with, so a prompt
+/// that carries the start of an earlier answer (as the server's continuation of a migrated
+/// stream does) is continued word for word; at the first word otherwise.
+pub fn filler_start(text: &str) -> u32 {
+    FILLER
+        .iter()
+        .position(|word| text.ends_with(word))
+        .map_or(0, |i| (i as u32 + 1) % FILLER.len() as u32)
+}
+
+/// Where an answer starts in the [`FILLER`] cycle for a prompt of token ids: after the word
+/// whose ids (`word_ids`, one entry per [`FILLER`] word) the prompt ends with, as
+/// [`filler_start`] does for text.
+pub fn filler_start_ids(prompt: &[u32], word_ids: &[Vec<u32>]) -> u32 {
+    word_ids
+        .iter()
+        .position(|ids| !ids.is_empty() && prompt.ends_with(ids))
+        .map_or(0, |i| (i as u32 + 1) % FILLER.len() as u32)
+}
+
 /// The text of generated tokens `from..to`.
 pub fn filler(from: u32, to: u32) -> String {
     (from..to)
@@ -106,6 +126,9 @@ pub struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub n: Option<i64>,
+    /// vLLM's `return_token_ids`: the prompt's ids on the first chunk, each chunk's ids on it.
+    #[serde(default)]
+    pub return_token_ids: Option<bool>,
 }
 
 /// The body of `POST /v1/chat/completions` (the fields the mock reads).
@@ -117,6 +140,9 @@ pub struct ChatRequest {
     #[serde(flatten)]
     pub pd: super::pd::PdFields,
     pub messages: Vec<ChatMessage>,
+    /// What the template renders besides the messages (`tools`, `chat_template_kwargs`…).
+    #[serde(flatten)]
+    pub extras: crate::tokenize::ChatExtras,
     #[serde(default)]
     pub max_tokens: Option<i64>,
     #[serde(default)]
@@ -127,6 +153,9 @@ pub struct ChatRequest {
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub n: Option<i64>,
+    /// vLLM's `return_token_ids` (see [`CompletionRequest::return_token_ids`]).
+    #[serde(default)]
+    pub return_token_ids: Option<bool>,
 }
 
 /// A completion prompt: text to tokenize, or token ids as given.
@@ -367,5 +396,10 @@ mod tests {
         assert_eq!(filler(0, 3), " the of and");
         assert_eq!(filler(10, 11), " the");
         assert_eq!(filler(4, 4), "");
+        assert_eq!(filler_start("Hello!"), 0);
+        assert_eq!(filler_start("Hello! the of"), 2);
+        assert_eq!(filler_start(&format!("x{}", filler(0, 10))), 0);
+        let start = filler_start(" a the");
+        assert_eq!(filler(start, start + 2), " of and");
     }
 }

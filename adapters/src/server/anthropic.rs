@@ -9,14 +9,14 @@
 //! |---|---|
 //! | `system` (string or text blocks) | a leading `system` message |
 //! | `messages[].content` (string or `text` blocks) | the message's text |
+//! | `image` blocks (`source` `url`, or `base64` with `media_type`) | `image_url` parts (a `data:` URL for base64), routed by load (PROTOCOLS.md §4) |
 //! | `max_tokens` (required), `temperature`, `top_p`, `top_k`, `stop_sequences`, `stream` | the same knobs (`stop`), plus `stream_options.include_usage` |
 //! | `metadata.user_id` | `user` |
 //! | `cache_control` on any block (`ephemeral`, ttl `1h`) | `prompt_cache_retention` `short` (`long`), PROTOCOLS.md §5 |
 //! | `finish_reason` `stop` / `length` / `tool_calls` | `stop_reason` `end_turn` (or `stop_sequence` when the engine names the matched stop string) / `max_tokens` / `tool_use` |
 //! | `usage.prompt_tokens`, `completion_tokens`, `prompt_tokens_details.cached_tokens` | `usage.input_tokens`, `output_tokens`, `cache_read_input_tokens` |
 //!
-//! Image, document and tool blocks, and `tools`, are refused with a 400 naming them (engines
-//! behind this router serve text). Errors use Anthropic's shape:
+//! Document and tool blocks, and `tools`, are refused with a 400 naming them. Errors use Anthropic's shape:
 //! `{"type": "error", "error": {"type": "invalid_request_error", "message": …}}`.
 
 use super::http::ApiError;
@@ -32,7 +32,7 @@ use serde_json::{Map, Value, json};
 ///
 /// # Errors
 /// A 400 naming the field at fault: a missing or non-integer `max_tokens`, malformed
-/// `messages` or `system`, a content block that is not text, or `tools`.
+/// `messages` or `system`, a content block that is neither text nor an image, or `tools`.
 pub(crate) fn to_chat(body: &Value) -> Result<Value, ApiError> {
     let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, m);
     let obj = body
@@ -70,8 +70,8 @@ pub(crate) fn to_chat(body: &Value) -> Result<Value, ApiError> {
         let content = turn
             .get("content")
             .ok_or_else(|| bad(format!("`messages[{i}].content` is required")))?;
-        let text = text_of(content, &format!("messages[{i}].content"))?;
-        messages.push(json!({"role": role, "content": text}));
+        let content = content_of(content, &format!("messages[{i}].content"))?;
+        messages.push(json!({"role": role, "content": content}));
     }
     let mut out = Map::new();
     out.insert(
@@ -131,6 +131,45 @@ fn cache_retention(body: &Value) -> Option<&'static str> {
     best
 }
 
+/// A message's content: its text (see [`text_of`]), or, when it has `image` blocks, OpenAI
+/// content parts (`text`, and `image_url` with the image's URL or a `data:` URL of its base64).
+fn content_of(content: &Value, field: &str) -> Result<Value, ApiError> {
+    let Value::Array(blocks) = content else {
+        return text_of(content, field).map(Value::String);
+    };
+    if !blocks
+        .iter()
+        .any(|b| b.get("type") == Some(&json!("image")))
+    {
+        return text_of(content, field).map(Value::String);
+    }
+    let mut parts = Vec::with_capacity(blocks.len());
+    for (j, block) in blocks.iter().enumerate() {
+        if block.get("type") != Some(&json!("image")) {
+            let text = block_text(block, &format!("{field}[{j}]"))?;
+            parts.push(json!({"type": "text", "text": text}));
+            continue;
+        }
+        let source = block.get("source").unwrap_or(&Value::Null);
+        let text = |key: &str| source.get(key).and_then(Value::as_str);
+        let url = match (text("type"), text("url"), text("media_type"), text("data")) {
+            (Some("url"), Some(url), _, _) => url.to_owned(),
+            (Some("base64"), _, Some(media), Some(data)) => format!("data:{media};base64,{data}"),
+            _ => {
+                return Err(ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    format!(
+                        "`{field}[{j}].source` must be {{\"type\": \"url\", \"url\"}} or \
+                         {{\"type\": \"base64\", \"media_type\", \"data\"}}"
+                    ),
+                ));
+            }
+        };
+        parts.push(json!({"type": "image_url", "image_url": {"url": url}}));
+    }
+    Ok(Value::Array(parts))
+}
+
 /// The text of a string or of an array of `text` blocks.
 fn text_of(content: &Value, field: &str) -> Result<String, ApiError> {
     let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, m);
@@ -139,25 +178,29 @@ fn text_of(content: &Value, field: &str) -> Result<String, ApiError> {
         Value::Array(blocks) => {
             let mut text = String::new();
             for (j, block) in blocks.iter().enumerate() {
-                match block.get("type").and_then(Value::as_str) {
-                    Some("text") => match block.get("text") {
-                        Some(Value::String(s)) => text.push_str(s),
-                        _ => return Err(bad(format!("`{field}[{j}].text` must be a string"))),
-                    },
-                    Some(other) => {
-                        return Err(bad(format!(
-                            "`{field}[{j}]` is a {other:?} block; this router's /v1/messages \
-                             takes text blocks only"
-                        )));
-                    }
-                    None => return Err(bad(format!("`{field}[{j}].type` is required"))),
-                }
+                text.push_str(block_text(block, &format!("{field}[{j}]"))?);
             }
             Ok(text)
         }
         _ => Err(bad(format!(
             "`{field}` must be a string or an array of text blocks"
         ))),
+    }
+}
+
+/// The text of one `text` block at `at`.
+fn block_text<'a>(block: &'a Value, at: &str) -> Result<&'a str, ApiError> {
+    let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, m);
+    match block.get("type").and_then(Value::as_str) {
+        Some("text") => block
+            .get("text")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(format!("`{at}.text` must be a string"))),
+        Some(other) => Err(bad(format!(
+            "`{at}` is a {other:?} block; this router's /v1/messages takes text and image \
+             blocks only"
+        ))),
+        None => Err(bad(format!("`{at}.type` is required"))),
     }
 }
 

@@ -5,7 +5,7 @@
 //! ([`usage_of`]). `RequestPrefilled` never follows `RequestFinished`.
 
 use super::ServerState;
-use super::metrics::inc;
+use super::metrics::SlaSample;
 use axum::http::StatusCode;
 use infera_core::event::{Event, RequestFinished, RequestPrefilled, RequestStatus};
 use infera_core::ids::RequestId;
@@ -28,6 +28,19 @@ pub(super) struct Attempt {
     pub(super) prefill: PrefillState,
     /// A PD attempt: `RequestPrefilled` waits for the prefill leg, not the first byte.
     pd: bool,
+    /// A PD attempt's decode worker (its route key): the decode leg is timed to the end.
+    decode_worker: Option<String>,
+    /// What the SLA histograms need (`--enable-sla-metrics`), when on.
+    sla: Option<Sla>,
+}
+
+/// An attempt's SLA bookkeeping: its model, whether the client streams, and the stream's
+/// data frames (the output length when the engine reports no usage).
+#[derive(Debug)]
+struct Sla {
+    model: String,
+    stream: bool,
+    frames: u32,
 }
 
 /// Whether an attempt's `RequestPrefilled` was appended, or can no longer be (the attempt
@@ -78,6 +91,79 @@ impl Attempt {
                 settled: Arc::new(Mutex::new(false)),
             },
             pd,
+            decode_worker: None,
+            sla: None,
+        }
+        .counted()
+    }
+
+    /// Records this attempt in the SLA histograms when it succeeds (`--enable-sla-metrics`).
+    pub(super) fn observe_sla(&mut self, model: &str, stream: bool) {
+        if self.st.inner.sla_metrics.load(Ordering::Relaxed) {
+            self.sla = Some(Sla {
+                model: model.to_owned(),
+                stream,
+                frames: 0,
+            });
+        }
+    }
+
+    /// Counts the token frames of a relayed stream chunk (`data:` lines other than `[DONE]`
+    /// and usage frames), when the SLA histograms are on.
+    pub(super) fn count_frames(&mut self, chunk: &[u8]) {
+        let Some(sla) = &mut self.sla else { return };
+        let frames = chunk
+            .split(|b| *b == b'\n')
+            .map(<[u8]>::trim_ascii)
+            .filter(|line| {
+                line.starts_with(b"data:")
+                    && !line.starts_with(b"data: [DONE]")
+                    && !line.windows(7).any(|w| w == b"\"usage\"")
+            })
+            .count();
+        sla.frames = sla
+            .frames
+            .saturating_add(u32::try_from(frames).unwrap_or(u32::MAX));
+    }
+
+    /// Counts the attempt in `infera_request_inflight` (until it finishes).
+    fn counted(self) -> Self {
+        self.inflight().inc();
+        self
+    }
+
+    fn inflight(&self) -> prometheus_client::metrics::gauge::Gauge {
+        self.st
+            .inner
+            .metrics
+            .request_inflight
+            .get_or_create_owned(&[("router", self.router())])
+    }
+
+    /// The Python Infera's `router` label: `disagg` for a PD pair, else `mixed`.
+    fn router(&self) -> &'static str {
+        if self.pd { "disagg" } else { "mixed" }
+    }
+
+    /// A PD attempt's legs, for `infera_pd_dispatch_duration_seconds`: returns what the pair's
+    /// sender runs when the prefill leg completed (the prompt is processed; the prefill leg's
+    /// duration ends); the decode leg's ends with the attempt.
+    pub(super) fn pd_legs(
+        &mut self,
+        prefill_worker: String,
+        decode_worker: String,
+    ) -> impl FnOnce() + Send + 'static {
+        self.decode_worker = Some(decode_worker);
+        let (prefill, started) = (self.prefill.clone(), self.started);
+        move || {
+            prefill.prefilled();
+            prefill
+                .st
+                .inner
+                .metrics
+                .pd_dispatch_duration
+                .get_or_create(&[("leg", "prefill".to_owned()), ("worker_id", prefill_worker)])
+                .observe(started.elapsed().as_secs_f64());
         }
     }
 
@@ -102,20 +188,37 @@ impl Attempt {
             return;
         }
         let m = &self.st.inner.metrics;
-        inc(
-            match status {
-                RequestStatus::Ok => &m.requests_ok,
-                RequestStatus::ClientError | RequestStatus::Rejected => &m.requests_client_error,
-                RequestStatus::Cancelled => &m.requests_cancelled,
-                RequestStatus::WorkerError | RequestStatus::Timeout => &m.requests_worker_error,
-            },
-            1,
-        );
-        inc(
-            &m.request_duration_us_sum,
-            self.started.elapsed().as_micros() as u64,
-        );
-        inc(&m.request_duration_count, 1);
+        let (ours, theirs) = match status {
+            RequestStatus::Ok => ("ok", "ok"),
+            RequestStatus::ClientError | RequestStatus::Rejected => ("client_error", "4xx"),
+            RequestStatus::Cancelled => ("cancelled", "error"),
+            RequestStatus::WorkerError | RequestStatus::Timeout => ("worker_error", "5xx"),
+        };
+        m.requests.get_or_create(&[("status", ours)]).inc();
+        let took = self.started.elapsed().as_secs_f64();
+        m.request_duration
+            .get_or_create(&[("router", self.router()), ("outcome", theirs)])
+            .observe(took);
+        self.inflight().dec();
+        if let Some(sla) = self.sla.take()
+            && status == RequestStatus::Ok
+        {
+            let sample = SlaSample {
+                ttft_s: self
+                    .ttft_us
+                    .filter(|_| sla.stream)
+                    .map(|us| us as f64 / 1e6),
+                total_s: took,
+                input_tokens: usage.prompt_tokens.unwrap_or(self.prompt_tokens),
+                output_tokens: usage.completion_tokens.unwrap_or(sla.frames),
+            };
+            m.sla.observe(self.router(), &sla.model, sample);
+        }
+        if let Some(worker) = self.decode_worker.take() {
+            m.pd_dispatch_duration
+                .get_or_create(&[("leg", "decode".to_owned()), ("worker_id", worker)])
+                .observe(took);
+        }
         self.prefill.finish(RequestFinished {
             request_id: self.id.clone(),
             status,

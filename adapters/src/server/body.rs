@@ -22,7 +22,7 @@ use super::client::ParseBudget;
 use super::http::{ApiError, Input};
 use super::prompt::{Prompt, PromptSeed};
 use crate::serve::BodyTimeout;
-use crate::tokenize::ChatMessage;
+use crate::tokenize::{ChatExtras, ChatMessage};
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, StatusCode, header};
 use http_body_util::BodyExt as _;
@@ -176,6 +176,36 @@ struct Fields<'a> {
     prompt_cache_retention: Option<&'a RawValue>,
     #[serde(default, borrow, deserialize_with = "present")]
     session_id: Option<&'a RawValue>,
+    // What a chat template renders besides the messages (see `ChatExtras`).
+    #[serde(default, borrow, deserialize_with = "present")]
+    tools: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    chat_template_kwargs: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    reasoning_effort: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    add_generation_prompt: Option<&'a RawValue>,
+}
+
+/// A chat body's [`ChatExtras`], each field read from its raw JSON (`null` as absent).
+fn chat_extras(fields: &Fields<'_>) -> Result<ChatExtras, ApiError> {
+    fn field<T: serde::de::DeserializeOwned>(
+        raw: Option<&RawValue>,
+        name: &str,
+    ) -> Result<Option<T>, ApiError> {
+        raw.map(|r| {
+            serde_json::from_str::<Option<T>>(r.get())
+                .map_err(|e| bad(format!("`{name}` is malformed: {e}")))
+        })
+        .transpose()
+        .map(Option::flatten)
+    }
+    Ok(ChatExtras {
+        tools: field(fields.tools, "tools")?,
+        chat_template_kwargs: field(fields.chat_template_kwargs, "chat_template_kwargs")?,
+        reasoning_effort: field(fields.reasoning_effort, "reasoning_effort")?,
+        add_generation_prompt: field(fields.add_generation_prompt, "add_generation_prompt")?,
+    })
 }
 
 /// `kv_transfer_params`, as the router reads it.
@@ -227,9 +257,12 @@ pub(super) fn parse(bytes: Bytes, shape: Shape, default: Retention) -> Result<Pa
         },
         Shape::Messages => match fields.messages {
             None => return Err(bad("`messages` is required")),
-            Some(raw) => messages_input(raw.get().starts_with('['), || {
-                serde_json::from_str::<Vec<ChatMessage>>(raw.get())
-            })?,
+            Some(raw) => Input::Chat(
+                messages_input(raw.get().starts_with('['), || {
+                    serde_json::from_str::<Vec<ChatMessage>>(raw.get())
+                })?,
+                chat_extras(&fields)?,
+            ),
         },
     };
     let session_id = fields
@@ -257,11 +290,11 @@ pub(super) fn parse(bytes: Bytes, shape: Shape, default: Retention) -> Result<Pa
     })
 }
 
-/// The chat input of `messages`: 400 unless a non-empty array of messages.
+/// The messages of `messages`: 400 unless a non-empty array of messages.
 pub(super) fn messages_input<E: fmt::Display>(
     is_array: bool,
     parse: impl FnOnce() -> Result<Vec<ChatMessage>, E>,
-) -> Result<Input, ApiError> {
+) -> Result<Vec<ChatMessage>, ApiError> {
     if !is_array {
         return Err(bad("`messages` must be an array"));
     }
@@ -269,7 +302,7 @@ pub(super) fn messages_input<E: fmt::Display>(
     if messages.is_empty() {
         return Err(bad("`messages` must not be empty"));
     }
-    Ok(Input::Chat(messages))
+    Ok(messages)
 }
 
 /// The prompt input read from `d` (the value of `prompt`), whose token ids number at most
@@ -547,6 +580,6 @@ mod tests {
         assert_eq!(parsed.model, "m");
         assert!(parsed.stream);
         assert_eq!(parsed.session_id.as_deref(), Some("s1"));
-        assert!(matches!(parsed.input, Input::Chat(m) if m.len() == 1));
+        assert!(matches!(parsed.input, Input::Chat(m, _) if m.len() == 1));
     }
 }

@@ -32,7 +32,6 @@ use infera_core::clock::{Clock, Micros, SystemClock};
 use infera_core::ids::{WorkerId, WorkerRank};
 use infera_core::ports::transport::TransportError;
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -239,6 +238,10 @@ impl Breaker {
                 // A failure while already open (the all-open fallback) extends it, no new trip.
                 if was != BreakerState::Open {
                     inc(&metrics.breaker_trips, 1);
+                    metrics
+                        .worker_breaker_trips
+                        .get_or_create(&[("worker_id", worker.as_str().to_owned())])
+                        .inc();
                     tracing::warn!(
                         worker = worker.as_str(),
                         failures = e.failures,
@@ -349,13 +352,9 @@ impl super::ServerState {
 
 /// Sets the gauges of open and half-open breakers.
 fn gauges(st: &State, metrics: &ServerMetrics) {
-    let count = |s| st.entries.values().filter(|e| e.state == s).count() as u64;
-    metrics
-        .breaker_open
-        .store(count(BreakerState::Open), Ordering::Relaxed);
-    metrics
-        .breaker_half_open
-        .store(count(BreakerState::HalfOpen), Ordering::Relaxed);
+    let count = |s| st.entries.values().filter(|e| e.state == s).count() as i64;
+    metrics.breaker_open.set(count(BreakerState::Open));
+    metrics.breaker_half_open.set(count(BreakerState::HalfOpen));
 }
 
 #[cfg(test)]
@@ -389,8 +388,8 @@ mod tests {
         b.record(&w, Outcome::Failure, &m);
         assert_eq!(blocked(&b, &m), vec![w.clone()]);
         assert_eq!(b.state_of(&w), BreakerState::Open);
-        assert_eq!(m.breaker_trips.load(Ordering::Relaxed), 1);
-        assert_eq!(m.breaker_open.load(Ordering::Relaxed), 1);
+        assert_eq!(m.breaker_trips.get(), 1);
+        assert_eq!(m.breaker_open.get(), 1);
     }
 
     #[test]
@@ -413,13 +412,13 @@ mod tests {
             b.record(&w, Outcome::Failure, &m);
             assert_eq!(b.state_of(&w), BreakerState::Open);
         }
-        assert_eq!(m.breaker_trips.load(Ordering::Relaxed), 7);
+        assert_eq!(m.breaker_trips.get(), 7);
         clock.advance(60 * S);
         assert!(blocked(&b, &m).is_empty());
         b.picked(&w);
         b.record(&w, Outcome::Success, &m);
         assert_eq!(b.state_of(&w), BreakerState::Closed);
-        assert_eq!(m.breaker_open.load(Ordering::Relaxed), 0);
+        assert_eq!(m.breaker_open.get(), 0);
         // Closed again with the first cooldown: three failures, 5 s.
         for _ in 0..3 {
             b.record(&w, Outcome::Failure, &m);
@@ -469,6 +468,6 @@ mod tests {
         }
         assert!(b.blocked(|_| false, &m).is_empty());
         assert_eq!(b.state_of(&w), BreakerState::Closed);
-        assert_eq!(m.breaker_open.load(Ordering::Relaxed), 0);
+        assert_eq!(m.breaker_open.get(), 0);
     }
 }

@@ -33,17 +33,16 @@
 //! server stopped are not restored.
 
 use super::ServerState;
-use super::taps::write_family;
 use futures::StreamExt as _;
 use infera_core::event::{Envelope, Event, Source, WorkerRecord};
 use infera_core::fleet::FleetState;
 use infera_core::ids::{WorkerId, WorkerRank};
 use infera_core::log::{EventLog, LogError, NewEvent, Snapshot};
-use infera_core::ports::metrics::MetricsSource;
 use infera_core::projection::Projection;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::registry::Registry;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -102,59 +101,54 @@ impl Projection for RestoreFold {
     }
 }
 
+/// The durable log's counters, `infera_event_log_*_total` on the server's `/metrics`.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
-    appended: AtomicU64,
-    append_failures: AtomicU64,
-    peer_events: AtomicU64,
-    compactions: AtomicU64,
-    restored_workers: AtomicU64,
-    restored_ranks_cleared: AtomicU64,
+    appended: Counter,
+    append_failures: Counter,
+    peer_events: Counter,
+    compactions: Counter,
+    restored_workers: Counter,
+    restored_ranks_cleared: Counter,
 }
 
-impl MetricsSource for Counters {
-    fn render(&self, out: &mut String) {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+impl Counters {
+    fn register(&self, r: &mut Registry) {
         let families = [
             (
-                "infera_event_log_appended_events_total",
-                "counter",
-                "Events appended to the durable event log.",
-                get(&self.appended),
+                "infera_event_log_appended_events",
+                "Events appended to the durable event log",
+                &self.appended,
             ),
             (
-                "infera_event_log_append_failures_total",
-                "counter",
-                "Appends to the durable event log that failed (retried).",
-                get(&self.append_failures),
+                "infera_event_log_append_failures",
+                "Appends to the durable event log that failed (retried)",
+                &self.append_failures,
             ),
             (
-                "infera_event_log_peer_events_total",
-                "counter",
-                "Other replicas' request events applied to this server's load accounting.",
-                get(&self.peer_events),
+                "infera_event_log_peer_events",
+                "Other replicas' request events applied to this server's load accounting",
+                &self.peer_events,
             ),
             (
-                "infera_event_log_compactions_total",
-                "counter",
-                "Snapshots written to the durable event log.",
-                get(&self.compactions),
+                "infera_event_log_compactions",
+                "Snapshots written to the durable event log",
+                &self.compactions,
             ),
             (
-                "infera_event_log_restored_workers_total",
-                "counter",
-                "Workers whose KV index was restored from the durable log when they registered.",
-                get(&self.restored_workers),
+                "infera_event_log_restored_workers",
+                "Workers whose KV index was restored from the durable log when they registered",
+                &self.restored_workers,
             ),
             (
-                "infera_event_log_restored_ranks_cleared_total",
-                "counter",
-                "Restored ranks cleared because the engine's events did not continue the logged sequence.",
-                get(&self.restored_ranks_cleared),
+                "infera_event_log_restored_ranks_cleared",
+                "Restored ranks cleared because the engine's events did not continue the logged \
+                 sequence",
+                &self.restored_ranks_cleared,
             ),
         ];
-        for (name, kind, help, v) in families {
-            write_family(out, name, kind, help, &[("", v)]);
+        for (name, help, counter) in families {
+            r.register(name, help, counter.clone());
         }
     }
 }
@@ -198,7 +192,7 @@ impl ServerState {
 /// The log cannot be read (its snapshot or tail).
 pub async fn attach(state: &ServerState, log: Arc<dyn EventLog>) -> Result<DurableLog, LogError> {
     let counters = Arc::new(Counters::default());
-    state.add_metrics(counters.clone());
+    state.register_metrics(|r| counters.register(r));
     let (restored, tip) = restore(log.as_ref()).await?;
     tracing::info!(
         workers = restored.len(),
@@ -300,7 +294,7 @@ impl ServerState {
                 .insert(WorkerRank::new(record.worker_id.clone(), rank), expected);
         }
         if let Some(c) = &st.counters {
-            c.restored_workers.fetch_add(1, Ordering::Relaxed);
+            c.restored_workers.inc();
         }
         tracing::info!(worker = %record.worker_id.as_str(), batches = r.events.len(),
             "KV index restored from the durable event log");
@@ -338,7 +332,7 @@ impl ServerState {
         let stale = expected.is_none() || seq != expected;
         if stale {
             if let Some(c) = &st.counters {
-                c.restored_ranks_cleared.fetch_add(1, Ordering::Relaxed);
+                c.restored_ranks_cleared.inc();
             }
             tracing::info!(worker = %rank.worker.as_str(), dp_rank = rank.dp_rank, ?seq, ?expected,
                 "the engine's events do not continue the restored index; clearing it");
@@ -395,7 +389,7 @@ async fn write_behind(
             match log.append(events.clone()).await {
                 Ok(range) => break range,
                 Err(e) => {
-                    counters.append_failures.fetch_add(1, Ordering::Relaxed);
+                    counters.append_failures.inc();
                     if !e.is_retryable() {
                         tracing::error!(error = %e, events = n,
                             "durable event log refused an append; those events are lost to it");
@@ -410,7 +404,7 @@ async fn write_behind(
         if range.last < range.first {
             continue;
         }
-        counters.appended.fetch_add(n, Ordering::Relaxed);
+        counters.appended.inc_by(n);
         since_compaction += n;
         if since_compaction >= COMPACT_EVERY {
             since_compaction = 0;
@@ -423,7 +417,7 @@ async fn write_behind(
                 .await
             {
                 Ok(()) => {
-                    counters.compactions.fetch_add(1, Ordering::Relaxed);
+                    counters.compactions.inc();
                 }
                 Err(e) => tracing::warn!(error = %e, "durable event log compaction failed"),
             }
@@ -459,7 +453,7 @@ async fn follow_peers(
                     if let Some(source) = peer
                         && is_request(&env.event)
                     {
-                        counters.peer_events.fetch_add(1, Ordering::Relaxed);
+                        counters.peer_events.inc();
                         state.apply(vec![NewEvent::from_source(source.clone(), env.event)]);
                     }
                 }

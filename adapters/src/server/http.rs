@@ -7,7 +7,7 @@
 
 use super::body::Shape;
 use super::{ServerState, relay};
-use crate::tokenize::{ChatMessage, TokenizeError};
+use crate::tokenize::{ChatExtras, ChatMessage, TemplateKwargs, TokenizeError};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
@@ -16,9 +16,10 @@ use axum::routing::{get, post};
 use infera_core::error::{ErrorCode, ServiceError as _};
 use infera_core::hashing::hash_blocks;
 use infera_core::ids::{RequestId, WorkerRank};
-use infera_core::policy::{DirectPick, PolicyKind, RouteError, RouteRequest};
+use infera_core::policy::{DirectPick, PolicyKind, RouteError, RouteRequest, WorkerHashes};
 use serde::Deserialize as _;
 use serde_json::{Value, json};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The request-id header, echoed or generated.
@@ -81,6 +82,10 @@ pub(crate) fn router(state: ServerState) -> axum::Router {
     // Admin routes first: the guard covers the routes added before it.
     axum::Router::new()
         .route("/v1/admin/profile/{action}", post(super::profile::profile))
+        .route(
+            "/v1/admin/scale",
+            get(super::scale::get_scale).post(super::scale::post_scale),
+        )
         .route("/v1/workers", get(workers))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
@@ -169,7 +174,7 @@ async fn handle(st: ServerState, ep: Endpoint, headers: HeaderMap, body: Body) -
 pub(super) enum Input {
     Text(String),
     Tokens(Vec<u32>),
-    Chat(Vec<ChatMessage>),
+    Chat(Vec<ChatMessage>, ChatExtras),
 }
 
 async fn pipeline(
@@ -213,12 +218,69 @@ async fn pipeline(
         forward: forward_body,
         session_id,
     } = super::body::parse(bytes, shape, options.client.default_retention)?;
+    let seen = retention.map_or("none", infera_core::event::Retention::as_str);
+    st.inner
+        .metrics
+        .cache_control_seen
+        .get_or_create(&[("retention", seen)])
+        .inc();
     let direct = if options.direct {
         direct_pick(headers)?
     } else {
         None
     };
 
+    let Prepared {
+        req,
+        tokens,
+        tokenized,
+    } = prepare(st, id, model, input, retention, direct.is_some()).await?;
+    if let Some(with_tokens) = st.meta_wants_tokens() {
+        let session_id = headers
+            .get("x-session-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .or(session_id)
+            .filter(|s| !s.is_empty() && s.len() <= 256);
+        st.feed_meta(super::RequestMeta {
+            request_id: id.to_owned(),
+            session_id,
+            token_ids: (with_tokens && tokenized).then_some(tokens),
+        });
+    }
+    // Parsed: the body's charge to the parse budget ends here.
+    drop(parse_charge);
+    let model = req.model.clone();
+    let resp = relay::forward(st, req, direct, ep.path(), forward_body, stream).await?;
+    Ok(if ep == Endpoint::Messages {
+        super::anthropic::from_chat(resp, stream, &model, id).await
+    } else {
+        resp
+    })
+}
+
+/// A parsed request made ready to decide: its [`RouteRequest`] and the prompt's token ids.
+pub(super) struct Prepared {
+    pub(super) req: RouteRequest,
+    pub(super) tokens: Vec<u32>,
+    /// Whether the prompt was tokenized (round-robin needs no prefix: not tokenized at all).
+    pub(super) tokenized: bool,
+}
+
+/// Tokenizes and hashes `input` at every block size the model's workers use (unless the policy
+/// needs no prefix and no worker is `direct`ly named): the part of the pipeline between parsing
+/// a body and deciding, shared by the HTTP front and [`ServerState::pick`].
+///
+/// # Errors
+/// A model no worker serves; a prompt the tokenizer or chat template refuses.
+pub(super) async fn prepare(
+    st: &ServerState,
+    id: &str,
+    model: String,
+    input: Input,
+    retention: Option<infera_core::event::Retention>,
+    direct: bool,
+) -> Result<Prepared, ApiError> {
     let block_sizes: Vec<u32> = st.with_fleet(|f| {
         let mut v: Vec<u32> = f
             .workers()
@@ -230,17 +292,56 @@ async fn pipeline(
         v
     });
     if block_sizes.is_empty() {
-        super::metrics::inc(&st.inner.metrics.decisions_unknown_model, 1);
+        st.inner.metrics.decision("unknown_model");
         return Err(route_error(&RouteError::UnknownModel(model)));
     }
-    // Round-robin ignores the prefix, so its requests are not tokenized at all.
-    let needs_prefix = direct.is_some() || st.inner.options.router.policy != PolicyKind::RoundRobin;
-    let tokens = if needs_prefix {
-        tokenize(st, input).await?
+    // Round-robin ignores the prefix, so its requests are not tokenized at all. Nor are chats
+    // with images, audio or other non-text parts: the router cannot hash what the engine
+    // caches for them (an image's placeholder tokens are the same whatever the image), so a
+    // text prefix match could send one image's request to another image's KV; they are routed
+    // by load (the Python Infera's `cache_locality_skipped{reason="multimodal"}`).
+    let multimodal = matches!(&input, Input::Chat(messages, _) if messages.iter().any(ChatMessage::has_non_text));
+    if multimodal {
+        st.inner
+            .metrics
+            .cache_locality_skipped
+            .get_or_create(&[("reason", "multimodal")])
+            .inc();
+    }
+    let tokenized =
+        !multimodal && (direct || st.inner.options.router.policy != PolicyKind::RoundRobin);
+    // A chat is also rendered the way each worker with other template defaults renders it.
+    let renderings = match &input {
+        Input::Chat(messages, extras) if tokenized => st
+            .differing_renderings(&model)
+            .into_iter()
+            .map(|(defaults, workers)| {
+                let input = Input::Chat(messages.clone(), extras.clone());
+                (defaults, workers, input)
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    let tokens = if tokenized {
+        tokenize(st, input, st.inner.options.template_defaults.clone()).await?
     } else {
         Vec::new()
     };
-    let hashes = if needs_prefix {
+    let mut per_worker = WorkerHashes::default();
+    for (variant, (defaults, workers, input)) in (1u32..).zip(renderings) {
+        let tokens = tokenize(st, input, defaults).await?;
+        let mut sizes: Vec<u32> = workers.iter().map(|(_, bs)| *bs).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        for bs in sizes {
+            let blocks = hash_blocks(&tokens, bs.max(1) as usize, None);
+            per_worker.hashes.push((variant, bs, blocks));
+        }
+        per_worker
+            .workers
+            .extend(workers.into_iter().map(|(worker, _)| (worker, variant)));
+    }
+    let hashes = if tokenized {
         block_sizes
             .into_iter()
             .map(|bs| (bs, hash_blocks(&tokens, bs.max(1) as usize, None)))
@@ -248,35 +349,19 @@ async fn pipeline(
     } else {
         Vec::new()
     };
-    if let Some(with_tokens) = st.meta_wants_tokens() {
-        let session_id = headers
-            .get("x-session-id")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-            .or(session_id)
-            .filter(|s| !s.is_empty() && s.len() <= 256);
-        st.feed_meta(super::RequestMeta {
-            request_id: id.to_owned(),
-            session_id,
-            token_ids: (with_tokens && needs_prefix).then(|| tokens.clone()),
-        });
-    }
     let req = RouteRequest {
         request_id: RequestId::new(id),
         model,
         prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
         hashes,
         retention,
+        per_worker,
         exclude: Vec::<WorkerRank>::new(),
     };
-    // Parsed: the body's charge to the parse budget ends here.
-    drop(parse_charge);
-    let model = req.model.clone();
-    let resp = relay::forward(st, req, direct, ep.path(), forward_body, stream).await?;
-    Ok(if ep == Endpoint::Messages {
-        super::anthropic::from_chat(resp, stream, &model, id).await
-    } else {
-        resp
+    Ok(Prepared {
+        req,
+        tokens,
+        tokenized,
     })
 }
 
@@ -333,19 +418,34 @@ pub(super) fn parse_prompt(value: Option<&Value>) -> Result<Input, ApiError> {
     }
 }
 
-/// The chat input of a parsed `messages`.
-pub(super) fn parse_messages(value: Option<&Value>) -> Result<Input, ApiError> {
-    let value = value.ok_or_else(|| ApiError::bad_request("`messages` is required"))?;
-    super::body::messages_input(value.is_array(), || Vec::<ChatMessage>::deserialize(value))
+/// The chat input of a parsed chat body: its `messages` and what else its template renders.
+pub(super) fn parse_chat(body: &Value) -> Result<Input, ApiError> {
+    let value = body
+        .get("messages")
+        .ok_or_else(|| ApiError::bad_request("`messages` is required"))?;
+    let messages =
+        super::body::messages_input(value.is_array(), || Vec::<ChatMessage>::deserialize(value))?;
+    let extras = ChatExtras::deserialize(body)
+        .map_err(|e| ApiError::bad_request(format!("the chat request is malformed: {e}")))?;
+    Ok(Input::Chat(messages, extras))
 }
 
-pub(super) async fn tokenize(st: &ServerState, input: Input) -> Result<Vec<u32>, ApiError> {
+/// Tokenizes `input`, a chat rendered with the template `defaults` its engine merges in before
+/// it renders (`--kv-default-chat-template-kwargs`, or a worker's own).
+pub(super) async fn tokenize(
+    st: &ServerState,
+    input: Input,
+    defaults: Arc<TemplateKwargs>,
+) -> Result<Vec<u32>, ApiError> {
     let tokenizer = st.inner.tokenizer.clone();
     let template = st.inner.options.chat_template.clone();
     let joined = tokio::task::spawn_blocking(move || match input {
         Input::Tokens(ids) => Ok(ids),
         Input::Text(text) => tokenizer.encode(&text),
-        Input::Chat(messages) => tokenizer.encode_chat(&messages, template.as_deref()),
+        Input::Chat(messages, mut extras) => {
+            extras.with_defaults(&defaults);
+            tokenizer.encode_chat(&messages, &extras, template.as_deref())
+        }
     })
     .await
     .map_err(|e| {
@@ -410,18 +510,6 @@ async fn workers(State(st): State<ServerState>) -> Response {
 }
 
 async fn metrics(State(st): State<ServerState>) -> Response {
-    let (inflight, workers, active) = st.with_fleet(|f| {
-        let active: u64 = f
-            .workers()
-            .flat_map(|w| {
-                (w.dp_rank..w.dp_rank + w.dp_size.max(1))
-                    .map(|r| WorkerRank::new(w.worker_id.clone(), r))
-            })
-            .map(|r| f.active_blocks(&r))
-            .sum();
-        (f.inflight_requests(), f.worker_count(), active)
-    });
-    let mut text = st.inner.metrics.render(inflight, workers, active);
-    st.render_extra_metrics(&mut text);
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+    let text = st.render_metrics();
+    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()
 }

@@ -1,310 +1,723 @@
-//! The server's Prometheus metrics: plain atomics as struct fields, rendered as text by
-//! `GET /metrics`. Label sets are bounded (outcomes and statuses, never worker ids); gauges that
-//! the fleet already knows (in-flight requests, workers) are read from it at render time.
+//! The server's Prometheus metrics: one `prometheus_client` registry per server, rendered in the
+//! Prometheus text format (0.0.4) by `GET /metrics` (see [`crate::metrics`]).
+//!
+//! Two groups of families live in it:
+//! - **The Python Infera's** (its `infera/server/metrics.py`), with its names, types, labels and
+//!   buckets, so dashboards and alerts written for it keep working: picks per role and worker,
+//!   the pick histograms, request duration and in-flight per router, PD leg durations and
+//!   bootstrap failures, migrations, per-worker breaker state and trips, active workers per
+//!   disaggregation mode, the policy's per-worker active blocks and cache view, retention hints
+//!   seen and cache locality skipped.
+//! - **Ours**, beside them: decisions by outcome, retries, requests by status, event intake,
+//!   transport errors, KV-event gaps, PD pair errors, breaker totals, exact migrations; the
+//!   event taps, the durable log and the trace recorder register theirs through
+//!   [`super::ServerState::register_metrics`].
+//!
+//! Label values are bounded: roles, outcomes, reasons and worker ids (the fleet is bounded),
+//! never model names or request ids. Gauges the fleet already knows (active workers, the
+//! policy's per-worker views, breaker states) are set from it at scrape time.
 
+use super::ServerState;
+use super::breaker::BreakerState;
+use infera_core::event::{Tier, WorkerRecord};
+use infera_core::ids::WorkerRank;
 use infera_core::kv_events::IngestStats;
 use infera_core::ports::transport::TransportError;
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::{Mutex, PoisonError};
 
-/// Counters of the request pipeline and the event intake.
-#[derive(Debug, Default)]
+/// One label.
+pub type Label = [(&'static str, &'static str); 1];
+/// A label whose value is a worker id (`worker_id`; `<id>#dp<rank>` for a rank of a
+/// multi-rank worker, as the Python Infera's route keys).
+pub type WorkerLabel = [(&'static str, String); 1];
+/// Two labels, the second a worker id.
+pub type WorkerPairLabel = [(&'static str, String); 2];
+type Hist<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Buckets of the pick histograms (blocks).
+const BLOCK_BUCKETS: [f64; 13] = [
+    0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0,
+];
+/// Buckets of `infera_request_duration_seconds`.
+const REQUEST_BUCKETS: [f64; 13] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+/// Buckets of `infera_pd_dispatch_duration_seconds`.
+const LEG_BUCKETS: [f64; 11] = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+
+/// Buckets of the SLA planner's histograms (`--enable-sla-metrics`).
+const TTFT_BUCKETS: [f64; 11] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+const ITL_BUCKETS: [f64; 10] = [
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 1.0,
+];
+const ISL_BUCKETS: [f64; 8] = [
+    64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0,
+];
+const OSL_BUCKETS: [f64; 8] = [4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0];
+
+fn ttft_histogram() -> Histogram {
+    Histogram::new(TTFT_BUCKETS)
+}
+fn itl_histogram() -> Histogram {
+    Histogram::new(ITL_BUCKETS)
+}
+fn isl_histogram() -> Histogram {
+    Histogram::new(ISL_BUCKETS)
+}
+fn osl_histogram() -> Histogram {
+    Histogram::new(OSL_BUCKETS)
+}
+
+fn block_histogram() -> Histogram {
+    Histogram::new(BLOCK_BUCKETS)
+}
+fn request_histogram() -> Histogram {
+    Histogram::new(REQUEST_BUCKETS)
+}
+fn leg_histogram() -> Histogram {
+    Histogram::new(LEG_BUCKETS)
+}
+
+/// Every family of the server, and the registry that renders them.
+#[derive(Debug)]
 pub struct ServerMetrics {
-    pub(crate) picks: AtomicU64,
-    pub(crate) pick_cache_hits: AtomicU64,
-    pub(crate) pick_request_blocks: AtomicU64,
-    pub(crate) decisions_unknown_model: AtomicU64,
-    pub(crate) decisions_no_worker: AtomicU64,
-    pub(crate) retries: AtomicU64,
-    pub(crate) requests_ok: AtomicU64,
-    pub(crate) requests_client_error: AtomicU64,
-    pub(crate) requests_worker_error: AtomicU64,
-    pub(crate) requests_cancelled: AtomicU64,
-    pub(crate) request_duration_us_sum: AtomicU64,
-    pub(crate) request_duration_count: AtomicU64,
-    pub(crate) events_applied: AtomicU64,
-    pub(crate) kv_stored_blocks: AtomicU64,
-    pub(crate) kv_removed_blocks: AtomicU64,
-    pub(crate) kv_dropped_events: AtomicU64,
-    pub(crate) tokenizer_failures: AtomicU64,
-    pub(crate) transport_timeouts: AtomicU64,
-    pub(crate) transport_rejected: AtomicU64,
-    pub(crate) transport_sequence_errors: AtomicU64,
-    pub(crate) kv_gaps: AtomicU64,
-    pub(crate) kv_gaps_replayed: AtomicU64,
-    pub(crate) pd_requests: AtomicU64,
-    pub(crate) pd_prefill_failures: AtomicU64,
-    pub(crate) pd_pair_errors: AtomicU64,
+    registry: Mutex<Registry>,
+    // The Python Infera's families.
+    pub(crate) picks_by_worker: Family<WorkerPairLabel, Counter>,
+    pub(crate) pick_cache_hits: Hist<Label>,
+    pub(crate) pick_request_blocks: Hist<Label>,
+    pub(crate) request_duration: Hist<[(&'static str, &'static str); 2]>,
+    pub(crate) request_inflight: Family<Label, Gauge>,
+    pub(crate) pd_dispatch_duration: Hist<WorkerPairLabel>,
+    pub(crate) migrations_by_reason: Family<Label, Counter>,
+    pub(crate) migrations_failed: Family<Label, Counter>,
+    pub(crate) pd_bootstrap_failures: Family<Label, Counter>,
+    pub(crate) active_workers: Family<WorkerLabel, Gauge>,
+    pub(crate) worker_breaker_state: Family<WorkerLabel, Gauge>,
+    pub(crate) worker_breaker_trips: Family<WorkerLabel, Counter>,
+    pub(crate) policy_active_blocks: Family<WorkerLabel, Gauge>,
+    pub(crate) policy_cache_view_size: Family<WorkerLabel, Gauge>,
+    pub(crate) cache_control_seen: Family<Label, Counter>,
+    pub(crate) cache_locality_skipped: Family<Label, Counter>,
+    /// The SLA planner's signals (`--enable-sla-metrics`), by `router` and `model`.
+    pub(crate) sla: SlaFamilies,
+    // Ours.
+    pub(crate) decisions: Family<Label, Counter>,
+    pub(crate) retries: Counter,
+    pub(crate) requests: Family<Label, Counter>,
+    pub(crate) events_applied: Counter,
+    pub(crate) kv_stored_blocks: Counter,
+    pub(crate) kv_removed_blocks: Counter,
+    pub(crate) kv_dropped_events: Counter,
+    pub(crate) tokenizer_failures: Counter,
+    pub(crate) transport_timeouts: Counter,
+    pub(crate) transport_rejected: Counter,
+    pub(crate) transport_sequence_errors: Counter,
+    pub(crate) kv_gaps: Counter,
+    pub(crate) kv_gaps_replayed: Counter,
+    pub(crate) pd_requests: Counter,
+    pub(crate) pd_prefill_failures: Counter,
+    pub(crate) pd_pair_errors: Counter,
     /// Circuit breakers that opened (see `breaker`).
-    pub(crate) breaker_trips: AtomicU64,
-    /// Workers whose breaker is open now (a gauge).
-    pub(crate) breaker_open: AtomicU64,
-    /// Workers whose breaker is half-open now (a gauge).
-    pub(crate) breaker_half_open: AtomicU64,
+    pub(crate) breaker_trips: Counter,
+    /// Workers whose breaker is open now.
+    pub(crate) breaker_open: Gauge,
+    /// Workers whose breaker is half-open now.
+    pub(crate) breaker_half_open: Gauge,
     /// Streams continued on another worker after theirs failed (see `migrate`).
-    pub(crate) migrations: AtomicU64,
+    pub(crate) migrations: Counter,
+    /// Of those, the ones continued from the exact token ids (see `migrate`).
+    pub(crate) migrations_exact: Counter,
+    /// Committed events handed to a tap, and those a tap's full queue could not take.
+    pub(crate) tap_delivered: Family<Label, Counter>,
+    pub(crate) tap_dropped: Family<Label, Counter>,
 }
 
-fn get(c: &AtomicU64) -> u64 {
-    c.load(Ordering::Relaxed)
+/// `router` and `model`.
+pub type SlaLabel = [(&'static str, String); 2];
+
+/// The SLA planner's four histograms (`--enable-sla-metrics`).
+#[derive(Debug)]
+pub(crate) struct SlaFamilies {
+    pub(crate) ttft: Hist<SlaLabel>,
+    pub(crate) itl: Hist<SlaLabel>,
+    pub(crate) isl: Hist<SlaLabel>,
+    pub(crate) osl: Hist<SlaLabel>,
 }
 
-pub(crate) fn inc(c: &AtomicU64, by: u64) {
-    c.fetch_add(by, Ordering::Relaxed);
+impl Default for SlaFamilies {
+    fn default() -> Self {
+        SlaFamilies {
+            ttft: Family::new_with_constructor(ttft_histogram),
+            itl: Family::new_with_constructor(itl_histogram),
+            isl: Family::new_with_constructor(isl_histogram),
+            osl: Family::new_with_constructor(osl_histogram),
+        }
+    }
+}
+
+/// What one successful request showed, for the SLA histograms.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SlaSample {
+    /// Dispatch to first token, for a streamed reply.
+    pub(crate) ttft_s: Option<f64>,
+    /// Dispatch to the last byte.
+    pub(crate) total_s: f64,
+    pub(crate) input_tokens: u32,
+    pub(crate) output_tokens: u32,
+}
+
+impl SlaFamilies {
+    /// Observes one successful request as the Python Infera does: ISL and OSL when known, and
+    /// for a streamed reply its TTFT and, over two or more tokens, the mean gap after it.
+    pub(crate) fn observe(&self, router: &'static str, model: &str, s: SlaSample) {
+        let label = [("router", router.to_owned()), ("model", model.to_owned())];
+        if s.input_tokens > 0 {
+            self.isl
+                .get_or_create(&label)
+                .observe(f64::from(s.input_tokens));
+        }
+        if s.output_tokens > 0 {
+            self.osl
+                .get_or_create(&label)
+                .observe(f64::from(s.output_tokens));
+        }
+        let Some(ttft) = s.ttft_s else { return };
+        self.ttft.get_or_create(&label).observe(ttft);
+        if s.output_tokens > 1 {
+            let decode = (s.total_s - ttft).max(0.0);
+            self.itl
+                .get_or_create(&label)
+                .observe(decode / f64::from(s.output_tokens - 1));
+        }
+    }
+}
+
+/// A rank's `worker_id` label: the worker's id, or `<id>#dp<rank>` for a rank of a worker that
+/// fronts several (the Python Infera's route key).
+pub(crate) fn route_key(worker: &WorkerRecord, rank: &WorkerRank) -> String {
+    if worker.dp_size > 1 {
+        format!("{}#dp{}", worker.worker_id.as_str(), rank.dp_rank)
+    } else {
+        worker.worker_id.as_str().to_owned()
+    }
+}
+
+pub(crate) fn inc(c: &Counter, by: u64) {
+    c.inc_by(by);
+}
+
+impl Default for ServerMetrics {
+    fn default() -> Self {
+        let m = ServerMetrics {
+            registry: Mutex::new(Registry::default()),
+            picks_by_worker: Family::default(),
+            pick_cache_hits: Family::new_with_constructor(block_histogram),
+            pick_request_blocks: Family::new_with_constructor(block_histogram),
+            request_duration: Family::new_with_constructor(request_histogram),
+            request_inflight: Family::default(),
+            pd_dispatch_duration: Family::new_with_constructor(leg_histogram),
+            migrations_by_reason: Family::default(),
+            migrations_failed: Family::default(),
+            pd_bootstrap_failures: Family::default(),
+            active_workers: Family::default(),
+            worker_breaker_state: Family::default(),
+            worker_breaker_trips: Family::default(),
+            policy_active_blocks: Family::default(),
+            policy_cache_view_size: Family::default(),
+            cache_control_seen: Family::default(),
+            cache_locality_skipped: Family::default(),
+            sla: SlaFamilies::default(),
+            decisions: Family::default(),
+            retries: Counter::default(),
+            requests: Family::default(),
+            events_applied: Counter::default(),
+            kv_stored_blocks: Counter::default(),
+            kv_removed_blocks: Counter::default(),
+            kv_dropped_events: Counter::default(),
+            tokenizer_failures: Counter::default(),
+            transport_timeouts: Counter::default(),
+            transport_rejected: Counter::default(),
+            transport_sequence_errors: Counter::default(),
+            kv_gaps: Counter::default(),
+            kv_gaps_replayed: Counter::default(),
+            pd_requests: Counter::default(),
+            pd_prefill_failures: Counter::default(),
+            pd_pair_errors: Counter::default(),
+            breaker_trips: Counter::default(),
+            breaker_open: Gauge::default(),
+            breaker_half_open: Gauge::default(),
+            migrations: Counter::default(),
+            migrations_exact: Counter::default(),
+            tap_delivered: Family::default(),
+            tap_dropped: Family::default(),
+        };
+        m.register_all();
+        m
+    }
 }
 
 impl ServerMetrics {
+    /// Puts every family in the registry (help texts end without a period: the encoder adds
+    /// one; counter names without `_total`: the encoder adds it).
+    fn register_all(&self) {
+        let mut r = self.registry.lock().unwrap_or_else(PoisonError::into_inner);
+        let r = &mut *r;
+        // The Python Infera's families: its names, help texts, labels and buckets.
+        r.register(
+            "infera_router_picks",
+            "Total number of pick() decisions made by the router, per role and worker",
+            self.picks_by_worker.clone(),
+        );
+        r.register(
+            "infera_router_pick_cache_hits",
+            "Number of cache blocks the picked worker already had (chained-prefix hits)",
+            self.pick_cache_hits.clone(),
+        );
+        r.register(
+            "infera_router_pick_request_blocks",
+            "Total request block count seen at pick time",
+            self.pick_request_blocks.clone(),
+        );
+        r.register(
+            "infera_request_duration_seconds",
+            "End-to-end server-observed request latency (server.pick + worker round-trip)",
+            self.request_duration.clone(),
+        );
+        r.register(
+            "infera_request_inflight",
+            "Currently in-flight requests at the server",
+            self.request_inflight.clone(),
+        );
+        r.register(
+            "infera_pd_dispatch_duration_seconds",
+            "Per-worker duration of a PD-dispatched request (P or D leg from server POST to \
+             response complete)",
+            self.pd_dispatch_duration.clone(),
+        );
+        r.register(
+            "infera_migrations",
+            "Live generations carried from one worker to another, by what prompted it",
+            self.migrations_by_reason.clone(),
+        );
+        r.register(
+            "infera_migrations_failed",
+            "Generations that could not be carried, and so ended visibly to the client",
+            self.migrations_failed.clone(),
+        );
+        r.register(
+            "infera_pd_bootstrap_failures",
+            "PD bootstrap protocol failures (missing bootstrap_addr, P unreachable, etc.)",
+            self.pd_bootstrap_failures.clone(),
+        );
+        r.register(
+            "infera_active_workers",
+            "Number of workers in ACTIVE status, by disagg_mode",
+            self.active_workers.clone(),
+        );
+        r.register(
+            "infera_router_worker_breaker_state",
+            "Router-side circuit breaker per worker: 0=closed, 1=half_open, 2=open",
+            self.worker_breaker_state.clone(),
+        );
+        r.register(
+            "infera_router_worker_breaker_trips",
+            "Times a worker's breaker has opened",
+            self.worker_breaker_trips.clone(),
+        );
+        r.register(
+            "infera_policy_active_blocks",
+            "Per-worker count of distinct in-flight block hashes (the load term of the cost)",
+            self.policy_active_blocks.clone(),
+        );
+        r.register(
+            "infera_policy_cache_view_size",
+            "Per-worker count of cached blocks in the router-side view of the KV events",
+            self.policy_cache_view_size.clone(),
+        );
+        r.register(
+            "infera_cache_control_seen",
+            "Count of requests by retention level observed in the request body",
+            self.cache_control_seen.clone(),
+        );
+        r.register(
+            "infera_cache_locality_skipped",
+            "Count of routing decisions where cache locality was intentionally ignored",
+            self.cache_locality_skipped.clone(),
+        );
+        r.register(
+            "infera_time_to_first_token_seconds",
+            "Server-observed time from dispatch to the first token of the reply (streamed \
+             replies; for a PD pair it spans prefill, KV transfer and the decode's first step)",
+            self.sla.ttft.clone(),
+        );
+        r.register(
+            "infera_inter_token_latency_seconds",
+            "Mean per-request inter-token latency: (total stream time - TTFT) spread over the \
+             generated tokens (requests of at least two output tokens)",
+            self.sla.itl.clone(),
+        );
+        r.register(
+            "infera_input_sequence_tokens",
+            "Prompt length in tokens (ISL): the engine's usage when it reports one, else the \
+             router's own count",
+            self.sla.isl.clone(),
+        );
+        r.register(
+            "infera_output_sequence_tokens",
+            "Generated length in tokens (OSL): the engine's usage when it reports one, else the \
+             stream's data frames",
+            self.sla.osl.clone(),
+        );
+        // Ours.
+        let counters: [(&str, &str, &Counter); 17] = [
+            (
+                "infera_router_retries",
+                "Attempts retried on another worker before the first response byte",
+                &self.retries,
+            ),
+            (
+                "infera_events_applied",
+                "Events appended to the log and applied to the fleet",
+                &self.events_applied,
+            ),
+            (
+                "infera_kv_stored_blocks",
+                "Blocks reported stored by engines",
+                &self.kv_stored_blocks,
+            ),
+            (
+                "infera_kv_removed_blocks",
+                "Blocks reported removed by engines",
+                &self.kv_removed_blocks,
+            ),
+            (
+                "infera_kv_dropped_events",
+                "Engine KV events dropped at ingest (block-size mismatch, unknown parent...)",
+                &self.kv_dropped_events,
+            ),
+            (
+                "infera_tokenizer_failures",
+                "Requests the router tokenizer or chat template failed on (answered 400 or 500)",
+                &self.tokenizer_failures,
+            ),
+            (
+                "infera_transport_timeouts",
+                "Requests ended by the transport's idle or total timeout (504, worker told to \
+                 cancel)",
+                &self.transport_timeouts,
+            ),
+            (
+                "infera_transport_rejected",
+                "Attempts refused by a worker's admission limit (429; retried elsewhere if \
+                 allowed)",
+                &self.transport_rejected,
+            ),
+            (
+                "infera_transport_sequence_errors",
+                "Reply streams that lost or reordered a chunk (ended with an error, never \
+                 relayed)",
+                &self.transport_sequence_errors,
+            ),
+            (
+                "infera_kv_event_gaps",
+                "KV-event gaps detected (filled from the engine's replay socket where it has \
+                 one, else the rank's blocks were cleared and rebuilt from later events)",
+                &self.kv_gaps,
+            ),
+            (
+                "infera_kv_event_gaps_replayed",
+                "KV-event gaps filled from the engine's replay socket, no blocks cleared",
+                &self.kv_gaps_replayed,
+            ),
+            (
+                "infera_pd_requests",
+                "Attempts dispatched to a prefill/decode pair",
+                &self.pd_requests,
+            ),
+            (
+                "infera_pd_prefill_failures",
+                "PD attempts whose prefill leg failed before the first byte (the decode leg was \
+                 dropped or never sent)",
+                &self.pd_prefill_failures,
+            ),
+            (
+                "infera_pd_pair_errors",
+                "PD attempts refused because the pair's protocols differ or a registration \
+                 lacks a parameter (500) or the prefill's answer lacks the hand-off (502)",
+                &self.pd_pair_errors,
+            ),
+            (
+                "infera_breaker_trips",
+                "Circuit breakers opened: a worker taken out of routing after consecutive \
+                 failures before the first byte, or a failed half-open probe",
+                &self.breaker_trips,
+            ),
+            (
+                "infera_stream_migrations",
+                "Streams continued on another worker after theirs failed mid-stream \
+                 (--migration-limit)",
+                &self.migrations,
+            ),
+            (
+                "infera_stream_migrations_exact",
+                "Of the migrated streams, those continued from the token ids the engine sampled \
+                 (not re-tokenized text)",
+                &self.migrations_exact,
+            ),
+        ];
+        for (name, help, counter) in counters {
+            r.register(name, help, counter.clone());
+        }
+        r.register(
+            "infera_router_decisions",
+            "Routing decisions by outcome",
+            self.decisions.clone(),
+        );
+        r.register(
+            "infera_requests",
+            "Finished requests by status",
+            self.requests.clone(),
+        );
+        r.register(
+            "infera_breaker_open_workers",
+            "Workers whose circuit breaker is open (excluded from routing until the cooldown)",
+            self.breaker_open.clone(),
+        );
+        r.register(
+            "infera_breaker_half_open_workers",
+            "Workers whose circuit breaker is half-open (admitting one probe at a time)",
+            self.breaker_half_open.clone(),
+        );
+        r.register(
+            "infera_event_tap_delivered_events",
+            "Committed events handed to a tap (trace recorder, durable log)",
+            self.tap_delivered.clone(),
+        );
+        r.register(
+            "infera_event_tap_dropped_events",
+            "Committed events a tap's full queue could not take (lost to that tap, never \
+             waited for)",
+            self.tap_dropped.clone(),
+        );
+    }
+
+    /// Lets a component (the durable log, the trace recorder) put its own families in this
+    /// server's registry.
+    pub(crate) fn register(&self, with: impl FnOnce(&mut Registry)) {
+        with(&mut self.registry.lock().unwrap_or_else(PoisonError::into_inner));
+    }
+
+    /// The Prometheus text exposition of every registered family, after `fill` set the
+    /// scrape-time gauges (under the registry's lock: two scrapes never interleave).
+    pub(crate) fn render(&self, fill: impl FnOnce(&Self)) -> String {
+        let registry = self.registry.lock().unwrap_or_else(PoisonError::into_inner);
+        fill(self);
+        crate::metrics::render(&registry)
+    }
+
     pub(crate) fn events_applied(&self, n: u64) {
-        inc(&self.events_applied, n);
+        self.events_applied.inc_by(n);
     }
 
     pub(crate) fn kv_ingested(&self, s: &IngestStats) {
-        inc(&self.kv_stored_blocks, u64::from(s.stored_blocks));
-        inc(&self.kv_removed_blocks, u64::from(s.removed_blocks));
-        inc(&self.kv_dropped_events, u64::from(s.dropped()));
+        self.kv_stored_blocks.inc_by(u64::from(s.stored_blocks));
+        self.kv_removed_blocks.inc_by(u64::from(s.removed_blocks));
+        self.kv_dropped_events.inc_by(u64::from(s.dropped()));
     }
 
     pub(crate) fn transport_error(&self, e: &TransportError) {
         match e {
-            TransportError::Timeout(_) => inc(&self.transport_timeouts, 1),
-            TransportError::Overloaded { .. } => inc(&self.transport_rejected, 1),
-            TransportError::Sequence(_) => inc(&self.transport_sequence_errors, 1),
-            TransportError::Unreachable(_) | TransportError::Failed(_) => {}
-        }
+            TransportError::Timeout(_) => self.transport_timeouts.inc(),
+            TransportError::Overloaded { .. } => self.transport_rejected.inc(),
+            TransportError::Sequence(_) => self.transport_sequence_errors.inc(),
+            TransportError::Unreachable(_) | TransportError::Failed(_) => 0,
+        };
+    }
+
+    /// A routing decision's outcome: `routed`, `unknown_model`, `no_worker`.
+    pub(crate) fn decision(&self, outcome: &'static str) {
+        self.decisions.get_or_create(&[("outcome", outcome)]).inc();
+    }
+
+    /// One leg of a pick, as the Python Infera's `record_pick`.
+    pub(crate) fn pick(&self, role: &'static str, worker: String, hits: u32, blocks: usize) {
+        self.picks_by_worker
+            .get_or_create(&[("role", role.to_owned()), ("worker_id", worker)])
+            .inc();
+        let role = [("role", role)];
+        self.pick_cache_hits
+            .get_or_create(&role)
+            .observe(f64::from(hits));
+        self.pick_request_blocks
+            .get_or_create(&role)
+            .observe(blocks as f64);
+    }
+
+    /// A PD bootstrap failure, by the Python Infera's reason names.
+    pub(crate) fn pd_bootstrap_failure(&self, reason: &'static str) {
+        self.pd_bootstrap_failures
+            .get_or_create(&[("reason", reason)])
+            .inc();
+    }
+
+    /// A migration that could not be made (`no_candidate`, `no_first_byte`, `limit`).
+    pub(crate) fn migration_failed(&self, reason: &'static str) {
+        self.migrations_failed
+            .get_or_create(&[("reason", reason)])
+            .inc();
     }
 
     /// A KV-event transport lost batches of a rank: `replayed` when the engine's replay socket
     /// gave them back, else the rank's blocks were cleared for later batches to rebuild.
     pub fn kv_gap(&self, replayed: bool) {
-        inc(&self.kv_gaps, 1);
+        self.kv_gaps.inc();
         if replayed {
-            inc(&self.kv_gaps_replayed, 1);
+            self.kv_gaps_replayed.inc();
         }
     }
 
     /// Total routing picks so far.
     pub fn picks_total(&self) -> u64 {
-        get(&self.picks)
+        self.decisions.get_or_create(&[("outcome", "routed")]).get()
     }
 
     /// Total attempts retried on another worker.
     pub fn retries_total(&self) -> u64 {
-        get(&self.retries)
+        self.retries.get()
     }
 
     /// Circuit breakers opened so far (a failed half-open probe reopens, and counts).
     pub fn breaker_trips_total(&self) -> u64 {
-        get(&self.breaker_trips)
+        self.breaker_trips.get()
     }
 
     /// Streams migrated to another worker so far.
     pub fn migrations_total(&self) -> u64 {
-        get(&self.migrations)
+        self.migrations.get()
     }
 
     /// Events appended and applied so far.
     pub fn events_applied_total(&self) -> u64 {
-        get(&self.events_applied)
+        self.events_applied.get()
+    }
+}
+
+impl ServerState {
+    /// Records the SLA planner's histograms (`--enable-sla-metrics`); off by default, so
+    /// ordinary requests pay nothing for them.
+    pub fn set_sla_metrics(&self, enabled: bool) {
+        self.inner
+            .sla_metrics
+            .store(enabled, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Renders the Prometheus text format.
-    pub(crate) fn render(&self, inflight: usize, workers: usize, active_blocks: u64) -> String {
-        let mut out = String::with_capacity(2048);
-        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, u64)]| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-            for (labels, v) in samples {
-                if labels.is_empty() {
-                    let _ = writeln!(out, "{name} {v}");
-                } else {
-                    let _ = writeln!(out, "{name}{{{labels}}} {v}");
+    /// Lets a component (the durable log, the trace recorder) put its own families in the
+    /// server's registry, rendered by `GET /metrics` from then on.
+    pub fn register_metrics(&self, with: impl FnOnce(&mut Registry)) {
+        self.inner.metrics.register(with);
+    }
+
+    /// The exposition, with the gauges the fleet knows set from it now: active workers per
+    /// disaggregation mode (draining ones are not active), each worker's breaker state, and
+    /// each rank's active blocks and cached (GPU) blocks as the router sees them.
+    pub(crate) fn render_metrics(&self) -> String {
+        self.inner.metrics.render(|m| {
+            self.with_fleet(|f| {
+                m.active_workers.clear();
+                m.worker_breaker_state.clear();
+                m.policy_active_blocks.clear();
+                m.policy_cache_view_size.clear();
+                for w in f.workers() {
+                    if !f.is_draining(&w.worker_id) {
+                        let mode = [("disagg_mode", w.disagg_mode.as_str().to_owned())];
+                        m.active_workers.get_or_create(&mode).inc();
+                    }
+                    let state = match self.inner.breaker.state_of(&w.worker_id) {
+                        BreakerState::Closed => 0,
+                        BreakerState::HalfOpen => 1,
+                        BreakerState::Open => 2,
+                    };
+                    m.worker_breaker_state
+                        .get_or_create(&[("worker_id", w.worker_id.as_str().to_owned())])
+                        .set(state);
+                    for r in w.dp_rank..w.dp_rank + w.dp_size.max(1) {
+                        let rank = WorkerRank::new(w.worker_id.clone(), r);
+                        let key = [("worker_id", route_key(w, &rank))];
+                        let active = f.active_blocks(&rank);
+                        let cached = f.index().blocks_of(&rank, Tier::Gpu);
+                        m.policy_active_blocks
+                            .get_or_create(&key)
+                            .set(i64::try_from(active).unwrap_or(i64::MAX));
+                        m.policy_cache_view_size
+                            .get_or_create(&key)
+                            .set(i64::try_from(cached).unwrap_or(i64::MAX));
+                    }
                 }
-            }
-        };
-        metric(
-            "infera_router_picks_total",
-            "counter",
-            "Routing decisions that picked a worker.",
-            &[("", get(&self.picks))],
-        );
-        metric(
-            "infera_router_pick_cache_hits",
-            "counter",
-            "Picks whose worker already held part of the prompt.",
-            &[("", get(&self.pick_cache_hits))],
-        );
-        metric(
-            "infera_router_pick_request_blocks",
-            "counter",
-            "Prompt blocks of picked requests.",
-            &[("", get(&self.pick_request_blocks))],
-        );
-        metric(
-            "infera_router_decisions_total",
-            "counter",
-            "Routing decisions by outcome.",
-            &[
-                ("outcome=\"routed\"", get(&self.picks)),
-                (
-                    "outcome=\"unknown_model\"",
-                    get(&self.decisions_unknown_model),
-                ),
-                ("outcome=\"no_worker\"", get(&self.decisions_no_worker)),
-            ],
-        );
-        metric(
-            "infera_router_retries_total",
-            "counter",
-            "Attempts retried on another worker before the first response byte.",
-            &[("", get(&self.retries))],
-        );
-        metric(
-            "infera_requests_total",
-            "counter",
-            "Finished requests by status.",
-            &[
-                ("status=\"ok\"", get(&self.requests_ok)),
-                ("status=\"client_error\"", get(&self.requests_client_error)),
-                ("status=\"worker_error\"", get(&self.requests_worker_error)),
-                ("status=\"cancelled\"", get(&self.requests_cancelled)),
-            ],
-        );
-        let sum = get(&self.request_duration_us_sum) as f64 / 1e6;
-        let _ = writeln!(
-            out,
-            "# HELP infera_request_duration_seconds Time from routing to the last response byte.\n\
-             # TYPE infera_request_duration_seconds summary\n\
-             infera_request_duration_seconds_sum {sum}\n\
-             infera_request_duration_seconds_count {}",
-            get(&self.request_duration_count)
-        );
-        let mut metric = |name: &str, kind: &str, help: &str, v: u64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+            });
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_family_a_failure_path_feeds_renders_with_its_type_and_labels() {
+        let m = ServerMetrics::default();
+        m.pick("prefill", "w#dp1".into(), 3, 8);
+        m.pd_bootstrap_failure("prefill_5xx");
+        m.migration_failed("limit");
+        m.migrations_by_reason
+            .get_or_create(&[("reason", "stream_broken")])
+            .inc();
+        m.pd_dispatch_duration
+            .get_or_create(&[("leg", "decode".into()), ("worker_id", "w".into())])
+            .observe(0.3);
+        m.worker_breaker_trips
+            .get_or_create(&[("worker_id", "w".into())])
+            .inc();
+        let text = m.render(|_| {});
+        let picks = r#"infera_router_picks_total{role="prefill",worker_id="w#dp1"} 1"#;
+        let hits = r#"infera_router_pick_cache_hits_bucket{role="prefill",le="4.0"} 1"#;
+        let leg =
+            r#"infera_pd_dispatch_duration_seconds_bucket{leg="decode",worker_id="w",le="0.5"} 1"#;
+        for (family, kind, sample) in [
+            ("infera_router_picks_total", "counter", picks),
+            ("infera_router_pick_cache_hits", "histogram", hits),
+            ("infera_pd_dispatch_duration_seconds", "histogram", leg),
+            (
+                "infera_migrations_total",
+                "counter",
+                r#"infera_migrations_total{reason="stream_broken"} 1"#,
+            ),
+            (
+                "infera_migrations_failed_total",
+                "counter",
+                r#"infera_migrations_failed_total{reason="limit"} 1"#,
+            ),
+            (
+                "infera_pd_bootstrap_failures_total",
+                "counter",
+                r#"infera_pd_bootstrap_failures_total{reason="prefill_5xx"} 1"#,
+            ),
+            (
+                "infera_router_worker_breaker_trips_total",
+                "counter",
+                r#"infera_router_worker_breaker_trips_total{worker_id="w"} 1"#,
+            ),
+        ] {
+            assert!(
+                text.contains(&format!("# TYPE {family} {kind}\n")),
+                "{family}:\n{text}"
             );
-        };
-        metric(
-            "infera_request_inflight",
-            "gauge",
-            "Requests routed and not finished.",
-            inflight as u64,
-        );
-        metric(
-            "infera_active_workers",
-            "gauge",
-            "Registered workers.",
-            workers as u64,
-        );
-        metric(
-            "infera_policy_active_blocks",
-            "gauge",
-            "Distinct blocks of in-flight requests, summed over worker ranks.",
-            active_blocks,
-        );
-        metric(
-            "infera_events_applied_total",
-            "counter",
-            "Events appended to the log and applied to the fleet.",
-            get(&self.events_applied),
-        );
-        metric(
-            "infera_kv_stored_blocks_total",
-            "counter",
-            "Blocks reported stored by engines.",
-            get(&self.kv_stored_blocks),
-        );
-        metric(
-            "infera_kv_removed_blocks_total",
-            "counter",
-            "Blocks reported removed by engines.",
-            get(&self.kv_removed_blocks),
-        );
-        metric(
-            "infera_kv_dropped_events_total",
-            "counter",
-            "Engine KV events dropped at ingest (block-size mismatch, unknown parent...).",
-            get(&self.kv_dropped_events),
-        );
-        metric(
-            "infera_tokenizer_failures_total",
-            "counter",
-            "Requests the router tokenizer or chat template failed on (answered 400 or 500).",
-            get(&self.tokenizer_failures),
-        );
-        metric(
-            "infera_transport_timeouts_total",
-            "counter",
-            "Requests ended by the transport's idle or total timeout (504, worker told to cancel).",
-            get(&self.transport_timeouts),
-        );
-        metric(
-            "infera_transport_rejected_total",
-            "counter",
-            "Attempts refused by a worker's admission limit (429; retried elsewhere if allowed).",
-            get(&self.transport_rejected),
-        );
-        metric(
-            "infera_transport_sequence_errors_total",
-            "counter",
-            "Reply streams that lost or reordered a chunk (ended with an error, never relayed).",
-            get(&self.transport_sequence_errors),
-        );
-        metric(
-            "infera_kv_event_gaps_total",
-            "counter",
-            "KV-event gaps detected (filled from the engine's replay socket where it has one, else \
-             the rank's blocks were cleared and rebuilt from later events).",
-            get(&self.kv_gaps),
-        );
-        metric(
-            "infera_kv_event_gaps_replayed_total",
-            "counter",
-            "KV-event gaps filled from the engine's replay socket, no blocks cleared.",
-            get(&self.kv_gaps_replayed),
-        );
-        metric(
-            "infera_pd_requests_total",
-            "counter",
-            "Attempts dispatched to a prefill/decode pair (each leg is recorded with its role in RequestRouted).",
-            get(&self.pd_requests),
-        );
-        metric(
-            "infera_pd_prefill_failures_total",
-            "counter",
-            "PD attempts whose prefill leg failed before the first byte (the decode leg was dropped or never sent).",
-            get(&self.pd_prefill_failures),
-        );
-        metric(
-            "infera_pd_pair_errors_total",
-            "counter",
-            "PD attempts refused because the pair's protocols differ or a registration lacks a parameter (500) or the prefill's answer lacks the hand-off (502).",
-            get(&self.pd_pair_errors),
-        );
-        metric(
-            "infera_breaker_trips_total",
-            "counter",
-            "Circuit breakers opened: a worker taken out of routing after consecutive failures \
-             before the first byte, or a failed half-open probe.",
-            get(&self.breaker_trips),
-        );
-        metric(
-            "infera_breaker_open_workers",
-            "gauge",
-            "Workers whose circuit breaker is open (excluded from routing until the cooldown).",
-            get(&self.breaker_open),
-        );
-        metric(
-            "infera_breaker_half_open_workers",
-            "gauge",
-            "Workers whose circuit breaker is half-open (admitting one probe at a time).",
-            get(&self.breaker_half_open),
-        );
-        metric(
-            "infera_stream_migrations_total",
-            "counter",
-            "Streams continued on another worker after theirs failed mid-stream (--migration-limit).",
-            get(&self.migrations),
-        );
-        out
+            assert!(text.contains(&format!("{sample}\n")), "{sample}:\n{text}");
+        }
     }
 }

@@ -49,8 +49,13 @@
 //! module).
 //!
 //! # Other endpoints
-//! `/v1/messages` is translated by the private `anthropic` module; `/v1/cache/prewarm` and
-//! `/v1/admin/profile/{start,stop}` are served by the `prewarm` and `profile` modules.
+//! `/v1/messages` is translated by the private `anthropic` module; `/v1/cache/prewarm`,
+//! `/v1/admin/profile/{start,stop}` and `/v1/admin/scale` are served by the `prewarm`, `profile`
+//! and `scale` modules.
+//!
+//! # Deciding only
+//! [`ServerState::pick`] (private `pick` module) runs the pipeline up to the decision for a
+//! gateway that sends the request itself (`infera gaie`), with the same load accounting.
 //!
 //! # Clients
 //! Connections are served by the crate's one serve loop ([`crate::serve`]: header, idle and body
@@ -71,24 +76,28 @@ mod metrics;
 mod migrate;
 mod pd;
 mod pd_abort;
+mod pick;
 mod prewarm;
 mod profile;
 mod prompt;
 mod relay;
+mod scale;
 mod taps;
 #[cfg(test)]
 mod test_support;
 pub mod transport;
+mod variants;
 
 pub use breaker::{BreakerConfig, BreakerState, PROBE_TIMEOUT};
 pub use client::{AdminToken, ClientOptions, ParseBudget};
 pub use durable::{COMPACT_EVERY, DurableLog, REPLICA_PREFIX, attach as attach_event_log};
 pub use metrics::ServerMetrics;
+pub use pick::{Pick, PickError};
 pub use prewarm::{DEFAULT_DEADLINE_MS, MAX_KEYS};
-pub use taps::{EventBatch, RequestMeta, write_family};
+pub use taps::{EventBatch, RequestMeta};
 pub use transport::{HttpDeadlines, HttpTransport};
 
-use crate::tokenize::{ChatTemplate, Tokenizer};
+use crate::tokenize::{ChatTemplate, TemplateKwargs, Tokenizer};
 use infera_core::clock::{Clock, SystemClock};
 use infera_core::event::{
     Event, KvCacheCleared, Source, WorkerDeregistered, WorkerDraining, WorkerRecord,
@@ -101,8 +110,8 @@ use infera_core::kv_events::pipeline::KvSink;
 use infera_core::kv_events::{EngineBatch, IngestStats};
 use infera_core::log::NewEvent;
 use infera_core::policy::RouterConfig;
-use infera_core::ports::metrics::MetricsSource;
 use infera_core::ports::prefetch::KvPrefetch;
+use infera_core::ports::scaling::PoolScaler;
 use infera_core::ports::transport::RequestTransport;
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -121,6 +130,13 @@ pub struct ServerOptions {
     pub fleet: FleetConfig,
     /// A chat template that overrides the tokenizer's (`--chat-template`).
     pub chat_template: Option<Arc<ChatTemplate>>,
+    /// The template kwargs the workers' engines merge into every chat request before they
+    /// render (`--kv-default-chat-template-kwargs`, matching their
+    /// `--default-chat-template-kwargs`).
+    pub template_defaults: Arc<TemplateKwargs>,
+    /// `--kv-per-worker-template-kwargs`: ask each SGLang worker for the template defaults its
+    /// engine merges in, and hash its chats its way where they differ from `template_defaults`.
+    pub per_worker_template_kwargs: bool,
     /// `--router-mode direct`: route each request to the worker its `x-worker-instance-id`
     /// header names (and `x-prefill-instance-id`, `x-dp-rank`), picked by an external endpoint
     /// picker; no policy, no failover.
@@ -178,11 +194,15 @@ pub(crate) struct Inner {
     pub(crate) metrics: ServerMetrics,
     pub(crate) transport: Arc<dyn RequestTransport>,
     pub(crate) id_prefix: u64,
-    pub(crate) tap_counters: Mutex<Vec<(&'static str, Arc<taps::TapCounters>)>>,
-    pub(crate) metrics_sources: Mutex<Vec<Arc<dyn MetricsSource>>>,
     pub(crate) restore: Mutex<durable::RestoreState>,
     pub(crate) prefetch: Mutex<Option<Arc<dyn KvPrefetch>>>,
+    /// Each probed worker's own chat template defaults (`--kv-per-worker-template-kwargs`).
+    pub(crate) variants: variants::Variants,
+    /// `--enable-scaling-api`: the pools `/v1/admin/scale` reads and resizes.
+    pub(crate) scaler: Mutex<Option<Arc<dyn PoolScaler>>>,
     pub(crate) profiling: std::sync::atomic::AtomicBool,
+    /// `--enable-sla-metrics`: the SLA planner's histograms are recorded.
+    pub(crate) sla_metrics: std::sync::atomic::AtomicBool,
     pub(crate) meta_tap: Mutex<Option<taps::MetaTap>>,
     pub(crate) breaker: breaker::Breaker,
     pub(crate) migration_limit: std::sync::atomic::AtomicU32,
@@ -217,6 +237,7 @@ impl ServerState {
             taps: Vec::new(),
         };
         let id_prefix = clock.now_us() ^ u64::from(std::process::id()).rotate_left(40);
+        let variants = variants::Variants::new(options.per_worker_template_kwargs);
         Self {
             inner: Arc::new(Inner {
                 core: Mutex::new(core),
@@ -226,11 +247,12 @@ impl ServerState {
                 metrics: ServerMetrics::default(),
                 transport,
                 id_prefix,
-                tap_counters: Mutex::new(Vec::new()),
-                metrics_sources: Mutex::new(Vec::new()),
                 restore: Mutex::new(durable::RestoreState::default()),
                 prefetch: Mutex::new(None),
+                scaler: Mutex::new(None),
+                variants,
                 profiling: std::sync::atomic::AtomicBool::new(false),
+                sla_metrics: std::sync::atomic::AtomicBool::new(false),
                 meta_tap: Mutex::new(None),
                 breaker: breaker::Breaker::default(),
                 migration_limit: std::sync::atomic::AtomicU32::new(0),
@@ -261,6 +283,12 @@ impl ServerState {
         tracing::info!(worker = %record.worker_id.as_str(), url = %record.url,
             model = %record.model_name, "worker registered");
         let restored = self.take_restored(&record);
+        if record.engine == infera_core::event::Engine::Sglang
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let (state, record) = (self.clone(), record.clone());
+            runtime.spawn(async move { state.probe_render_variant(&record).await });
+        }
         let mut events = vec![NewEvent::new(Event::WorkerRegistered(WorkerRegistered {
             record,
         }))];
@@ -272,6 +300,7 @@ impl ServerState {
     pub fn deregister_worker(&self, worker: WorkerId, reason: String) {
         tracing::info!(worker = %worker.as_str(), %reason, "worker deregistered");
         self.inner.transport.worker_left(&worker);
+        self.inner.variants.forget(&worker);
         self.apply(vec![NewEvent::new(Event::WorkerDeregistered(
             WorkerDeregistered { worker, reason },
         ))]);

@@ -3,9 +3,10 @@
 //!
 //! Body: `{"model", "block_hashes": ["<hex>", …], "compat_key", "deadline_ms"}` → 202
 //! `{"accepted": true, "n_keys": N}`. Instead of `block_hashes`, ours also takes a `prompt` (as
-//! `/v1/completions` does) or `messages` (as chat does) and derives the keys itself: the router's
-//! chained hashes of the prompt's complete blocks at the model's block size, each as 8
-//! big-endian bytes. 400 for bad input, 404 for a prompt of a model no worker serves, 503
+//! `/v1/completions` does) or `messages` (as chat does) and derives the keys itself: the engine
+//! connectors' keys of the prompt's complete blocks at the model's block size (a SHA-256 chain
+//! over the token ids, `infera_core::ports::kv_store::block_keys`), which a real engine's
+//! connector and the mock engine save and load under. 400 for bad input, 404 for a prompt of a model no worker serves, 503
 //! without a daemon (`--kvd-socket-path`) or when it cannot be reached. The hint is
 //! fire-and-forget: the daemon drops it if its deadline passes first.
 //!
@@ -13,12 +14,12 @@
 //! A non-hex key (any non-ASCII character included) is a 400 naming it, never a panic.
 
 use super::ServerState;
-use super::http::{ApiError, Input, parse_messages, parse_prompt, tokenize};
+use super::http::{ApiError, Input, parse_chat, parse_prompt, tokenize};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse as _, Response};
-use infera_core::hashing::hash_blocks;
+use infera_core::ports::kv_store::block_keys;
 use infera_core::ports::prefetch::KvPrefetch;
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -125,7 +126,7 @@ async fn handle(st: &ServerState, headers: &HeaderMap, body: Body) -> Result<usi
             let input: Input = if *field == "prompt" {
                 parse_prompt(obj.get("prompt"))?
             } else {
-                parse_messages(obj.get("messages"))?
+                parse_chat(&json)?
             };
             let block_size = st
                 .with_fleet(|f| {
@@ -139,11 +140,8 @@ async fn handle(st: &ServerState, headers: &HeaderMap, body: Body) -> Result<usi
                         format!("no worker serves model {model:?}, so its block size is unknown"),
                     )
                 })?;
-            let tokens = tokenize(st, input).await?;
-            hash_blocks(&tokens, block_size.max(1) as usize, None)
-                .into_iter()
-                .map(|h| h.0.to_be_bytes().to_vec())
-                .collect()
+            let tokens = tokenize(st, input, st.inner.options.template_defaults.clone()).await?;
+            block_keys(&tokens, block_size.max(1) as usize)
         }
         [] => return Err(bad("give `block_hashes`, `prompt` or `messages`")),
         _ => {

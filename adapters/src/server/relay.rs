@@ -33,8 +33,8 @@ use super::ServerState;
 use super::attempt::{Attempt, Usage, attempt_id, status_of, usage_of};
 use super::breaker::{Judge, Outcome, answer_outcome, breaker_outcome};
 use super::http::{ApiError, route_error};
-use super::metrics::inc;
-use super::migrate::Migration;
+use super::metrics::{inc, route_key};
+use super::migrate::{self, Migration};
 use super::pd;
 use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
@@ -51,7 +51,7 @@ use serde_json::{Map, Value, json};
 use std::convert::Infallible;
 
 /// Where one attempt goes.
-enum Route {
+pub(super) enum Route {
     /// One worker (a mixed model, or a direct pick of one worker): its rank, its URL without a
     /// trailing slash, and the engine-side DP rank to pin the request to ([`engine_dp_rank`]).
     /// Built from the fleet's record without copying it: this is every mixed request's path.
@@ -79,7 +79,7 @@ impl Route {
 
 /// Decides, appends `RequestRouted` (both legs of a PD pair, each with its role) and applies
 /// it; returns the chosen worker(s).
-fn decide(
+pub(super) fn decide(
     st: &ServerState,
     req: &mut RouteRequest,
     direct: Option<&DirectPick>,
@@ -110,10 +110,10 @@ fn decide(
     let routed = match routed {
         Ok(r) => r,
         Err(e) => {
-            match &e {
-                RouteError::UnknownModel(_) => inc(&metrics.decisions_unknown_model, 1),
-                _ => inc(&metrics.decisions_no_worker, 1),
-            }
+            metrics.decision(match &e {
+                RouteError::UnknownModel(_) => "unknown_model",
+                _ => "no_worker",
+            });
             return Err(e);
         }
     };
@@ -142,16 +142,24 @@ fn decide(
         [] => None,
     };
     let Some(route) = route else {
-        inc(&metrics.decisions_no_worker, 1);
+        metrics.decision("no_worker");
         return Err(RouteError::NoWorker {
             model: req.model.clone(),
             role: "mixed",
         });
     };
-    inc(&metrics.picks, 1);
-    inc(&metrics.pick_request_blocks, routed.blocks.len() as u64);
-    if routed.legs.iter().any(|l| l.overlap_blocks > 0) {
-        inc(&metrics.pick_cache_hits, 1);
+    metrics.decision("routed");
+    for leg in &routed.legs {
+        let worker = fleet.worker(&leg.worker.worker).map_or_else(
+            || leg.worker.worker.as_str().to_owned(),
+            |w| route_key(w, &leg.worker),
+        );
+        metrics.pick(
+            leg.role.as_str(),
+            worker,
+            leg.overlap_blocks,
+            routed.blocks.len(),
+        );
     }
     let applied = core.commit(vec![NewEvent::new(Event::RequestRouted(routed))]);
     drop(core);
@@ -208,11 +216,14 @@ pub(crate) async fn forward(
     let mut last_error: Option<TransportError> = None;
     // The client's body as JSON, parsed once for the legs of a PD pair.
     let mut pd_base: Option<Map<String, Value>> = None;
+    // The body sent to a single worker, when it asks for token ids (set per attempt).
+    let mut asked_ids: Option<Bytes>;
     for attempt in 0..attempts {
         // The router's own identity of each attempt, `<client id>#<n>` with `n` unique to this
         // server: a client may send one `x-infera-request-id` with concurrent requests, and
         // the fleet's in-flight accounting must never merge them.
         req.request_id = attempt_id(st, &base_id);
+        asked_ids = None;
         if attempt > 0 {
             inc(&st.inner.metrics.retries, 1);
         }
@@ -231,17 +242,19 @@ pub(crate) async fn forward(
         );
         let single = matches!(route, Route::Single { .. });
         let mut guard = Attempt::new(st, &req, !single);
+        guard.observe_sla(&req.model, stream);
         let (rank, outcome) = match route {
             Route::Single { rank, url, dp_rank } => {
-                let outbound = Outbound::new(
-                    rank.worker.clone(),
-                    url,
-                    path,
-                    body.clone(),
-                    stream,
-                    &base_id,
-                )
-                .with_dp_rank(dp_rank);
+                // A stream that may migrate asks its engine for token ids (see `migrate`).
+                asked_ids = if stream && direct.is_none() {
+                    migrate::asking_ids(st, &rank, path, &body)
+                } else {
+                    None
+                };
+                let sent = asked_ids.clone().unwrap_or_else(|| body.clone());
+                let outbound =
+                    Outbound::new(rank.worker.clone(), url, path, sent, stream, &base_id)
+                        .with_dp_rank(dp_rank);
                 let outcome =
                     transport
                         .send(outbound)
@@ -268,7 +281,10 @@ pub(crate) async fn forward(
                             path == "/v1/chat/completions",
                         );
                         let max = st.inner.options.max_body_bytes;
-                        let prefill = guard.prefill.clone();
+                        let prefilled = guard.pd_legs(
+                            route_key(&pair.prefill.record, &pair.prefill.rank),
+                            route_key(&pair.decode.record, &pair.decode.rank),
+                        );
                         pd::send(
                             transport,
                             shape,
@@ -277,7 +293,7 @@ pub(crate) async fn forward(
                             stream,
                             &req.request_id.0,
                             max,
-                            move || prefill.prefilled(),
+                            prefilled,
                         )
                         .await
                     }
@@ -290,8 +306,13 @@ pub(crate) async fn forward(
         match outcome {
             Err(pd::LegError::Transport { role, rank, error }) => {
                 st.inner.metrics.transport_error(&error);
-                if role == Role::Prefill {
-                    inc(&st.inner.metrics.pd_prefill_failures, 1);
+                match role {
+                    Role::Prefill => {
+                        inc(&st.inner.metrics.pd_prefill_failures, 1);
+                        st.inner.metrics.pd_bootstrap_failure("prefill_unreachable");
+                    }
+                    Role::Decode => st.inner.metrics.pd_bootstrap_failure("decode_unreachable"),
+                    Role::Mixed => {}
                 }
                 judge.record(&rank, breaker_outcome(&error));
                 guard.finish(failure_status(&error), Usage::default());
@@ -307,6 +328,11 @@ pub(crate) async fn forward(
             Err(pd::LegError::Status { rank, response }) => {
                 inc(&st.inner.metrics.pd_prefill_failures, 1);
                 let failed = response.status.is_server_error();
+                st.inner.metrics.pd_bootstrap_failure(if failed {
+                    "prefill_5xx"
+                } else {
+                    "prefill_4xx"
+                });
                 judge.record(
                     &rank,
                     if failed {
@@ -334,11 +360,18 @@ pub(crate) async fn forward(
             Err(pd::LegError::Pd(e)) => {
                 tracing::error!(request_id = %base_id, error = %e, "PD pair cannot be driven");
                 inc(&st.inner.metrics.pd_pair_errors, 1);
+                st.inner.metrics.pd_bootstrap_failure(match e {
+                    pd::PdError::Handoff { .. } => "handoff_extract_failed",
+                    _ => "protocol_unresolved",
+                });
                 judge.release();
                 guard.finish(RequestStatus::WorkerError, Usage::default());
                 return Err(ApiError::new(e.status(), e.to_string()));
             }
             Ok(resp) if resp.status.is_server_error() && !last_attempt => {
+                if !single {
+                    st.inner.metrics.pd_bootstrap_failure("decode_5xx");
+                }
                 tracing::warn!(request_id = %base_id, worker = %rank.worker.as_str(),
                     status = %resp.status, "worker answered 5xx before any byte; failing over");
                 judge.record(&rank, Outcome::Failure);
@@ -370,7 +403,10 @@ pub(crate) async fn forward(
                     }
                     let movable = stream && single && direct.is_none();
                     let migration = (movable && resp.status.is_success())
-                        .then(|| Migration::new(st, &req, path, &body, rank, &base_id))
+                        .then(|| {
+                            let asked = asked_ids.is_some();
+                            Migration::new(st, &req, path, &body, rank, &base_id, asked)
+                        })
                         .flatten();
                     return Ok(relay(guard, resp, stream, migration).await);
                 }
@@ -496,15 +532,13 @@ async fn relay(
             match r.body.next().await {
                 Some(Ok(mut data)) => {
                     if let Some(m) = &mut r.migration {
-                        if m.continued() {
-                            data = m.rewrite(&data);
-                        }
-                        m.observe(&data);
+                        data = m.pass(data);
                     }
                     if data.is_empty() {
                         continue;
                     }
                     r.guard.first_byte();
+                    r.guard.count_frames(&data);
                     r.scan_usage(&data);
                     r.last_byte = data.last().copied().unwrap_or(b'\n');
                     return Some((Ok::<Bytes, Infallible>(data), Some(r)));

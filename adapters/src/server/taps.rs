@@ -1,4 +1,4 @@
-//! Taps on the committed event stream, and metrics that other components add to `/metrics`.
+//! Taps on the committed event stream.
 //!
 //! A tap ([`ServerState::tap`]) receives every event committed after it was opened, in log
 //! order, as the batches they were committed in. It exists for consumers that live outside the
@@ -10,10 +10,8 @@
 
 use super::{Core, ServerState};
 use infera_core::event::Envelope;
-use infera_core::ports::metrics::MetricsSource;
-use std::fmt::Write as _;
+use prometheus_client::metrics::counter::Counter;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::mpsc;
 
 /// A batch of committed events, shared by every tap.
@@ -35,7 +33,7 @@ pub struct RequestMeta {
 pub(crate) struct MetaTap {
     tx: mpsc::Sender<RequestMeta>,
     pub(crate) tokens: bool,
-    counters: Arc<TapCounters>,
+    counters: TapCounters,
 }
 
 /// One open tap, as the core sees it.
@@ -43,24 +41,23 @@ pub(crate) struct MetaTap {
 pub(crate) struct Tap {
     name: &'static str,
     tx: mpsc::Sender<EventBatch>,
-    counters: Arc<TapCounters>,
+    counters: TapCounters,
 }
 
-#[derive(Debug, Default)]
+/// A tap's counters: `infera_event_tap_{delivered,dropped}_events_total{tap="…"}`.
+#[derive(Debug, Clone)]
 pub(crate) struct TapCounters {
-    delivered: AtomicU64,
-    dropped: AtomicU64,
+    delivered: Counter,
+    dropped: Counter,
 }
 
-/// Appends one metric family (`# HELP`, `# TYPE`, then one line per `(labels, value)` sample;
-/// labels are written between braces as given, e.g. `tap="trace"`).
-pub fn write_family(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str, u64)]) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    for (labels, v) in samples {
-        if labels.is_empty() {
-            let _ = writeln!(out, "{name} {v}");
-        } else {
-            let _ = writeln!(out, "{name}{{{labels}}} {v}");
+impl TapCounters {
+    fn new(st: &ServerState, name: &'static str) -> Self {
+        let label = [("tap", name)];
+        let m = &st.inner.metrics;
+        TapCounters {
+            delivered: m.tap_delivered.get_or_create_owned(&label),
+            dropped: m.tap_dropped.get_or_create_owned(&label),
         }
     }
 }
@@ -77,11 +74,11 @@ impl Core {
         self.taps
             .retain(|tap| match tap.tx.try_send(shared.clone()) {
                 Ok(()) => {
-                    tap.counters.delivered.fetch_add(n, Ordering::Relaxed);
+                    tap.counters.delivered.inc_by(n);
                     true
                 }
                 Err(mpsc::error::TrySendError::Full(_)) => {
-                    let before = tap.counters.dropped.fetch_add(n, Ordering::Relaxed);
+                    let before = tap.counters.dropped.inc_by(n);
                     // Log the first loss, then about every 64k events lost.
                     if before == 0 || before >> 16 != (before + n) >> 16 {
                         tracing::warn!(
@@ -109,12 +106,7 @@ impl ServerState {
     /// See the module docs.
     pub fn tap(&self, name: &'static str, capacity: usize) -> mpsc::Receiver<EventBatch> {
         let (tx, rx) = mpsc::channel(capacity.max(1));
-        let counters = Arc::new(TapCounters::default());
-        self.inner
-            .tap_counters
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push((name, counters.clone()));
+        let counters = TapCounters::new(self, name);
         self.lock().taps.push(Tap { name, tx, counters });
         rx
     }
@@ -124,12 +116,7 @@ impl ServerState {
     /// drops counted under `tap="request-meta"`.
     pub fn tap_request_meta(&self, capacity: usize, tokens: bool) -> mpsc::Receiver<RequestMeta> {
         let (tx, rx) = mpsc::channel(capacity.max(1));
-        let counters = Arc::new(TapCounters::default());
-        self.inner
-            .tap_counters
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(("request-meta", counters.clone()));
+        let counters = TapCounters::new(self, "request-meta");
         *self.meta_tap() = Some(MetaTap {
             tx,
             tokens,
@@ -156,10 +143,10 @@ impl ServerState {
         let Some(tap) = slot.as_ref() else { return };
         match tap.tx.try_send(meta) {
             Ok(()) => {
-                tap.counters.delivered.fetch_add(1, Ordering::Relaxed);
+                tap.counters.delivered.inc();
             }
             Err(mpsc::error::TrySendError::Full(_)) => {
-                tap.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                tap.counters.dropped.inc();
             }
             Err(mpsc::error::TrySendError::Closed(_)) => *slot = None,
         }
@@ -173,58 +160,6 @@ impl ServerState {
             tracing::debug!(tap = tap.name, "event tap closed");
         }
     }
-
-    /// Adds `source`'s families to `GET /metrics`.
-    pub fn add_metrics(&self, source: Arc<dyn MetricsSource>) {
-        self.inner
-            .metrics_sources
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(source);
-    }
-
-    /// Renders the taps' counters and every added source.
-    pub(crate) fn render_extra_metrics(&self, out: &mut String) {
-        let taps = self
-            .inner
-            .tap_counters
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if !taps.is_empty() {
-            let labels: Vec<String> = taps.iter().map(|(n, _)| format!("tap=\"{n}\"")).collect();
-            let samples = |f: fn(&TapCounters) -> u64| -> Vec<(&str, u64)> {
-                labels
-                    .iter()
-                    .zip(taps.iter())
-                    .map(|(l, (_, c))| (l.as_str(), f(c)))
-                    .collect()
-            };
-            write_family(
-                out,
-                "infera_event_tap_delivered_events_total",
-                "counter",
-                "Committed events handed to a tap (trace recorder, durable log).",
-                &samples(|c| c.delivered.load(Ordering::Relaxed)),
-            );
-            write_family(
-                out,
-                "infera_event_tap_dropped_events_total",
-                "counter",
-                "Committed events a tap's full queue could not take (lost to that tap, never waited for).",
-                &samples(|c| c.dropped.load(Ordering::Relaxed)),
-            );
-        }
-        drop(taps);
-        let sources = self
-            .inner
-            .metrics_sources
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        for source in sources {
-            source.render(out);
-        }
-    }
 }
 
 #[cfg(test)]
@@ -233,14 +168,6 @@ mod tests {
     use crate::server::test_support::{record, state};
     use infera_core::event::Event;
     use infera_core::ids::WorkerId;
-
-    #[derive(Debug)]
-    struct Fixed;
-    impl MetricsSource for Fixed {
-        fn render(&self, out: &mut String) {
-            write_family(out, "x_total", "counter", "A test family.", &[("", 7)]);
-        }
-    }
 
     #[tokio::test]
     async fn taps_see_commits_in_order_drop_when_full_and_end_when_closed() {
@@ -265,9 +192,10 @@ mod tests {
         assert!(tight.recv().await.is_none());
         st.register_worker(record("after-close"));
 
-        st.add_metrics(Arc::new(Fixed));
-        let mut text = String::new();
-        st.render_extra_metrics(&mut text);
+        let added = Counter::<u64>::default();
+        added.inc_by(7);
+        st.register_metrics(|r| r.register("x", "A family a component added", added));
+        let text = st.render_metrics();
         assert!(
             text.contains("infera_event_tap_delivered_events_total{tap=\"roomy\"} 4"),
             "{text}"

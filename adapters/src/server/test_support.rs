@@ -20,6 +20,8 @@ pub(crate) fn state() -> ServerState {
         router: RouterConfig::default(),
         fleet: FleetConfig::default(),
         chat_template: None,
+        template_defaults: Default::default(),
+        per_worker_template_kwargs: true,
         direct: false,
         client: super::ClientOptions::default(),
     };

@@ -1,13 +1,18 @@
 //! HF chat templates rendered with minijinja.
 //!
 //! A [`ChatTemplate`] owns one compiled Jinja template plus the `bos_token`/`eos_token` strings
-//! from tokenizer_config.json. It renders OpenAI `messages` the way HF `apply_chat_template`
-//! does: `trim_blocks` and `lstrip_blocks` on, `add_generation_prompt=true`, `raise_exception`
-//! available, Python string methods (`strip`, `split`, `startswith`, …) via minijinja-contrib's
-//! pycompat. Array content is flattened to its text parts joined with `"\n"` (what vLLM does for
-//! string-format templates); a non-text part is an error, since the router cannot count its
-//! tokens.
+//! from tokenizer_config.json. It renders an OpenAI chat request the way the engines' Hugging
+//! Face `apply_chat_template` does, since a router that renders a different prompt never finds
+//! the engine's KV blocks: `trim_blocks` and `lstrip_blocks` on, `raise_exception`, Python
+//! string methods (`strip`, `split`, `startswith`, …) via minijinja-contrib's pycompat, `tojson`
+//! as Python's `json.dumps` ([`super::pyjson`]); the messages with every field they carry,
+//! assistant tool-call arguments parsed from their JSON text (as vLLM and SGLang do), `tools`,
+//! `add_generation_prompt`, and the template kwargs ([`ChatExtras`]), maps in the order the
+//! request gave them. Array content is flattened to its text parts joined with `"\n"` (what
+//! vLLM does for string-format templates); a non-text part is an error, since the router cannot
+//! count its tokens (the server routes such requests by load without rendering them).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use minijinja::{Environment, ErrorKind};
@@ -46,12 +51,73 @@ pub enum TemplateError {
     UnsupportedContent { index: usize, kind: String },
 }
 
-/// One OpenAI chat message.
+/// One OpenAI chat message: its role, its content, and whatever else it carries
+/// (`tool_calls`, `tool_call_id`, `name`, `reasoning_content`…), which the template sees as
+/// sent (in order; `null` fields left out).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     #[serde(default)]
     pub content: Option<ChatContent>,
+    #[serde(flatten)]
+    pub extra: BTreeMap<String, minijinja::Value>,
+}
+
+/// What a chat request gives its template besides the messages, named as in the request.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChatExtras {
+    /// `tools`: the function definitions, as sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools: Option<Vec<minijinja::Value>>,
+    /// `chat_template_kwargs`: variables for the template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template_kwargs: Option<TemplateKwargs>,
+    /// `reasoning_effort`, which engines put in the template's scope too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_effort: Option<String>,
+    /// `add_generation_prompt`: whether the template opens the assistant's turn (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub add_generation_prompt: Option<bool>,
+}
+
+/// Template variables by name.
+pub type TemplateKwargs = BTreeMap<String, minijinja::Value>;
+
+impl ChatExtras {
+    /// Merges the server-side defaults an engine applies before it renders
+    /// (`--default-chat-template-kwargs`) as SGLang does: each one the request's
+    /// `chat_template_kwargs` does not set, and their `reasoning_effort` when the request has
+    /// none of its own.
+    pub fn with_defaults(&mut self, defaults: &TemplateKwargs) {
+        if defaults.is_empty() {
+            return;
+        }
+        let kwargs = self.chat_template_kwargs.get_or_insert_default();
+        for (key, value) in defaults {
+            kwargs.entry(key.clone()).or_insert_with(|| value.clone());
+        }
+        if self.reasoning_effort.is_none()
+            && let Some(effort) = kwargs.get("reasoning_effort").and_then(|v| v.as_str())
+        {
+            self.reasoning_effort = Some(effort.to_owned());
+        }
+    }
+
+    /// The template's extra variables: `reasoning_effort`, then `chat_template_kwargs` (which
+    /// win).
+    fn template_kwargs(&self) -> TemplateKwargs {
+        let mut out = TemplateKwargs::new();
+        if let Some(effort) = &self.reasoning_effort {
+            out.insert(
+                "reasoning_effort".into(),
+                minijinja::Value::from(effort.as_str()),
+            );
+        }
+        if let Some(kwargs) = &self.chat_template_kwargs {
+            out.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+        out
+    }
 }
 
 impl ChatMessage {
@@ -60,7 +126,15 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: Some(ChatContent::Text(content.into())),
+            extra: BTreeMap::new(),
         }
+    }
+
+    /// Whether the message has a part other than text (an image, audio, a file): one the
+    /// router cannot tokenize as the engine does.
+    pub fn has_non_text(&self) -> bool {
+        matches!(&self.content, Some(ChatContent::Parts(parts))
+            if parts.iter().any(|p| p.kind != "text"))
     }
 }
 
@@ -110,6 +184,7 @@ impl ChatTemplate {
             })?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", super::pyjson::tojson);
         env.add_function("raise_exception", |message: String| -> Result<String, _> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
         });
@@ -144,32 +219,115 @@ impl ChatTemplate {
         &self.origin
     }
 
-    /// Renders `messages` with `add_generation_prompt=true`.
-    pub fn render(&self, messages: &[ChatMessage]) -> Result<String, TemplateError> {
+    /// Renders `messages` with `extras` as Hugging Face's `apply_chat_template` does in the
+    /// engines: the messages (array content flattened to its text, assistant `tool_calls`
+    /// arguments given as JSON text parsed into objects, as vLLM and SGLang do), `tools`,
+    /// `add_generation_prompt` (true unless the request says otherwise), the special tokens,
+    /// and the template kwargs.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        extras: &ChatExtras,
+    ) -> Result<String, TemplateError> {
+        use minijinja::Value as V;
         let mut flat = Vec::with_capacity(messages.len());
         for (index, message) in messages.iter().enumerate() {
-            flat.push(minijinja::Value::from_pairs([
-                ("role", minijinja::Value::from(message.role.as_str())),
+            let mut fields: Vec<(String, V)> = vec![
+                ("role".into(), V::from(message.role.as_str())),
                 (
-                    "content",
-                    minijinja::Value::from(flatten(index, message.content.as_ref())?),
+                    "content".into(),
+                    V::from(flatten(index, message.content.as_ref())?),
                 ),
-            ]));
+            ];
+            for (key, value) in &message.extra {
+                if value.is_none() {
+                    continue;
+                }
+                let value = if key == "tool_calls" && message.role == "assistant" {
+                    parsed_arguments(value)
+                } else {
+                    value.clone()
+                };
+                fields.push((key.clone(), value));
+            }
+            flat.push(V::from_pairs(fields));
         }
         let render_err = |e: minijinja::Error| TemplateError::Render {
             origin: self.origin.clone(),
             message: describe(&e),
         };
+        let mut context: BTreeMap<String, V> = extras.template_kwargs();
+        for (key, value) in [
+            ("messages", V::from(flat)),
+            ("tools", extras.tools.clone().map_or(V::from(()), V::from)),
+            (
+                "add_generation_prompt",
+                V::from(extras.add_generation_prompt.unwrap_or(true)),
+            ),
+            (
+                "bos_token",
+                V::from(self.bos_token.as_deref().unwrap_or("")),
+            ),
+            (
+                "eos_token",
+                V::from(self.eos_token.as_deref().unwrap_or("")),
+            ),
+        ] {
+            context.insert(key.into(), value);
+        }
         let template = self.env.get_template(TEMPLATE_NAME).map_err(render_err)?;
-        template
-            .render(minijinja::context! {
-                messages => minijinja::Value::from(flat),
-                add_generation_prompt => true,
-                bos_token => self.bos_token.as_deref().unwrap_or(""),
-                eos_token => self.eos_token.as_deref().unwrap_or(""),
-            })
-            .map_err(render_err)
+        template.render(context).map_err(render_err)
     }
+}
+
+/// Assistant `tool_calls` with their `function.arguments` as vLLM hands them to templates:
+/// JSON text parsed (objects in their order), missing or empty arguments as `{}`; arguments
+/// that are not JSON stay text.
+fn parsed_arguments(calls: &minijinja::Value) -> minijinja::Value {
+    use minijinja::Value as V;
+    let Ok(items) = calls.try_iter() else {
+        return calls.clone();
+    };
+    V::from(
+        items
+            .map(|call| {
+                let Ok(function) = call.get_attr("function") else {
+                    return call;
+                };
+                let given = function.get_attr("arguments").unwrap_or_default();
+                let arguments = match given.as_str() {
+                    _ if given.is_undefined() || given.is_none() => {
+                        V::from_pairs(Vec::<(V, V)>::new())
+                    }
+                    Some("") => V::from_pairs(Vec::<(V, V)>::new()),
+                    Some(text) => match serde_json::from_str::<V>(text) {
+                        Ok(parsed) => parsed,
+                        Err(_) => return call,
+                    },
+                    None => return call,
+                };
+                // `map` with `key` set to `with` (in its place, or last when absent).
+                let replace = |map: &V, key: &str, with: V| -> V {
+                    let mut pairs: Vec<(V, V)> = map
+                        .try_iter()
+                        .into_iter()
+                        .flatten()
+                        .map(|k| {
+                            let v = map.get_item(&k).unwrap_or_default();
+                            (k, v)
+                        })
+                        .collect();
+                    match pairs.iter_mut().find(|(k, _)| k.as_str() == Some(key)) {
+                        Some((_, v)) => *v = with,
+                        None => pairs.push((V::from(key), with)),
+                    }
+                    V::from_pairs(pairs)
+                };
+                let function = replace(&function, "arguments", arguments);
+                replace(&call, "function", function)
+            })
+            .collect::<Vec<_>>(),
+    )
 }
 
 fn flatten(index: usize, content: Option<&ChatContent>) -> Result<String, TemplateError> {
@@ -284,7 +442,7 @@ mod tests {
             "inline",
         )
         .expect("compiles");
-        let err = template.render(&[]).err();
+        let err = template.render(&[], &ChatExtras::default()).err();
         assert!(matches!(err, Some(TemplateError::Render { .. })), "{err:?}");
     }
 }

@@ -57,6 +57,7 @@ mod classes;
 mod config;
 mod native;
 mod pretok;
+mod pyjson;
 mod split;
 
 use std::path::{Path, PathBuf};
@@ -66,7 +67,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use rayon::prelude::*;
 use serde_json::Value;
 
-pub use chat::{ChatContent, ChatMessage, ChatTemplate, ContentPart, TemplateError};
+pub use chat::{
+    ChatContent, ChatExtras, ChatMessage, ChatTemplate, ContentPart, TemplateError, TemplateKwargs,
+};
 pub use config::FastPath;
 
 use cache::Lru;
@@ -430,23 +433,26 @@ impl Tokenizer {
         Ok(out)
     }
 
-    /// Renders `messages` with `template_override` or the config's template, then encodes.
+    /// Renders `messages` and `extras` with `template_override` or the config's template, then
+    /// encodes.
     ///
     /// # Errors
     /// [`TemplateError::Missing`] when there is no template at all, render errors, encode errors.
     pub fn encode_chat(
         &self,
         messages: &[ChatMessage],
+        extras: &ChatExtras,
         template_override: Option<&ChatTemplate>,
     ) -> Result<Vec<u32>, TokenizeError> {
-        let rendered = self.render_chat(messages, template_override)?;
+        let rendered = self.render_chat(messages, extras, template_override)?;
         self.encode(&rendered)
     }
 
-    /// Renders `messages` to the prompt string the engine will see.
+    /// Renders `messages` and `extras` to the prompt string the engine will see.
     pub fn render_chat(
         &self,
         messages: &[ChatMessage],
+        extras: &ChatExtras,
         template_override: Option<&ChatTemplate>,
     ) -> Result<String, TemplateError> {
         let template = template_override
@@ -454,7 +460,7 @@ impl Tokenizer {
             .ok_or_else(|| TemplateError::Missing {
                 origin: self.config_origin.clone(),
             })?;
-        template.render(messages)
+        template.render(messages, extras)
     }
 }
 

@@ -2,6 +2,8 @@
 //! the server (one exchange per fresh connection, bounded by [`TIMEOUT`]).
 #![allow(dead_code)] // each test binary uses its own subset
 
+pub mod fleet;
+
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;

@@ -48,10 +48,18 @@
 //! workers use `<advertise-host>:<port>`, which need not be the Pod IP). Two Pods claiming the same
 //! worker id are a conflict: the first keeps it, the other is counted as invalid and waits; it is
 //! routed if the first one leaves.
+//!
+//! # Scaling ([`KubernetesScaler`])
+//!
+//! The scaling port (`--enable-scaling-api`): resizes the pools of the InferaDeployment the
+//! server's own Pod belongs to; see the `scaling` module.
 
 mod fleet;
 mod registrar;
+mod scaling;
 mod watcher;
+
+pub use scaling::{DEPLOYMENT_LABEL, KubernetesScaler, SERVICE_LABEL};
 
 use super::{
     Discovery, DiscoveryError, DiscoveryStream, Registrar, Registration, Result, WatchStats,

@@ -20,6 +20,10 @@
 //!           is not the next one ends the request with an error (a peer without rs-seq is
 //!           not checked)
 //! cancel    server → infera.cancel.<token>, payload = the request's inbox
+//! jetstream with --nats-req-max-pending > 0 on servers and workers ([`jetstream`]): requests
+//!           go through the work-queue stream INFERA_REQUESTS (one durable consumer per worker,
+//!           named by its token) with the inbox in header rs-inbox; replies and cancels as above;
+//!           servers admit by the consumer's backlog
 //! kv events worker → infera.kv.events.<token>.<dp_rank>, payload = the engine batch verbatim,
 //!           ours adds headers infera-kv-seq (the engine's seq of the batch; the mock's own
 //!           count from 0 per rank) and infera-kv-epoch (fixed for the life of the worker)
@@ -29,15 +33,19 @@
 //! [`connect`] fails fast when the broker is unreachable at startup (a clear error naming
 //! `--nats-server`), then reconnects forever: subscriptions are re-established by the client,
 //! and messages published while disconnected are buffered and sent after the reconnect, so a
-//! broker restart loses only the replies that were in flight.
+//! broker restart loses only the replies that were in flight. In JetStream mode the memory-backed
+//! request stream is lost with the broker: servers re-create it when a publish finds it missing,
+//! workers re-create it and their consumer after every reconnect.
 
+pub mod jetstream;
 pub mod kv;
 mod request;
 mod responder;
 
 pub use async_nats::{Client, HeaderMap, Message, Subscriber};
+pub use jetstream::{HDR_INBOX, REQUEST_STREAM, request_durable};
 pub use request::{NatsRequestConfig, NatsTransport};
-pub use responder::{NatsResponder, ResponderConfig};
+pub use responder::{DRAINING_REFUSAL, NatsResponder, ResponderConfig};
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;

@@ -3,12 +3,21 @@
 //! [`Inbound`] (the request transport port of `infera_core::ports::transport`).
 //!
 //! # Behaviour
-//! - Admission: with `max_pending`, a worker with that many requests in flight from this server
-//!   is refused at once ([`TransportError::Overloaded`], 429 with `Retry-After: 1`), which the
-//!   relay retries on another worker; so is a request the worker refused at its own
-//!   `--nats-req-max-pending` (an `error` reply with `rs-status: 429`). The count is released when the reply ends or is dropped.
-//!   It is this server's own count (the Python Infera reads a JetStream work queue's backlog
-//!   instead), so each server replica admits up to the limit.
+//! - Admission (`max_pending`, the Python Infera's semantics and wire format): requests go through
+//!   JetStream ([`super::jetstream`]: the work-queue stream `INFERA_REQUESTS`, the inbox in the
+//!   `rs-inbox` header). Before each one the server reads its worker's consumer backlog
+//!   (`num_pending + num_ack_pending`: queued plus in flight, from every server replica, so the
+//!   limit is one for the whole fleet), reusing a reading for [`BACKLOG_TTL`]; at the limit the
+//!   request is refused at once ([`TransportError::Overloaded`], 429 with `Retry-After: 1`),
+//!   which the relay retries on another worker. A backlog that cannot be read (no consumer yet:
+//!   a worker starting, or one without the limit; the broker away) admits. Ours also fails over
+//!   ([`TransportError::Unreachable`]) when the consumer exists but nothing is subscribed to it
+//!   (a Python worker that stopped taking requests, a dead one) instead of queueing for nobody.
+//!   The publish is retried while the broker is away and re-creates the stream when a broker
+//!   restart lost it. A request given up before its worker took it is deleted from the stream.
+//!   Without `max_pending` requests are core NATS publishes with a reply inbox; a JetStream ack
+//!   on that inbox (an `INFERA_REQUESTS` stream left from JetStream mode captured the request)
+//!   is ignored, with a warning once.
 //! - Status: a stream whose first chunk is SSE is answered 200 `text/event-stream` at once;
 //!   anything else (a non-stream request, or an engine that answered a stream request with a
 //!   JSON body) is collected until `done`, whose `rs-status` becomes the status.
@@ -20,35 +29,41 @@
 //!   with [`TransportError::Sequence`], so a lost chunk is never relayed as a complete stream.
 //! - Cancel: a reply stream dropped before `done` or `error` (client gone, timeout, sequence
 //!   error) publishes its inbox on `infera.cancel.<token>`.
-//! - Failover: no subscriber on the subject (the broker's no-responders status) or an `error`
-//!   reply before any data is [`TransportError::Unreachable`], retried on another worker.
+//! - Failover: no subscriber on the subject (the broker's no-responders status, core NATS) or an
+//!   `error` reply before any data (a worker that is draining answers so in JetStream mode) is
+//!   [`TransportError::Unreachable`], retried on another worker.
 //! - Broker restarts: a request sent while the broker is away waits in the client's buffer and
 //!   goes out on the reconnect; if its worker has not resubscribed yet, it is re-sent every
 //!   200 ms for up to 6 s before it counts as unreachable, so it is not lost to the race
-//!   between the two reconnects.
+//!   between the two reconnects. In JetStream mode the request waits for the reconnect instead
+//!   and then stays queued in the stream until the worker has re-created its consumer.
 //!
 //! - A worker that leaves the fleet (deregistered: drained, or dead with its lease expired) gets
 //!   at most [`LEFT_IDLE`] per reply from then on ([`RequestTransport::worker_left`]): a draining
 //!   worker finishes its streams, a killed one (which breaks no connection here) ends them with
 //!   a 504 error event soon after it leaves instead of at the idle timeout.
 //!
-//! Cancels are published by one task owned by the transport; it ends when the transport is
-//! dropped. A cancel that finds its queue full is logged and dropped.
+//! Cancels (and, in JetStream mode, the deletion of abandoned queued requests) are published by one
+//! task owned by the transport; it ends when the transport is dropped. A cancel that finds its
+//! queue full is logged and dropped.
 
-use super::{
-    HDR_SEQ, HDR_STATUS, HDR_TYPE, TYPE_DATA, TYPE_DONE, TYPE_ERROR, cancel_subject,
-    encode_request, request_subject,
-};
+use super::jetstream::{self as js, BACKLOG_TTL, HDR_INBOX};
+use super::{cancel_subject, encode_request, request_subject};
+mod reply;
+
+use reply::{CancelOnDrop, Chunk, Reply};
+#[cfg(test)]
+use reply::{is_stray_pub_ack, parse_reply};
+
+use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::message::PublishMessage;
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt as _;
 use infera_core::ids::WorkerId;
-use infera_core::ports::transport::{
-    BodyStream, Inbound, Outbound, RequestTransport, TransportError,
-};
+use infera_core::ports::transport::{Inbound, Outbound, RequestTransport, TransportError};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -61,7 +76,9 @@ pub struct NatsRequestConfig {
     pub idle_timeout: Option<Duration>,
     /// Longest whole request (`--nats-req-max-duration`); `None` is unbounded.
     pub max_duration: Option<Duration>,
-    /// In-flight requests per worker (`--nats-req-max-pending`); `None` is unbounded.
+    /// Backlog limit per worker (`--nats-req-max-pending`): requests go through JetStream and
+    /// a worker whose consumer holds this many (queued plus in flight, from every server) is
+    /// refused. `None` (or 0) is core NATS and no limit.
     pub max_pending: Option<u32>,
 }
 
@@ -81,26 +98,105 @@ pub const LEFT_IDLE: Duration = Duration::from_secs(5);
 pub struct NatsTransport {
     client: async_nats::Client,
     config: NatsRequestConfig,
-    pending: Mutex<HashMap<WorkerId, Arc<AtomicU32>>>,
+    /// JetStream mode (`max_pending`).
+    queue: Option<Queue>,
     cancels: mpsc::Sender<Cancel>,
     /// Per worker, cancelled when it leaves the fleet ([`RequestTransport::worker_left`]).
     present: Mutex<HashMap<WorkerId, CancellationToken>>,
+}
+
+/// The JetStream side of the transport.
+#[derive(Debug)]
+struct Queue {
+    js: async_nats::jetstream::Context,
+    limit: u32,
+    /// The last backlog read per worker.
+    backlogs: Mutex<HashMap<WorkerId, Backlog>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Backlog {
+    read_at: Instant,
+    /// `num_pending + num_ack_pending`.
+    count: u64,
+    /// A push consumer that no client is subscribed to: its requests would wait for nobody.
+    unbound: bool,
+}
+
+impl Queue {
+    /// `worker`'s backlog, read at most every [`BACKLOG_TTL`]; `None` when it cannot be read.
+    async fn backlog(&self, client: &async_nats::Client, worker: &WorkerId) -> Option<Backlog> {
+        let cached = self
+            .backlogs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(worker)
+            .copied();
+        if let Some(b) = cached.filter(|b| b.read_at.elapsed() < BACKLOG_TTL) {
+            return Some(b);
+        }
+        // A broker that is away cannot be asked; the publish waits for it.
+        if client.connection_state() != async_nats::connection::State::Connected {
+            return None;
+        }
+        let info = match js::request_consumer_info(&self.js, &js::request_durable(worker.as_str()))
+            .await
+        {
+            Ok(info) => info,
+            Err(e) => {
+                tracing::debug!(worker = worker.as_str(), error = %e,
+                    "request backlog unreadable; admitting");
+                return None;
+            }
+        };
+        let backlog = Backlog {
+            read_at: Instant::now(),
+            count: info.num_pending + info.num_ack_pending as u64,
+            unbound: info.config.deliver_subject.is_some() && !info.push_bound,
+        };
+        self.backlogs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(worker.clone(), backlog);
+        Some(backlog)
+    }
 }
 
 #[derive(Debug)]
 struct Cancel {
     subject: String,
     inbox: String,
+    /// The request's message in the stream, when no reply showed that a worker took it.
+    queued: Option<u64>,
 }
 
 impl NatsTransport {
     /// A transport on `client`. Must be called inside a tokio runtime (it starts the task that
-    /// publishes cancels).
+    /// publishes cancels, and in JetStream mode one that creates the request stream).
     pub fn new(client: async_nats::Client, config: NatsRequestConfig) -> Self {
-        let (cancels, mut queue) = mpsc::channel::<Cancel>(CANCEL_QUEUE);
+        let queue = config.max_pending.filter(|n| *n > 0).map(|limit| Queue {
+            js: js::context(client.clone()),
+            limit,
+            backlogs: Mutex::new(HashMap::new()),
+        });
+        if let Some(q) = &queue {
+            let context = q.js.clone();
+            tokio::spawn(async move {
+                if let Err(e) = js::ensure_request_stream(&context).await {
+                    tracing::warn!(error = %e, "cannot create the request stream yet");
+                }
+            });
+        }
+        let (cancels, mut pending) = mpsc::channel::<Cancel>(CANCEL_QUEUE);
         let publisher = client.clone();
+        let context = queue.as_ref().map(|q| q.js.clone());
         tokio::spawn(async move {
-            while let Some(c) = queue.recv().await {
+            while let Some(c) = pending.recv().await {
+                // Deleted first: a request still queued is then never delivered, and one already
+                // delivered is delivered before the cancel reaches its worker.
+                if let (Some(seq), Some(context)) = (c.queued, &context) {
+                    js::delete_request(context, seq).await;
+                }
                 if let Err(e) = publisher
                     .publish(c.subject.clone(), Bytes::from(c.inbox))
                     .await
@@ -112,7 +208,7 @@ impl NatsTransport {
         Self {
             client,
             config,
-            pending: Mutex::new(HashMap::new()),
+            queue,
             cancels,
             present: Mutex::new(HashMap::new()),
         }
@@ -128,39 +224,107 @@ impl NatsTransport {
             .clone()
     }
 
-    fn admit(&self, worker: &WorkerId) -> Result<Option<Permit>, TransportError> {
-        let Some(max) = self.config.max_pending else {
-            return Ok(None);
+    /// JetStream mode: refuses a worker whose backlog reached the limit (fail-open when it
+    /// cannot be read) or whose consumer nobody is subscribed to.
+    async fn admit(&self, worker: &WorkerId) -> Result<(), TransportError> {
+        let Some(queue) = &self.queue else {
+            return Ok(());
         };
-        let counter = Arc::clone(
-            self.pending
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .entry(worker.clone())
-                .or_default(),
-        );
-        counter
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .map_err(|n| TransportError::Overloaded {
+        let Some(backlog) = queue.backlog(&self.client, worker).await else {
+            return Ok(());
+        };
+        if backlog.unbound {
+            return Err(TransportError::Unreachable(format!(
+                "worker {} is not subscribed to its JetStream request consumer (draining or gone)",
+                worker.as_str()
+            )));
+        }
+        if backlog.count >= u64::from(queue.limit) {
+            return Err(TransportError::Overloaded {
                 message: format!(
-                    "worker {} has {n} requests in flight, its limit (--nats-req-max-pending)",
-                    worker.as_str()
+                    "worker {} has {} requests queued or in flight, its limit \
+                     (--nats-req-max-pending {})",
+                    worker.as_str(),
+                    backlog.count,
+                    queue.limit
                 ),
                 retry_after_s: 1,
-            })?;
-        Ok(Some(Permit(counter)))
+            });
+        }
+        Ok(())
     }
-}
 
-/// One admitted in-flight request; released on drop.
-#[derive(Debug)]
-struct Permit(Arc<AtomicU32>);
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+    /// Publishes a request into the stream and returns its sequence there: waits while the
+    /// broker is away, re-creates the stream a broker restart lost, and retries a lost ack (the
+    /// `Nats-Msg-Id` makes the stream keep one copy). Bounded by the request's own timeouts.
+    async fn enqueue(
+        &self,
+        context: &async_nats::jetstream::Context,
+        subject: &str,
+        inbox: &str,
+        payload: Bytes,
+        started: Instant,
+    ) -> Result<u64, TransportError> {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(HDR_INBOX, inbox);
+        let publish = || {
+            PublishMessage::build()
+                .headers(headers.clone())
+                .payload(payload.clone())
+                .message_id(inbox)
+        };
+        let deadline = [self.config.idle_timeout, self.config.max_duration]
+            .into_iter()
+            .flatten()
+            .min()
+            .map(|d| started + d);
+        let mut connected_since: Option<Instant> = None;
+        let mut last_error = String::from("the broker is away");
+        loop {
+            if self.client.connection_state() == async_nats::connection::State::Connected {
+                let since = *connected_since.get_or_insert_with(Instant::now);
+                let acked = match context.send_publish(subject.to_owned(), publish()).await {
+                    Ok(ack) => ack.await,
+                    Err(e) => Err(e),
+                };
+                match acked {
+                    Ok(ack) => return Ok(ack.sequence),
+                    Err(e) if e.kind() == PublishErrorKind::StreamNotFound => {
+                        // A broker restart lost the (memory) stream: make it again.
+                        if let Err(e) = js::ensure_request_stream(context).await {
+                            last_error = e;
+                        }
+                    }
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe
+                        ) =>
+                    {
+                        last_error = e.to_string();
+                    }
+                    Err(e) => {
+                        return Err(TransportError::Unreachable(format!(
+                            "JetStream refused the request to {subject}: {e}"
+                        )));
+                    }
+                }
+                if since.elapsed() >= REDELIVERY_WINDOW {
+                    return Err(TransportError::Unreachable(format!(
+                        "JetStream did not take the request to {subject}: {last_error}"
+                    )));
+                }
+            } else {
+                connected_since = None;
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(TransportError::Timeout(format!(
+                    "the request to {subject} could not be queued in JetStream before its \
+                     --nats-req-idle-timeout / --nats-req-max-duration: {last_error}"
+                )));
+            }
+            tokio::time::sleep(REDELIVERY_STEP).await;
+        }
     }
 }
 
@@ -179,10 +343,17 @@ impl RequestTransport for NatsTransport {
         if let Some(token) = token {
             token.cancel();
         }
+        if let Some(queue) = &self.queue {
+            queue
+                .backlogs
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(worker);
+        }
     }
 
     async fn send(&self, req: Outbound) -> Result<Inbound, TransportError> {
-        let permit = self.admit(&req.worker)?;
+        self.admit(&req.worker).await?;
         let worker = req.worker.as_str();
         let subject = request_subject(worker);
         let inbox = self.client.new_inbox();
@@ -198,16 +369,6 @@ impl RequestTransport for NatsTransport {
                 .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?))),
         );
         let payload = Bytes::from(encode_request(req.path, req.stream, &headers, &req.body));
-        // Published while the broker is away, the request waits in the client's buffer and
-        // goes out on the reconnect, possibly before the worker has resubscribed.
-        let offline = self.client.connection_state() != async_nats::connection::State::Connected;
-        let publish = || {
-            self.client
-                .publish_with_reply(subject.clone(), inbox.clone(), payload.clone())
-        };
-        publish()
-            .await
-            .map_err(|e| TransportError::Unreachable(format!("nats publish failed: {e}")))?;
         let mut reply = Reply {
             sub,
             left: self.presence(&req.worker),
@@ -215,27 +376,51 @@ impl RequestTransport for NatsTransport {
             next_seq: 0,
             started: Instant::now(),
             config: self.config,
+            core: self.queue.is_none(),
             cancel: CancelOnDrop {
                 tx: self.cancels.clone(),
                 subject: Some(cancel_subject(worker)),
                 inbox: inbox.clone(),
+                queued: None,
             },
-            _permit: permit,
         };
-        let redeliver_until = offline.then(|| Instant::now() + REDELIVERY_WINDOW);
-        let first = loop {
-            match reply.next().await {
-                // No subscriber yet after a reconnect: give the worker time to resubscribe.
-                Err(TransportError::Unreachable(_))
-                    if redeliver_until.is_some_and(|t| Instant::now() < t) =>
-                {
-                    tokio::time::sleep(REDELIVERY_STEP).await;
-                    reply.cancel.subject = Some(cancel_subject(worker));
-                    publish().await.map_err(|e| {
-                        TransportError::Unreachable(format!("nats publish failed: {e}"))
-                    })?;
+        let first = if let Some(queue) = &self.queue {
+            // Armed from here: a request whose queueing failed may still have been stored.
+            let seq = self
+                .enqueue(&queue.js, &subject, &inbox, payload, reply.started)
+                .await?;
+            reply.cancel.queued = Some(seq);
+            reply.next().await
+        } else {
+            // Published while the broker is away, the request waits in the client's buffer and
+            // goes out on the reconnect, possibly before the worker has resubscribed.
+            let offline =
+                self.client.connection_state() != async_nats::connection::State::Connected;
+            let publish = || {
+                self.client
+                    .publish_with_reply(subject.clone(), inbox.clone(), payload.clone())
+            };
+            if let Err(e) = publish().await {
+                reply.cancel.disarm();
+                return Err(TransportError::Unreachable(format!(
+                    "nats publish failed: {e}"
+                )));
+            }
+            let redeliver_until = offline.then(|| Instant::now() + REDELIVERY_WINDOW);
+            loop {
+                match reply.next().await {
+                    // No subscriber yet after a reconnect: give the worker time to resubscribe.
+                    Err(TransportError::Unreachable(_))
+                        if redeliver_until.is_some_and(|t| Instant::now() < t) =>
+                    {
+                        tokio::time::sleep(REDELIVERY_STEP).await;
+                        reply.cancel.subject = Some(cancel_subject(worker));
+                        publish().await.map_err(|e| {
+                            TransportError::Unreachable(format!("nats publish failed: {e}"))
+                        })?;
+                    }
+                    other => break other,
                 }
-                other => break other,
             }
         };
         let first = match first {
@@ -279,209 +464,6 @@ impl RequestTransport for NatsTransport {
                 }
             }
         }
-    }
-}
-
-/// Publishes the inbox on the cancel subject when dropped while armed.
-#[derive(Debug)]
-struct CancelOnDrop {
-    tx: mpsc::Sender<Cancel>,
-    /// `None` once disarmed.
-    subject: Option<String>,
-    inbox: String,
-}
-
-impl CancelOnDrop {
-    fn disarm(&mut self) {
-        self.subject = None;
-    }
-}
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        if let Some(subject) = self.subject.take() {
-            let inbox = std::mem::take(&mut self.inbox);
-            if self.tx.try_send(Cancel { subject, inbox }).is_err() {
-                tracing::warn!("cancel queue full; a worker keeps generating for nobody");
-            }
-        }
-    }
-}
-
-#[derive(Debug, PartialEq)]
-enum Chunk {
-    Data(Bytes),
-    Done(http::StatusCode),
-}
-
-/// Reads one reply message of `worker`: its `rs-seq` (checked against `next_seq`, which it
-/// advances), `rs-type` and `rs-status`. A missing `rs-type` is `data` and a missing or invalid
-/// `rs-status` is 200, as the Python Infera reads them; a missing `rs-seq` is not checked.
-fn parse_reply(
-    msg: &async_nats::Message,
-    next_seq: &mut u64,
-    worker: &str,
-) -> Result<Chunk, TransportError> {
-    if msg.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
-        return Err(TransportError::Unreachable(format!(
-            "worker {worker} is not subscribed to {}",
-            request_subject(worker)
-        )));
-    }
-    let header = |name: &str| {
-        msg.headers
-            .as_ref()
-            .and_then(|h| h.get(name))
-            .map(|v| v.as_str().to_owned())
-    };
-    if let Some(seq) = header(HDR_SEQ) {
-        let expected = *next_seq;
-        match seq.trim().parse::<u64>() {
-            Ok(n) if n == expected => *next_seq += 1,
-            _ => {
-                return Err(TransportError::Sequence(format!(
-                    "worker {worker} sent reply {seq:?} where {expected} was due; a chunk was \
-                     lost or reordered, so the rest of the reply is dropped"
-                )));
-            }
-        }
-    }
-    match header(HDR_TYPE).as_deref().unwrap_or(TYPE_DATA) {
-        TYPE_DATA => Ok(Chunk::Data(msg.payload.clone())),
-        TYPE_DONE => Ok(Chunk::Done(
-            header(HDR_STATUS)
-                .and_then(|s| s.trim().parse::<u16>().ok())
-                .and_then(|s| http::StatusCode::from_u16(s).ok())
-                .unwrap_or(http::StatusCode::OK),
-        )),
-        // The worker is at its --nats-req-max-pending: try another one.
-        TYPE_ERROR if header(HDR_STATUS).is_some_and(|s| s.trim() == "429") => {
-            Err(TransportError::Overloaded {
-                message: format!("worker {worker}: {}", String::from_utf8_lossy(&msg.payload)),
-                retry_after_s: 1,
-            })
-        }
-        // The worker's own --nats-req-max-duration or idle timeout ended it: a timeout, not a
-        // failed worker.
-        TYPE_ERROR if header(HDR_STATUS).is_some_and(|s| s.trim() == "504") => {
-            Err(TransportError::Timeout(format!(
-                "worker {worker}: {}",
-                String::from_utf8_lossy(&msg.payload)
-            )))
-        }
-        TYPE_ERROR => Err(TransportError::Failed(
-            String::from_utf8_lossy(&msg.payload).into_owned(),
-        )),
-        other => Err(TransportError::Failed(format!(
-            "worker {worker} sent a reply of unknown {HDR_TYPE} {other:?}"
-        ))),
-    }
-}
-
-/// The replies of one request.
-struct Reply {
-    sub: async_nats::Subscriber,
-    /// Cancelled when the worker leaves the fleet.
-    left: CancellationToken,
-    worker: WorkerId,
-    next_seq: u64,
-    started: Instant,
-    config: NatsRequestConfig,
-    cancel: CancelOnDrop,
-    _permit: Option<Permit>,
-}
-
-impl Reply {
-    /// The next data or done reply. An `Err` ends the request.
-    async fn next(&mut self) -> Result<Chunk, TransportError> {
-        loop {
-            let msg = self.recv().await?;
-            let parsed = parse_reply(&msg, &mut self.next_seq, self.worker.as_str());
-            if matches!(
-                parsed,
-                Ok(Chunk::Done(_))
-                    | Err(TransportError::Failed(_)
-                        | TransportError::Unreachable(_)
-                        | TransportError::Timeout(_))
-            ) {
-                // The worker is done with it (or never had it): nothing to cancel.
-                self.cancel.disarm();
-            }
-            match parsed {
-                Ok(Chunk::Data(data)) if data.is_empty() => {}
-                other => return other,
-            }
-        }
-    }
-
-    async fn recv(&mut self) -> Result<async_nats::Message, TransportError> {
-        loop {
-            let now = Instant::now();
-            // A worker that left the fleet may be draining (it still sends) or dead (it never
-            // will): it gets at most LEFT_IDLE per reply.
-            let left = self.left.is_cancelled();
-            let idle = match (self.config.idle_timeout, left) {
-                (Some(d), true) => Some(d.min(LEFT_IDLE)),
-                (None, true) => Some(LEFT_IDLE),
-                (d, false) => d,
-            };
-            let total = self.config.max_duration.map(|d| self.started + d);
-            let deadline = match (idle.map(|d| now + d), total) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
-            let token = self.left.clone();
-            let next = async {
-                tokio::select! {
-                    msg = self.sub.next() => Some(msg),
-                    () = token.cancelled(), if !left => None,
-                }
-            };
-            let next = match deadline {
-                None => Ok(next.await),
-                Some(at) => tokio::time::timeout_at(at, next).await,
-            };
-            let msg = match next {
-                Ok(Some(msg)) => msg,
-                // The worker just left: wait again, on the shorter clock.
-                Ok(None) => continue,
-                Err(_) => {
-                    let at = deadline.unwrap_or(now);
-                    let why = match (total, self.config.max_duration) {
-                        (Some(t), Some(d)) if t <= at => {
-                            format!("the request ran past --nats-req-max-duration ({d:?})")
-                        }
-                        _ if left => format!(
-                            "it left the fleet and sent nothing for {:?}",
-                            idle.unwrap_or(LEFT_IDLE)
-                        ),
-                        _ => format!(
-                            "no reply for --nats-req-idle-timeout ({:?})",
-                            self.config.idle_timeout.unwrap_or_default()
-                        ),
-                    };
-                    return Err(TransportError::Timeout(format!(
-                        "worker {}: {why}; the worker was told to cancel",
-                        self.worker.as_str()
-                    )));
-                }
-            };
-            return msg.ok_or_else(|| {
-                TransportError::Failed("the nats reply subscription closed".to_owned())
-            });
-        }
-    }
-
-    fn into_stream(self) -> BodyStream {
-        futures::stream::unfold(Some(self), |state| async move {
-            let mut reply = state?;
-            match reply.next().await {
-                Ok(Chunk::Data(data)) => Some((Ok(data), Some(reply))),
-                Ok(Chunk::Done(_)) => None,
-                Err(e) => Some((Err(e), None)),
-            }
-        })
-        .boxed()
     }
 }
 

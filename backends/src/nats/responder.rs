@@ -1,11 +1,22 @@
-//! `--request-transport nats`, worker side: [`NatsResponder`] subscribes to
-//! `infera.req.<token>` and `infera.cancel.<token>` and proxies each request to the engine's
-//! HTTP port, streaming every response chunk back to the request's inbox as it arrives
-//! (`data` … `done`, each with `rs-seq`).
+//! `--request-transport nats`, worker side: [`NatsResponder`] takes the requests for its worker
+//! id and listens on `infera.cancel.<token>`, and proxies each request to the engine's HTTP port,
+//! streaming every response chunk back to the request's inbox as it arrives (`data` … `done`,
+//! each with `rs-seq`).
+//!
+//! Requests come from one of two places, as the worker's `max_pending`
+//! (`--nats-req-max-pending`) says, which must agree with the servers':
+//! - unset: a core NATS subscription to `infera.req.<token>`; the inbox is the message's reply
+//!   subject;
+//! - set (any value above 0; the limit itself is applied by the servers, before they publish):
+//!   the worker's durable consumer on the JetStream work queue `INFERA_REQUESTS`
+//!   ([`super::jetstream`]), created (or re-pointed at this process) at start and again after
+//!   every reconnect, since a broker restart loses the memory-backed stream; the inbox is the
+//!   `rs-inbox` header; each request is acked when it ends (done, error, cancel or timeout), which
+//!   is what takes it off the backlog the servers read.
 //!
 //! # Contract
 //! - A payload that does not parse, or an engine that cannot be reached, is answered with one
-//!   `error` reply (never a panic); a message without a reply subject is logged and dropped.
+//!   `error` reply (never a panic); a message without an inbox is logged and dropped (acked).
 //! - A cancel naming a request's inbox drops its engine connection (the engine sees a client
 //!   disconnect and stops generating); nothing more is sent to that inbox.
 //! - `max_duration` (the worker's `--nats-req-max-duration`) bounds each request locally, a
@@ -14,35 +25,50 @@
 //!   `rs-status: 504`, which the server reports as a timeout, not as a failed worker.
 //!   `idle_timeout` (`--nats-req-idle-timeout`) does the same when the engine sends nothing
 //!   (no response head, no chunk) for that long.
-//! - `max_pending` (`--nats-req-max-pending`) admits at most that many requests at once; one
-//!   more is answered at once with one `error` carrying `rs-status: 429` and nothing is sent to
-//!   the engine. The server fails it over to another worker (a 429 of its own when every worker
-//!   refused).
-//! - [`NatsResponder::stop_accepting`] unsubscribes from requests and returns once the broker
-//!   has it (the broker then answers the server "no responders", which fails over), while
-//!   in-flight requests and cancels go on;
-//!   [`NatsResponder::finish`] waits for them, bounded, then cancels the rest.
+//! - [`NatsResponder::stop_accepting`] stops taking new requests while in-flight requests and
+//!   cancels go on. Core NATS: it unsubscribes and returns once the broker has it (the broker then
+//!   answers the server "no responders", which fails over). JetStream: it first lets the stream
+//!   deliver what is already queued for this worker (served as usual; polled every 200 ms, for
+//!   up to 10 s), then answers every request delivered later at once with one `error`
+//!   (`infera: worker draining`, acked; nothing reaches the engine), which servers — ours and
+//!   the Python Infera's — retry on another worker before any byte went to the client.
+//! - [`NatsResponder::finish`] waits for the in-flight requests, bounded, then cancels the rest;
+//!   in JetStream mode it then deletes the worker's durable consumer (a restarted worker gets a
+//!   new one; dropping the responder without `finish` deletes it best-effort).
 //!
 //! One task owns the subscriptions and the request tasks (a `JoinSet`), so nothing outlives
 //! [`NatsResponder::finish`] or the responder's drop.
 
-use super::{
-    HDR_SEQ, HDR_STATUS, HDR_TYPE, NatsError, RequestPayload, TYPE_DATA, TYPE_DONE, TYPE_ERROR,
-    cancel_subject, request_subject,
-};
+mod job;
+
+use super::jetstream::{self as js, HDR_INBOX};
+use super::{HDR_SEQ, HDR_TYPE, NatsError, TYPE_ERROR, cancel_subject, request_subject};
 use bytes::Bytes;
 use futures::StreamExt as _;
-use http_body_util::{BodyExt as _, Full};
+use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use job::Job;
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// The error text a draining worker answers a request it did not start with. It begins with the
+/// Python Infera's `DRAINING_NOTICE`, so its servers tell a planned departure from a fault.
+pub const DRAINING_REFUSAL: &str =
+    "infera: worker draining; the request was not started, try another worker";
+/// Longest wait, when a JetStream worker stops accepting, for the requests still queued for it
+/// to be delivered (they are served); whatever is delivered later is refused.
+pub const QUEUED_WAIT: Duration = Duration::from_secs(10);
+/// How often a JetStream worker checks whether its connection was re-established (after which
+/// it re-creates the stream and its consumer, which a broker restart lost).
+const RECONNECT_CHECK: Duration = Duration::from_millis(250);
 
 /// What a responder serves.
 #[derive(Debug, Clone)]
@@ -55,7 +81,8 @@ pub struct ResponderConfig {
     pub max_duration: Option<Duration>,
     /// Longest wait for the engine's next response byte; `None` is unbounded.
     pub idle_timeout: Option<Duration>,
-    /// Requests admitted at once; `None` is unlimited.
+    /// `--nats-req-max-pending`: `Some` above 0 takes requests from JetStream (the servers apply
+    /// the limit); `None` or 0 from core NATS.
     pub max_pending: Option<u32>,
 }
 
@@ -63,19 +90,57 @@ pub struct ResponderConfig {
 #[derive(Debug)]
 pub struct NatsResponder {
     accepting: CancellationToken,
-    /// Cancelled once the broker has the unsubscribe (or the loop ended).
-    unsubscribed: CancellationToken,
+    /// Cancelled once new requests are no longer taken (or the loop ended).
+    stopped: CancellationToken,
+    /// Cancelled by [`NatsResponder::finish`]: end once nothing is in flight.
+    finishing: CancellationToken,
     abort: CancellationToken,
+    /// JetStream mode.
+    queue: Option<QueueSource>,
     task: Option<JoinHandle<()>>,
+}
+
+/// The JetStream consumer a responder reads.
+#[derive(Debug, Clone)]
+struct QueueSource {
+    js: async_nats::jetstream::Context,
+    worker_id: String,
+    deliver_subject: String,
+    /// The client's connect count when the consumer was made at start.
+    bound_at: u64,
+}
+
+impl QueueSource {
+    fn durable(&self) -> String {
+        js::request_durable(&self.worker_id)
+    }
+
+    /// Makes the stream and the consumer (again).
+    async fn bind(&self) -> Result<(), String> {
+        js::ensure_request_stream(&self.js).await?;
+        js::bind_request_consumer(&self.js, &self.worker_id, &self.deliver_subject).await
+    }
+
+    async fn delete(&self) {
+        match self
+            .js
+            .delete_consumer_from_stream(self.durable(), js::REQUEST_STREAM)
+            .await
+        {
+            Ok(_) => tracing::info!(durable = %self.durable(), "request consumer deleted"),
+            Err(e) => tracing::debug!(error = %e, "cannot delete the request consumer"),
+        }
+    }
 }
 
 type Inflight = Arc<Mutex<HashMap<String, CancellationToken>>>;
 
 impl NatsResponder {
-    /// Subscribes and starts serving.
+    /// Subscribes (and in JetStream mode creates the stream and the worker's consumer) and
+    /// starts serving.
     ///
     /// # Errors
-    /// [`NatsError::Subscribe`] when a subscription cannot be made.
+    /// [`NatsError::Subscribe`] when a subscription, the stream or the consumer cannot be made.
     pub async fn start(
         client: async_nats::Client,
         config: ResponderConfig,
@@ -92,50 +157,96 @@ impl NatsResponder {
                     })
             }
         };
-        let requests = subscribe(request_subject(&config.worker_id)).await?;
+        let flush = || async {
+            client.flush().await.map_err(|e| NatsError::Subscribe {
+                subject: request_subject(&config.worker_id),
+                reason: e.to_string(),
+            })
+        };
+        let queue = config
+            .max_pending
+            .is_some_and(|n| n > 0)
+            .then(|| QueueSource {
+                js: js::context(client.clone()),
+                worker_id: config.worker_id.clone(),
+                deliver_subject: client.new_inbox(),
+                bound_at: client.statistics().connects.load(Ordering::Relaxed),
+            });
+        let requests = match &queue {
+            None => subscribe(request_subject(&config.worker_id)).await?,
+            Some(q) => {
+                // Subscribed before the consumer exists: a push consumer delivers at once, and
+                // with max_deliver 1 a delivery nobody hears is never repeated.
+                let sub = subscribe(q.deliver_subject.clone()).await?;
+                flush().await?;
+                q.bind().await.map_err(|reason| NatsError::Subscribe {
+                    subject: request_subject(&config.worker_id),
+                    reason,
+                })?;
+                sub
+            }
+        };
         let cancels = subscribe(cancel_subject(&config.worker_id)).await?;
         // Make sure the broker has both subscriptions before the worker registers.
-        client.flush().await.map_err(|e| NatsError::Subscribe {
-            subject: request_subject(&config.worker_id),
-            reason: e.to_string(),
-        })?;
+        flush().await?;
         tracing::info!(worker = %config.worker_id, subject = %request_subject(&config.worker_id),
-            engine = %config.engine_url, "serving nats requests");
+            jetstream = queue.is_some(), engine = %config.engine_url, "serving nats requests");
         let accepting = CancellationToken::new();
-        let unsubscribed = CancellationToken::new();
+        let stopped = CancellationToken::new();
+        let finishing = CancellationToken::new();
         let abort = CancellationToken::new();
         let task = tokio::spawn(run(
             client,
             config,
-            Subs { requests, cancels },
+            Subs {
+                requests,
+                cancels,
+                queue: queue.clone(),
+            },
             Tokens {
                 accepting: accepting.clone(),
-                unsubscribed: unsubscribed.clone(),
+                stopped: stopped.clone(),
+                finishing: finishing.clone(),
                 abort: abort.clone(),
             },
         ));
         Ok(Self {
             accepting,
-            unsubscribed,
+            stopped,
+            finishing,
             abort,
+            queue,
             task: Some(task),
         })
     }
 
-    /// Unsubscribes from new requests and returns once the broker has the unsubscribe;
-    /// in-flight requests go on.
+    /// Stops taking new requests (see the module docs for how, per mode) and returns once that
+    /// is in effect; in-flight requests go on.
     pub async fn stop_accepting(&self) {
-        self.accepting.cancel();
-        self.unsubscribed.cancelled().await;
+        self.stop(QUEUED_WAIT).await;
+        self.stopped.cancelled().await;
     }
 
-    /// Stops accepting, waits up to `timeout` for in-flight requests, then cancels the rest.
-    pub async fn finish(mut self, timeout: Duration) {
+    async fn stop(&self, queued_wait: Duration) {
+        if self.accepting.is_cancelled() {
+            return;
+        }
+        if let Some(q) = &self.queue {
+            js::wait_queued(&q.js, &q.durable(), queued_wait).await;
+        }
         self.accepting.cancel();
+    }
+
+    /// Stops accepting, waits up to `timeout` for in-flight requests, then cancels the rest (and
+    /// in JetStream mode deletes the worker's consumer).
+    pub async fn finish(mut self, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        self.stop(timeout).await;
+        self.finishing.cancel();
         let Some(mut task) = self.task.take() else {
             return;
         };
-        if tokio::time::timeout(timeout, &mut task).await.is_err() {
+        if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
             tracing::warn!(
                 ?timeout,
                 "nats requests still in flight after the drain; cancelling"
@@ -143,6 +254,8 @@ impl NatsResponder {
             self.abort.cancel();
             let _ = task.await;
         }
+        // The task deleted the consumer.
+        self.queue = None;
     }
 }
 
@@ -152,30 +265,133 @@ impl Drop for NatsResponder {
         if let Some(task) = self.task.take() {
             task.abort();
         }
+        // Best effort: the durable would outlive this process and keep what is queued for it.
+        if let (Some(q), Ok(runtime)) = (self.queue.take(), tokio::runtime::Handle::try_current()) {
+            runtime.spawn(async move { q.delete().await });
+        }
     }
 }
 
 struct Subs {
     requests: async_nats::Subscriber,
     cancels: async_nats::Subscriber,
+    queue: Option<QueueSource>,
 }
 
 struct Tokens {
     accepting: CancellationToken,
-    unsubscribed: CancellationToken,
+    stopped: CancellationToken,
+    finishing: CancellationToken,
     abort: CancellationToken,
+}
+
+/// Re-creates the stream and the consumer whenever the connection was re-established (a broker
+/// restart loses both; the client re-subscribes the delivery subject by itself), and retries
+/// until that succeeds.
+async fn keep_bound(client: async_nats::Client, queue: QueueSource, stop: CancellationToken) {
+    let stats = client.statistics();
+    let mut bound_at = queue.bound_at;
+    let mut bound = true;
+    let mut tick = tokio::time::interval(RECONNECT_CHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let connects = stats.connects.load(Ordering::Relaxed);
+        if (bound && connects == bound_at)
+            || client.connection_state() != async_nats::connection::State::Connected
+        {
+            continue;
+        }
+        bound_at = connects;
+        match queue.bind().await {
+            Ok(()) => {
+                if !bound {
+                    tracing::info!(durable = %queue.durable(), "request consumer re-created");
+                }
+                bound = true;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot re-create the request consumer; retrying");
+                bound = false;
+            }
+        }
+    }
+}
+
+/// What to do with one delivered request.
+enum Intake {
+    Serve { inbox: String, ack: Option<String> },
+    Drop { ack: Option<String> },
+}
+
+/// Reads where to reply to `msg` and the subject that acks it (JetStream).
+fn intake(msg: &async_nats::Message, jetstream: bool) -> Intake {
+    // JetStream's own flow-control and heartbeat messages (not configured, but harmless).
+    if msg.status.is_some() {
+        return Intake::Drop { ack: None };
+    }
+    let reply = msg.reply.as_ref().map(ToString::to_string);
+    let header = msg
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(HDR_INBOX))
+        .map(|v| v.as_str().to_owned())
+        .filter(|v| !v.is_empty());
+    // The header wins in both modes: a JetStream-mode server's request also reaches a core
+    // subscriber, whose reply subject is then the inbox of the publisher's JetStream ack.
+    let (inbox, ack) = if jetstream {
+        (header, reply)
+    } else {
+        (header.or(reply), None)
+    };
+    match inbox {
+        Some(inbox) => Intake::Serve { inbox, ack },
+        None => {
+            tracing::warn!(
+                jetstream,
+                "nats request without a reply inbox dropped{}",
+                if jetstream {
+                    " (no rs-inbox header: is --nats-req-max-pending set on the server too?)"
+                } else {
+                    ""
+                }
+            );
+            Intake::Drop { ack }
+        }
+    }
+}
+
+async fn ack(client: &async_nats::Client, ack: Option<String>) {
+    if let Some(subject) = ack
+        && let Err(e) = client.publish(subject, Bytes::from_static(b"+ACK")).await
+    {
+        tracing::warn!(error = %e, "cannot ack a nats request");
+    }
 }
 
 async fn run(client: async_nats::Client, config: ResponderConfig, subs: Subs, tokens: Tokens) {
     let Subs {
         mut requests,
         mut cancels,
+        queue,
     } = subs;
     let Tokens {
         accepting,
-        unsubscribed,
+        stopped,
+        finishing,
         abort,
     } = tokens;
+    let jetstream = queue.is_some();
+    let keeper = queue.clone().map(|q| {
+        let stop = CancellationToken::new();
+        (
+            tokio::spawn(keep_bound(client.clone(), q, stop.clone())),
+            stop,
+        )
+    });
     // TCP_NODELAY: streamed chunks are small writes that Nagle's algorithm would hold back.
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
@@ -183,57 +399,80 @@ async fn run(client: async_nats::Client, config: ResponderConfig, subs: Subs, to
     let inflight: Inflight = Arc::default();
     let mut tasks = JoinSet::new();
     let mut subscribed = true;
+    let mut taking = true;
+    let mut finish_seen = false;
+    let mut listening = true;
     loop {
         tokio::select! {
             () = abort.cancelled() => break,
-            () = accepting.cancelled(), if subscribed => {
-                subscribed = false;
-                if let Err(e) = requests.unsubscribe().await {
-                    tracing::warn!(error = %e, "cannot unsubscribe from nats requests");
+            () = accepting.cancelled(), if taking => {
+                taking = false;
+                if !jetstream {
+                    subscribed = false;
+                    if let Err(e) = requests.unsubscribe().await {
+                        tracing::warn!(error = %e, "cannot unsubscribe from nats requests");
+                    }
+                    if let Err(e) = client.flush().await {
+                        tracing::warn!(error = %e, "cannot flush the nats unsubscribe");
+                    }
                 }
-                if let Err(e) = client.flush().await {
-                    tracing::warn!(error = %e, "cannot flush the nats unsubscribe");
-                }
-                unsubscribed.cancel();
+                stopped.cancel();
                 tracing::info!(worker = %config.worker_id, inflight = tasks.len(),
                     "stopped taking nats requests");
-                if tasks.is_empty() {
-                    break;
-                }
             }
+            () = finishing.cancelled(), if !finish_seen => finish_seen = true,
             msg = requests.next(), if subscribed => {
                 let Some(msg) = msg else {
                     tracing::error!("the nats request subscription ended");
                     subscribed = false;
-                    unsubscribed.cancel();
+                    stopped.cancel();
                     continue;
                 };
-                let Some(reply) = msg.reply.map(|s| s.to_string()) else {
-                    tracing::warn!("nats request without a reply subject dropped");
-                    continue;
+                let (inbox, ack_subject) = match intake(&msg, jetstream) {
+                    Intake::Serve { inbox, ack } => (inbox, ack),
+                    Intake::Drop { ack: a } => {
+                        ack(&client, a).await;
+                        continue;
+                    }
                 };
-                if config.max_pending.is_some_and(|max| tasks.len() >= max as usize) {
-                    refuse(&client, reply, tasks.len()).await;
+                if !taking {
+                    refuse_draining(&client, inbox).await;
+                    ack(&client, ack_subject).await;
                     continue;
                 }
                 let token = CancellationToken::new();
-                inflight
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .insert(reply.clone(), token.clone());
+                let duplicate = {
+                    let mut map = inflight.lock().unwrap_or_else(PoisonError::into_inner);
+                    let duplicate = map.contains_key(&inbox);
+                    if !duplicate {
+                        map.insert(inbox.clone(), token.clone());
+                    }
+                    duplicate
+                };
+                if duplicate {
+                    // A publish retried after a lost ack: already being served.
+                    tracing::debug!(%inbox, "duplicate nats request dropped");
+                    ack(&client, ack_subject).await;
+                    continue;
+                }
                 let job = Job {
                     client: client.clone(),
                     http: http.clone(),
                     engine_url: config.engine_url.clone(),
                     max_duration: config.max_duration,
                     idle_timeout: config.idle_timeout,
-                    reply,
+                    reply: inbox,
+                    ack: ack_subject,
                     inflight: Arc::clone(&inflight),
                 };
                 tasks.spawn(job.run(msg.payload, token));
             }
-            msg = cancels.next() => {
-                let Some(msg) = msg else { continue };
+            msg = cancels.next(), if listening => {
+                let Some(msg) = msg else {
+                    tracing::error!("the nats cancel subscription ended");
+                    listening = false;
+                    continue;
+                };
                 let inbox = String::from_utf8_lossy(&msg.payload).into_owned();
                 let token = inflight
                     .lock()
@@ -247,11 +486,12 @@ async fn run(client: async_nats::Client, config: ResponderConfig, subs: Subs, to
                     None => tracing::debug!(inbox = %inbox.trim(), "cancel for no request in flight"),
                 }
             }
-            Some(_) = tasks.join_next(), if !tasks.is_empty() => {
-                if !subscribed && tasks.is_empty() {
-                    break;
-                }
-            }
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+        // Core NATS: done once unsubscribed and idle. JetStream: requests keep arriving (and are
+        // refused) until `finish`, so the consumer is not left with nobody answering.
+        if !taking && tasks.is_empty() && (!jetstream || finishing.is_cancelled()) {
+            break;
         }
     }
     for (_, t) in inflight
@@ -262,166 +502,36 @@ async fn run(client: async_nats::Client, config: ResponderConfig, subs: Subs, to
         t.cancel();
     }
     while tasks.join_next().await.is_some() {}
-    // Replies are buffered by the client: send them before the worker process may exit.
+    if let Some((keeper, stop)) = keeper {
+        stop.cancel();
+        let _ = keeper.await;
+    }
+    if let Some(q) = &queue {
+        drop(requests);
+        q.delete().await;
+    }
+    // Replies and acks are buffered by the client: send them before the worker process may exit.
     if let Err(e) = client.flush().await {
         tracing::warn!(error = %e, "cannot flush the last nats replies");
     }
-    unsubscribed.cancel();
+    stopped.cancel();
 }
 
-/// Answers a request over the admission limit: one `error` with `rs-status: 429`.
-async fn refuse(client: &async_nats::Client, reply: String, pending: usize) {
-    tracing::debug!(%reply, pending, "nats request refused at --nats-req-max-pending");
+/// Answers a request that arrived after the worker stopped accepting: one `error` that the
+/// server fails over.
+async fn refuse_draining(client: &async_nats::Client, inbox: String) {
+    tracing::debug!(%inbox, "nats request refused: the worker is draining");
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(HDR_TYPE, TYPE_ERROR);
     headers.insert(HDR_SEQ, "0");
-    headers.insert(HDR_STATUS, "429");
-    let text = format!("the worker has {pending} requests in flight, its --nats-req-max-pending");
     if let Err(e) = client
-        .publish_with_headers(reply, headers, Bytes::from(text))
+        .publish_with_headers(
+            inbox,
+            headers,
+            Bytes::from_static(DRAINING_REFUSAL.as_bytes()),
+        )
         .await
     {
         tracing::warn!(error = %e, "cannot publish a nats refusal");
-    }
-}
-
-/// Why a request ended without `done`.
-enum Failure {
-    /// It ran past the worker's `max_duration` (the engine request was dropped).
-    Timeout(Duration),
-    /// The engine sent nothing for the worker's `idle_timeout` (the request was dropped).
-    Idle(Duration),
-    /// The payload, the engine or the link failed; the text says how.
-    Other(String),
-}
-
-struct Job {
-    client: async_nats::Client,
-    http: HttpClient,
-    engine_url: String,
-    max_duration: Option<Duration>,
-    idle_timeout: Option<Duration>,
-    reply: String,
-    inflight: Inflight,
-}
-
-impl Job {
-    async fn run(self, payload: Bytes, cancel: CancellationToken) {
-        let mut seq = 0u64;
-        let outcome = tokio::select! {
-            () = cancel.cancelled() => None,
-            r = self.bounded(&payload, &mut seq) => Some(r),
-        };
-        match outcome {
-            None => {} // the server gave up on it; nothing more to send
-            Some(Ok(())) => {}
-            Some(Err(Failure::Timeout(d))) => {
-                let text = format!(
-                    "the worker ended the request at its --nats-req-max-duration ({d:?}) and \
-                     cancelled it in the engine"
-                );
-                tracing::warn!(reply = %self.reply, limit = ?d, "nats request timed out");
-                self.publish(&mut seq, TYPE_ERROR, Some(504), Bytes::from(text))
-                    .await;
-            }
-            Some(Err(Failure::Idle(d))) => {
-                let text = format!(
-                    "the engine sent nothing for the worker's --nats-req-idle-timeout ({d:?}); \
-                     the request was cancelled in the engine"
-                );
-                tracing::warn!(reply = %self.reply, limit = ?d, "nats request idle");
-                self.publish(&mut seq, TYPE_ERROR, Some(504), Bytes::from(text))
-                    .await;
-            }
-            Some(Err(Failure::Other(text))) => {
-                tracing::warn!(reply = %self.reply, error = %text, "nats request failed");
-                self.publish(&mut seq, TYPE_ERROR, None, Bytes::from(text))
-                    .await;
-            }
-        }
-        self.inflight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.reply);
-    }
-
-    async fn bounded(&self, payload: &[u8], seq: &mut u64) -> Result<(), Failure> {
-        match self.max_duration {
-            None => self.proxy(payload, seq).await,
-            Some(d) => match tokio::time::timeout(d, self.proxy(payload, seq)).await {
-                Ok(r) => r,
-                Err(_) => Err(Failure::Timeout(d)),
-            },
-        }
-    }
-
-    /// `step` bounded by the idle timeout.
-    async fn idle<T>(&self, step: impl Future<Output = T>) -> Result<T, Failure> {
-        match self.idle_timeout {
-            None => Ok(step.await),
-            Some(d) => tokio::time::timeout(d, step)
-                .await
-                .map_err(|_| Failure::Idle(d)),
-        }
-    }
-
-    async fn proxy(&self, payload: &[u8], seq: &mut u64) -> Result<(), Failure> {
-        let req = RequestPayload::parse(payload).map_err(Failure::Other)?;
-        let target = format!("{}{}", self.engine_url, req.path);
-        let mut builder = hyper::Request::post(&target);
-        let mut has_content_type = false;
-        for (name, value) in req.headers.iter().flatten() {
-            let lower = name.to_ascii_lowercase();
-            if matches!(
-                lower.as_str(),
-                "host" | "content-length" | "connection" | "transfer-encoding"
-            ) {
-                continue;
-            }
-            let Some(value) = value.as_str() else {
-                continue;
-            };
-            has_content_type |= lower == "content-type";
-            builder = builder.header(lower.as_str(), value);
-        }
-        if !has_content_type {
-            builder = builder.header("content-type", "application/json");
-        }
-        let body = serde_json::to_vec(&req.body).map_err(|e| Failure::Other(e.to_string()))?;
-        let request = builder.body(Full::new(Bytes::from(body))).map_err(|e| {
-            Failure::Other(format!("cannot build the engine request to {target}: {e}"))
-        })?;
-        let resp = self.idle(self.http.request(request)).await?.map_err(|e| {
-            Failure::Other(format!("engine at {} unreachable: {e}", self.engine_url))
-        })?;
-        let status = resp.status();
-        let mut body = resp.into_body().into_data_stream();
-        while let Some(chunk) = self.idle(body.next()).await? {
-            let chunk =
-                chunk.map_err(|e| Failure::Other(format!("engine response failed midway: {e}")))?;
-            if !chunk.is_empty() {
-                self.publish(seq, TYPE_DATA, None, chunk).await;
-            }
-        }
-        self.publish(seq, TYPE_DONE, Some(status.as_u16()), Bytes::new())
-            .await;
-        Ok(())
-    }
-
-    async fn publish(&self, seq: &mut u64, kind: &str, status: Option<u16>, payload: Bytes) {
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(HDR_TYPE, kind);
-        headers.insert(HDR_SEQ, seq.to_string().as_str());
-        if let Some(s) = status {
-            headers.insert(HDR_STATUS, s.to_string().as_str());
-        }
-        *seq += 1;
-        if let Err(e) = self
-            .client
-            .publish_with_headers(self.reply.clone(), headers, payload)
-            .await
-        {
-            tracing::warn!(reply = %self.reply, error = %e, "cannot publish a nats reply");
-        }
     }
 }

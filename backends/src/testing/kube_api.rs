@@ -9,11 +9,12 @@
 //! | `GET …/pods?watch=true&resourceVersion=&allowWatchBookmarks=&timeoutSeconds=` | newline-delimited `{"type","object"}` events: ADDED / MODIFIED / DELETED, BOOKMARK on [`KubeApiServer::send_bookmarks`]; no or `0` version → the current Pods as ADDED first; a compacted version → one ERROR event with a 410 `Expired` `Status` |
 //! | `GET /api/v1/namespaces/{ns}/pods/{name}` | the Pod, or 404 `NotFound` |
 //! | `PATCH` of the same path | `application/merge-patch+json` (RFC 7386) and `application/strategic-merge-patch+json` (maps merge the same way; lists are replaced and `$` directives are refused with 400); an unchanged object keeps its version and emits no event; a `metadata.resourceVersion` in the patch is a precondition (409 on mismatch) |
+//! | `GET`, merge-`PATCH` `/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}` | a custom object put by [`KubeApiServer::put_custom`] (not listed or watched) |
 //! | `/api`, `/apis`, `/api/v1`, `/apis/{group}/{version}`, `/version` | discovery documents for the core, apps and rbac groups, so that `kubectl apply --dry-run=client` can map kinds |
 //! | anything else | 404 `NotFound` `Status` |
 //!
 //! RBAC: [`KubeApiServer::deny`] makes a verb on `pods` answer 403 `Forbidden` with the API
-//! server's message. Kubelet and controller behaviour (phase, readiness, deletion) is driven by the
+//! server's message, [`KubeApiServer::deny_on`] a verb on another resource. Kubelet and controller behaviour (phase, readiness, deletion) is driven by the
 //! test through the handle, as is the transport: [`KubeApiServer::drop_watches`] breaks every
 //! watch connection mid-stream, [`KubeApiServer::compact`] makes old versions expire,
 //! [`KubeApiServer::stop`] and [`KubeApiServer::restart`] take the whole server away and back on
@@ -21,6 +22,7 @@
 //! on conditions, never on time.
 
 mod apis;
+mod custom;
 mod selector;
 mod store;
 
@@ -63,6 +65,8 @@ pub struct ApiStats {
     pub last_watch_version: Option<String>,
     /// The store's resourceVersion (bumped by every change).
     pub revision: u64,
+    /// The bodies of the custom-object patches answered 200, in order.
+    pub custom_patches: Vec<Value>,
 }
 
 struct Shared {
@@ -225,12 +229,58 @@ impl KubeApiServer {
 
     /// Makes `verb` (`get`, `list`, `watch`, `patch`) on pods answer 403.
     pub fn deny(&self, verb: &str) {
-        self.shared.store().denied.insert(verb.to_owned());
+        self.deny_on("pods", verb);
+    }
+
+    /// Makes `verb` on `resource` (its plural, e.g. `inferadeployments`) answer 403.
+    pub fn deny_on(&self, resource: &str, verb: &str) {
+        self.shared
+            .store()
+            .denied
+            .insert(format!("{resource}/{verb}"));
     }
 
     /// Lifts a [`KubeApiServer::deny`].
     pub fn allow(&self, verb: &str) {
-        self.shared.store().denied.remove(verb);
+        self.shared.store().denied.remove(&format!("pods/{verb}"));
+    }
+
+    /// Puts a namespaced custom object (`apiVersion` `<group>/<version>`, resource `plural`) in
+    /// its `metadata.namespace`, or the server's namespace, as its operator or `kubectl apply`
+    /// would; returns it as stored.
+    ///
+    /// # Panics
+    /// If the object has no `apiVersion` or no name.
+    pub fn put_custom(&self, plural: &str, object: Value) -> Value {
+        let key = self.custom_key(plural, &object);
+        let stored = self.shared.store().put_custom(key, object);
+        self.shared.count(|_| {});
+        stored
+    }
+
+    /// The custom object `name` of resource `plural` and `api_version` in the server's
+    /// namespace, as stored.
+    pub fn custom(&self, api_version: &str, plural: &str, name: &str) -> Option<Value> {
+        let key = (
+            api_version.to_owned(),
+            plural.to_owned(),
+            self.shared.namespace.clone(),
+            name.to_owned(),
+        );
+        self.shared.store().custom(&key).cloned()
+    }
+
+    fn custom_key(&self, plural: &str, object: &Value) -> store::CustomKey {
+        let field = |pointer: &str| object.pointer(pointer).and_then(Value::as_str);
+        let api_version = field("/apiVersion").expect("a custom object has an apiVersion");
+        let name = field("/metadata/name").expect("a custom object has a name");
+        let namespace = field("/metadata/namespace").unwrap_or(&self.shared.namespace);
+        (
+            api_version.to_owned(),
+            plural.to_owned(),
+            namespace.to_owned(),
+            name.to_owned(),
+        )
     }
 
     /// Holds new watch requests (they wait, connected, until [`KubeApiServer::release_watches`]),
@@ -465,6 +515,10 @@ fn router(shared: Arc<Shared>) -> Router {
             "/api/v1/namespaces/{ns}/pods/{name}",
             get(get_pod).patch(patch_pod),
         )
+        .route(
+            "/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}",
+            get(custom::get_object).patch(custom::patch_object),
+        )
         .fallback(not_found)
         .with_state(shared)
 }
@@ -487,27 +541,37 @@ fn status_response(status_body: Value) -> Response {
     json_response(code, &status_body)
 }
 
-/// 403 with the API server's wording, if `verb` is denied.
+/// 403 with the API server's wording, if `verb` on `resource` (API group, plural) is denied.
 fn check_rbac(
     shared: &Shared,
+    (group, resource): (&str, &str),
     verb: &str,
     namespace: &str,
     name: Option<&str>,
 ) -> Option<Response> {
-    if !shared.store().denied.contains(verb) {
+    if !shared
+        .store()
+        .denied
+        .contains(&format!("{resource}/{verb}"))
+    {
         return None;
     }
     shared.count(|s| s.denied += 1);
+    let qualified = if group.is_empty() {
+        resource.to_owned()
+    } else {
+        format!("{resource}.{group}")
+    };
     let subject = match name {
-        Some(name) => format!("pods {name:?}"),
-        None => "pods".to_owned(),
+        Some(name) => format!("{qualified} {name:?}"),
+        None => qualified,
     };
     let message = format!(
         "{subject} is forbidden: User \"system:serviceaccount:{namespace}:infera\" cannot {verb} \
-         resource \"pods\" in API group \"\" in the namespace \"{namespace}\""
+         resource \"{resource}\" in API group \"{group}\" in the namespace \"{namespace}\""
     );
     let mut body = status(403, "Forbidden", &message);
-    body["details"] = json!({"kind": "pods", "name": name.unwrap_or_default()});
+    body["details"] = json!({"kind": resource, "name": name.unwrap_or_default()});
     Some(status_response(body))
 }
 
@@ -545,7 +609,7 @@ async fn pods_collection(
     let flag = |key: &str| query.get(key).is_some_and(|v| v == "true" || v == "1");
     let watching = flag("watch");
     let verb = if watching { "watch" } else { "list" };
-    if let Some(denied) = check_rbac(shared, verb, ns.unwrap_or_default(), None) {
+    if let Some(denied) = check_rbac(shared, ("", "pods"), verb, ns.unwrap_or_default(), None) {
         return denied;
     }
     let selector = match Selector::parse(query.get("labelSelector").map_or("", String::as_str)) {
@@ -606,7 +670,7 @@ async fn get_pod(
     State(shared): State<Arc<Shared>>,
     Path((ns, name)): Path<(String, String)>,
 ) -> Response {
-    if let Some(denied) = check_rbac(&shared, "get", &ns, Some(&name)) {
+    if let Some(denied) = check_rbac(&shared, ("", "pods"), "get", &ns, Some(&name)) {
         return denied;
     }
     let pod = shared.store().pod(&ns, &name).cloned();
@@ -631,7 +695,7 @@ async fn patch_pod(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Some(denied) = check_rbac(&shared, "patch", &ns, Some(&name)) {
+    if let Some(denied) = check_rbac(&shared, ("", "pods"), "patch", &ns, Some(&name)) {
         return denied;
     }
     let content_type = headers

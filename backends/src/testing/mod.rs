@@ -4,6 +4,7 @@
 //! - [`EtcdServer`]: the `etcd` binary (Debian `etcd-server`) with a temporary data dir.
 //! - [`NatsServer`]: `nats-server` ≥ 2.10 with JetStream in a temporary store dir, found through
 //!   `INFERA_NATS_SERVER_BIN` (set by `cargo xtask`) or `PATH`.
+//! - [`free_port`], [`free_port_triple`]: loopback ports no two starts of one test process share.
 //! - [`TcpProxy`]: a loopback TCP proxy whose connections a test can cut and restore, to break a
 //!   client's streams while the server stays up.
 //! - [`discovery_conformance`]: the behaviour every discovery backend must show.
@@ -18,12 +19,14 @@ mod etcd;
 pub mod event_log;
 pub mod kube_api;
 mod nats;
+mod ports;
 pub mod postgres;
 mod proxy;
 
 pub use discovery::{DiscoveryFixture, discovery_conformance, next_change_for, sample_record};
 pub use etcd::EtcdServer;
 pub use nats::NatsServer;
+pub use ports::{free_port, free_port_triple};
 pub use proxy::TcpProxy;
 
 use std::path::{Path, PathBuf};
@@ -79,17 +82,6 @@ impl HarnessError {
             source,
         }
     }
-}
-
-/// A port that was free on 127.0.0.1 a moment ago (the OS picked it; a race with another process
-/// is possible but rare, and the servers below retry on "address already in use").
-pub fn free_port() -> Result<u16, HarnessError> {
-    let listener = std::net::TcpListener::bind(("127.0.0.1", 0))
-        .map_err(|e| HarnessError::io("binding a probe socket to find a free port", e))?;
-    listener
-        .local_addr()
-        .map(|addr| addr.port())
-        .map_err(|e| HarnessError::io("reading a probe socket's port", e))
 }
 
 /// `name` on `PATH`, if it is there.

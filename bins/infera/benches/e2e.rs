@@ -203,6 +203,8 @@ fn fleet(
             },
             fleet: FleetConfig::default(),
             chat_template: None,
+            template_defaults: Default::default(),
+            per_worker_template_kwargs: true,
             direct: false,
             client: infera_adapters::server::ClientOptions::default(),
         };

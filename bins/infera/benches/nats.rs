@@ -40,7 +40,6 @@ use infera_core::event::{RequestTransport, Tier};
 use infera_core::ids::EngineHash;
 use infera_core::kv_events::{EngineBatch, EngineEvent, encode_batch_vllm};
 use serde_json::{Value, json};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -170,10 +169,7 @@ impl Proc {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
+    infera_backends::testing::free_port().expect("a free port")
 }
 
 fn tokenizer_dir() -> String {

@@ -6,7 +6,7 @@
 //! clap, a usage error). Every failure is reported as one line on stderr.
 
 use crate::cli::{Cli, Command};
-use crate::config::{ConfigError, KvdConfig, ServerConfig, WorkerConfig};
+use crate::config::{ConfigError, GaieConfig, KvdConfig, ServerConfig, WorkerConfig};
 use crate::{replay_cmd, up_cmd, worker};
 use serde::Serialize;
 use std::io::{IsTerminal, Write};
@@ -19,7 +19,7 @@ pub enum AppError {
     /// The flags do not form a valid configuration.
     #[error("infera {command}: error: {error}")]
     Config {
-        /// The command (`server`, `worker`, `kvd`).
+        /// The command (`server`, `worker`, `kvd`, `gaie`).
         command: &'static str,
         /// What is wrong.
         error: ConfigError,
@@ -53,9 +53,13 @@ impl AppError {
 }
 
 /// Sends `tracing` output to stderr (stdout carries `--check-config` JSON), filtered by
-/// `RUST_LOG`, `info` by default.
-pub fn init_tracing() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+/// `RUST_LOG`, else by `infera kvd --log-level`, else `info`.
+pub fn init_tracing(cli: &Cli) {
+    let default = match &cli.command {
+        Command::Kvd(args) => args.log_level.directive(),
+        _ => "info",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -104,6 +108,18 @@ pub fn run(cli: Cli) -> Result<(), AppError> {
                 command: "kvd",
                 error: error.into(),
             })
+        }
+        Command::Gaie(args) => {
+            let check = args.check_config;
+            match GaieConfig::try_from(args) {
+                Ok(config) if !check => {
+                    crate::gaie::run(config).map_err(|error| AppError::Failed {
+                        command: "gaie",
+                        error,
+                    })
+                }
+                config => finish("gaie", config),
+            }
         }
         Command::Replay(args) => {
             replay_cmd::run_replay(args).map_err(|e| replay_error("replay", e))

@@ -7,7 +7,8 @@ mod app;
 mod bench;
 mod cli;
 mod config;
-mod discovery;
+mod gaie;
+mod kvd_store;
 mod net;
 mod prewarm;
 mod record;
@@ -15,6 +16,7 @@ mod replay_cmd;
 mod server_cmd;
 mod signals;
 mod up_cmd;
+mod wiring;
 mod worker;
 
 use std::process::ExitCode;
@@ -29,7 +31,7 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(error) => error.exit(),
     };
-    app::init_tracing();
+    app::init_tracing(&cli);
     match app::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

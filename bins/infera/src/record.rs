@@ -7,12 +7,12 @@
 
 use crate::config::server::TraceRecordingConfig;
 use anyhow::Context as _;
-use infera_adapters::server::{ServerState, write_family};
+use infera_adapters::server::ServerState;
 use infera_core::clock::{Clock, SystemClock};
-use infera_core::ports::metrics::MetricsSource;
 use infera_replay::record::{Recorder, RecorderOptions, RecorderStats};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use std::time::Duration;
 
 /// Batches of events the tap holds while the recorder is busy writing a segment.
@@ -26,60 +26,76 @@ pub struct Recording {
     thread: std::thread::JoinHandle<RecorderStats>,
 }
 
-#[derive(Debug, Default)]
-struct Exported(Mutex<RecorderStats>, AtomicU64);
+/// The recorder's counters on the server's `/metrics` (`infera_trace_*`), set from its stats
+/// after each round (the recorder thread is their one writer).
+#[derive(Debug, Default, Clone)]
+struct Exported {
+    segments_written: Counter,
+    rows_written: Counter,
+    events_written: Counter,
+    rows_late: Counter,
+    rows_unhashed: Counter,
+    write_errors: Counter,
+    in_flight: Gauge,
+}
 
-impl MetricsSource for Exported {
-    fn render(&self, out: &mut String) {
-        let s = *self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let families: [(&str, &str, u64); 6] = [
+impl Exported {
+    fn register(&self, r: &mut Registry) {
+        let counters = [
             (
                 "segments_written",
-                "Trace segments written.",
-                s.segments_written,
+                "Trace segments written",
+                &self.segments_written,
             ),
             (
                 "rows_written",
-                "Requests written to trace segments.",
-                s.rows_written,
+                "Requests written to trace segments",
+                &self.rows_written,
             ),
             (
                 "events_written",
-                "KV and discovery events written to the event files.",
-                s.events_written,
+                "KV and discovery events written to the event files",
+                &self.events_written,
             ),
             (
                 "rows_late",
-                "Requests dropped because they finished after later rows were written.",
-                s.rows_late,
+                "Requests dropped because they finished after later rows were written",
+                &self.rows_late,
             ),
             (
                 "rows_unhashed",
-                "Requests not recordable: no block hashes consistent with their length (e.g. round-robin, which does not tokenize).",
-                s.rows_unhashed,
+                "Requests not recordable: no block hashes consistent with their length (e.g. \
+                 round-robin, which does not tokenize)",
+                &self.rows_unhashed,
             ),
             (
                 "write_errors",
-                "Segments or event files that could not be written (their content is lost).",
-                s.write_errors,
+                "Segments or event files that could not be written (their content is lost)",
+                &self.write_errors,
             ),
         ];
-        for (name, help, v) in families {
-            write_family(
-                out,
-                &format!("infera_trace_{name}_total"),
-                "counter",
-                help,
-                &[("", v)],
-            );
+        for (name, help, counter) in counters {
+            r.register(format!("infera_trace_{name}"), help, counter.clone());
         }
-        write_family(
-            out,
+        r.register(
             "infera_trace_requests_in_flight",
-            "gauge",
-            "Requests the recorder is waiting on before it can write later rows.",
-            &[("", self.1.load(Ordering::Relaxed))],
+            "Requests the recorder is waiting on before it can write later rows",
+            self.in_flight.clone(),
         );
+    }
+
+    fn publish(&self, s: &RecorderStats, in_flight: usize) {
+        let set = |c: &Counter, v: u64| {
+            c.inc_by(v.saturating_sub(c.get()));
+        };
+        set(&self.segments_written, s.segments_written);
+        set(&self.rows_written, s.rows_written);
+        set(&self.events_written, s.events_written);
+        set(&self.rows_late, s.rows_late);
+        set(&self.rows_unhashed, s.rows_unhashed);
+        set(&self.write_errors, s.write_errors);
+        self.in_flight
+            .set(i64::try_from(in_flight).unwrap_or(i64::MAX));
     }
 }
 
@@ -95,8 +111,8 @@ impl Recording {
         opts.segment_max_age_us =
             u64::try_from(config.segment_age.0.as_micros()).unwrap_or(u64::MAX);
         let mut recorder = Recorder::new(opts, clock.now_us())?;
-        let exported = Arc::new(Exported::default());
-        state.add_metrics(exported.clone());
+        let exported = Exported::default();
+        state.register_metrics(|r| exported.register(r));
         let mut rx = state.tap("trace", TAP_CAPACITY);
         let mut metas = state.tap_request_meta(TAP_CAPACITY, config.prompts);
         let dir = config.dir.clone();
@@ -107,8 +123,7 @@ impl Recording {
                     for e in rec.take_errors() {
                         tracing::error!(error = %e, "trace recording: a segment was lost");
                     }
-                    *exported.0.lock().unwrap_or_else(PoisonError::into_inner) = rec.stats();
-                    exported.1.store(rec.in_flight() as u64, Ordering::Relaxed);
+                    exported.publish(&rec.stats(), rec.in_flight());
                 };
                 use tokio::sync::mpsc::error::TryRecvError;
                 // Drained in rounds, not woken per batch: on a busy server one wake-up takes
@@ -139,7 +154,7 @@ impl Recording {
                 for e in errors {
                     tracing::error!(error = %e, "trace recording: a segment was lost");
                 }
-                *exported.0.lock().unwrap_or_else(PoisonError::into_inner) = stats;
+                exported.publish(&stats, 0);
                 stats
             })
             .context("cannot start the trace recorder thread")?;

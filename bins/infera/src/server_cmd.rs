@@ -1,7 +1,7 @@
-//! `infera server`: wires the HTTP front ([`infera_adapters::server`]) to discovery (etcd or
-//! Kubernetes), to the request transport (`--request-transport http`, or `nats`: one NATS
-//! connection on `--nats-server` for requests and KV events, see [`infera_backends::nats`]) and to
-//! the workers' KV events (ZeroMQ publishers, or NATS subjects).
+//! `infera server`: connects the HTTP front ([`infera_adapters::server`]) to the ports
+//! [`crate::wiring`] builds from the configuration: discovery (etcd or Kubernetes), the request
+//! transport (`--request-transport http`, or `nats`: one NATS connection on `--nats-server` for
+//! requests and KV events) and the workers' KV events (ZeroMQ publishers, or NATS subjects).
 //!
 //! # Tasks
 //! - the HTTP server, which stops accepting on SIGTERM/Ctrl-C and lets in-flight requests end;
@@ -9,7 +9,7 @@
 //!   `WorkerDeregistered` events (a draining worker keeps its KV subscribers: it is still listed,
 //!   still finishes its requests, and may register again);
 //! - per registered worker, one KV-event task: the KV-event source port (ZeroMQ: every rank's
-//!   PUB socket, see `infera_backends::zmq::ZmqKvSource`; NATS: the worker's
+//!   PUB socket; NATS: the worker's
 //!   `infera.kv.events.<token>.*` subjects) run through the one pipeline,
 //!   `infera_core::kv_events::pipeline::consume`, into the server's state (gaps replayed or
 //!   cleared, restarts cleared, the same way for every transport).
@@ -18,34 +18,33 @@
 //! KV-event tasks by the discovery task, which cancels and joins them when their worker
 //! deregisters, re-registers with other endpoints, or at shutdown.
 //!
+//! The tokenizer, the policy and the fleet-following tasks are set up by functions `infera gaie`
+//! shares ([`load_tokenizer`], [`router_config`], [`follow_fleet`]).
+//!
 //! # Durability and recording
 //! A durable `--event-log` is attached through [`infera_adapters::server::attach_event_log`];
 //! `--record-trace DIR` (and `--record-prompts`) records through [`crate::record`].
 
 use crate::config::server::{RouterMode, RouterPolicy};
-use crate::config::{KvEventTransport, RequestTransport, ServerConfig};
+use crate::config::{DiscoveryConfig, ServerConfig};
 use crate::record::Recording;
 use crate::signals::Signals;
+use crate::wiring::{self, EventLogConfig, ServerPorts};
 use anyhow::Context as _;
 use infera_adapters::server::{
-    BreakerConfig, DurableLog, HttpDeadlines, HttpTransport, ServerOptions, ServerState,
-    attach_event_log, serve,
+    BreakerConfig, DurableLog, ServerOptions, ServerState, attach_event_log, serve,
 };
 use infera_adapters::tokenize::Tokenizer;
-use infera_backends::discovery::{DiscoveryChange, DiscoveryStream};
-use infera_backends::log::{EventLogConfig, open_event_log_with};
-use infera_backends::nats::kv::NatsKvSource;
-use infera_backends::nats::{self, NatsRequestConfig, NatsTransport};
-use infera_backends::zmq::ZmqKvSource;
 use infera_core::clock::SystemClock;
 use infera_core::event::WorkerRecord;
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
 use infera_core::kv_events::pipeline;
 use infera_core::policy::{PolicyKind, RouterConfig};
+use infera_core::ports::discovery::{DiscoveryChange, DiscoveryStream};
 use infera_core::ports::kv_events::KvEventSource;
-use infera_core::ports::transport::RequestTransport as Transport;
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -58,14 +57,7 @@ use tokio_util::sync::CancellationToken;
 /// An unsupported option, a tokenizer or chat template that does not load, an address that
 /// cannot be bound, or etcd unreachable at startup.
 pub fn run(config: ServerConfig) -> anyhow::Result<()> {
-    let tokenizer = Tokenizer::from_path(&config.router.tokenizer_path).with_context(|| {
-        format!(
-            "cannot load the router tokenizer from {}",
-            config.router.tokenizer_path.display()
-        )
-    })?;
-    tracing::info!(path = %config.router.tokenizer_path.display(),
-        fast_path = ?tokenizer.fast_path(), "router tokenizer loaded");
+    let tokenizer = load_tokenizer(&config.router.tokenizer_path)?;
     let chat_template = match &config.router.chat_template {
         Some(path) => Some(Arc::new(tokenizer.load_chat_template(path).with_context(
             || format!("cannot load the chat template {}", path.display()),
@@ -76,24 +68,30 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         max_body_bytes: usize::try_from(config.http.max_body_bytes.bytes()).unwrap_or(usize::MAX),
         request_max_retries: config.router.request_max_retries,
         router: RouterConfig {
-            policy: match config.router.policy {
-                RouterPolicy::KvAware => PolicyKind::KvAware,
-                RouterPolicy::RoundRobin => PolicyKind::RoundRobin,
-            },
-            overlap_weight: config.router.kv_overlap_weight,
-            prefill_overlap_weight: config.router.kv_prefill_overlap_weight,
-            decode_overlap_weight: config.router.kv_decode_overlap_weight,
             temperature: config.router.temperature,
-            ..RouterConfig::default()
+            ..router_config(
+                config.router.policy,
+                config.router.kv_overlap_weight,
+                config.router.kv_prefill_overlap_weight,
+                config.router.kv_decode_overlap_weight,
+            )
         },
         fleet: FleetConfig::default(),
         chat_template,
+        template_defaults: Arc::new(
+            serde_json::from_value(serde_json::Value::Object(
+                config.router.default_chat_template_kwargs.clone(),
+            ))
+            .context("--kv-default-chat-template-kwargs")?,
+        ),
+        per_worker_template_kwargs: config.router.per_worker_template_kwargs,
         direct: config.router.mode == RouterMode::Direct,
         client: infera_adapters::server::ClientOptions {
             limits: infera_adapters::serve::ServeLimits {
                 header_timeout: config.http.client_header_timeout.map(|d| d.0),
                 idle_timeout: config.http.client_idle_timeout.map(|d| d.0),
                 body_timeout: config.http.client_body_timeout.map(|d| d.0),
+                write_timeout: config.http.client_write_timeout.map(|d| d.0),
                 max_connections: config
                     .http
                     .max_connections
@@ -117,6 +115,57 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         .block_on(serve_all(config, options, Arc::new(tokenizer)))
 }
 
+/// Loads the router's tokenizer from `path` (`--router-tokenizer-path`, resolved).
+///
+/// # Errors
+/// The tokenizer does not load.
+pub(crate) fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {
+    let tokenizer = Tokenizer::from_path(path)
+        .with_context(|| format!("cannot load the router tokenizer from {}", path.display()))?;
+    tracing::info!(path = %path.display(), fast_path = ?tokenizer.fast_path(),
+        "router tokenizer loaded");
+    Ok(tokenizer)
+}
+
+/// The kernel's router configuration for `--router-policy` and the `--kv-*-overlap-weight`s.
+pub(crate) fn router_config(
+    policy: RouterPolicy,
+    overlap_weight: f64,
+    prefill_overlap_weight: Option<f64>,
+    decode_overlap_weight: Option<f64>,
+) -> RouterConfig {
+    RouterConfig {
+        policy: match policy {
+            RouterPolicy::KvAware => PolicyKind::KvAware,
+            RouterPolicy::RoundRobin => PolicyKind::RoundRobin,
+        },
+        overlap_weight,
+        prefill_overlap_weight,
+        decode_overlap_weight,
+        ..RouterConfig::default()
+    }
+}
+
+/// Watches the fleet of `discovery` and starts the discovery task that follows it into `state`
+/// (registrations, drains, and each worker's KV events from `kv_source`) until `shutdown`.
+///
+/// # Errors
+/// The discovery backend cannot be reached.
+pub(crate) async fn follow_fleet(
+    discovery: &DiscoveryConfig,
+    state: &ServerState,
+    kv_source: Arc<dyn KvEventSource>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<JoinHandle<()>> {
+    let stream = wiring::watch(discovery).await?;
+    Ok(tokio::spawn(run_discovery(
+        stream,
+        state.clone(),
+        kv_source,
+        shutdown.clone(),
+    )))
+}
+
 async fn serve_all(
     config: ServerConfig,
     options: ServerOptions,
@@ -126,35 +175,20 @@ async fn serve_all(
     let listener = TcpListener::bind(&addr)
         .await
         .with_context(|| format!("cannot bind {addr}"))?;
-    let uses_nats = config.request_transport == RequestTransport::Nats
-        || config.kv_event_transport == KvEventTransport::Nats;
-    let nats = if uses_nats {
-        Some(nats::connect(&config.nats.server, "infera-server").await?)
-    } else {
-        None
-    };
-    let transport: Arc<dyn Transport> = match (&config.request_transport, &nats) {
-        (RequestTransport::Nats, Some(client)) => Arc::new(NatsTransport::new(
-            client.clone(),
-            NatsRequestConfig {
-                idle_timeout: config.nats.req_idle_timeout.map(|d| d.0),
-                max_duration: config.nats.req_max_duration.map(|d| d.0),
-                max_pending: config.nats.req_max_pending,
-            },
-        )),
-        _ => Arc::new(HttpTransport::with_deadlines(HttpDeadlines {
-            connect: config.worker_edge.connect_timeout.map(|d| d.0),
-            first_byte: config.worker_edge.first_byte_timeout.map(|d| d.0),
-            idle: config.worker_edge.idle_timeout.map(|d| d.0),
-            max_duration: config.worker_edge.max_duration.map(|d| d.0),
-        })),
-    };
-    let kv_source: Arc<dyn KvEventSource> = match (&config.kv_event_transport, nats) {
-        (KvEventTransport::Nats, Some(client)) => Arc::new(NatsKvSource::new(client)),
-        _ => Arc::new(ZmqKvSource::default()),
-    };
+    let ServerPorts {
+        transport,
+        kv_source,
+    } = wiring::server_ports(&config).await?;
     let state = ServerState::with_transport(options, tokenizer, transport);
     state.set_profiling(config.enable_profiling);
+    state.set_sla_metrics(config.enable_sla_metrics);
+    if let Some(scaling) = &config.scaling_api {
+        state.set_scaler(wiring::scaler(scaling)?);
+        tracing::info!(
+            "scaling API enabled: GET/POST /v1/admin/scale resizes this deployment's pools \
+             (needs RBAC to get this Pod and get/patch inferadeployments)"
+        );
+    }
     let seconds = |s: f64| Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX);
     state.set_breaker(
         BreakerConfig {
@@ -170,20 +204,14 @@ async fn serve_all(
         tracing::info!(socket = %path.display(), "POST /v1/cache/prewarm hints the KV-cache daemon");
     }
     let durable = open_durable_log(&config, &state).await?;
-    let stream = crate::discovery::watch(&config.discovery).await?;
     let recording = match &config.record_trace {
         Some(r) => Some(Recording::start(&state, r)?),
         None => None,
     };
     let mut signals = Signals::register()?;
     let shutdown = CancellationToken::new();
-    let discovery = tokio::spawn(run_discovery(
-        stream,
-        state.clone(),
-        kv_source,
-        shutdown.clone(),
-    ));
-    tracing::info!(%addr, discovery = %crate::discovery::describe(&config.discovery),
+    let discovery = follow_fleet(&config.discovery, &state, kv_source, &shutdown).await?;
+    tracing::info!(%addr, discovery = %wiring::describe(&config.discovery),
         request_transport = ?config.request_transport,
         kv_event_transport = ?config.kv_event_transport, "infera server listening");
 
@@ -224,9 +252,7 @@ async fn open_durable_log(
     if config.event_log == EventLogConfig::Memory {
         return Ok(None);
     }
-    let log = open_event_log_with(&config.event_log, Arc::new(SystemClock))
-        .await
-        .context("cannot open the event log (--event-log)")?;
+    let log = wiring::open_event_log(&config.event_log).await?;
     let durable = attach_event_log(state, log)
         .await
         .context("cannot read the event log (--event-log)")?;

@@ -10,6 +10,11 @@
 //!   in-process KV-event stream that `infera_core::kv_events::pipeline::consume` runs into the
 //!   server's state.
 //!
+//! With `--kvd`, a kvd daemon ([`infera_kvd::KvdServer`]) runs in the same runtime on a Unix
+//! socket (a fresh temporary directory, or `--kvd-socket`): every mock saves its KV blocks there
+//! and loads the ones its GPU cache misses ([`MockKvStore`] on [`KvdBlockStore`]), and the
+//! server's prewarm goes to it. It is stopped after the mocks.
+//!
 //! Mocks and the router share one tokenizer, so their block hashes match. With `--port 0` every
 //! port is chosen by the system; the bound ports are printed in the `server:` line on stdout.
 //!
@@ -18,11 +23,12 @@
 //! loops are joined, which drops their sinks), then the forwarders end. Nothing is detached.
 
 use crate::config::server::RouterPolicy;
+use crate::kvd_store::KvdBlockStore;
 use crate::net::socket_addr;
 use crate::signals::Signals;
 use anyhow::{Context as _, bail};
 use clap::Args;
-use infera_adapters::mock::{KvEventSink, MockConfig, MockError, MockServer};
+use infera_adapters::mock::{KvEventSink, MockConfig, MockError, MockKvStore, MockServer};
 use infera_adapters::server::{ServerOptions, ServerState, serve};
 use infera_adapters::tokenize::Tokenizer;
 use infera_core::engine::EngineConfig;
@@ -32,8 +38,10 @@ use infera_core::ids::WorkerId;
 use infera_core::kv_events::{encode_batch_vllm, pipeline};
 use infera_core::policy::{PolicyKind, RouterConfig};
 use infera_core::ports::kv_events::{KvFrame, KvItem, KvSubscription};
+use infera_kvd::{KvdError, KvdOptions, KvdServer, ShutdownHandle};
 use std::io::Write as _;
 use std::net::SocketAddr;
+use std::os::unix::fs::DirBuilderExt as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,6 +53,9 @@ use tokio_util::sync::CancellationToken;
 /// The router tokenizer used when `--router-tokenizer-path` is not given (relative to the
 /// current directory: the repository root).
 pub const DEFAULT_TOKENIZER: &str = "fixtures/tokenizers/deepseek-v4";
+
+/// The host-RAM budget of `infera up --kvd`'s daemon.
+const LOCAL_KVD_BYTES: u64 = 1 << 30;
 
 /// Offset of the first mock's port from `--port` (8000 → 8101, 8102, …).
 pub const WORKER_PORT_OFFSET: u16 = 101;
@@ -102,6 +113,18 @@ pub struct UpArgs {
     /// Run the mocks' simulated time this many times faster than the timing model.
     #[arg(long, default_value = "1.0", value_name = "X")]
     pub speedup: f64,
+
+    /// Run a kvd daemon in process (1 GiB of host RAM) and have the mocks save their KV blocks
+    /// there and load the ones their GPU cache misses, so a prompt served by one mock is a
+    /// kvd hit on another (`infera_mock_kvd_hit_tokens_total` on each mock's /metrics). The
+    /// server's POST /v1/cache/prewarm goes to it too.
+    #[arg(long)]
+    pub kvd: bool,
+
+    /// The socket of the in-process kvd (--kvd). [default: kvd.sock in a fresh temporary
+    /// directory, removed on exit]
+    #[arg(long, value_name = "PATH", requires = "kvd")]
+    pub kvd_socket: Option<PathBuf>,
 }
 
 /// Why `infera up` did not run: invalid flags (exit 2) or a failure while running (exit 1).
@@ -199,6 +222,8 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
         },
         fleet: FleetConfig::default(),
         chat_template: None,
+        template_defaults: Default::default(),
+        per_worker_template_kwargs: true,
         direct: false,
         client: infera_adapters::server::ClientOptions::default(),
     };
@@ -209,12 +234,27 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot bind the server on {addr}"))?;
     let server_addr = listener.local_addr().context("server address")?;
+    // Started last of what may fail early, so that nothing returns past it without stopping it.
+    let kvd = if args.kvd {
+        Some(LocalKvd::start(args.kvd_socket.clone()).await?)
+    } else {
+        None
+    };
+    if let Some(kvd) = &kvd {
+        let prefetch = crate::prewarm::KvdPrefetch::new(kvd.socket.clone());
+        state.set_prefetch(Arc::new(prefetch));
+    }
+    let kvd_socket = kvd.as_ref().map(|k| k.socket.clone());
 
     let stop_workers = CancellationToken::new();
     let mut workers = Vec::with_capacity(usize::from(args.workers));
     let mut started = Ok(());
     for i in 0..args.workers {
-        match start_worker(&args, i, &tokenizer, &state, &stop_workers).await {
+        let store = kvd_socket.clone().map(|socket| MockKvStore {
+            store: Arc::new(KvdBlockStore::new(socket)),
+            compat_key: String::new(),
+        });
+        match start_worker(&args, i, &tokenizer, &state, &stop_workers, store).await {
             Ok(w) => workers.push(w),
             Err(e) => {
                 started = Err(e);
@@ -224,7 +264,7 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
     }
     if started.is_ok() {
         let urls: Vec<&str> = workers.iter().map(|w| w.url.as_str()).collect();
-        if let Err(e) = announce(server_addr, &args.model_name, &urls) {
+        if let Err(e) = announce(server_addr, &args.model_name, &urls, kvd_socket.as_deref()) {
             tracing::warn!(error = %e, "cannot print the fleet's addresses");
         }
         tracing::info!(addr = %server_addr, workers = workers.len(), "infera up: fleet serving");
@@ -256,8 +296,79 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
             tracing::error!(error = %e, url = %w.url, "kv-event forwarder failed");
         }
     }
+    if let Some(kvd) = kvd {
+        let stopped = kvd.stop().await;
+        if result.is_ok() {
+            result = stopped;
+        }
+    }
     tracing::info!("infera up: stopped");
     result
+}
+
+/// The in-process kvd of `infera up --kvd`.
+struct LocalKvd {
+    socket: PathBuf,
+    stop: ShutdownHandle,
+    task: JoinHandle<Result<(), KvdError>>,
+    /// The temporary directory holding the socket, removed on stop.
+    temp_dir: Option<PathBuf>,
+}
+
+impl LocalKvd {
+    /// Binds kvd on `socket` (else in a fresh 0700 temporary directory) and serves it.
+    async fn start(socket: Option<PathBuf>) -> anyhow::Result<Self> {
+        let (socket, temp_dir) = match socket {
+            Some(socket) => (socket, None),
+            None => {
+                let dir = std::env::temp_dir().join(format!(
+                    "infera-up-kvd-{}-{}",
+                    std::process::id(),
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_nanos())
+                ));
+                std::fs::DirBuilder::new()
+                    .mode(0o700)
+                    .create(&dir)
+                    .with_context(|| format!("cannot create {}", dir.display()))?;
+                (dir.join("kvd.sock"), Some(dir))
+            }
+        };
+        let server = match KvdServer::bind(KvdOptions::new(&socket, LOCAL_KVD_BYTES)).await {
+            Ok(server) => server,
+            Err(e) => {
+                if let Some(dir) = &temp_dir {
+                    let _ = std::fs::remove_dir_all(dir);
+                }
+                let what = format!("cannot start kvd on {}", socket.display());
+                return Err(anyhow::Error::new(e).context(what));
+            }
+        };
+        let stop = server.shutdown_handle();
+        tracing::info!(socket = %socket.display(), "infera up: kvd serving");
+        Ok(Self {
+            socket,
+            stop,
+            task: tokio::spawn(server.serve()),
+            temp_dir,
+        })
+    }
+
+    /// Stops the daemon (after the mocks: nothing uses it any more) and removes its directory.
+    async fn stop(self) -> anyhow::Result<()> {
+        self.stop.shutdown();
+        let served = match self.task.await {
+            Ok(result) => result.context("kvd failed"),
+            Err(e) => Err(anyhow::Error::new(e).context("the kvd task failed")),
+        };
+        if let Some(dir) = self.temp_dir
+            && let Err(e) = std::fs::remove_dir_all(&dir)
+        {
+            tracing::warn!(dir = %dir.display(), error = %e, "cannot remove kvd's directory");
+        }
+        served
+    }
 }
 
 /// Binds mock `i`, registers it and starts its server and KV-event forwarder.
@@ -267,6 +378,7 @@ async fn start_worker(
     tokenizer: &Arc<Tokenizer>,
     state: &ServerState,
     stop: &CancellationToken,
+    kv_store: Option<MockKvStore>,
 ) -> anyhow::Result<Worker> {
     let port = if args.port == 0 {
         0
@@ -283,6 +395,7 @@ async fn start_worker(
     let mut config = MockConfig::new(args.model_name.clone(), engine);
     config.tokenizer = Some(Arc::clone(tokenizer));
     config.drain_timeout = Duration::from_secs(5);
+    config.kv_store = kv_store;
     let (sink, mut batches): (KvEventSink, _) = mpsc::channel(1024);
     let server = MockServer::bind(&socket_addr("127.0.0.1", port), config, Some(sink))
         .await
@@ -344,7 +457,12 @@ async fn start_worker(
 }
 
 /// Prints one line per component and a curl example on stdout.
-fn announce(server: SocketAddr, model: &str, workers: &[&str]) -> std::io::Result<()> {
+fn announce(
+    server: SocketAddr,
+    model: &str,
+    workers: &[&str],
+    kvd: Option<&std::path::Path>,
+) -> std::io::Result<()> {
     let host = match server.ip() {
         ip if ip.is_unspecified() => "127.0.0.1".to_owned(),
         ip => ip.to_string(),
@@ -359,6 +477,9 @@ fn announce(server: SocketAddr, model: &str, workers: &[&str]) -> std::io::Resul
     )?;
     for (i, url) in workers.iter().enumerate() {
         writeln!(out, "worker {i}: {url} (mock, model {model})")?;
+    }
+    if let Some(socket) = kvd {
+        writeln!(out, "kvd: {} (the mocks' KV blocks)", socket.display())?;
     }
     writeln!(out, "try:")?;
     writeln!(

@@ -19,6 +19,7 @@ const ENV_FALLBACKS: &[&str] = &[
     "INFERA_ROUTER_DEFAULT_RETENTION",
     "INFERA_REQUEST_MAX_RETRIES",
     "INFERA_ENABLE_PROFILING",
+    "INFERA_ENABLE_SLA_METRICS",
     "INFERA_NATS_REQ_IDLE_TIMEOUT",
     "INFERA_NATS_REQ_MAX_DURATION",
     "INFERA_NATS_REQ_MAX_PENDING",
@@ -34,13 +35,25 @@ const ENV_FALLBACKS: &[&str] = &[
     "HUGGINGFACE_HUB_CACHE",
     "HF_HOME",
     "HF_REVISION",
+    "HF_ENDPOINT",
+    "HF_HUB_OFFLINE",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
 ];
+
+/// The worker selector every `infera server` of these tests gets through its variable.
+const SERVER_SELECTOR: &str = "app=infera-worker";
 
 fn infera_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_infera"));
     command.args(args);
     for name in ENV_FALLBACKS.iter().copied() {
         command.env_remove(name);
+    }
+    // The worker selector that the server requires with kubernetes discovery (its default), so
+    // that a server test passes only the flags it is about; `env` may blank it.
+    if args.first() == Some(&"server") {
+        command.env("INFERA_K8S_LABEL_SELECTOR", SERVER_SELECTOR);
     }
     command.envs(env.iter().copied());
     command.output().unwrap()
@@ -84,7 +97,12 @@ fn check_config(args: &[&str]) -> Value {
 /// Asserts a validation failure: exit code 2 and exactly one stderr line that names `flag`
 /// and contains `expected`.
 fn assert_invalid(args: &[&str], flag: &str, expected: &str) {
-    let output = infera(args);
+    assert_invalid_with_env(args, &[], flag, expected);
+}
+
+/// [`assert_invalid`] with `env` set for the child.
+fn assert_invalid_with_env(args: &[&str], env: &[(&str, &str)], flag: &str, expected: &str) {
+    let output = infera_with_env(args, env);
     let message = stderr(&output);
     assert_eq!(output.status.code(), Some(2), "{args:?}: {message}");
     let lines: Vec<&str> = message
@@ -200,6 +218,14 @@ const WORKER_SEED_FLAGS: &[FlagSpec] = &[
     ("--enable-kv-events", &["[default: on]"]),
     ("--no-enable-kv-events", &[]),
     ("--kv-event-transport", &["[default: nats]", "zmq"]),
+];
+
+/// ATOM's launcher registers in etcd, is reached over HTTP and publishes KV events only when
+/// asked (infera/engine/atom/args.py): these replace the entries of [`WORKER_SEED_FLAGS`].
+const ATOM_SEED_DEFAULTS: &[FlagSpec] = &[
+    ("--discovery-backend", &["[default: etcd]", "kubernetes"]),
+    ("--request-transport", &["[default: http]", "nats"]),
+    ("--enable-kv-events", &["[default: off]"]),
 ];
 
 const WORKER_EXTENSION_FLAGS: &[FlagSpec] = &[
@@ -318,7 +344,14 @@ fn server_help_lists_every_seed_flag_with_its_default() {
 #[test]
 fn worker_help_lists_every_seed_flag_with_its_default() {
     for engine in ["vllm", "sglang", "atom", "mock"] {
-        assert_help_lists(&["worker", engine], WORKER_SEED_FLAGS, None);
+        let seed: Vec<FlagSpec> = if engine == "atom" {
+            let atom_own = |(flag, _): &&FlagSpec| ATOM_SEED_DEFAULTS.iter().any(|a| a.0 == *flag);
+            let shared = WORKER_SEED_FLAGS.iter().filter(|f| !atom_own(f));
+            shared.chain(ATOM_SEED_DEFAULTS).copied().collect()
+        } else {
+            WORKER_SEED_FLAGS.to_vec()
+        };
+        assert_help_lists(&["worker", engine], &seed, None);
         assert_help_lists(
             &["worker", engine],
             WORKER_EXTENSION_FLAGS,
@@ -441,6 +474,28 @@ fn a_tokenizer_file_is_accepted_as_well_as_a_directory() {
 }
 
 #[test]
+fn the_workers_template_defaults_are_a_json_object() {
+    let tokenizer = tokenizer_dir();
+    let dir = path_str(tokenizer.path());
+    let flag = "--kv-default-chat-template-kwargs";
+    let config = check_config(&[
+        "server",
+        "--router-tokenizer-path",
+        dir,
+        flag,
+        r#"{"enable_thinking": false, "reasoning_effort": "high"}"#,
+    ]);
+    assert_eq!(
+        config["router"]["default_chat_template_kwargs"],
+        json!({"enable_thinking": false, "reasoning_effort": "high"})
+    );
+    let server = ["server", "--router-tokenizer-path", dir, flag];
+    let with = |value: &'static str| [&server[..], &[value]].concat();
+    assert_invalid(&with("[1, 2]"), flag, "must be a JSON object");
+    assert_invalid(&with("{enable_thinking: false}"), flag, "is not JSON");
+}
+
+#[test]
 fn a_hugging_face_model_id_is_read_from_the_local_cache() {
     // The hub layout huggingface_hub writes: a ref naming a snapshot.
     let cache = tempfile::tempdir().unwrap();
@@ -455,7 +510,7 @@ fn a_hugging_face_model_id_is_read_from_the_local_cache() {
     let config = check_config_with_env(&server, &env);
     assert_eq!(config["router"]["tokenizer_path"], json!("Qwen/Qwen3-0.6B"));
     assert_eq!(config["router"]["tokenizer_file"], json!(path_str(&file)));
-    // A model the cache lacks: one line naming the cache and how to fill it.
+    // A model the cache lacks, offline: one line naming the cache and how to fill it.
     let output = infera_with_env(
         &[
             "server",
@@ -463,7 +518,7 @@ fn a_hugging_face_model_id_is_read_from_the_local_cache() {
             "Qwen/Qwen3-8B",
             "--check-config",
         ],
-        &env,
+        &[env[0], ("HF_HUB_OFFLINE", "1")],
     );
     assert_eq!(output.status.code(), Some(2));
     let message = stderr(&output);
@@ -497,13 +552,11 @@ fn kvd_validation_failures_name_the_flag() {
         "--long-paths",
         "--long-path",
     );
-    for store in ["mooncake", "lmcache"] {
-        assert_invalid(
-            &["kvd", "--long-backend", store],
-            "--long-backend",
-            "not available",
-        );
-    }
+    assert_invalid(
+        &["kvd", "--long-backend", "mooncake"],
+        "--long-backend",
+        "not built yet",
+    );
 }
 
 #[test]
@@ -749,6 +802,7 @@ fn server_defaults_and_units_resolve() {
             "client_header_timeout": "10s",
             "client_idle_timeout": "1m",
             "client_body_timeout": "1m",
+            "client_write_timeout": "1m",
             "max_connections": null,
             "parse_budget": "512MiB",
             "admin_token": null
@@ -765,7 +819,7 @@ fn server_defaults_and_units_resolve() {
     );
     assert_eq!(
         config["discovery"],
-        json!({"kind": "kubernetes", "namespace": null, "label_selector": null})
+        json!({"kind": "kubernetes", "namespace": null, "label_selector": SERVER_SELECTOR})
     );
     assert_eq!(config["event_log"], json!({"kind": "memory"}));
 
@@ -843,7 +897,15 @@ fn env_fallbacks_apply_and_flags_override_them() {
             json!("nats://127.0.0.1:4222"),
             "{command:?}"
         );
-        assert_eq!(selector(&defaults), Value::Null, "{command:?}");
+        // Without a selector a worker patches its own Pod; the server refuses to start.
+        let no_selector = [("INFERA_K8S_LABEL_SELECTOR", "")];
+        if command[0] == "server" {
+            let expected = "is required with --discovery-backend kubernetes";
+            assert_invalid_with_env(command, &no_selector, "--k8s-label-selector", expected);
+        } else {
+            let config = check_config_with_env(command, &no_selector);
+            assert_eq!(selector(&config), Value::Null, "{command:?}");
+        }
 
         let from_env = check_config_with_env(command, &env);
         assert_eq!(nats(&from_env), json!("nats://env:4222"), "{command:?}");
@@ -866,6 +928,7 @@ fn the_python_infera_variables_are_read_and_flags_override_them() {
         ("INFERA_ROUTER_MODE", "direct"),
         ("INFERA_REQUEST_MAX_RETRIES", "4"),
         ("INFERA_ENABLE_PROFILING", "1"),
+        ("INFERA_ENABLE_SLA_METRICS", "yes"),
         ("INFERA_NATS_REQ_IDLE_TIMEOUT", "30"),
         ("INFERA_NATS_REQ_MAX_DURATION", "2m"),
         ("INFERA_NATS_REQ_MAX_PENDING", "8"),
@@ -883,6 +946,7 @@ fn the_python_infera_variables_are_read_and_flags_override_them() {
         ("/router/request_max_retries", json!(4)),
         ("/router/default_retention", json!("short")),
         ("/enable_profiling", json!(true)),
+        ("/enable_sla_metrics", json!(true)),
         ("/nats/req_idle_timeout", json!("30s")),
         ("/nats/req_max_duration", json!("2m")),
         ("/nats/req_max_pending", json!(8)),
@@ -924,7 +988,14 @@ fn the_engine_command_comes_from_the_flag_the_environment_or_the_engine() {
     let env = [("INFERA_ENGINE_CMD", "/bin/stand-in --fast")];
     assert_eq!(
         launch(check_config_with_env(
-            &["worker", "atom", "--model", "m"],
+            &[
+                "worker",
+                "atom",
+                "--model",
+                "m",
+                "--etcd-endpoint",
+                "e:2379"
+            ],
             &env
         )),
         json!(["/bin/stand-in", "--fast"])
@@ -936,6 +1007,8 @@ fn the_engine_command_comes_from_the_flag_the_environment_or_the_engine() {
                 "atom",
                 "--model",
                 "m",
+                "--etcd-endpoint",
+                "e:2379",
                 "--engine-cmd",
                 "/bin/other"
             ],
@@ -1069,6 +1142,8 @@ fn atom_forwards_engine_arguments_in_order() {
         "atom",
         "--model",
         "m",
+        "--etcd-endpoint",
+        "e:2379",
         "-tp",
         "8",
         "--server-port=8100",

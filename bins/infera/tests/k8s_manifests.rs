@@ -10,6 +10,11 @@
 //!    downward-API environment, `/health` probes, a grace period that covers the drain timeout, a
 //!    server selector that matches every worker template, and arguments the `infera` binary itself
 //!    accepts (`--check-config`).
+//!
+//! The endpoint picker's manifests (`gaie/`: its Deployment and Service, and the InferencePool,
+//! a kind of the Gateway API Inference Extension's CRDs that kubectl reads offline) are checked
+//! against the fleet's: the same workers, selector and KV-event transport, gRPC health probes,
+//! and a pool whose target port is the workers' and whose picker is the picker's Service.
 
 use infera_backends::discovery::kubernetes::k8s_openapi;
 use infera_backends::testing::kube_api::KubeApiServer;
@@ -546,4 +551,167 @@ async fn the_binary_accepts_the_manifests_arguments() {
         let stdout = String::from_utf8_lossy(&output.stdout);
         assert!(stdout.contains("kubernetes"), "{name}: {stdout}");
     }
+}
+
+fn gaie_dir() -> PathBuf {
+    manifests_dir().join("gaie")
+}
+
+/// An object of a CRD kind (the in-process API server maps only built-in kinds), as kubectl
+/// reads it offline (`kubectl annotate --local`, its annotation taken off again).
+fn kubectl_local(file: &Path) -> Value {
+    let output = Command::new(kubectl())
+        .args(["annotate", "--local", "-o", "json", "-f"])
+        .arg(file)
+        .arg("infera.test/read=1")
+        .env("KUBECONFIG", "/dev/null")
+        .output()
+        .expect("run kubectl");
+    assert!(
+        output.status.success(),
+        "kubectl cannot read {}:\n{}",
+        file.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let mut object: Value = serde_json::from_slice(&output.stdout).expect("kubectl JSON");
+    let annotations = object["metadata"]["annotations"]
+        .as_object_mut()
+        .expect("the annotation kubectl added");
+    annotations.remove("infera.test/read");
+    if annotations.is_empty() {
+        object["metadata"]
+            .as_object_mut()
+            .expect("metadata")
+            .remove("annotations");
+    }
+    object
+}
+
+/// Checks a gRPC health probe of `service` on `port`.
+fn assert_grpc_probe(what: &str, probe: Option<&Probe>, port: i32) {
+    let grpc = probe
+        .and_then(|p| p.grpc.as_ref())
+        .unwrap_or_else(|| panic!("{what} must be a gRPC probe"));
+    assert_eq!(grpc.port, port, "{what} port");
+    assert_eq!(
+        grpc.service.as_deref(),
+        Some("inference-extension"),
+        "{what}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoint_picker_manifests_pick_among_the_fleets_workers() {
+    let fleet = classify(&kubectl_dry_run(&manifests_dir()).await);
+    let objects = kubectl_dry_run(&gaie_dir().join("epp.yaml")).await;
+    assert_eq!(objects.len(), 2, "the picker's Deployment and Service");
+    let epp = classify(&objects);
+    let deployment = epp
+        .deployments
+        .get("infera-gaie")
+        .expect("picker Deployment");
+    let picker = container(deployment);
+    let picker_args = args(picker);
+    assert_eq!(picker_args.first().map(String::as_str), Some("gaie"));
+    // It watches the workers as the server does, with the server's rights.
+    assert_eq!(service_account(deployment), Some("infera-server"));
+    assert!(fleet.accounts.contains("infera-server"));
+    let server_args = args(container(&fleet.deployments["infera-server"]));
+    for key in [
+        "--discovery-backend",
+        "--k8s-label-selector",
+        "--kv-event-transport",
+    ] {
+        assert_eq!(flag(&picker_args, key), flag(&server_args, key), "{key}");
+    }
+    let port_of = |key: &str| -> i32 { flag(&picker_args, key).expect(key).parse().expect(key) };
+    let exposed: BTreeSet<i32> = picker
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| p.container_port)
+        .collect();
+    assert_eq!(
+        exposed,
+        BTreeSet::from([port_of("--grpc-port"), port_of("--grpc-health-port")])
+    );
+    let health = port_of("--grpc-health-port");
+    assert_grpc_probe("readinessProbe", picker.readiness_probe.as_ref(), health);
+    assert_grpc_probe("livenessProbe", picker.liveness_probe.as_ref(), health);
+    let service = epp.services.get("infera-gaie").expect("picker Service");
+    let spec = service.spec.as_ref().expect("Service spec");
+    let labels = template_labels(deployment);
+    let selector = spec.selector.clone().unwrap_or_default();
+    assert!(
+        selector.iter().all(|(k, v)| labels.get(k) == Some(v)),
+        "the Service selects the picker"
+    );
+    let grpc_port = spec
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some("grpc"))
+        .expect("the Service's grpc port")
+        .port;
+
+    // The pool: the fleet's worker Pods on the port the picker names, and the picker's Service.
+    let pool = kubectl_local(&gaie_dir().join("inferencepool.yaml"));
+    assert_eq!(pool["apiVersion"], "inference.networking.k8s.io/v1");
+    assert_eq!(pool["kind"], "InferencePool");
+    assert_eq!(pool["metadata"]["namespace"], NAMESPACE);
+    let destination = port_of("--destination-port");
+    assert_eq!(
+        pool["spec"]["targetPorts"],
+        serde_json::json!([{"number": destination}])
+    );
+    let picker_ref = &pool["spec"]["endpointPickerRef"];
+    assert_eq!(picker_ref["name"], "infera-gaie");
+    assert_eq!(picker_ref["port"]["number"], grpc_port);
+    assert_eq!(picker_ref["failureMode"], "FailClose");
+    let pool_selector: BTreeMap<String, String> =
+        serde_json::from_value(pool["spec"]["selector"]["matchLabels"].clone()).expect("labels");
+    let workers: Vec<&Deployment> = fleet
+        .deployments
+        .iter()
+        .filter(|(name, _)| *name != "infera-server")
+        .map(|(_, d)| d)
+        .collect();
+    assert_eq!(workers.len(), 4);
+    for worker in workers {
+        let labels = template_labels(worker);
+        assert!(
+            pool_selector.iter().all(|(k, v)| labels.get(k) == Some(v)),
+            "{labels:?}"
+        );
+        let ports = container(worker).ports.clone().unwrap_or_default();
+        assert!(
+            ports.iter().any(|p| p.container_port == destination),
+            "{ports:?}"
+        );
+    }
+
+    // The binary takes the picker's arguments.
+    let models = tempfile::tempdir().expect("temp dir");
+    std::fs::write(models.path().join("tokenizer.json"), b"{}").expect("tokenizer");
+    let mut argv = as_run_by_the_kubelet(&picker_args, models.path());
+    argv.push("--check-config".to_owned());
+    let output = Command::new(env!("CARGO_BIN_EXE_infera"))
+        .args(&argv)
+        .env("POD_NAMESPACE", NAMESPACE)
+        .env_remove("INFERA_K8S_LABEL_SELECTOR")
+        .env_remove("INFERA_EPP_SECURE")
+        .output()
+        .expect("run infera");
+    assert!(
+        output.status.success(),
+        "`infera {}` was refused:\n{}",
+        argv.join(" "),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let config: Value = serde_json::from_slice(&output.stdout).expect("config JSON");
+    assert_eq!(
+        config["grpc"]["secure_serving"], true,
+        "TLS, as gateways connect"
+    );
+    assert_eq!(config["grpc"]["destination_port"], destination);
 }

@@ -1,6 +1,8 @@
 //! The NATS request transport against a real nats-server: the server side ([`NatsTransport`])
 //! talking to the worker side ([`NatsResponder`]) in front of the in-process mock engine. (The
-//! KV-event subjects are tested through the KV pipeline in `backends/tests/kv_pipeline.rs`.)
+//! KV-event subjects are tested through the KV pipeline in `backends/tests/kv_pipeline.rs`; the
+//! JetStream request path of `--nats-req-max-pending`, with its Python interop, in
+//! `backends/tests/nats_jetstream.rs`.)
 #![allow(clippy::unwrap_used)]
 
 use bytes::Bytes;
@@ -89,11 +91,27 @@ async fn collect(mut body: BodyStream) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_round_trip_through_the_responder_to_the_engine() {
+    round_trip(None).await;
+}
+
+/// The same through JetStream (`--nats-req-max-pending` on both sides).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_round_trip_through_jetstream_with_max_pending() {
+    round_trip(Some(8)).await;
+}
+
+async fn round_trip(max_pending: Option<u32>) {
     let broker = NatsServer::start().await.unwrap();
     let client = nats::connect(&broker.url(), "test").await.unwrap();
     let (url, _stop, _engine) = engine(1000.0).await;
-    let responder = responder(&client, &url).await;
-    let transport = NatsTransport::new(client.clone(), NatsRequestConfig::default());
+    let responder = bounded_responder(&client, &url, |c| c.max_pending = max_pending).await;
+    let transport = NatsTransport::new(
+        client.clone(),
+        NatsRequestConfig {
+            max_pending,
+            ..NatsRequestConfig::default()
+        },
+    );
 
     let resp = transport
         .send(outbound(
@@ -126,7 +144,8 @@ async fn requests_round_trip_through_the_responder_to_the_engine() {
         .unwrap();
     assert_eq!(resp.status, 400);
 
-    // A worker that stopped accepting is unreachable: the server fails over.
+    // A worker that stopped accepting is unreachable: the server fails over (core NATS: no
+    // responders; JetStream: the worker refuses it before starting it).
     responder.stop_accepting().await;
     let err = transport
         .send(outbound(json!({"model": "m", "prompt": "x"}), false))
@@ -265,25 +284,33 @@ async fn malformed_payloads_are_answered_with_an_error_and_serving_goes_on() {
     assert_eq!(resp.status, 200);
 }
 
+/// `--nats-req-max-pending` is one limit on the worker's JetStream backlog, whichever server
+/// replica sent the requests.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn max_pending_refuses_with_429_until_a_request_ends() {
+async fn max_pending_refuses_with_429_across_server_replicas_until_a_request_ends() {
     let broker = NatsServer::start().await.unwrap();
-    let client = nats::connect(&broker.url(), "test").await.unwrap();
+    let client = nats::connect(&broker.url(), "worker").await.unwrap();
     let (url, _stop, _engine) = engine(1.0).await;
-    let _responder = responder(&client, &url).await;
-    let transport = NatsTransport::new(
-        client.clone(),
-        NatsRequestConfig {
-            max_pending: Some(1),
-            ..NatsRequestConfig::default()
-        },
-    );
+    let responder = bounded_responder(&client, &url, |c| c.max_pending = Some(1)).await;
+    let replica = async |name: &str| {
+        NatsTransport::new(
+            nats::connect(&broker.url(), name).await.unwrap(),
+            NatsRequestConfig {
+                max_pending: Some(1),
+                ..NatsRequestConfig::default()
+            },
+        )
+    };
+    let (a, b) = (replica("server-a").await, replica("server-b").await);
     let long = json!({"model": "m", "prompt": "long", "max_tokens": 4000, "stream": true});
-    let held = transport.send(outbound(long.clone(), true)).await.unwrap();
-    let err = transport
-        .send(outbound(long.clone(), true))
+    let held = a.send(outbound(long.clone(), true)).await.unwrap();
+    // The other replica reads the worker's backlog (A's own reading, taken before it sent, may
+    // be reused for up to 200 ms, as the Python Infera does).
+    let backlog = nats::jetstream::worker_request_consumer(&client, WORKER)
         .await
-        .unwrap_err();
+        .unwrap();
+    assert_eq!(backlog.num_pending + backlog.num_ack_pending as u64, 1);
+    let err = b.send(outbound(long.clone(), true)).await.unwrap_err();
     assert_eq!(err.status(), 429);
     assert!(
         matches!(
@@ -295,10 +322,26 @@ async fn max_pending_refuses_with_429_until_a_request_ends() {
         ),
         "{err:?}"
     );
-    assert!(err.retry_elsewhere());
+    assert!(err.to_string().contains("--nats-req-max-pending"), "{err}");
+    assert!(err.retry_elsewhere(), "another worker is tried");
     drop(held);
-    let again = transport.send(outbound(long, true)).await.unwrap();
+    // Once the held stream's cancel reached the worker, its engine request ended and the worker
+    // acked it, every replica admits again (a reading is reused for up to 200 ms).
+    let again = loop {
+        match timeout(DEADLINE, b.send(outbound(long.clone(), true)))
+            .await
+            .unwrap()
+        {
+            Ok(resp) => break resp,
+            Err(TransportError::Overloaded { .. }) => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
     assert_eq!(again.status, 200);
+    drop(again);
+    timeout(DEADLINE, responder.finish(DEADLINE)).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -332,39 +375,6 @@ async fn a_request_pinned_to_a_dp_rank_reaches_the_engine_with_its_rank_header()
             rank.map(|r| r.to_string())
         );
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_workers_own_max_pending_refuses_one_more_with_429_until_a_request_ends() {
-    let broker = NatsServer::start().await.unwrap();
-    let client = nats::connect(&broker.url(), "test").await.unwrap();
-    let (url, _stop, _engine) = engine(1.0).await;
-    let _responder = bounded_responder(&client, &url, |c| c.max_pending = Some(1)).await;
-    // The server side has no limit of its own: the worker's counts.
-    let transport = NatsTransport::new(client.clone(), NatsRequestConfig::default());
-    let long = json!({"model": "m", "prompt": "long", "max_tokens": 4000, "stream": true});
-    let held = transport.send(outbound(long.clone(), true)).await.unwrap();
-    let err = timeout(DEADLINE, transport.send(outbound(long.clone(), true)))
-        .await
-        .unwrap()
-        .unwrap_err();
-    assert!(matches!(err, TransportError::Overloaded { .. }), "{err:?}");
-    assert!(err.to_string().contains("--nats-req-max-pending"), "{err}");
-    assert!(err.retry_elsewhere(), "another worker is tried");
-    drop(held);
-    // Once the held stream's cancel reached the worker and its engine request ended, the
-    // worker admits again.
-    let again = loop {
-        match timeout(DEADLINE, transport.send(outbound(long.clone(), true)))
-            .await
-            .unwrap()
-        {
-            Ok(resp) => break resp,
-            Err(TransportError::Overloaded { .. }) => tokio::task::yield_now().await,
-            Err(e) => panic!("{e}"),
-        }
-    };
-    assert_eq!(again.status, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

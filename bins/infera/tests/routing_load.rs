@@ -13,7 +13,8 @@
 mod common;
 
 use common::{
-    DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, tokenizer_dir,
+    DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, mock_worker_command,
+    tokenizer_dir,
 };
 use infera_backends::testing::{EtcdServer, NatsServer};
 use serde_json::{Value, json};
@@ -59,27 +60,12 @@ impl Fleet {
             Some(n) => vec!["--nats-server".to_owned(), n.url()],
         };
         let tok = tokenizer_dir();
-        let mut worker_ports = Vec::new();
-        for _ in 0..workers {
-            worker_ports.push(free_mock_port(&worker_ports));
-        }
+        let worker_ports: Vec<u16> = (0..workers).map(|_| free_mock_port()).collect();
         let mut procs: Vec<Proc> = worker_ports
             .iter()
             .map(|port| {
-                let mut cmd = Command::new(env!("CARGO_BIN_EXE_infera"));
-                cmd.args([
-                    "worker",
-                    "mock",
-                    "--model-path",
-                    &tok,
-                    "--host",
-                    "127.0.0.1",
-                ])
-                .args(["--port", &port.to_string(), "--block-size", "16"])
-                .args(["--discovery-backend", "etcd", "--etcd-endpoint"])
-                .arg(etcd.endpoint())
-                .args(&wires)
-                .args(mock);
+                let mut cmd = mock_worker_command(&tok, &etcd.endpoint(), *port);
+                cmd.args(&wires).args(mock);
                 spawn(cmd)
             })
             .collect();

@@ -10,7 +10,7 @@
 mod common;
 
 use common::{
-    DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, mock_worker,
+    DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, metric, mock_worker,
     open_stream, server, stored, tokenizer_dir,
 };
 
@@ -28,7 +28,7 @@ async fn server_discovers_a_worker_in_etcd_and_indexes_its_zmq_kv_events() {
     let tok = tokenizer_dir();
     let tok = tok.as_str();
 
-    let worker_port = free_mock_port(&[]);
+    let worker_port = free_mock_port();
     let mut worker = mock_worker(tok, &etcd.endpoint(), worker_port, &["--speedup", "1000"]);
     let server_port = free_port();
     let mut server = server(tok, &etcd.endpoint(), server_port, &[]);
@@ -100,8 +100,7 @@ async fn a_killed_worker_ends_its_stream_with_an_error_fails_over_and_leaves_wit
     let etcd = EtcdServer::start().await.expect("etcd starts");
     let tok = tokenizer_dir();
     let tok = tok.as_str();
-    let first = free_mock_port(&[]);
-    let ports = [first, free_mock_port(&[first])];
+    let ports = [free_mock_port(), free_mock_port()];
     let mut workers: Vec<Proc> = ports
         .iter()
         .map(|p| mock_worker(tok, &etcd.endpoint(), *p, &["--etcd-lease-ttl", "2s"]))
@@ -216,8 +215,7 @@ async fn the_server_records_a_trace_that_replay_reads() {
     let tok = tok.as_str();
     let rec = tempfile::tempdir().unwrap();
     let dir = rec.path().join("trace");
-    let ports = [free_mock_port(&[]), 0];
-    let ports = [ports[0], free_mock_port(&ports[..1])];
+    let ports = [free_mock_port(), free_mock_port()];
     let _workers: Vec<Proc> = ports
         .iter()
         .map(|p| mock_worker(tok, &etcd.endpoint(), *p, &["--speedup", "1000"]))
@@ -335,12 +333,6 @@ fn load_of(port: u16) -> Option<Value> {
     get_json(port, "/v1/workers").map(|w| w["data"][0]["load"][0].clone())
 }
 
-fn metric(port: u16, name: &str) -> Option<u64> {
-    let (_, text) = http(port, "GET", "/metrics", "")?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-}
-
 /// Sends distinct completions to `port` until `done` holds: ZeroMQ subscribers miss what an
 /// engine publishes before they have joined, so the first request's events may never arrive.
 fn send_until(port: u16, tok: &str, what: &str, mut done: impl FnMut() -> bool) {
@@ -367,7 +359,7 @@ async fn a_restarted_server_gets_the_kv_index_back_from_its_sqlite_event_log() {
     let tok = tok.as_str();
     let db = tempfile::tempdir().unwrap();
     let log = format!("sqlite:{}", db.path().join("events.db").display());
-    let worker_port = free_mock_port(&[]);
+    let worker_port = free_mock_port();
     let _worker = mock_worker(tok, &etcd.endpoint(), worker_port, &["--speedup", "1000"]);
     let start = |port: u16| server(tok, &etcd.endpoint(), port, &["--event-log", &log]);
     let blocks = |port: u16| load_of(port).and_then(|l| l["cached_blocks"].as_u64());
@@ -421,8 +413,7 @@ async fn replicas_sharing_a_jetstream_event_log_see_each_others_requests() {
     let tok = tok.as_str();
     let log = format!("{}?stream=REPLICAS&max_bytes=64MiB", nats.url());
     // Real-time decoding: a long completion stays in flight while the test looks.
-    let first_port = free_mock_port(&[]);
-    let ports = [first_port, free_mock_port(&[first_port])];
+    let ports = [free_mock_port(), free_mock_port()];
     let _workers: Vec<Proc> = ports
         .iter()
         .map(|p| mock_worker(tok, &etcd.endpoint(), *p, &["--speedup", "1"]))
@@ -497,7 +488,7 @@ async fn prewarm_hints_reach_the_kv_cache_daemon() {
             .spawn()
             .unwrap(),
     );
-    let worker_port = free_mock_port(&[]);
+    let worker_port = free_mock_port();
     let _worker = mock_worker(tok, &etcd.endpoint(), worker_port, &["--speedup", "1000"]);
     let port = free_port();
     let _server = server(

@@ -18,7 +18,7 @@ use common::{
     DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, tokenizer_dir,
 };
 
-use infera_backends::discovery::kubernetes::WORKER_INFO_ANNOTATION;
+use infera_backends::discovery::kubernetes::{DEPLOYMENT_LABEL, WORKER_INFO_ANNOTATION};
 use infera_backends::testing::kube_api::{KubeApiServer, worker_pod};
 use serde_json::{Value, json};
 use std::io::Read as _;
@@ -148,6 +148,35 @@ fn mock_worker(kubeconfig: &Path, pod: &str, port: u16, stderr: Stdio) -> Proc {
     )
 }
 
+/// `infera server` under Kubernetes discovery of [`SELECTOR`] in [`NAMESPACE`], running as Pod
+/// `pod` (its downward-API environment), with `extra` flags.
+fn k8s_server(kubeconfig: &Path, port: u16, pod: &str, extra: &[&str]) -> Proc {
+    let tok = tokenizer_dir();
+    Proc(
+        Command::new(env!("CARGO_BIN_EXE_infera"))
+            .args(["server", "--router-tokenizer-path", &tok])
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--discovery-backend", "kubernetes"])
+            .args([
+                "--k8s-namespace",
+                NAMESPACE,
+                "--k8s-label-selector",
+                SELECTOR,
+            ])
+            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
+            .args(extra)
+            .env("KUBECONFIG", kubeconfig)
+            .env("POD_NAME", pod)
+            .env("POD_NAMESPACE", NAMESPACE)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
 fn labels() -> Value {
     json!({"app": "infera-worker", "engine": "mock"})
 }
@@ -173,29 +202,17 @@ fn workers_in_pods_register_drain_leave_and_deregister_through_the_kubernetes_ap
     ));
 
     let server_port = free_port();
-    let mut server = Proc(
-        Command::new(env!("CARGO_BIN_EXE_infera"))
-            .args(["server", "--router-tokenizer-path", &tok])
-            .args(["--host", "127.0.0.1", "--port", &server_port.to_string()])
-            .args(["--discovery-backend", "kubernetes"])
-            .args([
-                "--k8s-namespace",
-                NAMESPACE,
-                "--k8s-label-selector",
-                SELECTOR,
-            ])
-            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
-            .env("KUBECONFIG", &kubeconfig)
-            .env_remove("KUBERNETES_SERVICE_HOST")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut server = k8s_server(&kubeconfig, server_port, "infera-router-0", &[]);
     eventually("the server to serve", || {
         active_workers(server_port).is_some()
     });
+    let (status, body) = http(server_port, "GET", "/v1/admin/scale", "").unwrap();
+    assert_eq!(status, 403, "{body}");
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        body["detail"],
+        json!("scaling API disabled; start the server with --enable-scaling-api")
+    );
     assert_eq!(
         active_workers(server_port),
         Some(0),
@@ -204,7 +221,7 @@ fn workers_in_pods_register_drain_leave_and_deregister_through_the_kubernetes_ap
 
     let mut ports: Vec<u16> = Vec::new();
     for _ in &pods {
-        let port = free_mock_port(&ports);
+        let port = free_mock_port();
         ports.push(port);
     }
     let mut workers: Vec<Proc> = pods
@@ -370,7 +387,7 @@ fn a_worker_refused_the_patch_verb_exits_1_naming_the_verb_and_the_resource() {
     k8s.create_pod(worker_pod("worker-rbac", "10.4.0.7", labels()));
     k8s.deny("patch");
 
-    let port = free_mock_port(&[]);
+    let port = free_mock_port();
     let mut worker = mock_worker(&kubeconfig, "worker-rbac", port, Stdio::piped());
     let mut stderr = String::new();
     worker
@@ -400,4 +417,101 @@ fn a_worker_refused_the_patch_verb_exits_1_naming_the_verb_and_the_resource() {
     }
     assert!(k8s.stats().denied >= 1);
     assert_eq!(k8s.annotation("worker-rbac", WORKER_INFO_ANNOTATION), None);
+}
+
+#[test]
+fn the_scaling_api_resizes_the_inferadeployment_of_the_servers_own_pod() {
+    let api = Api::start();
+    let k8s = api.server();
+    let home = tempfile::tempdir().unwrap();
+    let kubeconfig = write_kubeconfig(home.path(), &k8s.url());
+    let router_labels = json!({"app": "infera-router", DEPLOYMENT_LABEL: "qwen"});
+    k8s.create_pod(worker_pod("infera-router-0", "10.4.0.20", router_labels));
+    k8s.put_custom(
+        "inferadeployments",
+        json!({
+            "apiVersion": "infera.amd.com/v1alpha1", "kind": "InferaDeployment",
+            "metadata": {"name": "qwen"},
+            "spec": {"services": {
+                "prefill": {"role": "prefill", "replicas": 2},
+                "decode": {"role": "decode", "replicas": 4, "numberOfNodes": 2},
+            }},
+            "status": {"state": "Ready", "services": {
+                "prefill": {"replicas": 2, "readyReplicas": 2},
+                "decode": {"replicas": 4, "readyReplicas": 4},
+            }},
+        }),
+    );
+    let port = free_port();
+    let _server = k8s_server(
+        &kubeconfig,
+        port,
+        "infera-router-0",
+        &["--enable-scaling-api"],
+    );
+    eventually("the server to serve", || active_workers(port).is_some());
+
+    let (status, body) = http(port, "GET", "/v1/admin/scale", "").unwrap();
+    assert_eq!(status, 200, "{body}");
+    let snapshot: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        snapshot,
+        json!({"deployment": "qwen", "namespace": NAMESPACE, "state": "Ready", "services": {
+            "decode": {"role": "decode", "replicas": 4, "current_replicas": 4,
+                       "ready_replicas": 4, "nodes_per_replica": 2},
+            "prefill": {"role": "prefill", "replicas": 2, "current_replicas": 2,
+                        "ready_replicas": 2, "nodes_per_replica": 1},
+        }})
+    );
+
+    let resize = r#"{"services": {"prefill": {"replicas": 3}, "decode": 6}}"#;
+    let (status, body) = http(port, "POST", "/v1/admin/scale", resize).unwrap();
+    assert_eq!(status, 200, "{body}");
+    let after: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(after["services"]["prefill"]["replicas"], json!(3));
+    assert_eq!(after["services"]["decode"]["replicas"], json!(6));
+    let patch =
+        json!({"spec": {"services": {"decode": {"replicas": 6}, "prefill": {"replicas": 3}}}});
+    assert_eq!(k8s.stats().custom_patches, vec![patch.clone()]);
+
+    // Refusals carry the OpenAI-style error and the Python Infera's `detail`; nothing is written.
+    let refusals = [
+        (
+            r#"{"services": {"decode": 0}}"#,
+            400,
+            "BadRequestError",
+            "refusing to scale to 0",
+        ),
+        ("not json", 400, "BadRequestError", "body must be JSON"),
+        (
+            r#"{"services": {"router": 2}}"#,
+            400,
+            "BadRequestError",
+            "no such service(s): router",
+        ),
+    ];
+    for (body, code, kind, detail) in refusals {
+        let (status, answer) = http(port, "POST", "/v1/admin/scale", body).unwrap();
+        assert_eq!(status, code, "{body}: {answer}");
+        let answer: Value = serde_json::from_str(&answer).unwrap();
+        assert!(
+            answer["detail"].as_str().unwrap().contains(detail),
+            "{answer}"
+        );
+        assert_eq!(answer["error"]["message"], answer["detail"], "{answer}");
+        assert_eq!(answer["error"]["type"], json!(kind), "{answer}");
+    }
+    k8s.deny_on("inferadeployments", "patch");
+    let (status, answer) = http(port, "POST", "/v1/admin/scale", resize).unwrap();
+    assert_eq!(status, 403, "{answer}");
+    let answer: Value = serde_json::from_str(&answer).unwrap();
+    assert!(
+        answer["detail"]
+            .as_str()
+            .unwrap()
+            .contains("cannot patch InferaDeployments"),
+        "{answer}"
+    );
+    assert_eq!(answer["error"]["type"], json!("PermissionDeniedError"));
+    assert_eq!(k8s.stats().custom_patches, vec![patch]);
 }

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{Proc, eventually, free_mock_port, free_port, get_json, http, tokenizer_dir};
+use common::{Proc, eventually, free_mock_port, free_port, get_json, http, metric, tokenizer_dir};
 
 use futures::StreamExt as _;
 use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _, Registration};
@@ -67,13 +67,6 @@ fn long_prompt(tag: &str) -> String {
     prompt
 }
 
-fn metric(port: u16, name: &str) -> u64 {
-    let (_, text) = http(port, "GET", "/metrics", "").unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0)
-}
-
 /// Cached blocks per worker port, from the server's `/v1/workers`.
 fn cached_blocks(server_port: u16) -> Vec<(String, u64)> {
     let workers = get_json(server_port, "/v1/workers").unwrap();
@@ -104,10 +97,7 @@ async fn default_transports_route_unary_and_streams_with_kv_affinity_over_nats()
     let nats = NatsServer::start().await.expect("nats-server starts");
     let tok = tokenizer_dir();
     let tok = tok.as_str();
-    let mut ports = Vec::new();
-    for _ in 0..3 {
-        ports.push(free_mock_port(&ports));
-    }
+    let ports: Vec<u16> = (0..3).map(|_| free_mock_port()).collect();
     let _workers: Vec<Proc> = ports
         .iter()
         .map(|p| mock_worker(tok, &etcd.endpoint(), &nats.url(), *p))
@@ -172,7 +162,7 @@ async fn default_transports_route_unary_and_streams_with_kv_affinity_over_nats()
     assert!(events.last().unwrap().contains("data: [DONE]"), "{body}");
     assert!(!body.contains("\"error\""), "{body}");
     assert_eq!(
-        metric(server_port, "infera_transport_sequence_errors_total"),
+        metric(server_port, "infera_transport_sequence_errors_total").unwrap_or(0),
         0
     );
 }
@@ -192,10 +182,22 @@ struct Received {
 }
 
 impl FakeWorker {
-    async fn start(etcd: &EtcdServer, nats_url: &str, model: &str) -> Self {
+    /// `jetstream`: take requests from a durable consumer on the `INFERA_REQUESTS` work queue, as a
+    /// worker with `--nats-req-max-pending` does (never acked: each one stays in its backlog).
+    async fn start(etcd: &EtcdServer, nats_url: &str, model: &str, jetstream: bool) -> Self {
         let id = format!("127.0.0.1:{}", free_port());
         let client = nats::connect(nats_url, "fake-worker").await.unwrap();
-        let requests = client.subscribe(nats::request_subject(&id)).await.unwrap();
+        let requests = if jetstream {
+            let deliver = client.new_inbox();
+            let sub = client.subscribe(deliver.clone()).await.unwrap();
+            client.flush().await.unwrap();
+            nats::jetstream::bind_worker_consumer(&client, &id, &deliver)
+                .await
+                .unwrap();
+            sub
+        } else {
+            client.subscribe(nats::request_subject(&id)).await.unwrap()
+        };
         let cancels = client.subscribe(nats::cancel_subject(&id)).await.unwrap();
         client.flush().await.unwrap();
         let mut record = sample_record(&id);
@@ -223,8 +225,14 @@ impl FakeWorker {
             .await
             .expect("a request in time")
             .unwrap();
+        // JetStream mode carries the inbox in rs-inbox (the reply subject acks the message).
+        let inbox = msg
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(nats::HDR_INBOX))
+            .map(|v| v.as_str().to_owned());
         Received {
-            reply: msg.reply.unwrap().to_string(),
+            reply: inbox.unwrap_or_else(|| msg.reply.unwrap().to_string()),
             payload: RequestPayload::parse(&msg.payload).unwrap(),
         }
     }
@@ -257,7 +265,8 @@ async fn fake_setup(extra: &[&str]) -> (EtcdServer, NatsServer, Proc, u16, FakeW
     let etcd = EtcdServer::start().await.expect("etcd starts");
     let nats = NatsServer::start().await.expect("nats-server starts");
     let tok = tokenizer_dir();
-    let fake = FakeWorker::start(&etcd, &nats.url(), &tok).await;
+    let jetstream = extra.contains(&"--nats-req-max-pending");
+    let fake = FakeWorker::start(&etcd, &nats.url(), &tok, jetstream).await;
     let server_port = free_port();
     let server = server(&tok, &etcd.endpoint(), &nats.url(), server_port, extra);
     eventually("the fake worker to be discovered", || {
@@ -291,7 +300,10 @@ async fn a_stalled_worker_is_answered_504_after_the_idle_timeout_and_cancelled()
     let waited = started.elapsed();
     assert!(waited >= Duration::from_secs(1), "{waited:?}");
     assert_eq!(fake.next_cancel().await, got.reply);
-    assert_eq!(metric(port, "infera_transport_timeouts_total"), 1);
+    assert_eq!(
+        metric(port, "infera_transport_timeouts_total").unwrap_or(0),
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -368,7 +380,10 @@ async fn a_lost_reply_chunk_ends_the_stream_with_an_error_never_a_corrupt_one() 
     assert!(error_at < done_at, "{body}");
     assert!(!body[done_at + 12..].contains("data:"), "{body}");
     assert_eq!(fake.next_cancel().await, got.reply);
-    assert_eq!(metric(port, "infera_transport_sequence_errors_total"), 1);
+    assert_eq!(
+        metric(port, "infera_transport_sequence_errors_total").unwrap_or(0),
+        1
+    );
 
     // A reordered unary reply is a 502, not a spliced body.
     let client = tokio::spawn(post(
@@ -414,7 +429,11 @@ async fn a_worker_at_its_pending_limit_is_answered_429_or_failed_over() {
         json!({"model": tok, "prompt": "held", "max_tokens": 2}),
     ));
     let got = fake.next_request().await;
-    // Alone, the fake is full: 429 with Retry-After.
+    // The server reuses a backlog reading for BACKLOG_TTL (the Python Infera's 0.2 s cache); the
+    // one it took before sending the held request said 0.
+    tokio::time::sleep(nats::jetstream::BACKLOG_TTL).await;
+    // Alone, the fake is full (its JetStream backlog holds the unacked request): 429 with
+    // Retry-After.
     let body = json!({"model": tok, "prompt": "refused", "max_tokens": 2}).to_string();
     let (status, text) = tokio::task::spawn_blocking(move || {
         common::http_with_headers(port, "POST", "/v1/completions", &body).unwrap()
@@ -428,12 +447,12 @@ async fn a_worker_at_its_pending_limit_is_answered_429_or_failed_over() {
     );
 
     // With a real worker beside it, the refused attempt is retried there.
-    let worker_port = free_mock_port(&[]);
+    let worker_port = free_mock_port();
     let _worker = mock_worker(&tok, &etcd.endpoint(), &nats.url(), worker_port);
     eventually("the mock worker to be discovered", || {
         get_json(port, "/health").is_some_and(|h| h["active_workers"] == 2)
     });
-    let rejected = metric(port, "infera_transport_rejected_total");
+    let rejected = metric(port, "infera_transport_rejected_total").unwrap_or(0);
     for i in 0..2 {
         let (status, body) = post(
             port,
@@ -444,10 +463,10 @@ async fn a_worker_at_its_pending_limit_is_answered_429_or_failed_over() {
     }
     // Round-robin sent one of the two to the full fake first.
     assert_eq!(
-        metric(port, "infera_transport_rejected_total"),
+        metric(port, "infera_transport_rejected_total").unwrap_or(0),
         rejected + 1
     );
-    assert!(metric(port, "infera_router_retries_total") >= 1);
+    assert!(metric(port, "infera_router_retries_total").unwrap_or(0) >= 1);
 
     // The held request completes when the fake answers.
     fake.reply(&got.reply, 0, "data", None, "{\"ok\":true}")
@@ -464,8 +483,7 @@ async fn routing_resumes_after_a_nats_server_restart() {
     let mut nats = NatsServer::start().await.expect("nats-server starts");
     let tok = tokenizer_dir();
     let tok = tok.as_str();
-    let first = free_mock_port(&[]);
-    let ports = [first, free_mock_port(&[first])];
+    let ports = [free_mock_port(), free_mock_port()];
     let _workers: Vec<Proc> = ports
         .iter()
         .map(|p| mock_worker(tok, &etcd.endpoint(), &nats.url(), *p))
@@ -501,11 +519,11 @@ async fn routing_resumes_after_a_nats_server_restart() {
     }
     // A request that arrives while the broker is down waits for it and is not lost.
     nats.stop();
-    let picks = metric(server_port, "infera_router_picks_total");
+    let picks = metric(server_port, "infera_router_picks_total").unwrap_or(0);
     let waiting = tokio::spawn(post(server_port, req(100)));
     eventually(
         "the request to be routed (and held by the transport)",
-        || metric(server_port, "infera_router_picks_total") > picks,
+        || metric(server_port, "infera_router_picks_total").unwrap_or(0) > picks,
     );
     nats.restart().await.expect("nats-server starts again");
     let (status, body) = waiting.await.unwrap();
@@ -564,7 +582,7 @@ async fn a_lost_kv_event_batch_clears_the_rank_and_later_batches_rebuild_it() {
     eventually("the rank rebuilt from the batch after the gap", || {
         cached_blocks(port)[0].1 == 1
     });
-    assert_eq!(metric(port, "infera_kv_event_gaps_total"), 1);
+    assert_eq!(metric(port, "infera_kv_event_gaps_total").unwrap_or(0), 1);
     publish(3, stored(300, 2)).await;
     eventually("later batches add to it", || cached_blocks(port)[0].1 == 3);
 }
@@ -650,7 +668,7 @@ async fn one_worker(worker_flags: &[&str], server_flags: &[&str]) -> OneWorker {
     let etcd = EtcdServer::start().await.expect("etcd starts");
     let nats = NatsServer::start().await.expect("nats-server starts");
     let tok = tokenizer_dir();
-    let worker_port = free_mock_port(&[]);
+    let worker_port = free_mock_port();
     let worker = mock_worker_at(
         &tok,
         &etcd.endpoint(),
@@ -747,22 +765,11 @@ async fn a_killed_worker_ends_its_nats_stream_with_an_error_when_its_lease_expir
     );
 }
 
-/// A metric of the mock engine at `port` (its lines carry a `model_name` label).
-fn engine_metric(port: u16, name: &str) -> Option<u64> {
-    let (_, text) = http(port, "GET", "/metrics", "")?;
-    text.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{'))
-        })
-        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
-}
-
 /// The mock engine at `port` aborted one request whose client (the worker's proxy) went away,
 /// and runs nothing.
 fn engine_aborted_one(port: u16) -> bool {
-    engine_metric(port, "infera_mock_requests_detached_total") == Some(1)
-        && engine_metric(port, "vllm:num_requests_running") == Some(0)
+    metric(port, "infera_mock_requests_detached_total") == Some(1)
+        && metric(port, "vllm:num_requests_running") == Some(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -793,7 +800,10 @@ async fn a_worker_ends_a_request_at_its_own_max_duration_when_the_server_has_no_
     eventually("the engine to abort the request", || {
         engine_aborted_one(worker_port)
     });
-    assert_eq!(metric(port, "infera_transport_timeouts_total"), 1);
+    assert_eq!(
+        metric(port, "infera_transport_timeouts_total").unwrap_or(0),
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -814,10 +824,7 @@ async fn a_worker_bounds_a_stream_whose_server_was_killed() {
         .await
         .unwrap();
     assert!(String::from_utf8_lossy(&head).starts_with("HTTP/1.1 200"));
-    assert_eq!(
-        engine_metric(worker_port, "vllm:num_requests_running"),
-        Some(1)
-    );
+    assert_eq!(metric(worker_port, "vllm:num_requests_running"), Some(1));
     // The server dies mid-stream: no cancel will ever come.
     let killed = Command::new("kill")
         .args(["-KILL", &server.0.id().to_string()])

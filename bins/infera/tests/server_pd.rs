@@ -10,8 +10,8 @@
 mod common;
 
 use common::{
-    Proc, eventually, free_mock_port, free_port, get_json, http, mock_worker, open_stream, server,
-    tokenizer_dir,
+    Proc, eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, open_stream,
+    server, tokenizer_dir,
 };
 
 use infera_backends::testing::EtcdServer;
@@ -51,19 +51,6 @@ fn aborted_rids(port: u16) -> Vec<String> {
         .collect()
 }
 
-/// A sample of `name` on `port`'s `/metrics` (its labels, if any, ignored).
-fn metric(port: u16, name: &str) -> Option<u64> {
-    let (_, text) = http(port, "GET", "/metrics", "")?;
-    text.lines().find_map(|l| {
-        let rest = l.strip_prefix(name)?;
-        let rest = match rest.strip_prefix('{') {
-            Some(labelled) => labelled.split_once('}')?.1,
-            None => rest,
-        };
-        rest.strip_prefix(' ')?.parse().ok()
-    })
-}
-
 /// A running pair behind a server.
 struct Fleet {
     _etcd: EtcdServer,
@@ -86,8 +73,8 @@ async fn fleet(
 ) -> Fleet {
     let etcd = EtcdServer::start().await.expect("etcd starts");
     let tok = tokenizer_dir();
-    let prefill_port = free_mock_port(&[]);
-    let decode_port = free_mock_port(&[prefill_port]);
+    let prefill_port = free_mock_port();
+    let decode_port = free_mock_port();
     let prefill = pd_mock(
         &tok,
         &etcd.endpoint(),
@@ -188,6 +175,14 @@ async fn serial_pair(protocol: &str) -> (Vec<Value>, Vec<Value>) {
     let streamed: Vec<bool> = decode.iter().map(|l| l["stream"] == true).collect();
     assert_eq!(streamed, [false, true, false]);
     assert_eq!(metric(f.server_port, "infera_pd_requests_total"), Some(3));
+    // The Python Infera's families: both legs of each pair timed, each request as `disagg`.
+    let legs_timed = metric(f.server_port, "infera_pd_dispatch_duration_seconds_count");
+    assert_eq!(legs_timed, Some(6));
+    let timed = metric(
+        f.server_port,
+        "infera_request_duration_seconds_count{router=\"disagg\"",
+    );
+    assert_eq!(timed, Some(3));
     (prefill, decode)
 }
 
@@ -330,6 +325,8 @@ async fn a_pair_whose_protocols_differ_is_a_500_naming_both() {
         metric(f.server_port, "infera_pd_pair_errors_total"),
         Some(1)
     );
+    let reason = r#"infera_pd_bootstrap_failures_total{reason="protocol_unresolved""#;
+    assert_eq!(metric(f.server_port, reason), Some(1));
 }
 
 /// Kills the prefill mock without letting it deregister: its record stays in etcd until its
@@ -355,6 +352,8 @@ async fn a_failed_serial_prefill_errors_before_the_first_byte_and_never_reaches_
     assert!(legs(f.decode_port).is_empty());
     assert_eq!(metric(f.decode_port, "infera_mock_requests_total"), Some(0));
     assert!(metric(f.server_port, "infera_pd_prefill_failures_total") >= Some(1));
+    let reason = r#"infera_pd_bootstrap_failures_total{reason="prefill_unreachable""#;
+    assert!(metric(f.server_port, reason) >= Some(1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -488,7 +487,7 @@ async fn a_dead_prefill_is_retried_on_another_pair() {
     )
     .await;
     let etcd = f._etcd.endpoint();
-    let second_port = free_mock_port(&[f.prefill_port, f.decode_port]);
+    let second_port = free_mock_port();
     let _second = pd_mock(
         &f.tok,
         &etcd,

@@ -8,7 +8,8 @@
 mod common;
 
 use common::{
-    eventually, free_mock_port, free_port, get_json, http, mock_worker, server, tokenizer_dir,
+    eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, server,
+    tokenizer_dir,
 };
 use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _};
 use infera_backends::testing::{EtcdServer, sample_record};
@@ -16,12 +17,6 @@ use serde_json::json;
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-
-fn metric(port: u16, name: &str) -> Option<u64> {
-    let (_, text) = http(port, "GET", "/metrics", "")?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-}
 
 /// A worker that accepts every connection, holds it open and never answers. Returns its port
 /// and the number of connections accepted so far.
@@ -55,7 +50,7 @@ async fn a_hung_worker_is_failed_over_then_taken_out_of_routing_by_its_breaker()
         .unwrap();
     let _registration = discovery.register(&record).await.unwrap();
 
-    let worker_port = free_mock_port(&[]);
+    let worker_port = free_mock_port();
     let _worker = mock_worker(&tok, &etcd.endpoint(), worker_port, &["--speedup", "1000"]);
     let port = free_port();
     let _server = server(

@@ -1,10 +1,15 @@
 //! `infera up` against the real binary over real sockets on 127.0.0.1: the fleet starts on
 //! system-chosen ports (`--port 0`), announces itself on stdout, serves completions through the
 //! KV-aware router with the mocks' KV events fed in process (a repeated prompt hits the cache),
-//! reports its workers on `/health`, and exits 0 on SIGTERM.
+//! reports its workers on `/health`, and exits 0 on SIGTERM. With `--kvd`, a prompt served by one
+//! mock is loaded from the in-process kvd by another (never with retention `none`).
 //!
 //! Startup is synchronised by reading stdout until the `server:` line, never by sleeping.
 #![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::metric_in;
 
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -38,18 +43,23 @@ struct Fleet {
     child: ChildGuard,
     addr: SocketAddr,
     ready_line: String,
+    /// The mocks' addresses, from the `worker i:` lines.
+    workers: Vec<SocketAddr>,
+    /// The in-process kvd's socket, from the `kvd:` line (`--kvd`).
+    kvd: Option<PathBuf>,
     /// Kept open so that the process never writes to a closed pipe.
     _stdout: BufReader<ChildStdout>,
 }
 
 impl Fleet {
-    fn start(workers: u16) -> Self {
+    fn start(workers: u16, extra: &[&str]) -> Self {
         let tokenizer = repo_root().join("fixtures/tokenizers/deepseek-v4");
         let mut child = Command::new(env!("CARGO_BIN_EXE_infera"))
             .args(["up", "--workers", &workers.to_string(), "--port", "0"])
             .args(["--speedup", "1000", "--model-name", "mock"])
             .arg("--router-tokenizer-path")
             .arg(&tokenizer)
+            .args(extra)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -58,16 +68,24 @@ impl Fleet {
             .unwrap();
         let mut stdout = BufReader::new(child.stdout.take().unwrap());
         let child = ChildGuard(Some(child));
-        // Read lines until the ready line (the process exiting first ends the loop: EOF).
-        let mut line = String::new();
+        // Read the announcement to its last line (the process exiting first ends the loop: EOF).
+        let (mut line, mut ready, mut urls, mut kvd) = (String::new(), None, Vec::new(), None);
         loop {
             line.clear();
             let n = stdout.read_line(&mut line).unwrap();
             assert!(n > 0, "infera up exited before announcing the fleet");
             if line.starts_with("server: ") {
+                ready = Some(line.clone());
+            } else if let Some(rest) = line.strip_prefix("worker ") {
+                let url = rest.split_whitespace().nth(1).unwrap();
+                urls.push(url.strip_prefix("http://").unwrap().parse().unwrap());
+            } else if let Some(rest) = line.strip_prefix("kvd: ") {
+                kvd = Some(PathBuf::from(rest.split_whitespace().next().unwrap()));
+            } else if line.starts_with("stop with Ctrl-C") {
                 break;
             }
         }
+        let line = ready.expect("a server: line");
         let authority = line
             .strip_prefix("server: http://")
             .and_then(|rest| rest.split_once("/v1"))
@@ -77,6 +95,8 @@ impl Fleet {
             child,
             addr: authority.parse().unwrap(),
             ready_line: line.trim_end().to_owned(),
+            workers: urls,
+            kvd,
             _stdout: stdout,
         }
     }
@@ -166,13 +186,6 @@ fn post_json(addr: SocketAddr, path: &str, body: &Value) -> Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path} json ({e}): {text}"))
 }
 
-fn metric(text: &str, name: &str) -> u64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
-}
-
 fn cached(v: &Value) -> u64 {
     v["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
@@ -181,7 +194,7 @@ fn cached(v: &Value) -> u64 {
 
 #[test]
 fn up_serves_a_kv_aware_fleet_and_stops_on_sigterm() {
-    let fleet = Fleet::start(2);
+    let fleet = Fleet::start(2, &[]);
     assert!(
         fleet
             .ready_line
@@ -208,7 +221,7 @@ fn up_serves_a_kv_aware_fleet_and_stops_on_sigterm() {
     loop {
         let (status, text) = exchange(addr, "GET", "/metrics", "");
         assert_eq!(status, 200, "{text}");
-        if metric(&text, "infera_kv_stored_blocks_total") > 0 {
+        if metric_in(&text, "infera_kv_stored_blocks_total").unwrap_or(0) > 0 {
             break;
         }
         assert!(Instant::now() < deadline, "no kv events reached the router");
@@ -236,5 +249,76 @@ fn up_without_a_tokenizer_fails_with_one_line() {
     assert!(
         stderr.contains("infera up: error:") && stderr.contains("--router-tokenizer-path"),
         "{stderr}"
+    );
+}
+
+/// A mock's counter (its series carry `model_name="mock"`).
+fn mock_metric(worker: SocketAddr, name: &str) -> u64 {
+    let (status, text) = exchange(worker, "GET", "/metrics", "");
+    assert_eq!(status, 200, "{text}");
+    metric_in(&text, name).unwrap_or(0)
+}
+
+fn long_prompt(tag: &str) -> String {
+    let mut prompt = format!("{tag}:");
+    for i in 0..300 {
+        prompt.push_str(&format!(" word{}", i % 89));
+    }
+    prompt
+}
+
+#[test]
+fn up_with_kvd_serves_a_prompt_from_kvd_on_another_worker() {
+    let fleet = Fleet::start(2, &["--kvd"]);
+    let socket = fleet.kvd.clone().expect("a kvd: line");
+    assert!(socket.exists(), "{}", socket.display());
+    let [a, b] = fleet.workers[..] else {
+        panic!("two workers: {:?}", fleet.workers);
+    };
+    let (hits, saved) = (
+        "infera_mock_kvd_hit_tokens_total",
+        "infera_mock_kvd_saved_blocks_total",
+    );
+
+    // Worker A computes the prompt and saves its blocks before it answers.
+    let req = json!({"model": "mock", "prompt": long_prompt("kvd"), "max_tokens": 2});
+    let first = post_json(a, "/v1/completions", &req);
+    assert_eq!(cached(&first), 0, "{first}");
+    let saved_by_a = mock_metric(a, saved);
+    assert!(saved_by_a > 0, "worker A saved nothing to kvd");
+
+    // The same prompt forced to worker B: its GPU cache is empty, its prefix comes from kvd.
+    let second = post_json(b, "/v1/completions", &req);
+    assert!(cached(&second) > 0, "{second}");
+    assert_eq!(mock_metric(b, hits), cached(&second));
+    // Again on B: a GPU prefix-cache hit now, not a kvd one.
+    let third = post_json(b, "/v1/completions", &req);
+    assert_eq!(cached(&third), cached(&second), "{third}");
+    assert_eq!(mock_metric(b, hits), cached(&second));
+
+    // Retention none is never stored: B finds nothing of A's prompt in kvd.
+    let mut none = json!({"model": "mock", "prompt": long_prompt("none"), "max_tokens": 2});
+    none["kv_transfer_params"] = json!({"infera_retention": "none"});
+    post_json(a, "/v1/completions", &none);
+    assert_eq!(mock_metric(a, saved), saved_by_a);
+    none.as_object_mut().unwrap().remove("kv_transfer_params");
+    let on_b = post_json(b, "/v1/completions", &none);
+    assert_eq!(cached(&on_b), 0, "{on_b}");
+
+    // The server's prewarm reaches the same daemon.
+    let prewarm = json!({"model": "mock", "prompt": long_prompt("kvd")});
+    let (status, text) = exchange(
+        fleet.addr,
+        "POST",
+        "/v1/cache/prewarm",
+        &prewarm.to_string(),
+    );
+    assert_eq!(status, 202, "{text}");
+
+    let status = fleet.terminate();
+    assert_eq!(status.code(), Some(0), "{status:?}");
+    assert!(
+        !socket.exists(),
+        "kvd's temporary socket outlived infera up"
     );
 }

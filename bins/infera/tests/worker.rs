@@ -280,7 +280,15 @@ async fn sglang_and_atom_launchers_inject_their_own_settings() {
     stop(sglang, &mut stream).await;
 
     let dir = tempfile::tempdir().unwrap();
-    let atom = launch(&etcd, &mut stream, dir.path(), "atom", &["-tp", "1"]).await;
+    // ATOM publishes KV events only when asked, as its Python launcher.
+    let atom = launch(
+        &etcd,
+        &mut stream,
+        dir.path(),
+        "atom",
+        &["--enable-kv-events", "-tp", "1"],
+    )
+    .await;
     let port = atom.port.to_string();
     assert_eq!(
         &atom.seen.argv[..8],
@@ -394,4 +402,135 @@ async fn an_engine_that_never_becomes_healthy_is_stopped_and_reported() {
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("exited before it was ready"), "{stderr}");
+}
+
+/// A kvd daemon serving on `dir/kvd.sock` in this test's runtime.
+async fn kvd_in(dir: &Path) -> (PathBuf, infera_kvd::ShutdownHandle) {
+    let socket = dir.join("kvd.sock");
+    let server = infera_kvd::KvdServer::bind(infera_kvd::KvdOptions::new(&socket, 64 << 20))
+        .await
+        .expect("kvd starts");
+    let stop = server.shutdown_handle();
+    tokio::spawn(server.serve());
+    (socket, stop)
+}
+
+async fn kvd_stats(socket: &Path) -> infera_kvd::proto::StatsReply {
+    let mut client = infera_kvd::KvdClient::connect(socket).await.unwrap();
+    client.stats(false).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_launcher_with_kvd_wires_the_connector_and_registers_kvd_backed() {
+    let (etcd, mut stream) = etcd_and_watch().await;
+    let kvd_dir = tempfile::tempdir().unwrap();
+    let (socket, stop_kvd) = kvd_in(kvd_dir.path()).await;
+    let socket_text = socket.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let launched = launch(
+        &etcd,
+        &mut stream,
+        dir.path(),
+        "vllm",
+        &["--infera-kvd-socket", socket_text],
+    )
+    .await;
+    let seen = &launched.seen;
+    assert!(!seen.argv.iter().any(|a| a.contains("infera-kvd-socket")));
+    let at = seen
+        .argv
+        .iter()
+        .position(|a| a == "--kv-transfer-config")
+        .expect("a --kv-transfer-config");
+    let transfer: Value = serde_json::from_str(&seen.argv[at + 1]).unwrap();
+    assert_eq!(transfer["kv_connector"], "InferaKvdConnector");
+    assert_eq!(
+        transfer["kv_connector_module_path"],
+        "infera.engine.vllm.kvd_connector"
+    );
+    assert_eq!(transfer["kv_connector_extra_config"]["socket"], socket_text);
+    assert!(
+        seen.env
+            .iter()
+            .any(|l| *l == format!("INFERA_KVD_SOCKET={socket_text}"))
+    );
+    assert_eq!(
+        launched.record.extra.get("kvd_backed"),
+        Some(&Value::Bool(true))
+    );
+
+    // The engine behind it (the mock, given the socket as a launcher gives it) saves there.
+    let before = kvd_stats(&socket).await.sets_total;
+    let mut prompt = String::from("kvd-launcher:");
+    for i in 0..80 {
+        prompt.push_str(&format!(" w{i}"));
+    }
+    let body = serde_json::json!({"model": tokenizer_dir(), "prompt": prompt, "max_tokens": 2});
+    let (status, reply) =
+        http(launched.port, "POST", "/v1/completions", &body.to_string()).unwrap();
+    assert_eq!(status, 200, "{reply}");
+    assert!(kvd_stats(&socket).await.sets_total > before);
+    stop(launched, &mut stream).await;
+    stop_kvd.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launcher_whose_kvd_does_not_answer_never_starts_its_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let socket = dir.path().join("no-kvd.sock");
+    let output = Command::new(env!("CARGO_BIN_EXE_infera"))
+        .args([
+            "worker",
+            "sglang",
+            "--model-path",
+            "m",
+            "--host",
+            "127.0.0.1",
+        ])
+        .args(["--port", &free_port().to_string()])
+        .args([
+            "--discovery-backend",
+            "etcd",
+            "--etcd-endpoint",
+            &etcd.endpoint(),
+        ])
+        .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
+        .arg("--engine-cmd")
+        .arg(standin())
+        .arg("--infera-kvd-socket")
+        .arg(&socket)
+        .env("STANDIN_DIR", dir.path())
+        .env("INFERA_BIN", env!("CARGO_BIN_EXE_infera"))
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(&format!("kvd at {} did not answer hello", socket.display())),
+        "{stderr}"
+    );
+    assert!(
+        !dir.path().join("argv").exists(),
+        "the engine was started without kvd"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mock_worker_with_kvd_registers_kvd_backed() {
+    let (etcd, mut stream) = etcd_and_watch().await;
+    let kvd_dir = tempfile::tempdir().unwrap();
+    let (socket, stop_kvd) = kvd_in(kvd_dir.path()).await;
+    let port = common::free_mock_port();
+    let mut worker = common::mock_worker(
+        &tokenizer_dir(),
+        &etcd.endpoint(),
+        port,
+        &["--infera-kvd-socket", socket.to_str().unwrap()],
+    );
+    let record = registered(&mut stream).await;
+    assert_eq!(record.extra.get("kvd_backed"), Some(&Value::Bool(true)));
+    sigterm(&worker.0);
+    assert!(worker.0.wait().unwrap().success());
+    stop_kvd.shutdown();
 }

@@ -25,6 +25,8 @@ fn server(extra: &[&str]) -> Output {
         "server",
         "--router-tokenizer-path",
         dir.path().to_str().unwrap(),
+        "--k8s-label-selector",
+        "app=infera-worker",
         "--check-config",
     ];
     args.extend_from_slice(extra);

@@ -4,13 +4,18 @@
 //!   (installing what is missing, see [`tools`]), then run every test of the workspace (unit,
 //!   integration, examples, doc tests) and compile every benchmark. `ARGS` are extra
 //!   `cargo test` arguments (e.g. `-- -p infera`, which narrows both steps to that package, or
-//!   `-- -- --nocapture`).
+//!   `-- -- --nocapture`). Without a package selection it then runs the Python tests of
+//!   `kvd/python` against real vLLM and SGLang (see [`python`]).
 //! - `cargo xtask bench [-- ARGS]`: `cargo bench --workspace ARGS`.
 //! - `cargo xtask bench routing [-- ARGS]`: the routing-quality suite (see [`routing`]): the
 //!   standard traces through the replay under each policy, as a markdown table.
+//! - `cargo xtask chaos [-- ARGS]`: the chaos suite (`bins/infera/benches/chaos/`): each fault
+//!   injected into a real fleet on loopback under steady load, as a markdown table; fails when
+//!   a fault leaves a request hung or wrong. `ARGS` go to `cargo bench` (e.g. `--profile dev`
+//!   to reuse the test build instead of building in release).
 //! - `cargo xtask tools`: only the tool check and installation.
 //! - `cargo xtask layers`: the crates' dependency rules (see [`layers`]); `test` checks them
-//!   first.
+//!   first, and that the binary builds without warnings with every backend compiled out.
 //!
 //! Every step is printed before it runs; the first failing step ends the task with a non-zero
 //! exit code, naming what failed.
@@ -18,6 +23,7 @@
 // Tests may unwrap; the non-test build still denies it everywhere.
 
 mod layers;
+mod python;
 mod routing;
 mod tools;
 
@@ -27,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 const USAGE: &str =
-    "usage: cargo xtask <test|bench|bench routing|tools|layers> [-- extra arguments]";
+    "usage: cargo xtask <test|bench|bench routing|chaos|tools|layers> [-- extra arguments]";
 
 fn main() -> ExitCode {
     match run(std::env::args_os().skip(1).collect()) {
@@ -57,6 +63,7 @@ fn run(args: Vec<OsString>) -> anyhow::Result<()> {
         Some("test") => test(&root, &extra),
         Some("bench") if routing => routing::run(&root, &extra),
         Some("bench") => bench(&root, &extra),
+        Some("chaos") => chaos(&root, &extra),
         Some("tools") if extra.is_empty() => tools::ensure().map(drop),
         Some("layers") if extra.is_empty() => layers::check(&root),
         Some("help" | "--help" | "-h") => {
@@ -71,6 +78,7 @@ fn run(args: Vec<OsString>) -> anyhow::Result<()> {
 /// compiles all benchmarks.
 fn test(root: &Path, extra: &[OsString]) -> anyhow::Result<()> {
     layers::check(root)?;
+    layers::check_without_backends(root)?;
     let tools = tools::ensure()?;
     let scope = package_scope(extra);
 
@@ -94,6 +102,9 @@ fn test(root: &Path, extra: &[OsString]) -> anyhow::Result<()> {
     for (name, mut command) in [("tests", tests), ("benchmark build", benches)] {
         tools.export_to(&mut command);
         run_step(name, &mut command)?;
+    }
+    if scope == [OsString::from("--workspace")] {
+        python::test(root, || cargo(root))?;
     }
     println!("xtask: all tests passed and all benchmarks compiled");
     Ok(())
@@ -128,6 +139,17 @@ fn bench(root: &Path, extra: &[OsString]) -> anyhow::Result<()> {
     command.args(["bench", "--workspace"]).args(extra);
     tools.export_to(&mut command);
     run_step("benchmarks", &mut command)
+}
+
+/// Runs the chaos suite.
+fn chaos(root: &Path, extra: &[OsString]) -> anyhow::Result<()> {
+    let tools = tools::ensure()?;
+    let mut command = cargo(root);
+    command
+        .args(["bench", "-p", "infera", "--bench", "chaos"])
+        .args(extra);
+    tools.export_to(&mut command);
+    run_step("chaos suite", &mut command)
 }
 
 fn cargo(root: &Path) -> Command {

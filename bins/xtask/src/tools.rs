@@ -50,11 +50,23 @@ pub fn ensure() -> anyhow::Result<Tools> {
     apt.ensure("etcd", "etcd-server")?;
     apt.ensure("kubectl", "kubernetes-client")?;
     apt.ensure("openssl", "openssl")?;
+    apt.ensure("redis-server", "redis-server")?;
     let nats_server = ensure_nats_server()?;
     ensure_python_modules(&[
         ("zmq", "pyzmq"),
         ("msgpack", "msgpack"),
         ("pyarrow", "pyarrow"),
+        // the independent ext_proc / gRPC health client of the `infera gaie` tests
+        ("grpc", "grpcio"),
+        (
+            "envoy.service.ext_proc.v3.external_processor_pb2",
+            "xds-protos",
+        ),
+        ("grpc_health.v1.health_pb2", "grpcio-health-checking"),
+        // the Prometheus text parser the server's `/metrics` is checked with
+        ("prometheus_client.parser", "prometheus-client"),
+        // the reference chat-template renderer the router's is checked against
+        ("jinja2", "jinja2"),
     ])?;
     Ok(Tools { nats_server })
 }

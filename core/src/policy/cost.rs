@@ -35,16 +35,20 @@ pub fn score_candidates(
     scratch: &mut Scratch,
 ) -> Result<Vec<Scored>, RouteError> {
     let mut out: Vec<Scored> = Vec::with_capacity(cands.len());
-    // Candidates usually share one block size; group them so the index walks each request once.
-    let mut sizes: Vec<u32> = cands.iter().map(|c| c.block_size).collect();
-    sizes.sort_unstable();
-    sizes.dedup();
+    // Candidates usually share one block size and rendering; group them so the index walks
+    // each set of hashes once.
+    let key = |c: &Candidate| (c.block_size, req.per_worker.variant_of(&c.rank.worker));
+    let mut keys: Vec<(u32, Option<u32>)> = cands.iter().map(key).collect();
+    keys.sort_unstable();
+    keys.dedup();
     let mut overlap_of = vec![0u32; cands.len()];
-    for bs in sizes {
-        let blocks: &[BlockHash] = req.blocks_at(bs).ok_or(RouteError::MissingBlockSize(bs))?;
+    for (bs, variant) in keys {
+        let blocks: &[BlockHash] = req
+            .blocks_of(variant, bs)
+            .ok_or(RouteError::MissingBlockSize(bs))?;
         scratch.slots.clear();
         let members: Vec<usize> = (0..cands.len())
-            .filter(|i| cands[*i].block_size == bs)
+            .filter(|i| key(&cands[*i]) == (bs, variant))
             .collect();
         scratch.slots.extend(members.iter().map(|i| cands[*i].slot));
         fleet
@@ -56,7 +60,9 @@ pub fn score_candidates(
         }
     }
     for (c, overlap) in cands.iter().zip(overlap_of) {
-        let request_blocks = req.blocks_at(c.block_size).map(|b| b.len()).unwrap_or(0) as f64;
+        let request_blocks = req
+            .blocks_for(&c.rank.worker, c.block_size)
+            .map_or(0, <[BlockHash]>::len) as f64;
         let queued_blocks =
             fleet.queued_prefill_tokens_at(c.slot) as f64 / c.block_size.max(1) as f64;
         let prefill_blocks = request_blocks - overlap as f64 + queued_blocks;

@@ -112,23 +112,65 @@ pub struct RouteRequest {
     pub prompt_tokens: u32,
     /// The prompt's router hashes at each block size used by the model's workers.
     pub hashes: Vec<(u32, Vec<BlockHash>)>,
+    /// The prompt hashed for the workers that render it differently (empty for a uniform fleet,
+    /// the common case).
+    pub per_worker: WorkerHashes,
     pub retention: Option<Retention>,
     /// Ranks that already failed this request (retries go elsewhere).
     pub exclude: Vec<WorkerRank>,
 }
 
 impl RouteRequest {
-    /// The hashes at `block_size`, if the caller computed them. A request with no hashes at
+    /// The hashes `worker` caches this prompt under at `block_size`, if the caller computed
+    /// them: its own rendering's ([`WorkerHashes`]) or the fleet's. A request with no hashes at
     /// all was not tokenized (round-robin needs no prefix): it has no blocks at any size.
-    pub fn blocks_at(&self, block_size: u32) -> Option<&[BlockHash]> {
+    pub fn blocks_for(&self, worker: &WorkerId, block_size: u32) -> Option<&[BlockHash]> {
+        self.blocks_of(self.per_worker.variant_of(worker), block_size)
+    }
+
+    /// The hashes of rendering `variant` (`None`: the fleet's) at `block_size`.
+    fn blocks_of(&self, variant: Option<u32>, block_size: u32) -> Option<&[BlockHash]> {
         if block_size == 0 || self.hashes.is_empty() {
             // A worker of unknown block size cannot hold a known prefix: load only.
             return Some(&[]);
         }
-        self.hashes
+        match variant {
+            None => self
+                .hashes
+                .iter()
+                .find(|(bs, _)| *bs == block_size)
+                .map(|(_, h)| h.as_slice()),
+            Some(variant) => self
+                .per_worker
+                .hashes
+                .iter()
+                .find(|(v, bs, _)| *v == variant && *bs == block_size)
+                .map(|(_, _, h)| h.as_slice()),
+        }
+    }
+}
+
+/// The prompt as hashed for workers whose engines render chat templates with their own server
+/// defaults (`--default-chat-template-kwargs`), which the fleet's hashes would never match.
+/// Renderings are numbered per request.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WorkerHashes {
+    /// Each such worker with the number of its rendering.
+    pub workers: Vec<(WorkerId, u32)>,
+    /// (rendering, block size) → the prompt's hashes.
+    pub hashes: Vec<(u32, u32, Vec<BlockHash>)>,
+}
+
+impl WorkerHashes {
+    /// The rendering `worker` uses, `None` for the fleet's.
+    pub fn variant_of(&self, worker: &WorkerId) -> Option<u32> {
+        if self.workers.is_empty() {
+            return None;
+        }
+        self.workers
             .iter()
-            .find(|(bs, _)| *bs == block_size)
-            .map(|(_, h)| h.as_slice())
+            .find(|(w, _)| w == worker)
+            .map(|(_, v)| *v)
     }
 }
 
@@ -266,7 +308,7 @@ impl Router {
                     model: req.model.clone(),
                 });
             }
-            let Some(leg_blocks) = req.blocks_at(record.kv_block_size) else {
+            let Some(leg_blocks) = req.blocks_for(&leg.worker.worker, record.kv_block_size) else {
                 continue;
             };
             if let Some(slot) = fleet.index().slot(&leg.worker) {
@@ -327,7 +369,7 @@ impl Router {
                 let c = &cands[(*cursor % cands.len() as u64) as usize];
                 *cursor = cursor.wrapping_add(1);
                 let blocks = req
-                    .blocks_at(c.block_size)
+                    .blocks_for(&c.rank.worker, c.block_size)
                     .ok_or(RouteError::MissingBlockSize(c.block_size))?;
                 let mut ov = Vec::with_capacity(1);
                 fleet
@@ -347,7 +389,7 @@ impl Router {
                 let pick = cost::choose(&scored, self.config.temperature, &mut self.rng);
                 let chosen = &scored[pick];
                 let blocks = req
-                    .blocks_at(chosen.candidate.block_size)
+                    .blocks_for(&chosen.candidate.rank.worker, chosen.candidate.block_size)
                     .ok_or(RouteError::MissingBlockSize(chosen.candidate.block_size))?;
                 let leg = RoutedLeg {
                     worker: chosen.candidate.rank.clone(),

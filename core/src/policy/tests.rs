@@ -75,6 +75,7 @@ fn request(id: &str, tokens: &[u32]) -> RouteRequest {
         prompt_tokens: tokens.len() as u32,
         hashes: vec![(4, hash_blocks(tokens, 4, None))],
         retention: None,
+        per_worker: Default::default(),
         exclude: vec![],
     }
 }
@@ -336,4 +337,37 @@ fn a_worker_of_unknown_block_size_is_routed_by_load() {
         w.apply(Event::RequestRouted(d));
     }
     assert_eq!(seen.len(), 2, "both workers take load: {seen:?}");
+}
+
+#[test]
+fn a_worker_that_renders_its_own_way_is_scored_and_charged_with_its_own_hashes() {
+    let mut w = World::new(&[("a:1", Role::Mixed), ("b:1", Role::Mixed)]);
+    // b's engine renders the prompt with its own template defaults: other tokens, other hashes.
+    let fleet_tokens: Vec<u32> = (0..64).collect();
+    let b_tokens: Vec<u32> = (1000..1064).collect();
+    let b_blocks = hash_blocks(&b_tokens, 4, None);
+    w.store("b:1", &b_blocks[..12]);
+    let mut r = Router::new(RouterConfig::default());
+
+    // Hashed the fleet's way only, b's cache is invisible: no overlap anywhere.
+    let uniform = request("r1", &fleet_tokens);
+    let d = r.decide(&w.fleet, &uniform, 0).expect("decision");
+    assert_eq!(d.legs[0].overlap_blocks, 0);
+
+    let mut per_worker = request("r2", &fleet_tokens);
+    per_worker.per_worker = WorkerHashes {
+        workers: vec![(WorkerId::new("b:1"), 1)],
+        hashes: vec![(1, 4, b_blocks.clone())],
+    };
+    let d = r.decide(&w.fleet, &per_worker, 0).expect("decision");
+    assert_eq!(d.legs[0].worker, WorkerRank::new("b:1", 0));
+    assert_eq!(d.legs[0].overlap_blocks, 12);
+    // The blocks charged to b are the ones its engine will store.
+    assert_eq!(d.blocks, b_blocks);
+    assert_eq!(
+        per_worker.blocks_for(&WorkerId::new("a:1"), 4),
+        Some(&per_worker.hashes[0].1[..])
+    );
+    // A rendering without hashes at a block size is a missing block size, as for the fleet's.
+    assert_eq!(per_worker.blocks_for(&WorkerId::new("b:1"), 8), None);
 }

@@ -8,12 +8,15 @@
 //! | [`transport`]: `RequestTransport` | HTTP (`infera-adapters`), NATS (`infera-backends`) |
 //! | [`kv_events`]: `KvEventSource`, `KvReplay` | ZeroMQ, NATS (`infera-backends`), in-process channels |
 //! | [`prefetch`]: `KvPrefetch` | the kvd client (`infera` binary) |
-//! | [`metrics`]: `MetricsSource` | the trace recorder, the durable event log |
+//! | [`kv_store`]: `KvBlockStore` | the kvd client (`infera` binary), for the mock engine |
+//! | [`scaling`]: `PoolScaler` | the InferaDeployment on Kubernetes (`infera-backends`) |
 //!
-//! The event log port is [`crate::log::EventLog`].
+//! The event log port is [`crate::log::EventLog`]. Metrics need no port of ours: a component
+//! registers its families in its process's `prometheus_client` registry.
 
 pub mod discovery;
 pub mod kv_events;
-pub mod metrics;
+pub mod kv_store;
 pub mod prefetch;
+pub mod scaling;
 pub mod transport;

@@ -31,6 +31,14 @@
 //! its last pin drops. Leases belong to a connection and die with it. Which entry owns which
 //! slot, and eviction by retention class, are the L2 store's business (`crate::store`): the
 //! arena only places bytes.
+//!
+//! # Backing
+//! A plain memfd (4 KiB pages, allocated on first touch), or with [`Backing::hugetlb`]
+//! (`--shared-arena-hugetlb`) 2 MiB hugepages: `MFD_HUGETLB | MFD_HUGE_2MB`, the size rounded
+//! up to 2 MiB. The kernel reserves every hugepage when the arena is mapped, so too few free
+//! ones is an error at startup that says how to reserve them; a kernel without hugetlb memfds
+//! gets a warning and 4 KiB pages, as in the Python kvd. The daemon takes it from
+//! `KvdOptions::arena_backing`; [`Arena::new`] is plain.
 
 mod fdpass;
 
@@ -48,6 +56,17 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Bytes of the slot header.
 pub const HEADER_BYTES: u64 = 16;
+/// The hugepage size of a [`Backing::hugetlb`] arena.
+pub const HUGE_PAGE_BYTES: u64 = 2 << 20;
+const NAME: &str = "infera-kvd-arena";
+
+/// How the arena's memory is backed (see the module docs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Backing {
+    /// 2 MiB hugepages (`--shared-arena-hugetlb`).
+    pub hugetlb: bool,
+}
+
 /// Slot sizes are multiples of this.
 pub const SLOT_ALIGN: u64 = 64;
 /// A first write decides the slot size only if at least this many such slots fit the arena.
@@ -104,6 +123,8 @@ struct Slots {
 pub struct Arena {
     map: SharedMap,
     bytes: u64,
+    /// Backed by 2 MiB hugepages.
+    hugetlb: bool,
     pid: u32,
     /// `Slots::slot_size`, readable without the lock (set once).
     slot_size: AtomicU64,
@@ -117,10 +138,24 @@ impl Arena {
     /// # Errors
     /// The kernel's error creating or mapping the memfd.
     pub fn new(bytes: u64, slot_bytes: Option<u64>) -> io::Result<Self> {
-        let map = SharedMap::create("infera-kvd-arena", bytes as usize)?;
+        Self::with_backing(bytes, slot_bytes, Backing::default())
+    }
+
+    /// [`Arena::new`] with the given backing; a hugetlb arena holds `bytes` rounded up to
+    /// [`HUGE_PAGE_BYTES`].
+    ///
+    /// # Errors
+    /// As [`Arena::new`]; for a hugetlb arena too few free hugepages, with what to do.
+    pub fn with_backing(bytes: u64, slot_bytes: Option<u64>, backing: Backing) -> io::Result<Self> {
+        let (map, hugetlb) = match backing.hugetlb.then(|| map_hugetlb(bytes)).flatten() {
+            Some(map) => (map?, true),
+            None => (SharedMap::create(NAME, bytes as usize)?, false),
+        };
+        let bytes = map.len() as u64;
         let arena = Self {
             map,
             bytes,
+            hugetlb,
             pid: std::process::id(),
             slot_size: AtomicU64::new(0),
             slots: Mutex::new(Slots {
@@ -172,6 +207,11 @@ impl Arena {
                  and set_reserve is refused; raise --shared-arena-bytes"
             );
         }
+    }
+
+    /// Whether the arena is backed by 2 MiB hugepages.
+    pub fn hugetlb(&self) -> bool {
+        self.hugetlb
     }
 
     /// The memfd, for `SCM_RIGHTS`.
@@ -420,6 +460,63 @@ pub fn read_header(map: &SharedMap, payload_offset: u64) -> Option<(u32, u32)> {
     Some((version, len))
 }
 
+/// A hugetlb memfd of `bytes` rounded up to [`HUGE_PAGE_BYTES`], mapped; `None` (after a
+/// warning) when the kernel offers no hugetlb memfd, to fall back to 4 KiB pages.
+fn map_hugetlb(bytes: u64) -> Option<io::Result<SharedMap>> {
+    use rustix::fs::MemfdFlags;
+    let len = bytes.div_ceil(HUGE_PAGE_BYTES).max(1) * HUGE_PAGE_BYTES;
+    let flags = MemfdFlags::CLOEXEC | MemfdFlags::HUGETLB | MemfdFlags::HUGE_2MB;
+    let fd = match rustix::fs::memfd_create(NAME, flags) {
+        Ok(fd) => fd,
+        Err(error) => {
+            tracing::warn!(
+                %error,
+                "--shared-arena-hugetlb: the kernel offers no hugetlb memfd; the shared arena \
+                 uses 4 KiB pages"
+            );
+            return None;
+        }
+    };
+    let mapped = rustix::fs::ftruncate(&fd, len)
+        .map_err(io::Error::from)
+        .and_then(|()| SharedMap::open(fd, len as usize, true, false));
+    Some(match mapped {
+        Ok(map) => {
+            tracing::info!(arena_bytes = len, "kvd shared arena on 2 MiB hugepages");
+            Ok(map)
+        }
+        Err(error) => Err(hugetlb_error(&error, len, meminfo_value("HugePages_Free"))),
+    })
+}
+
+/// The error of a hugetlb arena the kernel would not map: how many pages it needs and how
+/// many are free (`HugePages_Free`), and how to reserve them.
+fn hugetlb_error(error: &io::Error, len: u64, free: Option<u64>) -> io::Error {
+    let pages = len / HUGE_PAGE_BYTES;
+    let free = free.map_or_else(|| "an unknown number".to_owned(), |n| n.to_string());
+    io::Error::new(
+        error.kind(),
+        format!(
+            "--shared-arena-hugetlb: cannot map {pages} 2 MiB hugepages ({error}), {free} \
+             free (HugePages_Free); reserve more (sysctl -w vm.nr_hugepages=N) or drop the \
+             flag (and INFERA_KVD_ARENA_HUGETLB)"
+        ),
+    )
+}
+
+/// A count from `/proc/meminfo` (e.g. `HugePages_Free`).
+fn meminfo_value(key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    meminfo_field(&text, key)
+}
+
+fn meminfo_field(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|line| {
+        let (name, value) = line.split_once(':')?;
+        (name.trim() == key).then(|| value.split_whitespace().next()?.parse().ok())?
+    })
+}
+
 /// The owner behind [`Arena::pin`]'s `Bytes`.
 #[derive(Debug)]
 struct Pinned {
@@ -445,6 +542,49 @@ impl Drop for Pinned {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hugetlb_arena_is_whole_hugepages_or_a_clear_error() {
+        match Arena::with_backing(3 << 20, None, Backing { hugetlb: true }) {
+            Ok(arena) if arena.hugetlb() => {
+                assert_eq!(arena.info()[0], 4 << 20, "rounded up to 2 MiB pages");
+            }
+            // No hugetlb memfd in this kernel: a warning and 4 KiB pages.
+            Ok(arena) => assert_eq!(arena.info()[0], 3 << 20),
+            Err(error) => {
+                let message = error.to_string();
+                assert!(
+                    message.contains("cannot map 2 2 MiB hugepages"),
+                    "{message}"
+                );
+                assert!(message.contains("vm.nr_hugepages"), "{message}");
+            }
+        }
+        let plain = Arena::with_backing(3 << 20, None, Backing::default()).unwrap();
+        assert!(!plain.hugetlb());
+        assert_eq!(plain.info()[0], 3 << 20);
+    }
+
+    #[test]
+    fn the_hugetlb_error_says_what_is_free_and_how_to_reserve() {
+        let enomem = io::Error::from_raw_os_error(12);
+        let error = hugetlb_error(&enomem, 8 << 20, Some(1));
+        assert_eq!(error.kind(), enomem.kind());
+        let message = error.to_string();
+        assert!(message.starts_with("--shared-arena-hugetlb: cannot map 4 2 MiB hugepages"));
+        assert!(message.contains("1 free"), "{message}");
+        assert!(message.contains("sysctl -w vm.nr_hugepages=N"), "{message}");
+        assert!(
+            hugetlb_error(&enomem, 2 << 20, None)
+                .to_string()
+                .contains("an unknown number")
+        );
+        let meminfo =
+            "HugePages_Total:       4\nHugePages_Free:        3\nHugepagesize:    2048 kB\n";
+        assert_eq!(meminfo_field(meminfo, "HugePages_Free"), Some(3));
+        assert_eq!(meminfo_field(meminfo, "Hugepagesize"), Some(2048));
+        assert_eq!(meminfo_field(meminfo, "HugePages_Rsvd"), None);
+    }
 
     #[test]
     fn slots_cycle_through_versions_and_pins_defer_reuse() {

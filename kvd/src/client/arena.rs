@@ -81,6 +81,21 @@ impl ClientArena {
         self.stable(slot).then_some(r)
     }
 
+    /// Whether `slot` lies in the arena and its header still shows the announced version and
+    /// length: checked before and after a caller reads the bytes in place through
+    /// [`ClientArena::base`] (a reader that raced a rewrite sees `false` afterwards).
+    pub fn is_valid(&self, slot: &SharedSlot) -> bool {
+        self.in_bounds(slot) && self.stable(slot)
+    }
+
+    /// The mapping's first byte, for handing the arena to code that addresses memory by
+    /// pointer (a buffer-protocol view, registering the pages with a GPU driver). The pointer
+    /// is valid for [`ClientArena::len`] bytes while `self` lives; the slot rules above say
+    /// which bytes may be read or written.
+    pub fn base(&self) -> *const u8 {
+        self.map.slice(0, self.map.len()).as_ptr()
+    }
+
     /// Copies the slot's bytes out; `None` when torn.
     pub fn copy(&self, slot: &SharedSlot) -> Option<Bytes> {
         if !self.in_bounds(slot) || !self.stable(slot) {

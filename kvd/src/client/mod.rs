@@ -25,6 +25,7 @@ use infera_core::event::Retention;
 use rmpv::Value;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use tokio::io::{AsyncReadExt, BufReader};
 use tokio::net::UnixStream;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
@@ -104,7 +105,7 @@ pub struct KvdClient {
     rd: BufReader<OwnedReadHalf>,
     wr: OwnedWriteHalf,
     max_frame: usize,
-    arena: Option<ClientArena>,
+    arena: Option<Arc<ClientArena>>,
     /// A lease taken ahead by [`KvdClient::put`].
     spare: Option<Reservation>,
 }
@@ -125,7 +126,7 @@ impl KvdClient {
         Ok(Self::from_stream(stream, None))
     }
 
-    fn from_stream(stream: UnixStream, arena: Option<ClientArena>) -> Self {
+    fn from_stream(stream: UnixStream, arena: Option<Arc<ClientArena>>) -> Self {
         let _ = rustix::net::sockopt::set_socket_send_buffer_size(&stream, 4 << 20);
         let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&stream, 4 << 20);
         let (rd, wr) = stream.into_split();
@@ -185,9 +186,9 @@ impl KvdClient {
         let arena = match ack.shared_arena {
             Some(info) => {
                 let fd = recv_fd(&stream).await?;
-                Some(ClientArena::open(fd, info).map_err(|e| {
+                Some(Arc::new(ClientArena::open(fd, info).map_err(|e| {
                     ClientError::Protocol(format!("cannot map the shared arena: {e}"))
-                })?)
+                })?))
             }
             None => None,
         };
@@ -196,7 +197,13 @@ impl KvdClient {
 
     /// The mapped arena, after [`KvdClient::connect_shared`] got one.
     pub fn arena(&self) -> Option<&ClientArena> {
-        self.arena.as_ref()
+        self.arena.as_deref()
+    }
+
+    /// The mapped arena as a shared handle, for views that may outlive this connection (the
+    /// mapping stays valid while any handle lives; slots read through it still validate).
+    pub fn arena_handle(&self) -> Option<Arc<ClientArena>> {
+        self.arena.clone()
     }
 
     /// Sends one request without waiting for its reply.
@@ -411,6 +418,33 @@ impl KvdClient {
                 .iter()
                 .map(|s| s.as_ref().and_then(|s| self.copy_slot(s)))
                 .collect()),
+            other => Err(unexpected("batch_get_response", &other)),
+        }
+    }
+
+    /// `batch_get` for zero-copy use: per key, the arena slot or the inline value (as
+    /// [`KvdClient::get_shared`]), or `None` on a miss.
+    pub async fn batch_get_shared(
+        &mut self,
+        ns: &Namespace,
+        keys: Vec<Bytes>,
+    ) -> Result<Vec<Option<SharedGet>>, ClientError> {
+        let n = keys.len();
+        match self
+            .call(Request::BatchGet {
+                ns: ns.clone(),
+                keys,
+            })
+            .await?
+        {
+            Response::BatchGet { values, retentions } if values.len() == n => Ok(values
+                .into_iter()
+                .zip(retentions.into_iter().chain(std::iter::repeat(None)))
+                .map(|(v, retention)| v.map(|value| SharedGet::Inline(Hit { value, retention })))
+                .collect()),
+            Response::BatchGetShared { slots, .. } if slots.len() == n => {
+                Ok(slots.into_iter().map(|s| s.map(SharedGet::Slot)).collect())
+            }
             other => Err(unexpected("batch_get_response", &other)),
         }
     }

@@ -1,23 +1,26 @@
 //! The long-term tier behind L2: one object-safe trait, [`LongStore`], used as
 //! `Arc<dyn LongStore>`, and its resolver, [`open`], from the closed config enum
-//! [`LongBackendConfig`] (`--long-backend tablespace|mooncake|lmcache`).
+//! [`LongBackendConfig`] (`--long-backend tablespace|mooncake|lmcache`, `--l4-backend`).
 //!
-//! The tablespace (L3, [`crate::tablespace`]) is the first implementation. The remote L4 stores
-//! (Mooncake Store, LMCache) are not built yet: choosing one is refused by [`check_available`],
-//! which `infera kvd` calls while validating its flags, so the user gets one line and a nonzero
-//! exit instead of a daemon that silently runs without its tier.
+//! Implementations: the tablespace (L3, [`crate::tablespace`]); the L4 over a remote store
+//! ([`crate::l4::L4`], LMCache's Redis layout or `lm://` server); and [`Stacked`], L3 with an
+//! L4 behind it (L2 → L3 → L4). The Mooncake Store is not built yet: choosing it is refused by
+//! [`check_available`], which `infera kvd` calls while validating its flags, so the user gets
+//! one line and a nonzero exit instead of a daemon that silently runs without its tier.
 //!
 //! # Contract
 //! - The index is in memory and answers synchronously ([`LongStore::class_of`],
 //!   [`LongStore::put`], [`LongStore::remove`]), so the tiered store can keep it in step with L2
-//!   under the L2 lock: whatever order two writes of one key take there, they take here.
+//!   under the L2 lock: whatever order two writes of one key take there, they take here. (A
+//!   remote L4 indexes only what it has queued; reads and [`LongStore::held`] ask the store.)
 //! - Moving bytes is asynchronous: [`LongStore::put`] records the entry and queues its write,
 //!   keeping the value readable from memory until the write lands; [`LongStore::get`] reads
 //!   and verifies. Queued bytes are bounded by write permits ([`LongStore::write_permits`]),
 //!   which the caller takes *before* the L2 lock (so back-pressure never blocks it), for a
 //!   bounded prefix of its writes at a time and all at once: a caller never waits for permits
 //!   while holding others that are not yet attached to queued writes, and queued writes finish
-//!   on their own, so writers cannot deadlock however large or many their batches are.
+//!   on their own, so writers cannot deadlock however large or many their batches are. (The
+//!   L4 never makes a writer wait: a put its queue cannot hold is dropped and counted.)
 //! - Durability: by default a put is acknowledged once recorded (its journal record reaches
 //!   the file within the journal's flush interval, its block within the I/O queue's drain). A
 //!   backend opened with durable writes returns, with each put, a [`Durable`] future that
@@ -28,6 +31,11 @@
 //! - A `get` returns the bytes last put under that exact key (namespace included) or nothing:
 //!   never another key's bytes, never a half-written block, including after a crash.
 
+mod stacked;
+
+pub use stacked::Stacked;
+
+use crate::l4::{L4, L4Config, L4OpenError};
 use crate::proto::Namespace;
 use crate::stats::LongStats;
 use crate::tablespace::{Tablespace, TablespaceConfig};
@@ -46,8 +54,10 @@ pub enum LongBackendConfig {
     Tablespace(TablespaceConfig),
     /// L4: a Mooncake Store cluster (not built yet).
     Mooncake,
-    /// L4: an LMCache remote backend (not built yet).
-    Lmcache,
+    /// L4 alone: an LMCache remote store (`--long-backend lmcache`).
+    Lmcache(L4Config),
+    /// L3 with an L4 behind it (`--long-path(s)` with `--l4-backend lmcache`).
+    Stacked(TablespaceConfig, L4Config),
 }
 
 impl LongBackendConfig {
@@ -56,7 +66,8 @@ impl LongBackendConfig {
         match self {
             LongBackendConfig::Tablespace(_) => "tablespace",
             LongBackendConfig::Mooncake => "mooncake",
-            LongBackendConfig::Lmcache => "lmcache",
+            LongBackendConfig::Lmcache(_) => "lmcache",
+            LongBackendConfig::Stacked(..) => "tablespace",
         }
     }
 }
@@ -65,13 +76,13 @@ impl LongBackendConfig {
 /// the flag name (`--long-backend <error>`).
 ///
 /// # Errors
-/// For `mooncake` and `lmcache` (not built yet) and unknown names.
+/// For `mooncake` (not built yet) and unknown names.
 pub fn check_available(kind: &str) -> Result<(), String> {
     match kind {
-        "tablespace" => Ok(()),
-        "mooncake" | "lmcache" => Err(format!(
-            "{kind}: the L4 stores (mooncake, lmcache) are not available in this build yet; \
-             use --long-backend tablespace with --long-path or --long-paths"
+        "tablespace" | "lmcache" => Ok(()),
+        "mooncake" => Err(format!(
+            "{kind}: the Mooncake Store backend is not built yet; use lmcache (--lmcache-config) \
+             or tablespace (--long-path)"
         )),
         other => Err(format!(
             "{other}: unknown backend; use tablespace, mooncake or lmcache"
@@ -88,6 +99,9 @@ pub enum LongOpenError {
     /// The settings cannot work (sizes, paths, I/O mode on this device).
     #[error("{0}")]
     Invalid(String),
+    /// The L4 store could not start.
+    #[error(transparent)]
+    L4(#[from] L4OpenError),
     /// Opening or recovering the on-disk region failed.
     #[error("cannot open the L3 region at {path}: {source}")]
     Io {
@@ -104,17 +118,29 @@ pub enum LongOpenError {
 pub async fn open(config: &LongBackendConfig) -> Result<Arc<dyn LongStore>, LongOpenError> {
     check_available(config.kind()).map_err(LongOpenError::Unavailable)?;
     match config {
-        LongBackendConfig::Tablespace(ts) => {
-            let ts = ts.clone();
-            let opened = tokio::task::spawn_blocking(move || Tablespace::open(&ts))
-                .await
-                .map_err(|e| LongOpenError::Invalid(format!("the L3 recovery task failed: {e}")))?;
-            Ok(Arc::new(opened?))
+        LongBackendConfig::Tablespace(ts) => Ok(Arc::new(open_tablespace(ts).await?)),
+        LongBackendConfig::Lmcache(l4) => Ok(Arc::new(open_l4(l4).await?)),
+        LongBackendConfig::Stacked(ts, l4) => {
+            let l3 = open_tablespace(ts).await?;
+            Ok(Arc::new(Stacked::new(
+                Arc::new(l3),
+                Arc::new(open_l4(l4).await?),
+            )))
         }
-        LongBackendConfig::Mooncake | LongBackendConfig::Lmcache => {
-            Err(LongOpenError::Unavailable(config.kind().to_owned()))
-        }
+        LongBackendConfig::Mooncake => Err(LongOpenError::Unavailable(config.kind().to_owned())),
     }
+}
+
+async fn open_tablespace(ts: &TablespaceConfig) -> Result<Tablespace, LongOpenError> {
+    let ts = ts.clone();
+    tokio::task::spawn_blocking(move || Tablespace::open(&ts))
+        .await
+        .map_err(|e| LongOpenError::Invalid(format!("the L3 recovery task failed: {e}")))?
+}
+
+async fn open_l4(config: &L4Config) -> Result<L4, LongOpenError> {
+    tracing::info!(store = %config.remote_url, prefix = %config.prefix, "kvd L4 (LMCache layout)");
+    Ok(L4::open(config.store(), config.options(), config.required).await?)
 }
 
 /// One block for the long-term tier.
@@ -245,6 +271,26 @@ pub trait LongStore: Send + Sync + std::fmt::Debug {
     /// a miss.
     async fn get(&self, ns: &Namespace, key: &[u8], hash: u128, now: u64) -> Option<LongHit>;
 
+    /// Reads several blocks of one namespace, `(key, hash)` each, in order (a remote backend
+    /// batches them); by default one [`LongStore::get`] each, concurrently.
+    async fn get_many(
+        &self,
+        ns: &Namespace,
+        reqs: &[(Bytes, u128)],
+        now: u64,
+    ) -> Vec<Option<LongHit>> {
+        let reads = reqs.iter().map(|(key, hash)| self.get(ns, key, *hash, now));
+        futures::future::join_all(reads).await
+    }
+
+    /// Whether a read of each `(key, hash)` may find a block, without reading it (what a
+    /// `prefetch_hint` asks before promoting); by default from the index.
+    async fn held(&self, _ns: &Namespace, reqs: &[(Bytes, u128)], now: u64) -> Vec<bool> {
+        reqs.iter()
+            .map(|(_, hash)| self.class_of(*hash, now).is_some())
+            .collect()
+    }
+
     /// Drops the namespace's entries, or all for the empty namespace; returns how many.
     fn clear(&self, ns: &Namespace) -> u64;
 
@@ -278,13 +324,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_the_tablespace_is_available() {
+    fn mooncake_is_not_available() {
         assert!(check_available("tablespace").is_ok());
-        for kind in ["mooncake", "lmcache"] {
-            let message = check_available(kind).unwrap_err();
-            assert!(message.contains("not available"), "{message}");
-            assert!(!message.contains('\n'));
-        }
+        assert!(check_available("lmcache").is_ok());
+        let message = check_available("mooncake").unwrap_err();
+        assert!(message.contains("not built yet"), "{message}");
+        assert!(!message.contains('\n'));
         assert!(check_available("s3").is_err());
     }
 

@@ -282,6 +282,8 @@ pub struct ExtendedStats {
     pub l3_direct_io: u64,
     /// 1 when L3 uses io_uring.
     pub l3_io_uring: u64,
+    /// The L4 tier's counters, on the wire as `l4_<field>`.
+    pub l4: crate::stats::L4Stats,
 }
 
 impl ExtendedStats {
@@ -324,6 +326,7 @@ impl ExtendedStats {
                 self.class_bytes[c],
             ));
         }
+        out.extend(self.l4.fields().map(|(k, v)| (format!("l4_{k}"), v)));
         out
     }
 
@@ -354,6 +357,7 @@ impl ExtendedStats {
             l3_rejected_total: get("l3_rejected_total"),
             l3_direct_io: get("l3_direct_io"),
             l3_io_uring: get("l3_io_uring"),
+            l4: crate::stats::L4Stats::from_fields(|name| get(&format!("l4_{name}"))),
             ..Self::default()
         };
         for class in Retention::ALL {

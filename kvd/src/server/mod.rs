@@ -56,6 +56,8 @@ pub struct KvdOptions {
     pub shared_arena_bytes: u64,
     /// The arena slot size; `None` lets the first write decide it (upstream's behaviour).
     pub arena_slot_bytes: Option<u64>,
+    /// The arena's memory (`--shared-arena-hugetlb`).
+    pub arena_backing: crate::arena::Backing,
     /// The long-term tier (`--long-backend` with `--long-path(s)`); `None` for RAM only.
     pub long: Option<LongBackendConfig>,
     /// Set by a caller that asked for the L3 tier without describing it in `long` (older
@@ -100,6 +102,7 @@ impl KvdOptions {
             max_bytes,
             shared_arena_bytes: 0,
             arena_slot_bytes: None,
+            arena_backing: crate::arena::Backing::default(),
             long: None,
             long_tier_requested: false,
             max_frame_bytes: proto::DEFAULT_MAX_FRAME_BYTES,
@@ -240,7 +243,7 @@ impl KvdServer {
         let arena = match options.shared_arena_bytes {
             0 => None,
             bytes => Some(Arc::new(
-                Arena::new(bytes, options.arena_slot_bytes)
+                Arena::with_backing(bytes, options.arena_slot_bytes, options.arena_backing)
                     .map_err(|source| KvdError::Arena { bytes, source })?,
             )),
         };
@@ -406,7 +409,7 @@ impl KvdServer {
         if let Some(long) = shared.store.long()
             && let Err(error) = long.close().await
         {
-            tracing::error!(%error, "kvd could not flush and checkpoint the L3 tier at shutdown");
+            tracing::error!(%error, "kvd could not flush and checkpoint the long-term tier at shutdown");
         }
         tracing::info!(
             metrics = %metrics_text(&shared.store.stats()),

@@ -12,7 +12,7 @@
 //! - With a durable backend (`--durable-long-writes`), a `long` write is acknowledged only
 //!   once the backend's [`crate::long::Durable`] resolved (awaited after the L2 lock is
 //!   released); one the backend refused or could not make durable is answered `not_durable`.
-//! - `get`: L2, then the backend; a backend hit is promoted into L2 (into the arena when a slot
+//! - `get`: L2, then the backend (one batched read for a batch's misses); a backend hit is promoted into L2 (into the arena when a slot
 //!   is free) unless the key changed meanwhile (its generation moved on, or L2 got a new value).
 //! - Arena: an inline `set` is copied into a free slot when one exists (else kept on the heap);
 //!   `set_reserve` demotes the lowest-class LRU resident to the heap when every slot is taken,
@@ -377,10 +377,11 @@ impl Store {
         if let Some(long) = &self.long
             && !misses.is_empty()
         {
-            let reads = misses
+            let reqs: Vec<(Bytes, u128)> = misses
                 .iter()
-                .map(|(i, hash)| long.get(ns, &keys[*i], *hash, now));
-            let hits = futures::future::join_all(reads).await;
+                .map(|(i, hash)| (keys[*i].clone(), *hash))
+                .collect();
+            let hits = long.get_many(ns, &reqs, now).await;
             for ((i, hash), hit) in misses.into_iter().zip(hits) {
                 if let Some(hit) = hit {
                     out[i] = Some(self.promote(ns, &keys[i], hash, hit, now, shared));
@@ -486,20 +487,33 @@ impl Store {
         self.dropped.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Promotes the keys the backend holds and L2 does not; returns how many it promoted.
+    /// Promotes the keys the backend holds and L2 does not (asking a remote backend which it
+    /// holds, then reading those in one batch); returns how many it promoted.
     pub async fn prefetch(&self, ns: &Namespace, keys: &[Bytes], now: u64) -> u64 {
         let Some(long) = &self.long else {
             return 0;
         };
+        let wanted: Vec<(Bytes, u128)> = {
+            let st = self.lock();
+            keys.iter()
+                .map(|key| (key.clone(), key_hash(ns, key)))
+                .filter(|(key, hash)| !st.contains(*hash, ns, key, now))
+                .collect()
+        };
+        if wanted.is_empty() {
+            return 0;
+        }
+        let held = long.held(ns, &wanted, now).await;
+        let reqs: Vec<(Bytes, u128)> = wanted
+            .into_iter()
+            .zip(held)
+            .filter_map(|(req, held)| held.then_some(req))
+            .collect();
         let mut promoted = 0;
-        for key in keys {
-            let hash = key_hash(ns, key);
-            if self.lock().contains(hash, ns, key, now) || long.class_of(hash, now).is_none() {
-                continue;
-            }
-            if let Some(hit) = long.get(ns, key, hash, now).await {
-                self.promote(ns, key, hash, hit, now, false);
-                if self.lock().contains(hash, ns, key, now) {
+        for ((key, hash), hit) in reqs.iter().zip(long.get_many(ns, &reqs, now).await) {
+            if let Some(hit) = hit {
+                self.promote(ns, key, *hash, hit, now, false);
+                if self.lock().contains(*hash, ns, key, now) {
                     promoted += 1;
                 }
             }

@@ -39,6 +39,9 @@ pub enum IoMode {
     Direct,
     /// Through the page cache.
     Buffered,
+    /// By the file system's type, from the Python kvd's table (its
+    /// `--tablespace-auto-detect-fs`; see [`super::fs_defaults`]).
+    FileSystem,
 }
 
 /// What [`decide`] chose, and why (logged at startup).
@@ -129,6 +132,15 @@ pub fn decide(mode: IoMode, dir: &Path) -> IoDecision {
                 .map(|s| s.f_type as i64)
                 .unwrap_or_default();
             classify(magic, &devices_of(dir))
+        }
+        IoMode::FileSystem => {
+            let fs = super::fs_defaults::fs_type(dir);
+            let direct = super::fs_defaults::fs_defaults(&fs).direct;
+            let how = if direct { "O_DIRECT" } else { "buffered" };
+            IoDecision {
+                direct,
+                reason: format!("file system {fs} (--tablespace-auto-detect-fs): {how}"),
+            }
         }
     }
 }

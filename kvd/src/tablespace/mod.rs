@@ -27,14 +27,19 @@
 //!   a restart with a million entries takes about as long as reading 56 MB.
 //! - I/O is O_DIRECT or buffered per `--io-mode` (auto: decided from `/sys/block`, logged),
 //!   through io_uring when the kernel allows it and `pread`/`pwrite` otherwise (logged).
+//! - The Python kvd's `--tablespace-auto-detect-fs` is [`IoMode::FileSystem`] and
+//!   [`TablespaceConfig::sync_by_file_system`]: I/O mode and group-commit window from the file
+//!   system's type (`fs_defaults.rs`).
 
 mod alloc;
+mod fs_defaults;
 mod io;
 mod journal;
 mod layout;
 mod recover;
 mod shard;
 
+pub use fs_defaults::{FsDefaults, fs_defaults, fs_type};
 pub use io::{Device, IoDecision, IoMode, classify, decide, devices_of};
 pub use layout::UNIT;
 
@@ -76,6 +81,10 @@ pub struct TablespaceConfig {
     /// Acknowledge a put only once its block is written and its journal record synced
     /// (`--durable-long-writes`; see [`crate::long::Durable`]).
     pub durable_writes: bool,
+    /// Take the group-commit window from the file system of the first directory at open
+    /// ([`fs_defaults`]; the Python kvd's `--tablespace-auto-detect-fs` without
+    /// `--tablespace-flush-interval-ms`), as [`TablespaceConfig::set_flush_interval`] would.
+    pub sync_by_file_system: bool,
 }
 
 impl TablespaceConfig {
@@ -92,6 +101,20 @@ impl TablespaceConfig {
             io_uring: true,
             queue_bytes: 256 << 20,
             durable_writes: false,
+            sync_by_file_system: false,
+        }
+    }
+
+    /// The Python kvd's group-commit window (`--tablespace-flush-interval-ms`): zero, its
+    /// inline fsync, makes every put acknowledged only once durable ([`Self::durable_writes`]);
+    /// otherwise the journal is written at least and synced exactly that often, so a crash
+    /// loses at most about one window of acknowledged writes.
+    pub fn set_flush_interval(&mut self, window: Duration) {
+        if window.is_zero() {
+            self.durable_writes = true;
+        } else {
+            self.journal_sync = window;
+            self.journal_flush = self.journal_flush.min(window);
         }
     }
 }
@@ -133,6 +156,13 @@ impl Tablespace {
                 "the L3 region needs a directory".to_owned(),
             ));
         }
+        let by_file_system;
+        let config = if config.sync_by_file_system {
+            by_file_system = sync_by_file_system(config);
+            &by_file_system
+        } else {
+            config
+        };
         // Equal containers of at most `container_bytes` that together fill the shard.
         let shard_bytes = config.bytes / u64::from(n) / UNIT * UNIT;
         let max_container = config.container_bytes.max(UNIT);
@@ -243,6 +273,24 @@ impl Drop for Tablespace {
             let _ = t.join();
         }
     }
+}
+
+/// `config` with the group-commit window of its first directory's file system.
+fn sync_by_file_system(config: &TablespaceConfig) -> TablespaceConfig {
+    let mut resolved = config.clone();
+    resolved.sync_by_file_system = false;
+    let fs = fs_type(&config.paths[0]);
+    let window = fs_defaults(&fs).flush_interval;
+    resolved.set_flush_interval(window);
+    tracing::info!(
+        file_system = %fs,
+        dir = %config.paths[0].display(),
+        flush_interval_ms = window.as_millis() as u64,
+        durable_writes = resolved.durable_writes,
+        journal_sync_ms = resolved.journal_sync.as_millis() as u64,
+        "L3 group commit from the file system (--tablespace-auto-detect-fs)"
+    );
+    resolved
 }
 
 fn open_shard(

@@ -516,6 +516,7 @@ impl Shard {
             rejected_total: st.counters.rejected,
             direct_io: self.direct,
             io_uring: self.uring,
+            l4: Default::default(),
         }
     }
 }

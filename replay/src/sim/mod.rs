@@ -305,6 +305,7 @@ impl Sim<'_> {
             prompt_tokens: r.input_length,
             hashes: vec![(self.block_size, blocks.clone())],
             retention,
+            per_worker: Default::default(),
             exclude: Vec::new(),
         };
         let out = &mut self.out[i];

@@ -71,7 +71,12 @@ fn unsupported_or_malformed_requests_name_the_field() {
         (
             json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user",
                 "content": [{"type": "image", "source": {}}]}]}),
-            "\"image\" block",
+            "`messages[0].content[0].source` must be",
+        ),
+        (
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user",
+                "content": [{"type": "document", "source": {}}]}]}),
+            "\"document\" block",
         ),
         (
             json!({"model": "m", "max_tokens": 5, "messages": [], "tools": [{}]}),
@@ -83,6 +88,23 @@ fn unsupported_or_malformed_requests_name_the_field() {
         assert_eq!(err.status, StatusCode::BAD_REQUEST);
         assert!(err.message.contains(needle), "{needle}: {}", err.message);
     }
+}
+
+#[test]
+fn image_blocks_become_image_url_parts_beside_the_text() {
+    let body = json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Compare"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/a.jpg"}}]}]});
+    let chat = to_chat(&body).expect("translates");
+    assert_eq!(
+        chat["messages"][0]["content"],
+        json!([
+            {"type": "text", "text": "Compare"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.jpg"}},
+        ])
+    );
 }
 
 #[test]

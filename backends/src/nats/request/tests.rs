@@ -125,3 +125,29 @@ fn errors_unknown_types_and_no_responders_are_told_apart() {
     let err = parse_reply(&none, &mut seq, "w").unwrap_err();
     assert!(err.retry_elsewhere(), "{err:?}");
 }
+
+#[test]
+fn a_jetstream_ack_on_a_core_inbox_is_stray_but_a_reply_never_is() {
+    let ack = msg(&[], r#"{"stream":"INFERA_REQUESTS","seq":7}"#);
+    assert!(is_stray_pub_ack(&ack));
+    // The same bytes as a worker's reply (it always sets rs-type) are data.
+    let reply = msg(
+        &[("rs-type", "data")],
+        r#"{"stream":"INFERA_REQUESTS","seq":7}"#,
+    );
+    assert!(!is_stray_pub_ack(&reply));
+    assert!(!is_stray_pub_ack(&msg(&[], r#"{"ok":true}"#)));
+}
+
+#[test]
+fn an_error_reply_with_a_429_status_is_a_failure_like_any_other() {
+    // Workers no longer refuse by themselves; the servers read the JetStream backlog instead.
+    let mut seq = 0;
+    let err = parse_reply(
+        &msg(&[("rs-type", "error"), ("rs-status", "429")], "busy"),
+        &mut seq,
+        "w",
+    )
+    .unwrap_err();
+    assert_eq!(err, TransportError::Failed("busy".to_owned()));
+}

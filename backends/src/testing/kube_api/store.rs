@@ -104,12 +104,31 @@ pub(super) struct Store {
     /// Oldest version a watch may resume from.
     compacted: u64,
     watches: Vec<OpenWatch>,
+    /// Refused requests, as `<resource>/<verb>`.
     pub(super) denied: HashSet<String>,
+    /// Objects of custom resources by (`<group>/<version>`, plural, namespace, name); served
+    /// for get and patch, not watched.
+    custom: BTreeMap<CustomKey, Value>,
 }
+
+/// Where a custom object is stored: (`<group>/<version>`, plural, namespace, name).
+pub(super) type CustomKey = (String, String, String, String);
 
 impl Store {
     pub(super) fn revision(&self) -> u64 {
         self.revision
+    }
+
+    pub(super) fn custom(&self, key: &CustomKey) -> Option<&Value> {
+        self.custom.get(key)
+    }
+
+    /// Stores a custom object with the next `resourceVersion`; returns it as stored.
+    pub(super) fn put_custom(&mut self, key: CustomKey, mut object: Value) -> Value {
+        self.revision += 1;
+        object["metadata"]["resourceVersion"] = json!(self.revision.to_string());
+        self.custom.insert(key, object.clone());
+        object
     }
 
     pub(super) fn pod(&self, namespace: &str, name: &str) -> Option<&Value> {

@@ -3,13 +3,19 @@
 //! Only the shape of the command line lives here; `TryFrom<KvdArgs> for KvdConfig` checks it.
 //! Where the seed gives no default (`--socket`, `--max-bytes`, `--long-bytes`), the Python
 //! daemon's own defaults are used so that existing command lines keep their meaning.
+//!
+//! Every flag of the Python kvd is accepted. Those whose knob this kvd does not have
+//! (`--tablespace-slot-bytes`, `--tablespace-pools`, `--shared-arena-pin`, `--mooncake-config`
+//! alone) are validated as the Python validates them, listed in `--check-config`'s
+//! `inert_flags` with what this kvd does instead, and logged with a warning; their help says so.
 
-use crate::config::kvd::{ArenaSize, IoMode, LongBackend};
+use crate::config::kvd::{ArenaSize, IoMode, L4Backend, LogLevel, LongBackend};
 use crate::config::units::{ByteSize, HumanDuration};
 use clap::Args;
 use std::path::PathBuf;
 
 const L3: &str = "L3 tier (NVMe tablespace)";
+const L4: &str = "L4 tier (remote store shared by a fleet)";
 const LIMITS: &str = "Connection limits";
 
 /// Arguments of `infera kvd`.
@@ -26,6 +32,25 @@ pub struct KvdArgs {
     /// Zero-copy shared arena size: auto = --max-bytes; 0 = off (inline bytes on the socket).
     #[arg(long, default_value = "auto", value_name = "SIZE|auto")]
     pub shared_arena_bytes: ArenaSize,
+
+    /// (Python kvd flag; no effect here) Lock the shared arena's pages in RAM with mlock(2),
+    /// the Python kvd's default. This kvd does not lock the arena: its pages are allocated on
+    /// first touch and may be swapped like other shared memory, as in the Python kvd when
+    /// RLIMIT_MEMLOCK refuses the lock. Given explicitly, it is logged as having no effect.
+    #[arg(long, overrides_with = "no_shared_arena_pin")]
+    pub shared_arena_pin: bool,
+
+    /// Do not lock the shared arena's pages in RAM: what this kvd always does (see
+    /// --shared-arena-pin).
+    #[arg(long, overrides_with = "shared_arena_pin")]
+    pub no_shared_arena_pin: bool,
+
+    /// Back the shared arena with 2 MiB hugepages (MFD_HUGETLB; its size rounded up to 2 MiB).
+    /// The pages must be reserved (sysctl vm.nr_hugepages): with too few free, kvd stops at
+    /// startup saying how many it needs; a kernel without hugetlb memfds gets a warning and
+    /// 4 KiB pages. Also on when INFERA_KVD_ARENA_HUGETLB is 1, true, yes or on.
+    #[arg(long)]
+    pub shared_arena_hugetlb: bool,
 
     /// L3 region on a single device (directory); mutually exclusive with --long-paths.
     #[arg(long, value_name = "DIR", help_heading = L3)]
@@ -45,8 +70,10 @@ pub struct KvdArgs {
     #[arg(long, help_heading = L3)]
     pub use_tablespace: bool,
 
-    /// Long-term store, one only: tablespace (L3) | mooncake | lmcache (L4); the L4 stores are
-    /// not available in this build yet (choosing one is refused with a one-line error).
+    /// Long-term store, one only: tablespace (L3) | mooncake | lmcache (L4). lmcache replaces
+    /// L3 with an LMCache remote store (settings from --lmcache-config / INFERA_L4_*) and cannot
+    /// be combined with --long-path(s); mooncake is not built yet (refused with a one-line
+    /// error). To keep L3 and add an L4 behind it, use --l4-backend.
     #[arg(long, value_enum, default_value = "tablespace", help_heading = L3)]
     pub long_backend: LongBackend,
 
@@ -55,6 +82,50 @@ pub struct KvdArgs {
     /// INFERA_KVD_IO_MODE=direct|buffered overrides this flag, as in the Python kvd.
     #[arg(long, value_enum, default_value = "auto", help_heading = L3)]
     pub io_mode: IoMode,
+
+    /// Buffered L3 I/O, as --io-mode buffered; wins over --io-mode, INFERA_KVD_IO_MODE and
+    /// --tablespace-auto-detect-fs, as in the Python kvd.
+    #[arg(long, help_heading = L3)]
+    pub tablespace_buffered_io: bool,
+
+    /// Take the L3 I/O mode and group commit from the file system of the (first) region
+    /// directory, with the Python kvd's table: ext4/xfs/btrfs O_DIRECT and every `long` write
+    /// durable before it is acknowledged; nfs/nfs4 O_DIRECT and a 20 ms window; wekafs
+    /// buffered and 20 ms; anything else buffered and durable per write. Overrides --io-mode
+    /// and INFERA_KVD_IO_MODE; --tablespace-buffered-io and --tablespace-flush-interval-ms
+    /// win over it.
+    #[arg(long, help_heading = L3)]
+    pub tablespace_auto_detect_fs: bool,
+
+    /// The Python kvd's group-commit window. N > 0: a `long` write is acknowledged once
+    /// recorded and the journal is synced every N ms (a crash loses at most about N ms of
+    /// acknowledged writes). 0 or less: every `long` write is acknowledged only once durable,
+    /// as --durable-long-writes (the Python kvd's default, inline fsync). Without it: a sync
+    /// every 200 ms, see --durable-long-writes.
+    #[arg(long, value_name = "MS", allow_negative_numbers = true, help_heading = L3)]
+    pub tablespace_flush_interval_ms: Option<i64>,
+
+    /// Largest L3 container file [default: 1GiB]: each shard is cut into equal containers of
+    /// at most this size. Unlike the Python kvd, a region smaller than one container is not
+    /// grown to it. A change reinitializes an existing region (its cached blocks are dropped).
+    #[arg(long, value_name = "SIZE", help_heading = L3)]
+    pub tablespace_container_bytes: Option<ByteSize>,
+
+    /// (Python kvd flag; no effect here) The Python tablespace's fixed slot size (64K), the
+    /// largest block it stores. This kvd has no slots: each block takes an extent of its own
+    /// size (4 KiB units), up to a container. Validated as the Python does (positive, at most
+    /// --tablespace-container-bytes, a 4 KiB multiple under --io-mode direct), then ignored
+    /// with a warning.
+    #[arg(long, value_name = "SIZE", help_heading = L3)]
+    pub tablespace_slot_bytes: Option<ByteSize>,
+
+    /// (Python kvd flag; no effect here) The Python tablespace's pools of fixed slot sizes,
+    /// e.g. 64K,1M or 64K*1,1M*4 (weights split --long-bytes). This kvd needs no pools: one
+    /// region holds blocks of every size, each in an extent of its own size. Validated as the
+    /// Python does (sizes with K/M/G/T, positive integer weights, no size twice, 4 KiB
+    /// multiples under --io-mode direct), then ignored with a warning.
+    #[arg(long, value_name = "SIZE[*WEIGHT],...", help_heading = L3)]
+    pub tablespace_pools: Option<String>,
 
     /// Intra-shard I/O parallelism for the striped (--long-paths) region.
     #[arg(long, default_value_t = 8, value_name = "N", help_heading = L3)]
@@ -72,6 +143,30 @@ pub struct KvdArgs {
     /// made durable is answered accepted=false, reason not_durable.
     #[arg(long, help_heading = L3)]
     pub durable_long_writes: bool,
+
+    /// Stack an L4 behind the L3 tablespace (L2 → L3 → L4): every block L3 gets is also
+    /// written behind to the remote store, and L3 misses are read from it and promoted. Needs
+    /// --long-path or --long-paths; settings as for --long-backend lmcache.
+    #[arg(long, value_enum, value_name = "STORE", help_heading = L4)]
+    pub l4_backend: Option<L4Backend>,
+
+    /// LMCache remote-store settings: a flat YAML file with remote_url (required:
+    /// redis://host:port, valkey://… or lm://host:port), prefix (infera), connector_extra,
+    /// max_value_bytes (64 MiB) and rpc_timeout_s (30); ${VAR} is expanded, and each key is
+    /// overridden by INFERA_L4_<KEY> (e.g. INFERA_L4_REMOTE_URL), which may replace the file.
+    #[arg(long, value_name = "PATH", help_heading = L4)]
+    pub lmcache_config: Option<PathBuf>,
+
+    /// (Python kvd flag) Mooncake Store settings, read only with --long-backend mooncake,
+    /// which this build refuses (not built yet). Alone it has no effect, as in the Python kvd,
+    /// and is logged so.
+    #[arg(long, value_name = "PATH", help_heading = L4)]
+    pub mooncake_config: Option<PathBuf>,
+
+    /// Refuse to start when the L4 store does not answer at startup (by default that is a
+    /// warning: kvd serves from L2/L3, and L4 joins when the store answers).
+    #[arg(long, help_heading = L4)]
+    pub l4_required: bool,
 
     /// Most open client connections; one more is answered error{code: too_many_connections}
     /// and closed.
@@ -92,6 +187,10 @@ pub struct KvdArgs {
     /// connection stays usable.
     #[arg(long, default_value_t = 131_072, value_name = "N", help_heading = LIMITS)]
     pub max_batch_keys: u32,
+
+    /// Log level when RUST_LOG is unset (RUST_LOG, e.g. info,infera_kvd=debug, wins).
+    #[arg(long, value_enum, default_value = "INFO", ignore_case = true)]
+    pub log_level: LogLevel,
 
     /// Validate, print the resolved configuration as JSON on stdout and exit.
     #[arg(long)]

@@ -7,6 +7,7 @@
 //! arguments. Every other command line is parsed by clap directly.
 
 pub mod bench;
+pub mod gaie;
 pub mod kvd;
 pub mod passthrough;
 pub mod replay;
@@ -15,9 +16,78 @@ pub mod synth;
 pub mod trace;
 pub mod worker;
 
+use crate::config::DiscoveryBackend;
 use crate::up_cmd;
-use clap::{CommandFactory, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use std::ffi::OsString;
+
+/// Help heading of the discovery flags.
+const DISCOVERY: &str = "Discovery";
+
+/// Help heading of the routing flags.
+const ROUTING: &str = "Routing";
+
+/// The KV-aware policy's overlap weights, shared by the server and `infera gaie`.
+#[derive(Debug, Clone, Args)]
+pub struct OverlapWeightArgs {
+    /// KV-aware: cache locality vs load balance (weight of the blocks a worker would have to
+    /// prefill; 0 = pure load balancing).
+    #[arg(
+        long,
+        default_value = "1.0",
+        value_name = "WEIGHT",
+        allow_negative_numbers = true,
+        help_heading = ROUTING
+    )]
+    pub kv_overlap_weight: f64,
+
+    /// KV-aware PD: prefill-side weight (typical 20.0); overrides the global weight.
+    /// [default: unset]
+    #[arg(long, value_name = "WEIGHT", allow_negative_numbers = true, help_heading = ROUTING)]
+    pub kv_prefill_overlap_weight: Option<f64>,
+
+    /// KV-aware PD: decode-side weight (typical 2.0); overrides the global weight.
+    /// [default: unset]
+    #[arg(long, value_name = "WEIGHT", allow_negative_numbers = true, help_heading = ROUTING)]
+    pub kv_decode_overlap_weight: Option<f64>,
+}
+
+/// How the server and `infera gaie` find the workers (flattened into both; a worker's
+/// launcher has its own spelling of them).
+#[derive(Debug, Clone, Args)]
+pub struct DiscoveryArgs {
+    /// How workers are discovered.
+    #[arg(long, value_enum, default_value = "kubernetes", help_heading = DISCOVERY)]
+    pub discovery_backend: DiscoveryBackend,
+
+    /// etcd endpoint(s): host:port, host (port 2379), http(s)://host:port, or a comma-separated
+    /// list of members to fail over along; required for --discovery-backend etcd.
+    #[arg(long, value_name = "ENDPOINT", help_heading = DISCOVERY)]
+    pub etcd_endpoint: Option<String>,
+
+    /// etcd key prefix the fleet registers under.
+    #[arg(
+        long,
+        default_value = "/infera/workers/",
+        value_name = "PREFIX",
+        help_heading = DISCOVERY
+    )]
+    pub etcd_prefix: String,
+
+    /// Worker-Pod label selector; required with kubernetes discovery.
+    /// [default: $INFERA_K8S_LABEL_SELECTOR]
+    #[arg(
+        long,
+        env = "INFERA_K8S_LABEL_SELECTOR",
+        value_name = "SELECTOR",
+        help_heading = DISCOVERY
+    )]
+    pub k8s_label_selector: Option<String>,
+
+    /// Namespace to watch (kubernetes discovery). [default: the Pod's own namespace]
+    #[arg(long, value_name = "NAMESPACE", help_heading = DISCOVERY)]
+    pub k8s_namespace: Option<String>,
+}
 
 /// Infera: KV-aware routing control plane for LLM serving fleets.
 #[derive(Debug, Parser)]
@@ -38,6 +108,9 @@ pub enum Command {
     Worker(worker::WorkerCommand),
     /// KV-cache daemon: host RAM (L2) and NVMe (L3) tiers behind a Unix socket.
     Kvd(kvd::KvdArgs),
+    /// Gateway API Inference Extension endpoint picker: an Envoy ext_proc gRPC server that
+    /// picks each request's worker with the router and answers it in headers.
+    Gaie(gaie::GaieArgs),
     /// Replay a recorded or public trace offline through the real router code.
     Replay(replay::ReplayArgs),
     /// Convert or inspect traces.

@@ -5,13 +5,12 @@
 
 use crate::config::server::{RouterMode, RouterPolicy};
 use crate::config::units::{ByteSize, HumanDuration};
-use crate::config::{DiscoveryBackend, KvEventTransport, RequestTransport};
+use crate::config::{KvEventTransport, RequestTransport};
 use clap::Args;
 use std::path::PathBuf;
 
 const EXTENSIONS: &str = "Infera extensions";
 const ROUTING: &str = "Routing";
-const DISCOVERY: &str = "Discovery";
 const TRANSPORT: &str = "Transport";
 
 /// Arguments of `infera server`.
@@ -45,6 +44,12 @@ pub struct ServerArgs {
     #[arg(long, default_value = "60s", value_name = "DURATION", help_heading = EXTENSIONS)]
     pub client_body_timeout: HumanDuration,
 
+    /// Infera extension: close a client connection whose writes make no progress this long
+    /// (the client stopped reading a response: its stream ends and its worker is freed);
+    /// 0 = off.
+    #[arg(long, default_value = "60s", value_name = "DURATION", help_heading = EXTENSIONS)]
+    pub client_write_timeout: HumanDuration,
+
     /// Infera extension: client connections served at once; a connection beyond it is
     /// answered 503 with Retry-After and closed at once. [default: three quarters of the
     /// open-file limit (ulimit -n)]
@@ -71,8 +76,9 @@ pub struct ServerArgs {
     pub admin_token: Option<String>,
 
     /// Tokenizer for prefix hashing (required): a directory containing tokenizer.json, a
-    /// tokenizer.json file, or a Hugging Face model id (e.g. Qwen/Qwen3-0.6B) found in the
-    /// local Hugging Face cache (HF_HUB_CACHE, HF_HOME). Must match the workers' model.
+    /// tokenizer.json file, or a Hugging Face model id (e.g. Qwen/Qwen3-0.6B) from the local
+    /// Hugging Face cache (HF_HUB_CACHE, HF_HOME) or downloaded into it (HF_ENDPOINT, HF_TOKEN;
+    /// not with HF_HUB_OFFLINE). Must match the workers' model.
     #[arg(long, value_name = "PATH", help_heading = ROUTING)]
     pub router_tokenizer_path: Option<PathBuf>,
 
@@ -109,62 +115,16 @@ pub struct ServerArgs {
     #[arg(long, value_enum, default_value = "kv-aware", help_heading = ROUTING)]
     pub router_policy: RouterPolicy,
 
-    /// KV-aware: cache locality vs load balance (weight of the blocks a worker would have to
-    /// prefill; 0 = pure load balancing).
-    #[arg(
-        long,
-        default_value = "1.0",
-        value_name = "WEIGHT",
-        allow_negative_numbers = true,
-        help_heading = ROUTING
-    )]
-    pub kv_overlap_weight: f64,
-
-    /// KV-aware PD: prefill-side weight (typical 20.0); overrides the global weight.
-    /// [default: unset]
-    #[arg(long, value_name = "WEIGHT", allow_negative_numbers = true, help_heading = ROUTING)]
-    pub kv_prefill_overlap_weight: Option<f64>,
-
-    /// KV-aware PD: decode-side weight (typical 2.0); overrides the global weight.
-    /// [default: unset]
-    #[arg(long, value_name = "WEIGHT", allow_negative_numbers = true, help_heading = ROUTING)]
-    pub kv_decode_overlap_weight: Option<f64>,
+    #[command(flatten)]
+    pub weights: super::OverlapWeightArgs,
 
     /// Retry on an alternate worker on a failure before the response starts (never
     /// mid-stream); 0 disables.
     #[arg(long, env = "INFERA_REQUEST_MAX_RETRIES", default_value_t = 1, value_name = "N", help_heading = ROUTING)]
     pub request_max_retries: u32,
 
-    /// How workers are discovered.
-    #[arg(long, value_enum, default_value = "kubernetes", help_heading = DISCOVERY)]
-    pub discovery_backend: DiscoveryBackend,
-
-    /// etcd endpoint(s): host:port, host (port 2379), http(s)://host:port, or a comma-separated
-    /// list of members to fail over along; required for --discovery-backend etcd.
-    #[arg(long, value_name = "ENDPOINT", help_heading = DISCOVERY)]
-    pub etcd_endpoint: Option<String>,
-
-    /// etcd key prefix the fleet registers under.
-    #[arg(
-        long,
-        default_value = "/infera/workers/",
-        value_name = "PREFIX",
-        help_heading = DISCOVERY
-    )]
-    pub etcd_prefix: String,
-
-    /// Worker-Pod label selector (kubernetes discovery). [default: $INFERA_K8S_LABEL_SELECTOR]
-    #[arg(
-        long,
-        env = "INFERA_K8S_LABEL_SELECTOR",
-        value_name = "SELECTOR",
-        help_heading = DISCOVERY
-    )]
-    pub k8s_label_selector: Option<String>,
-
-    /// Namespace to watch (kubernetes discovery). [default: the Pod's own namespace]
-    #[arg(long, value_name = "NAMESPACE", help_heading = DISCOVERY)]
-    pub k8s_namespace: Option<String>,
+    #[command(flatten)]
+    pub discovery: super::DiscoveryArgs,
 
     /// How requests reach workers.
     #[arg(long, value_enum, default_value = "nats", help_heading = TRANSPORT)]
@@ -192,7 +152,10 @@ pub struct ServerArgs {
     #[arg(long, env = "INFERA_NATS_REQ_MAX_DURATION", default_value = "0", value_name = "DURATION", help_heading = TRANSPORT)]
     pub nats_req_max_duration: HumanDuration,
 
-    /// NATS requests: per-worker admission limit, beyond which requests get 429 (0 = off).
+    /// NATS requests: per-worker backlog limit (0 = off). When > 0 (set it on the workers too),
+    /// requests go through the JetStream work queue INFERA_REQUESTS, and a worker whose queued
+    /// plus in-flight requests, counted across all server replicas, reach N gets 429 (failed
+    /// over to another worker).
     #[arg(long, env = "INFERA_NATS_REQ_MAX_PENDING", default_value_t = 0, value_name = "N", help_heading = TRANSPORT)]
     pub nats_req_max_pending: u32,
 
@@ -265,6 +228,27 @@ pub struct ServerArgs {
     )]
     pub enable_profiling: bool,
 
+    /// Record the SLA planner's four signals per router and model: time to first token,
+    /// inter-token latency, input and output sequence tokens (successful requests only).
+    /// [default: off]
+    #[arg(
+        long,
+        env = "INFERA_ENABLE_SLA_METRICS",
+        value_parser = python_truthy
+    )]
+    pub enable_sla_metrics: bool,
+
+    /// Serve GET/POST /v1/admin/scale: read and resize the worker pools of the InferaDeployment
+    /// this server's Pod belongs to (its infera.amd.com/deployment label; needs POD_NAME and
+    /// RBAC to get its Pod and get/patch inferadeployments). Answers 403 without it.
+    /// [default: off]
+    #[arg(
+        long,
+        env = "INFERA_ENABLE_SCALING_API",
+        value_parser = python_truthy
+    )]
+    pub enable_scaling_api: bool,
+
     /// Infera extension: 0 picks the cheapest worker (argmin); above 0 picks at random with
     /// softmax weights over the costs, normalised by the decision's cost range.
     #[arg(
@@ -307,6 +291,25 @@ pub struct ServerArgs {
     /// prefix hashing. [default: the tokenizer's own template]
     #[arg(long, value_name = "FILE", help_heading = EXTENSIONS)]
     pub chat_template: Option<PathBuf>,
+
+    /// kv-aware: JSON object matching the workers' engine `--default-chat-template-kwargs`, e.g.
+    /// '{"enable_thinking": false}'. The engine merges these into every chat request before its
+    /// template runs and nothing tells the router: without this flag the router renders a
+    /// different prompt than the workers and every prefix lookup misses. A request's own
+    /// `chat_template_kwargs` win over it.
+    #[arg(long, value_name = "JSON")]
+    pub kv_default_chat_template_kwargs: Option<String>,
+
+    /// kv-aware: ask each SGLang worker at registration (GET /get_server_info) which template
+    /// defaults its engine merges in, and hash chats for a worker whose defaults differ from
+    /// --kv-default-chat-template-kwargs the way it renders them (a worker that cannot be asked
+    /// keeps the flag's). [default: on]
+    #[arg(long, overrides_with = "no_kv_per_worker_template_kwargs")]
+    pub kv_per_worker_template_kwargs: bool,
+
+    /// Pin the whole fleet to --kv-default-chat-template-kwargs (no per-worker probe).
+    #[arg(long, overrides_with = "kv_per_worker_template_kwargs")]
+    pub no_kv_per_worker_template_kwargs: bool,
 
     /// Infera extension: largest accepted request body (413 beyond); e.g. 32MiB, 1G.
     #[arg(long, default_value = "32MiB", value_name = "SIZE", help_heading = EXTENSIONS)]

@@ -1,17 +1,24 @@
 //! Flags of `infera worker {vllm,sglang,atom,mock}` (the seed's `python -m infera.engine.*`).
 //!
 //! Every engine shares [`WorkerArgs`]; the model and port flags take each engine's spelling
-//! (see [`EngineKind`]) with the other spelling as an alias. Real engines add `--engine-cmd`
-//! and forward every argument that is not Infera's (see [`super::passthrough`]); the mock
-//! engine adds its simulation parameters and accepts nothing else.
+//! (see [`EngineKind`]) with the other spelling as an alias. Where the Python launchers differ
+//! in a default (ATOM's registers in etcd, over HTTP, without KV events), the flag is an
+//! `Option` resolved per engine in [`crate::config::worker`], and each subcommand's help states
+//! its engine's default. Real engines add `--engine-cmd` and forward every argument that is not
+//! Infera's (see [`super::passthrough`]); the mock engine adds its simulation parameters and
+//! accepts nothing else.
 
 use crate::config::units::HumanDuration;
 use crate::config::worker::{EngineKind, TimingCoeffs};
 use crate::config::{DiscoveryBackend, KvEventTransport, RequestTransport};
-use clap::{Arg, Args, Subcommand};
+use clap::{Arg, Args, Subcommand, ValueEnum};
 
 const EXTENSIONS: &str = "Infera extensions";
 const MOCK: &str = "Mock engine";
+
+const ETCD_ENDPOINT_HELP: &str = "Shared etcd endpoint(s): host:port, host (port 2379), \
+    http(s)://host:port, or a comma-separated list of members to fail over along; required for \
+    --discovery-backend etcd";
 
 const FORWARDING: &str = "Every argument that is not listed above is forwarded verbatim, in \
     order, to the engine (e.g. --tensor-parallel-size, --block-size, --kv-transfer-config); \
@@ -27,6 +34,7 @@ pub enum WorkerCommand {
         after_help = FORWARDING,
         mut_arg("model", |arg| model_arg(arg, EngineKind::Vllm)),
         mut_arg("port", |arg| port_arg(arg, EngineKind::Vllm)),
+        mut_args(|arg| engine_default_arg(arg, EngineKind::Vllm)),
         mut_arg("engine_cmd", |arg| engine_cmd_arg(arg, EngineKind::Vllm)),
     )]
     Vllm(EngineWorkerArgs),
@@ -36,6 +44,7 @@ pub enum WorkerCommand {
         after_help = FORWARDING,
         mut_arg("model", |arg| model_arg(arg, EngineKind::Sglang)),
         mut_arg("port", |arg| port_arg(arg, EngineKind::Sglang)),
+        mut_args(|arg| engine_default_arg(arg, EngineKind::Sglang)),
         mut_arg("engine_cmd", |arg| engine_cmd_arg(arg, EngineKind::Sglang)),
     )]
     Sglang(EngineWorkerArgs),
@@ -45,6 +54,7 @@ pub enum WorkerCommand {
         after_help = FORWARDING,
         mut_arg("model", |arg| model_arg(arg, EngineKind::Atom)),
         mut_arg("port", |arg| port_arg(arg, EngineKind::Atom)),
+        mut_args(|arg| engine_default_arg(arg, EngineKind::Atom)),
         mut_arg("engine_cmd", |arg| engine_cmd_arg(arg, EngineKind::Atom)),
     )]
     Atom(EngineWorkerArgs),
@@ -53,6 +63,7 @@ pub enum WorkerCommand {
     #[command(
         mut_arg("model", |arg| model_arg(arg, EngineKind::Mock)),
         mut_arg("port", |arg| port_arg(arg, EngineKind::Mock)),
+        mut_args(|arg| engine_default_arg(arg, EngineKind::Mock)),
     )]
     Mock(MockWorkerArgs),
 }
@@ -101,6 +112,43 @@ fn port_arg(arg: Arg, engine: EngineKind) -> Arg {
     }
 }
 
+/// States the engine's default in the help of the flags whose default depends on the engine.
+fn engine_default_arg(arg: Arg, engine: EngineKind) -> Arg {
+    let help = match arg.get_id().as_str() {
+        "discovery_backend" => format!(
+            "How this worker registers. [default: {}]",
+            value_name(engine.default_discovery_backend())
+        ),
+        "request_transport" => format!(
+            "How the router reaches this worker. [default: {}]",
+            value_name(engine.default_request_transport())
+        ),
+        "enable_kv_events" => format!(
+            "Publish KV events for KV-aware routing. [default: {}]",
+            if engine.default_kv_events() {
+                "on"
+            } else {
+                "off"
+            }
+        ),
+        "etcd_endpoint" if engine.default_discovery_backend() == DiscoveryBackend::Etcd => {
+            format!(
+                "{ETCD_ENDPOINT_HELP}, {engine}'s default (so required unless --discovery-backend \
+                 kubernetes)"
+            )
+        }
+        _ => return arg,
+    };
+    arg.help(help)
+}
+
+/// The command-line spelling of `value`.
+fn value_name(value: impl ValueEnum) -> String {
+    value
+        .to_possible_value()
+        .map_or_else(String::new, |v| v.get_name().to_owned())
+}
+
 fn engine_cmd_arg(arg: Arg, engine: EngineKind) -> Arg {
     match engine.default_command() {
         Some(command) => arg.default_value(command),
@@ -127,24 +175,23 @@ pub struct WorkerArgs {
     #[arg(long, default_value = "0.0.0.0")]
     pub host: String,
 
-    /// Shared etcd endpoint(s): host:port, host (port 2379), http(s)://host:port, or a
-    /// comma-separated list of members to fail over along; required for --discovery-backend etcd.
-    #[arg(long, value_name = "ENDPOINT")]
+    /// Shared etcd endpoint(s); required for --discovery-backend etcd.
+    #[arg(long, value_name = "ENDPOINT", help = ETCD_ENDPOINT_HELP)]
     pub etcd_endpoint: Option<String>,
 
     /// Routable host/IP published for cross-node access. [default: = --host]
     #[arg(long, value_name = "HOST")]
     pub advertise_host: Option<String>,
 
-    /// How this worker registers.
-    #[arg(long, value_enum, default_value = "kubernetes")]
-    pub discovery_backend: DiscoveryBackend,
+    /// How this worker registers. [default: the engine's, stated in its help]
+    #[arg(long, value_enum)]
+    pub discovery_backend: Option<DiscoveryBackend>,
 
-    /// How the router reaches this worker.
-    #[arg(long, value_enum, default_value = "nats")]
-    pub request_transport: RequestTransport,
+    /// How the router reaches this worker. [default: the engine's, stated in its help]
+    #[arg(long, value_enum)]
+    pub request_transport: Option<RequestTransport>,
 
-    /// Publish KV events for KV-aware routing. [default: on]
+    /// Publish KV events for KV-aware routing. [default: the engine's, stated in its help]
     #[arg(long, overrides_with = "no_enable_kv_events")]
     pub enable_kv_events: bool,
 
@@ -214,9 +261,10 @@ pub struct WorkerArgs {
     )]
     pub nats_req_idle_timeout: HumanDuration,
 
-    /// NATS requests: how many this worker admits at once (0 = no limit). One more is refused
-    /// at once with a 429 error, which the server fails over to another worker. Counted by this
-    /// worker, so the limit holds across server replicas.
+    /// NATS requests: when > 0 (set it on the servers too), take requests from this worker's
+    /// durable consumer on the JetStream work queue INFERA_REQUESTS instead of core NATS,
+    /// acking each when it ends; the servers refuse this worker with 429 once N requests are
+    /// queued or in flight on it (0 = core NATS, no limit).
     #[arg(
         long,
         env = "INFERA_NATS_REQ_MAX_PENDING",
@@ -238,6 +286,14 @@ pub struct WorkerArgs {
         help_heading = EXTENSIONS
     )]
     pub k8s_label_selector: Option<String>,
+
+    /// Infera extension: the Unix socket of the kvd daemon the engine saves and loads KV blocks
+    /// through (vllm, sglang, mock; not atom). vLLM gets the kvd connector in
+    /// --kv-transfer-config (merged into a given one), SGLang the HiCache storage backend; kvd
+    /// must answer `hello` before the engine starts, and the worker registers as kvd-backed.
+    /// A decode leg of a PD pair does not use it (it never reads from kvd).
+    #[arg(long, value_name = "PATH", help_heading = EXTENSIONS)]
+    pub infera_kvd_socket: Option<std::path::PathBuf>,
 
     /// Validate, print the resolved configuration as JSON on stdout and exit.
     #[arg(long)]
@@ -272,7 +328,7 @@ pub struct EngineWorkerArgs {
     pub disaggregation_allow_tcp: bool,
 
     /// KV events: `off` starts the engine without them (the router then balances this worker
-    /// by load alone); `on` and `auto` publish them, as --enable-kv-events.
+    /// by load alone); `on` and `auto` leave them to --enable-kv-events.
     #[arg(long, value_enum, default_value = "auto", value_name = "MODE")]
     pub kv_events: KvEventsMode,
 

@@ -4,8 +4,12 @@
 //! (`models--{org}--{name}/refs/{revision}` names a snapshot,
 //! `snapshots/{commit}/tokenizer.json` is the file). The cache is the first of `HF_HUB_CACHE`,
 //! `HUGGINGFACE_HUB_CACHE`, `$HF_HOME/hub`, `$XDG_CACHE_HOME/huggingface/hub` and
-//! `~/.cache/huggingface/hub`; the revision is `HF_REVISION` or `main`. Nothing is downloaded:
-//! a model missing from the cache is an error naming the cache and the command that fills it.
+//! `~/.cache/huggingface/hub`; the revision is `HF_REVISION` or `main`. A model missing from the
+//! cache is downloaded into it from `HF_ENDPOINT` (default `https://huggingface.co`, with
+//! `HF_TOKEN` for gated models; see [`download`]) unless `HF_HUB_OFFLINE` is set; what cannot be
+//! had is an error naming the cache and the command that fills it.
+
+mod download;
 
 use std::path::{Path, PathBuf};
 
@@ -40,36 +44,49 @@ pub fn hub_cache(env: &dyn Fn(&str) -> Option<String>) -> PathBuf {
         })
 }
 
-/// The cached `tokenizer.json` of model `id`.
+/// The `tokenizer.json` of model `id`: the cached one, else downloaded into the cache (see the
+/// module docs).
 ///
 /// # Errors
-/// A message naming the cache searched and how to fill it.
-pub fn cached_tokenizer(id: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<PathBuf, String> {
+/// A message naming the cache searched, why the file could not be had, and how to fill it.
+pub fn tokenizer(id: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<PathBuf, String> {
+    let set = |key: &str| env(key).filter(|v| !v.trim().is_empty());
     let cache = hub_cache(env);
-    let revision = env("HF_REVISION")
-        .filter(|r| !r.is_empty())
-        .unwrap_or_else(|| "main".to_owned());
+    let revision = set("HF_REVISION").unwrap_or_else(|| "main".to_owned());
     let model = cache.join(format!("models--{}", id.replace('/', "--")));
-    let missing = |what: &str| {
+    let cached = commit_of(&model, &revision)
+        .map(|commit| model.join("snapshots").join(commit).join("tokenizer.json"))
+        .filter(|file| file.is_file());
+    if let Some(file) = cached {
+        return Ok(file);
+    }
+    let missing = |why: String| {
         format!(
-            "{id} looks like a Hugging Face model id, but {what} in the cache at {} (this \
-             build does not download): fill it with `huggingface-cli download {id} \
-             tokenizer.json`, set HF_HOME or HF_HUB_CACHE to the cache that has it, or pass a \
-             directory containing tokenizer.json",
+            "{id} looks like a Hugging Face model id, but revision {revision} of its \
+             tokenizer.json is not in the cache at {} and {why}: fill it with \
+             `huggingface-cli download {id} tokenizer.json`, set HF_HOME or HF_HUB_CACHE to the \
+             cache that has it, or pass a directory containing tokenizer.json",
             cache.display()
         )
     };
-    let snapshot = commit_of(&model, &revision)
-        .ok_or_else(|| missing(&format!("revision {revision} of it is not")))?;
-    let file = model
-        .join("snapshots")
-        .join(snapshot)
-        .join("tokenizer.json");
-    if file.is_file() {
-        Ok(file)
-    } else {
-        Err(missing("its tokenizer.json is not"))
+    let offline = set("HF_HUB_OFFLINE").is_some_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "on" | "yes" | "true"
+        )
+    });
+    if offline {
+        return Err(missing("HF_HUB_OFFLINE is set".to_owned()));
     }
+    let hub = download::Hub {
+        endpoint: set("HF_ENDPOINT")
+            .unwrap_or_else(|| "https://huggingface.co".to_owned())
+            .trim_end_matches('/')
+            .to_owned(),
+        token: set("HF_TOKEN").or_else(|| set("HUGGING_FACE_HUB_TOKEN")),
+    };
+    download::tokenizer(&hub, id, &revision, &model)
+        .map_err(|e| missing(format!("downloading it failed: {e}")))
 }
 
 /// The snapshot of `revision`: the commit a ref names, or the revision itself when it is a
@@ -139,10 +156,15 @@ mod tests {
         let root = dir.path().to_string_lossy().into_owned();
         let env = move |k: &str| (k == "HF_HUB_CACHE").then(|| root.clone());
         assert_eq!(
-            cached_tokenizer("org/m", &env).unwrap(),
+            tokenizer("org/m", &env).unwrap(),
             model.join("snapshots/abc123/tokenizer.json")
         );
-        let e = cached_tokenizer("org/other", &env).unwrap_err();
+        let offline = |k: &str| match k {
+            "HF_HUB_OFFLINE" => Some("1".to_owned()),
+            other => env(other),
+        };
+        let e = tokenizer("org/other", &offline).unwrap_err();
+        assert!(e.contains("HF_HUB_OFFLINE is set"), "{e}");
         assert!(e.contains("huggingface-cli download org/other"), "{e}");
         assert!(e.contains(&dir.path().display().to_string()), "{e}");
     }

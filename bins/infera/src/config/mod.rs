@@ -1,6 +1,7 @@
 //! Validated configuration of each command, built from its clap arguments.
 //!
-//! Each command has one `*Config` type ([`ServerConfig`], [`WorkerConfig`], [`KvdConfig`]) and
+//! Each command has one `*Config` type ([`ServerConfig`], [`WorkerConfig`], [`KvdConfig`],
+//! [`GaieConfig`]) and
 //! exactly one way to obtain it: `TryFrom<*Args>`, which performs every check that can be made
 //! before anything starts (required flags, mutually exclusive flags, positive sizes and counts,
 //! readable files). A failed check is a [`ConfigError`]: one line naming the flag, which the
@@ -11,17 +12,20 @@
 //! (`deny_unknown_fields`), so a printed config is a complete, reloadable description.
 //! The enums shared by the argument structs and the configs live here.
 
+pub mod gaie;
 pub mod hf;
 pub mod kvd;
 pub mod server;
 pub mod units;
 pub mod worker;
 
+pub use gaie::GaieConfig;
 pub use kvd::KvdConfig;
 pub use server::ServerConfig;
 pub use worker::WorkerConfig;
 
-use infera_backends::discovery::etcd::endpoint::EtcdEndpoint;
+use crate::cli::{DiscoveryArgs, OverlapWeightArgs};
+use crate::wiring::{self, Backend};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::path::Path;
@@ -100,26 +104,54 @@ pub enum DiscoveryConfig {
     },
 }
 
-/// The discovery flags shared by the server and the workers, before validation.
-#[derive(Debug)]
-pub(crate) struct DiscoveryFlags {
-    pub backend: DiscoveryBackend,
-    pub etcd_endpoint: Option<String>,
-    pub etcd_prefix: String,
-    pub k8s_namespace: Option<String>,
-    pub k8s_label_selector: Option<String>,
+impl OverlapWeightArgs {
+    /// The overall, prefill and decode weights, each checked non-negative.
+    pub(crate) fn validated(self) -> Result<(f64, Option<f64>, Option<f64>), ConfigError> {
+        let optional = |flag, weight: Option<f64>| weight.map(|w| non_negative_f64(flag, w));
+        Ok((
+            non_negative_f64("--kv-overlap-weight", self.kv_overlap_weight)?,
+            optional(
+                "--kv-prefill-overlap-weight",
+                self.kv_prefill_overlap_weight,
+            )
+            .transpose()?,
+            optional("--kv-decode-overlap-weight", self.kv_decode_overlap_weight).transpose()?,
+        ))
+    }
 }
 
-impl TryFrom<DiscoveryFlags> for DiscoveryConfig {
+impl DiscoveryArgs {
+    /// The discovery of a router (`infera server`, `infera gaie`). As in the Python server and
+    /// picker, kubernetes discovery needs a label selector there: without one the router would
+    /// route to every annotated Pod of the namespace, other deployments' workers included.
+    pub(crate) fn for_router(self) -> Result<DiscoveryConfig, ConfigError> {
+        if self.discovery_backend == DiscoveryBackend::Kubernetes
+            && non_empty(self.k8s_label_selector.clone()).is_none()
+        {
+            return Err(ConfigError::new(
+                "--k8s-label-selector",
+                "is required with --discovery-backend kubernetes (or $INFERA_K8S_LABEL_SELECTOR), \
+                 e.g. 'infera.amd.com/deployment=<name>'",
+            ));
+        }
+        DiscoveryConfig::try_from(self)
+    }
+}
+
+impl TryFrom<DiscoveryArgs> for DiscoveryConfig {
     type Error = ConfigError;
 
-    fn try_from(flags: DiscoveryFlags) -> Result<Self, ConfigError> {
-        match flags.backend {
-            DiscoveryBackend::Kubernetes => Ok(Self::Kubernetes {
-                namespace: non_empty(flags.k8s_namespace),
-                label_selector: non_empty(flags.k8s_label_selector),
-            }),
+    fn try_from(flags: DiscoveryArgs) -> Result<Self, ConfigError> {
+        match flags.discovery_backend {
+            DiscoveryBackend::Kubernetes => {
+                Backend::Kubernetes.require("--discovery-backend", "kubernetes")?;
+                Ok(Self::Kubernetes {
+                    namespace: non_empty(flags.k8s_namespace),
+                    label_selector: non_empty(flags.k8s_label_selector),
+                })
+            }
             DiscoveryBackend::Etcd => {
+                Backend::Etcd.require("--discovery-backend", "etcd")?;
                 let endpoint = non_empty(flags.etcd_endpoint).ok_or_else(|| {
                     ConfigError::new(
                         "--etcd-endpoint",
@@ -127,8 +159,7 @@ impl TryFrom<DiscoveryFlags> for DiscoveryConfig {
                          (e.g. --etcd-endpoint http://127.0.0.1:2379)",
                     )
                 })?;
-                EtcdEndpoint::parse_list(&endpoint)
-                    .map_err(|e| ConfigError::new("--etcd-endpoint", e.to_string()))?;
+                wiring::validate_etcd_endpoint(&endpoint)?;
                 if flags.etcd_prefix.is_empty() {
                     return Err(ConfigError::new(
                         "--etcd-prefix",
@@ -141,6 +172,45 @@ impl TryFrom<DiscoveryFlags> for DiscoveryConfig {
                     prefix: flags.etcd_prefix,
                 })
             }
+        }
+    }
+}
+
+impl RequestTransport {
+    /// Refuses `--request-transport nats` in a build without NATS.
+    pub(crate) fn require_built(self) -> Result<(), ConfigError> {
+        match self {
+            RequestTransport::Nats => Backend::Nats.require("--request-transport", "nats"),
+            RequestTransport::Http => Ok(()),
+        }
+    }
+}
+
+impl KvEventTransport {
+    /// Refuses a `--kv-event-transport` whose backend this build lacks.
+    pub(crate) fn require_built(self) -> Result<(), ConfigError> {
+        match self {
+            KvEventTransport::Nats => Backend::Nats.require("--kv-event-transport", "nats"),
+            KvEventTransport::Zmq => Backend::Zmq.require("--kv-event-transport", "zmq"),
+        }
+    }
+}
+
+/// Refuses a transport this worker would use that the build lacks: NATS for its requests, and
+/// for its KV events whatever it reads or writes itself. The mock publishes its own events; a
+/// real engine publishes on ZeroMQ, which the server reads directly, or which the worker relays
+/// onto NATS (so `nats` needs ZeroMQ too).
+pub(crate) fn require_worker_transports(config: &WorkerConfig) -> Result<(), ConfigError> {
+    config.request_transport.require_built()?;
+    if !config.kv_events.enabled {
+        return Ok(());
+    }
+    match (config.kv_events.transport, &config.launch) {
+        (transport, worker::LaunchConfig::Mock(_)) => transport.require_built(),
+        (KvEventTransport::Zmq, worker::LaunchConfig::Process(_)) => Ok(()),
+        (KvEventTransport::Nats, worker::LaunchConfig::Process(_)) => {
+            KvEventTransport::Nats.require_built()?;
+            Backend::Zmq.require("--kv-event-transport", "nats")
         }
     }
 }
@@ -208,13 +278,31 @@ pub(crate) fn readable_file(flag: &'static str, path: &Path) -> Result<(), Confi
     })
 }
 
+/// Checks a validation result against the backends its flags select, for tests that run in
+/// every build: accepted when this build has them all, else refused at the first one missing
+/// (in `needs`, given in the order validation checks them) with the line naming its feature.
+#[cfg(test)]
+pub(crate) fn assert_accepted_iff_built<T: std::fmt::Debug>(
+    result: &Result<T, ConfigError>,
+    needs: &[(Backend, &'static str, &str)],
+) {
+    let missing = needs.iter().find(|(backend, _, _)| !backend.built());
+    match (result, missing) {
+        (Ok(_), None) => {}
+        (Err(error), Some((backend, flag, value))) => {
+            assert_eq!(error, &backend.not_built(flag, value), "{needs:?}");
+        }
+        (result, missing) => panic!("{needs:?}: expected {missing:?} missing, got {result:?}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn flags(backend: DiscoveryBackend) -> DiscoveryFlags {
-        DiscoveryFlags {
-            backend,
+    fn flags(backend: DiscoveryBackend) -> DiscoveryArgs {
+        DiscoveryArgs {
+            discovery_backend: backend,
             etcd_endpoint: None,
             etcd_prefix: "/infera/workers/".into(),
             k8s_namespace: None,

@@ -1,23 +1,32 @@
 //! [`ServerConfig`]: the validated configuration of `infera server`.
 //!
 //! Built only by `TryFrom<ServerArgs>`, which checks, in this order: the breaker cooldowns
-//! (finite, ≥ 0, the ceiling not below the first), the tokenizer path
-//! (required; a directory with `tokenizer.json` or a readable file; it is read, not loaded),
-//! discovery (etcd needs an endpoint), routing weights and temperature (finite, ≥ 0), the
-//! HTTP front (body size and connection cap > 0, an admin token fit for a header), the event log location, trace recording and the chat template.
+//! (finite, ≥ 0, the ceiling not below the first), the tokenizer path (required; a directory
+//! with `tokenizer.json` or a readable file; it is read, not loaded), discovery (etcd needs an
+//! endpoint), the transports, routing weights and temperature (finite, ≥ 0), the HTTP front
+//! (body size and connection cap > 0, an admin token fit for a header), the event log
+//! location, trace recording and the chat template. A discovery backend, transport or event
+//! log this build was compiled without is refused with the Cargo feature that builds it.
 //! Durations of 0 become `None` ("off" / "forever"), as the seed documents them.
 
 use crate::cli::server::ServerArgs;
 use crate::config::units::{ByteSize, HumanDuration};
 use crate::config::{
-    ConfigError, DiscoveryConfig, DiscoveryFlags, KvEventTransport, RequestTransport,
-    non_negative_f64, positive, readable_file,
+    ConfigError, DiscoveryConfig, KvEventTransport, RequestTransport, non_empty, non_negative_f64,
+    positive, readable_file,
 };
-use infera_backends::log::{
-    EventLogConfig, InvalidEventLogSpec, JetStreamLogConfig, SqliteLogConfig,
+use crate::wiring::{
+    Backend, EventLogConfig, InvalidEventLogSpec, JetStreamLogConfig, SqliteLogConfig,
 };
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
+
+/// `--enable-scaling-api`: the pools of the InferaDeployment the server's Pod belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScalingApiConfig {
+    /// Its namespace (`--k8s-namespace`); `None` is the Pod's own.
+    pub namespace: Option<String>,
+}
 
 /// Who picks the worker for a request (`--router-mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
@@ -69,6 +78,8 @@ pub struct HttpConfig {
     pub client_idle_timeout: Option<HumanDuration>,
     /// Deadline of a request body; `None` is off.
     pub client_body_timeout: Option<HumanDuration>,
+    /// Deadline of a write to a client that stopped reading; `None` is off.
+    pub client_write_timeout: Option<HumanDuration>,
     /// Client connections at once; `None`: three quarters of the open-file limit.
     pub max_connections: Option<u32>,
     /// Bytes of request bodies in parse at once; 0 is unlimited.
@@ -142,6 +153,12 @@ pub struct RouterConfig {
     pub request_max_retries: u32,
     /// The retention of a request that asks for none.
     pub default_retention: infera_core::event::Retention,
+    /// `--kv-default-chat-template-kwargs`: what the workers' engines merge into every chat
+    /// request before rendering.
+    pub default_chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// `--kv-per-worker-template-kwargs`: each SGLang worker's own defaults, probed at
+    /// registration, win over `default_chat_template_kwargs` for its chats.
+    pub per_worker_template_kwargs: bool,
 }
 
 /// The NATS broker and the limits of NATS requests.
@@ -224,6 +241,10 @@ pub struct ServerConfig {
     pub kvd_socket_path: Option<PathBuf>,
     /// Whether the profiler endpoints are enabled.
     pub enable_profiling: bool,
+    /// `--enable-sla-metrics`: the SLA planner's histograms.
+    pub enable_sla_metrics: bool,
+    /// `--enable-scaling-api`: where `/v1/admin/scale` finds the deployment; `None` when off.
+    pub scaling_api: Option<ScalingApiConfig>,
     /// Where router events are kept.
     pub event_log: EventLogConfig,
     /// Trace recording, if enabled.
@@ -238,34 +259,35 @@ impl TryFrom<ServerArgs> for ServerConfig {
     fn try_from(args: ServerArgs) -> Result<Self, ConfigError> {
         let worker_edge = WorkerEdgeConfig::from_args(&args)?;
         let (tokenizer_path, tokenizer_file) = tokenizer(args.router_tokenizer_path)?;
-        let discovery = DiscoveryConfig::try_from(DiscoveryFlags {
-            backend: args.discovery_backend,
-            etcd_endpoint: args.etcd_endpoint,
-            etcd_prefix: args.etcd_prefix,
-            k8s_namespace: args.k8s_namespace,
-            k8s_label_selector: args.k8s_label_selector,
-        })?;
-        let optional_weight = |flag, weight: Option<f64>| -> Result<Option<f64>, ConfigError> {
-            weight.map(|w| non_negative_f64(flag, w)).transpose()
+        let scaling_api = if args.enable_scaling_api {
+            Backend::Kubernetes.require("--enable-scaling-api", "on")?;
+            Some(ScalingApiConfig {
+                namespace: non_empty(args.discovery.k8s_namespace.clone()),
+            })
+        } else {
+            None
         };
+        let discovery = args.discovery.for_router()?;
+        args.request_transport.require_built()?;
+        args.kv_event_transport.require_built()?;
+        let (kv_overlap_weight, kv_prefill_overlap_weight, kv_decode_overlap_weight) =
+            args.weights.validated()?;
         let router = RouterConfig {
             tokenizer_path,
             tokenizer_file,
             chat_template: chat_template(args.chat_template)?,
             mode: args.router_mode,
             policy: args.router_policy,
-            kv_overlap_weight: non_negative_f64("--kv-overlap-weight", args.kv_overlap_weight)?,
-            kv_prefill_overlap_weight: optional_weight(
-                "--kv-prefill-overlap-weight",
-                args.kv_prefill_overlap_weight,
-            )?,
-            kv_decode_overlap_weight: optional_weight(
-                "--kv-decode-overlap-weight",
-                args.kv_decode_overlap_weight,
-            )?,
+            kv_overlap_weight,
+            kv_prefill_overlap_weight,
+            kv_decode_overlap_weight,
             temperature: non_negative_f64("--router-temperature", args.router_temperature)?,
             request_max_retries: args.request_max_retries,
             default_retention: args.default_retention.into(),
+            default_chat_template_kwargs: template_kwargs(
+                args.kv_default_chat_template_kwargs.as_deref(),
+            )?,
+            per_worker_template_kwargs: !args.no_kv_per_worker_template_kwargs,
         };
         let http = HttpConfig {
             host: args.host,
@@ -275,6 +297,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
             client_header_timeout: args.client_header_timeout.non_zero(),
             client_idle_timeout: args.client_idle_timeout.non_zero(),
             client_body_timeout: args.client_body_timeout.non_zero(),
+            client_write_timeout: args.client_write_timeout.non_zero(),
             max_connections: args
                 .max_connections
                 .map(|n| positive("--max-connections", n))
@@ -298,6 +321,8 @@ impl TryFrom<ServerArgs> for ServerConfig {
             },
             kvd_socket_path: args.kvd_socket_path,
             enable_profiling: args.enable_profiling,
+            enable_sla_metrics: args.enable_sla_metrics,
+            scaling_api,
             event_log,
             record_trace: record_trace(
                 args.record_trace,
@@ -311,7 +336,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
 }
 
 /// Resolves `--router-tokenizer-path` to its tokenizer.json, checking only that it is readable.
-fn tokenizer(path: Option<PathBuf>) -> Result<(PathBuf, PathBuf), ConfigError> {
+pub(crate) fn tokenizer(path: Option<PathBuf>) -> Result<(PathBuf, PathBuf), ConfigError> {
     const FLAG: &str = "--router-tokenizer-path";
     let path = path.ok_or_else(|| {
         ConfigError::new(
@@ -335,10 +360,11 @@ fn tokenizer(path: Option<PathBuf>) -> Result<(PathBuf, PathBuf), ConfigError> {
         return Ok((path, file));
     }
     if !path.exists() {
-        // A Hugging Face model id, as the Python server takes it: from the local cache.
+        // A Hugging Face model id, as the Python server takes it: from the local cache, or
+        // downloaded into it.
         if let Some(id) = path.to_str().filter(|p| super::hf::is_model_id(p)) {
             let env = |key: &str| std::env::var(key).ok();
-            let file = super::hf::cached_tokenizer(id, &env)
+            let file = super::hf::tokenizer(id, &env)
                 .map_err(|message| ConfigError::new(FLAG, message))?;
             readable_file(FLAG, &file)?;
             return Ok((path, file));
@@ -355,6 +381,22 @@ fn tokenizer(path: Option<PathBuf>) -> Result<(PathBuf, PathBuf), ConfigError> {
     }
     readable_file(FLAG, &path)?;
     Ok((path.clone(), path))
+}
+
+/// `--kv-default-chat-template-kwargs`: a JSON object, or nothing.
+fn template_kwargs(
+    raw: Option<&str>,
+) -> Result<serde_json::Map<String, serde_json::Value>, ConfigError> {
+    const FLAG: &str = "--kv-default-chat-template-kwargs";
+    match raw.map(serde_json::from_str::<serde_json::Value>) {
+        None => Ok(serde_json::Map::new()),
+        Some(Ok(serde_json::Value::Object(map))) => Ok(map),
+        Some(Ok(other)) => Err(ConfigError::new(
+            FLAG,
+            format!("must be a JSON object like '{{\"enable_thinking\": false}}', got {other}"),
+        )),
+        Some(Err(e)) => Err(ConfigError::new(FLAG, format!("is not JSON: {e}"))),
+    }
 }
 
 fn chat_template(path: Option<PathBuf>) -> Result<Option<PathBuf>, ConfigError> {
@@ -374,6 +416,12 @@ fn event_log(spec: &str, nats_server: &str) -> Result<EventLogConfig, ConfigErro
         spec.parse()
             .map_err(|e: InvalidEventLogSpec| ConfigError::new(FLAG, e.to_string()))?
     };
+    match &log {
+        EventLogConfig::Memory => {}
+        EventLogConfig::Jetstream(_) => Backend::Nats.require(FLAG, "nats")?,
+        EventLogConfig::Sqlite(_) => Backend::Sql.require(FLAG, "sqlite")?,
+        EventLogConfig::Postgres(_) => Backend::Sql.require(FLAG, "postgres")?,
+    }
     if let EventLogConfig::Sqlite(SqliteLogConfig { path }) = &log {
         let parent = path.parent().filter(|dir| !dir.as_os_str().is_empty());
         if let Some(dir) = parent.filter(|dir| !dir.is_dir()) {

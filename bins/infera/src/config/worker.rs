@@ -4,15 +4,25 @@
 //! engine command line: the engine command (`--engine-cmd`), then the model, host and port
 //! re-emitted in the engine's own spelling, then every forwarded argument in its original
 //! order. The engine's block size and parallel sizes are read from the forwarded arguments
-//! (not removed from them) so registration can carry `kv_block_size` and `dp_size`.
-//! For `mock` the config holds the simulated engine's parameters instead.
+//! (not removed from them) so registration can carry `kv_block_size` and `dp_size`; they are
+//! read as the engine's parser reads them, which for SGLang includes argparse's unambiguous
+//! prefixes (`--dp 8` is `--dp-size 8`; see [`engine_flag_value`]).
+//! For `mock` the config holds the simulated engine's parameters instead. A discovery backend
+//! or transport this build lacks is refused with the Cargo feature that builds it.
+//!
+//! The discovery backend, request transport and KV-event publishing default per engine, as the
+//! Python launchers do: vLLM, SGLang and the mock register through Kubernetes, take requests
+//! over NATS and publish KV events; ATOM's launcher (infera/engine/atom/args.py) has neither
+//! `--discovery-backend` nor `--request-transport`: it registers in etcd (`--etcd-endpoint` is
+//! required), is reached over HTTP, and publishes KV events only with `--enable-kv-events`. Our
+//! flags still override those defaults for ATOM when given.
 //!
 //! [`EngineKind`] is the one place that knows each engine's spelling of its flags.
 
 use crate::cli::worker::{EngineWorkerArgs, MockWorkerArgs, WorkerArgs, WorkerCommand};
 use crate::config::units::HumanDuration;
 use crate::config::{
-    ConfigError, DiscoveryConfig, DiscoveryFlags, KvEventTransport, RequestTransport, non_empty,
+    ConfigError, DiscoveryBackend, DiscoveryConfig, KvEventTransport, RequestTransport, non_empty,
     positive, positive_f64,
 };
 use serde::{Deserialize, Serialize};
@@ -72,6 +82,40 @@ impl EngineKind {
         match self {
             Self::Sglang => 30000,
             Self::Vllm | Self::Atom | Self::Mock => 8000,
+        }
+    }
+
+    /// How the worker registers without `--discovery-backend`: ATOM's launcher always
+    /// registers in etcd; the others default to the worker Pod's annotation.
+    pub fn default_discovery_backend(self) -> DiscoveryBackend {
+        match self {
+            Self::Atom => DiscoveryBackend::Etcd,
+            Self::Vllm | Self::Sglang | Self::Mock => DiscoveryBackend::Kubernetes,
+        }
+    }
+
+    /// How the router reaches the worker without `--request-transport`: ATOM's launcher
+    /// registers the default of the worker record, HTTP; the others default to NATS.
+    pub fn default_request_transport(self) -> RequestTransport {
+        match self {
+            Self::Atom => RequestTransport::Http,
+            Self::Vllm | Self::Sglang | Self::Mock => RequestTransport::Nats,
+        }
+    }
+
+    /// Whether KV events are published without `--enable-kv-events` / `--no-enable-kv-events`:
+    /// off for ATOM (it has no native event stream; its launcher publishes only when asked).
+    pub fn default_kv_events(self) -> bool {
+        !matches!(self, Self::Atom)
+    }
+
+    /// The engine's long flags, where its own parser reads an unambiguous prefix of one as that
+    /// flag (SGLang's argparse); `None` where only exact spellings count (the Python launchers
+    /// read vLLM and ATOM arguments with `allow_abbrev=False`).
+    pub fn abbreviable_flags(self) -> Option<&'static [&'static str]> {
+        match self {
+            Self::Sglang => Some(crate::worker::sglang_flags::FLAGS),
+            Self::Vllm | Self::Atom | Self::Mock => None,
         }
     }
 
@@ -331,18 +375,23 @@ pub struct WorkerConfig {
     pub etcd_lease_ttl: HumanDuration,
     /// How the engine is run.
     pub launch: LaunchConfig,
+    /// The kvd socket the engine saves and loads KV blocks through (`--infera-kvd-socket`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvd_socket: Option<std::path::PathBuf>,
 }
 
 impl TryFrom<WorkerCommand> for WorkerConfig {
     type Error = ConfigError;
 
     fn try_from(command: WorkerCommand) -> Result<Self, ConfigError> {
-        match command {
+        let config = match command {
             WorkerCommand::Vllm(args) => from_engine(EngineKind::Vllm, args),
             WorkerCommand::Sglang(args) => from_engine(EngineKind::Sglang, args),
             WorkerCommand::Atom(args) => from_engine(EngineKind::Atom, args),
             WorkerCommand::Mock(args) => from_mock(args),
-        }
+        }?;
+        super::require_worker_transports(&config)?;
+        Ok(config)
     }
 }
 
@@ -386,9 +435,9 @@ fn from_engine(engine: EngineKind, args: EngineWorkerArgs) -> Result<WorkerConfi
     let launch = LaunchConfig::Process(EngineProcessConfig {
         command,
         args: engine_args,
-        kv_block_size: peek(&passthrough, engine.block_size_flags())?,
-        tensor_parallel_size: peek(&passthrough, engine.tensor_parallel_flags())?,
-        data_parallel_size: peek(&passthrough, engine.data_parallel_flags())?,
+        kv_block_size: peek(engine, &passthrough, engine.block_size_flags())?,
+        tensor_parallel_size: peek(engine, &passthrough, engine.tensor_parallel_flags())?,
+        data_parallel_size: peek(engine, &passthrough, engine.data_parallel_flags())?,
         ready_timeout: args.engine_ready_timeout,
         allow_tcp: args.disaggregation_allow_tcp,
         kv_events_bind: args.kv_events_bind,
@@ -456,6 +505,7 @@ struct Shared {
     nats_req_max_pending: Option<u32>,
     drain_timeout: HumanDuration,
     etcd_lease_ttl: HumanDuration,
+    kvd_socket: Option<std::path::PathBuf>,
 }
 
 impl Shared {
@@ -476,23 +526,52 @@ impl Shared {
                 "must be a port between 1 and 65535 (got 0)",
             ));
         }
-        let discovery = DiscoveryConfig::try_from(DiscoveryFlags {
-            backend: args.discovery_backend,
+        let discovery_backend = args
+            .discovery_backend
+            .unwrap_or_else(|| engine.default_discovery_backend());
+        if args.discovery_backend.is_none()
+            && discovery_backend == DiscoveryBackend::Etcd
+            && non_empty(args.etcd_endpoint.clone()).is_none()
+        {
+            return Err(ConfigError::new(
+                "--etcd-endpoint",
+                format!(
+                    "is required: {engine} workers register in etcd (e.g. --etcd-endpoint \
+                     127.0.0.1:2379), unless --discovery-backend kubernetes is given"
+                ),
+            ));
+        }
+        let discovery = DiscoveryConfig::try_from(crate::cli::DiscoveryArgs {
+            discovery_backend,
             etcd_endpoint: args.etcd_endpoint,
             etcd_prefix: args.etcd_prefix,
             k8s_namespace: args.k8s_namespace,
             k8s_label_selector: args.k8s_label_selector,
         })?;
         let advertise_host = non_empty(args.advertise_host).unwrap_or_else(|| args.host.clone());
+        if engine == EngineKind::Atom && args.infera_kvd_socket.is_some() {
+            let why = "ATOM has no kvd connector; use vllm or sglang, or drop the flag";
+            return Err(ConfigError::new("--infera-kvd-socket", why));
+        }
         Ok(Self {
+            kvd_socket: args.infera_kvd_socket.filter(|p| !p.as_os_str().is_empty()),
             model,
             host: args.host,
             port,
             advertise_host,
             discovery,
-            request_transport: args.request_transport,
+            request_transport: args
+                .request_transport
+                .unwrap_or_else(|| engine.default_request_transport()),
             kv_events: KvEventsConfig {
-                enabled: !args.no_enable_kv_events,
+                // The two flags override each other: at most one of them is set.
+                enabled: if args.enable_kv_events {
+                    true
+                } else if args.no_enable_kv_events {
+                    false
+                } else {
+                    engine.default_kv_events()
+                },
                 transport: args.kv_event_transport,
             },
             nats_server: args.nats_server,
@@ -522,6 +601,7 @@ impl Shared {
             drain_timeout: self.drain_timeout,
             etcd_lease_ttl: self.etcd_lease_ttl,
             launch,
+            kvd_socket: self.kvd_socket,
         }
     }
 }
@@ -543,34 +623,85 @@ fn positive_duration(
 
 /// The last value given to any spelling in `flags` (`--flag V` or `--flag=V`) among forwarded
 /// engine arguments, with the spelling that gave it. A flag with no value after it (the last
-/// token) gives none.
+/// token) gives none. Exact spellings only; see [`engine_flag_value`] for reading arguments as
+/// the engine does.
 pub(crate) fn last_flag_value<'a, 'f>(
     args: &'a [String],
     flags: &[&'f str],
 ) -> Option<(&'f str, &'a str)> {
+    flag_value_as(args, flags, None)
+}
+
+/// [`last_flag_value`] as `engine`'s own parser reads its arguments: for SGLang a token that is
+/// an unambiguous prefix of one of its long flags (argparse's `allow_abbrev`, judged among all
+/// of SGLang's flags: see [`crate::worker::sglang_flags`]) counts as that flag, so `--dp 8` and
+/// `--dp=8` give `--dp-size` 8, while an ambiguous prefix gives nothing (SGLang refuses it). A
+/// token that is exactly one of the engine's other flags is that flag, never a prefix of ours.
+pub(crate) fn engine_flag_value<'a, 'f>(
+    engine: EngineKind,
+    args: &'a [String],
+    flags: &[&'f str],
+) -> Option<(&'f str, &'a str)> {
+    flag_value_as(args, flags, engine.abbreviable_flags())
+}
+
+/// Whether `engine`'s parser reads any of `args` as one of `flags` (as [`engine_flag_value`],
+/// for flags that take no value too).
+pub(crate) fn engine_flag_given(engine: EngineKind, args: &[String], flags: &[&str]) -> bool {
+    let known = engine.abbreviable_flags();
+    args.iter()
+        .any(|token| spelled(token, flags, known).is_some())
+}
+
+/// The flag of `flags` that `token` names, with the value it carries after `=`.
+fn spelled<'t, 'f>(
+    token: &'t str,
+    flags: &[&'f str],
+    abbreviable: Option<&'static [&'static str]>,
+) -> Option<(&'f str, Option<&'t str>)> {
+    let (name, inline) = match token.split_once('=') {
+        Some((name, value)) => (name, Some(value)),
+        None => (token, None),
+    };
+    if let Some(&flag) = flags.iter().find(|flag| **flag == name) {
+        return Some((flag, inline));
+    }
+    let full = crate::worker::sglang_flags::resolve(abbreviable?, name)?;
+    flags
+        .iter()
+        .find(|flag| **flag == full)
+        .map(|&flag| (flag, inline))
+}
+
+fn flag_value_as<'a, 'f>(
+    args: &'a [String],
+    flags: &[&'f str],
+    abbreviable: Option<&'static [&'static str]>,
+) -> Option<(&'f str, &'a str)> {
     let mut found = None;
     let mut tokens = args.iter().peekable();
     while let Some(token) = tokens.next() {
-        for &flag in flags {
-            if token == flag {
+        match spelled(token, flags, abbreviable) {
+            Some((flag, Some(value))) => found = Some((flag, value)),
+            Some((flag, None)) => {
                 if let Some(value) = tokens.peek() {
                     found = Some((flag, value.as_str()));
                 }
-            } else if let Some(value) = token
-                .strip_prefix(flag)
-                .and_then(|rest| rest.strip_prefix('='))
-            {
-                found = Some((flag, value));
             }
+            None => {}
         }
     }
     found
 }
 
-/// Reads the last value given to any spelling in `flags` from the forwarded arguments, which
-/// keep it. The value must be a positive integer.
-fn peek(args: &[String], flags: &'static [&'static str]) -> Result<Option<u32>, ConfigError> {
-    last_flag_value(args, flags)
+/// Reads the last value given to any spelling in `flags` from the forwarded arguments (which
+/// keep it), as `engine` reads them. The value must be a positive integer.
+fn peek(
+    engine: EngineKind,
+    args: &[String],
+    flags: &'static [&'static str],
+) -> Result<Option<u32>, ConfigError> {
+    engine_flag_value(engine, args, flags)
         .map(|(flag, value)| {
             value
                 .parse::<u32>()

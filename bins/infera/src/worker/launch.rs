@@ -13,6 +13,10 @@
 //! | SGLang | `--kv-events-config {"publisher":"zmq","endpoint":"tcp://*:P","topic":"kv-events"}` | |
 //! | ATOM   | `ATOM_KV_EVENTS_ENABLE=1`, `ATOM_KV_EVENTS_ENDPOINT=tcp://*:P`, `ATOM_KV_EVENTS_TOPIC=kv-events` | `--port <free>` (ATOM's internal torch-distributed port) when absent |
 //!
+//! Every engine argument is read as the engine's own parser reads it ([`engine_value`]): for
+//! SGLang an unambiguous prefix of one of its flags is that flag, as in argparse (`--dp 8`,
+//! `--disaggregation-m decode`); vLLM and ATOM arguments count in their exact spellings only.
+//!
 //! A `--kv-events-config` (or `ATOM_KV_EVENTS_ENDPOINT`) given by the user is kept, and its
 //! endpoint is the one advertised; `--kv-events-bind` sets the endpoint the launcher writes
 //! (else a free port). The Python launchers' engine defaults (fp8 KV cache, SGLang's decode
@@ -23,6 +27,7 @@
 //! `--kv-transfer-config`, so the id registered is the one the engine uses. A PD-role mock
 //! (`infera worker mock --disaggregation-mode`) registers the same shapes
 //! ([`mock_disagg_meta`]), so the server's dispatch is tested against what real workers say.
+//! `--infera-kvd-socket` adds the kvd connector (vLLM) or HiCache backend (SGLang): see [`kvd`].
 
 use crate::config::worker::{EngineKind, EngineProcessConfig, WorkerConfig};
 use crate::net::url_host;
@@ -31,6 +36,9 @@ use infera_core::pd::{DisaggMeta, PdFamily, PdProtocol};
 use serde_json::{Map, Value, json};
 
 mod defaults;
+mod kvd;
+
+pub use kvd::SOCKET_ENV as KVD_SOCKET_ENV;
 
 /// The topic the launcher asks engines to publish KV events on.
 pub const KV_EVENTS_TOPIC: &str = "kv-events";
@@ -77,6 +85,9 @@ pub struct LaunchPlan {
     pub dp_rank: u32,
     /// Data-parallel ranks behind this worker's one HTTP port.
     pub dp_size: u32,
+    /// The kvd socket the engine was wired to (`--infera-kvd-socket`, not on a decode leg):
+    /// checked with `hello` before the engine starts; the worker registers as kvd-backed.
+    pub kvd_socket: Option<std::path::PathBuf>,
 }
 
 /// A configuration the launcher refuses, naming what to change.
@@ -124,13 +135,13 @@ pub fn plan(
             ));
         }
     }
-    if engine == EngineKind::Atom && flag_value(passthrough, &["--port"]).is_none() {
+    if engine == EngineKind::Atom && engine_value(engine, passthrough, &["--port"]).is_none() {
         args.push("--port".to_owned());
         args.push(ports.atom_internal.to_string());
     }
 
     let data_parallel_rank = match engine {
-        EngineKind::Vllm => flag_value(passthrough, &["--data-parallel-rank", "-dpr"])
+        EngineKind::Vllm => engine_value(engine, passthrough, &["--data-parallel-rank", "-dpr"])
             .map(|v| parse_u32("--data-parallel-rank", v))
             .transpose()?,
         _ => None,
@@ -155,7 +166,7 @@ pub fn plan(
         (None, None)
     };
 
-    let served_model = flag_value(passthrough, &["--served-model-name"])
+    let served_model = engine_value(engine, passthrough, &["--served-model-name"])
         .map_or_else(|| config.model.clone(), str::to_owned);
     let mori_read = env("VLLM_MORIIO_CONNECTOR_READ_MODE").is_some();
     let (role, disagg_meta) = disaggregation(config, process, mori_read, &mut args)?;
@@ -169,6 +180,12 @@ pub fn plan(
     )?;
     let added = defaults::added_args(engine, role, config.kv_events.enabled, passthrough, env);
     args.splice(users_end..users_end, added);
+    let kvd_socket = match &config.kvd_socket {
+        Some(socket) if kvd::wire(engine, role, socket, &mut args, &mut env_out)? => {
+            Some(socket.clone())
+        }
+        _ => None,
+    };
     let kv_block_size = process.kv_block_size.or(match engine {
         // vLLM and ATOM page 16 tokens unless told otherwise; SGLang's page size is resolved
         // from the running server (see `worker::process`).
@@ -187,6 +204,7 @@ pub fn plan(
         kv_block_size,
         dp_rank,
         dp_size,
+        kvd_socket,
     })
 }
 
@@ -222,7 +240,7 @@ fn kv_events(
     };
     match engine {
         EngineKind::Vllm | EngineKind::Sglang => {
-            if let Some(given) = flag_value(passthrough, &["--kv-events-config"]) {
+            if let Some(given) = engine_value(engine, passthrough, &["--kv-events-config"]) {
                 let object = json_object("--kv-events-config", given)?;
                 let port = |key: &str| {
                     object
@@ -276,9 +294,10 @@ fn disaggregation(
 ) -> Result<(Role, Option<Value>), LaunchError> {
     let passthrough = &process.passthrough;
     let host = config.advertise_host.as_str();
+    let value = |flag: &str| engine_value(config.engine, passthrough, &[flag]);
     match config.engine {
         EngineKind::Sglang => {
-            let role = match flag_value(passthrough, &["--disaggregation-mode"]) {
+            let role = match value("--disaggregation-mode") {
                 Some("prefill") => Role::Prefill,
                 Some("decode") => Role::Decode,
                 None | Some("null") => Role::Mixed,
@@ -291,12 +310,11 @@ fn disaggregation(
             if role == Role::Mixed {
                 return Ok((role, None));
             }
-            let port = flag_value(passthrough, &["--disaggregation-bootstrap-port"])
+            let port = value("--disaggregation-bootstrap-port")
                 .map(|v| parse_u32("--disaggregation-bootstrap-port", v))
                 .transpose()?
                 .unwrap_or(u32::from(SGLANG_BOOTSTRAP_PORT));
-            let backend = flag_value(passthrough, &["--disaggregation-transfer-backend"])
-                .unwrap_or("mooncake");
+            let backend = value("--disaggregation-transfer-backend").unwrap_or("mooncake");
             let meta = disagg_meta(
                 PdProtocol::SglangBootstrap,
                 json!({
@@ -308,7 +326,7 @@ fn disaggregation(
             Ok((role, Some(meta)))
         }
         EngineKind::Vllm | EngineKind::Atom => {
-            let Some(given) = flag_value(passthrough, &["--kv-transfer-config"]) else {
+            let Some(given) = value("--kv-transfer-config") else {
                 return Ok((Role::Mixed, None));
             };
             let mut transfer = json_object("--kv-transfer-config", given)?;
@@ -486,9 +504,15 @@ fn atom_meta(
     ))
 }
 
-/// The last value of any spelling in `flags` (`--flag V` or `--flag=V`).
+/// The last value of any spelling in `flags` (`--flag V` or `--flag=V`), exact spellings only.
 pub fn flag_value<'a>(args: &'a [String], flags: &[&str]) -> Option<&'a str> {
     crate::config::worker::last_flag_value(args, flags).map(|(_, value)| value)
+}
+
+/// [`flag_value`] as `engine`'s parser reads its arguments (SGLang: argparse's unambiguous
+/// prefixes too, `--disaggregation-m decode` is `--disaggregation-mode decode`).
+pub fn engine_value<'a>(engine: EngineKind, args: &'a [String], flags: &[&str]) -> Option<&'a str> {
+    crate::config::worker::engine_flag_value(engine, args, flags).map(|(_, value)| value)
 }
 
 /// Rewrites every value of `flag` in `args` to `value`.

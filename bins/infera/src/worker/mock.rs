@@ -1,7 +1,7 @@
 //! The mock engine ([`infera_adapters::mock`]) run in process, with its KV-event sink connected
-//! to a ZeroMQ publisher ([`infera_backends::zmq::KvEventPublisher`]) that speaks vLLM's wire
-//! format: PUB `[topic "kv-events", seq u64 BE, payload]` and a ROUTER replay socket, or (with
-//! `--kv-event-transport nats`) to the worker's NATS subjects ([`infera_backends::nats::kv`]).
+//! ([`crate::wiring::mock_kv_sink`]) to a ZeroMQ publisher that speaks vLLM's wire format: PUB
+//! `[topic "kv-events", seq u64 BE, payload]` and a ROUTER replay socket, or (with
+//! `--kv-event-transport nats`) to the worker's NATS subjects.
 //!
 //! Two commands run it:
 //!
@@ -12,25 +12,27 @@
 //!   vLLM, SGLang or ATOM ([`MockEngineArgs`]): `infera worker vllm --engine-cmd "infera
 //!   mock-engine"` runs the real launcher over a GPU-free engine.
 //!
+//! With `--infera-kvd-socket` (for `infera mock-engine`: `INFERA_KVD_SOCKET`, as a launcher
+//! sets it), the mock checks that kvd answers `hello`, then saves and loads its KV blocks there
+//! ([`infera_adapters::mock::MockKvStore`] on [`KvdBlockStore`]) and registers as kvd-backed.
+//!
 //! With a model path naming an existing tokenizer directory or `tokenizer.json`, the tokenizer is
 //! loaded (a failed load stops startup); any other model name runs with the byte fallback.
 
 use crate::config::WorkerConfig;
 use crate::config::worker::{LaunchConfig, MockEngineConfig};
+use crate::kvd_store::KvdBlockStore;
 use crate::net::{socket_addr, url_host};
 use crate::signals::Signals;
+use crate::wiring::{Backend, NatsLink, mock_kv_sink};
 use anyhow::{Context, bail};
-use bytes::Bytes;
 use clap::Args;
-use infera_adapters::mock::{MockConfig, MockPd, MockServer};
+use infera_adapters::mock::{MockConfig, MockKvStore, MockPd, MockServer};
 use infera_adapters::tokenize::Tokenizer;
-use infera_backends::nats::kv::KvEventPublisher as NatsKvPublisher;
-use infera_backends::zmq::{KvEventPublisher, PublisherConfig};
 use infera_core::engine::{EngineConfig, TimingModel};
-use infera_core::kv_events::{EngineBatch, encode_batch_vllm};
 use std::path::Path;
 use std::sync::Arc;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 /// Offset of the KV-event PUB port from the HTTP port of `infera worker mock`.
@@ -80,7 +82,14 @@ pub enum KvOut {
     /// A ZeroMQ publisher bound on these sockets (`--kv-event-transport zmq`).
     Zmq(KvBind),
     /// NATS subjects (`--kv-event-transport nats`), each batch encoded as vLLM does.
-    Nats(NatsKvPublisher),
+    Nats {
+        /// The worker's NATS connection.
+        link: NatsLink,
+        /// The worker id the subjects derive from.
+        worker_id: String,
+        /// The publisher epoch (differs across the worker's restarts).
+        epoch: u64,
+    },
 }
 
 /// A mock engine serving in the background.
@@ -112,9 +121,16 @@ impl RunningMock {
             host: config.advertise_host.clone(),
             port: config.port,
         });
+        if let Some(socket) = &config.kvd_socket {
+            crate::kvd_store::preflight(socket, "infera-mock").await?;
+            mock_config.kv_store = Some(MockKvStore {
+                store: Arc::new(KvdBlockStore::new(socket.clone())),
+                compat_key: String::new(),
+            });
+        }
         let (sink, forwarder) = match kv {
             Some(kv) => {
-                let (sink, forwarder) = start_publisher(kv).await?;
+                let (sink, forwarder) = mock_kv_sink(kv).await?;
                 (Some(sink), Some(forwarder))
             }
             None => (None, None),
@@ -173,10 +189,11 @@ impl RunningMock {
     after_help = "Understood: --model / --model-path, --served-model-name, --host, \
     --port (or ATOM's --server-port), --kv-events-config JSON (endpoint, replay_endpoint), \
     ATOM_KV_EVENTS_ENABLE / ATOM_KV_EVENTS_ENDPOINT, --block-size / --page-size, \
-    --num-gpu-blocks-override, --max-num-seqs, --max-num-batched-tokens. Other engine flags \
-    are ignored. Example: infera worker vllm --engine-cmd \"infera mock-engine\" --model m \
-    --discovery-backend etcd --etcd-endpoint 127.0.0.1:2379 --request-transport http \
-    --kv-event-transport zmq"
+    --num-gpu-blocks-override, --max-num-seqs, --max-num-batched-tokens, INFERA_KVD_SOCKET \
+    (saves and loads KV blocks through that kvd, as a launcher's --infera-kvd-socket asks). \
+    Other engine flags are ignored. Example: infera worker vllm --engine-cmd \"infera \
+    mock-engine\" --model m --discovery-backend etcd --etcd-endpoint 127.0.0.1:2379 \
+    --request-transport http --kv-event-transport zmq"
 )]
 pub struct MockEngineArgs {
     /// The engine's arguments.
@@ -240,11 +257,29 @@ fn standalone_config(
     if let Some(port) = port {
         argv.extend(["--port".to_owned(), port]);
     }
-    // The mock engine registers nothing; the discovery flags only have to validate.
+    // What a launcher's `--infera-kvd-socket` gives the engine.
+    if let Some(socket) = env(super::launch::KVD_SOCKET_ENV).filter(|s| !s.is_empty()) {
+        argv.extend(["--infera-kvd-socket".to_owned(), socket]);
+    }
+    // The mock engine registers nothing, takes no NATS requests and publishes its KV events
+    // where its own --kv-events-config says: the worker's transport flags only have to validate,
+    // with a discovery backend this build has.
+    let discovery: &[&str] = if Backend::Etcd.built() {
+        &["--discovery-backend", "etcd", "--etcd-endpoint", "unused"]
+    } else if Backend::Kubernetes.built() {
+        &["--discovery-backend", "kubernetes"]
+    } else {
+        bail!(
+            "mock-engine validates its flags as a worker's, which needs a discovery backend: \
+             this infera was built with neither (Cargo features \"etcd\", \"kubernetes\"); \
+             rebuild with --features etcd"
+        );
+    };
     argv.extend(
-        ["--discovery-backend", "etcd", "--etcd-endpoint", "unused"]
-            .into_iter()
-            .map(str::to_owned),
+        discovery
+            .iter()
+            .chain(&["--request-transport", "http", "--no-enable-kv-events"])
+            .map(|arg| (*arg).to_owned()),
     );
     let cli = crate::cli::parse_from(&argv).map_err(|e| anyhow::anyhow!("{e}"))?;
     let crate::cli::Command::Worker(command) = cli.command else {
@@ -281,56 +316,6 @@ fn standalone_config(
         None
     };
     Ok((config, served, kv))
-}
-
-/// Binds the publisher and starts the task that publishes every batch of the sink; the task
-/// ends when the engine drops the sink.
-async fn start_publisher(kv: KvOut) -> anyhow::Result<(mpsc::Sender<EngineBatch>, JoinHandle<()>)> {
-    let kv = match kv {
-        KvOut::Zmq(kv) => kv,
-        KvOut::Nats(mut publisher) => {
-            let (sink, mut batches) = mpsc::channel::<EngineBatch>(1024);
-            let forwarder = tokio::spawn(async move {
-                let mut failures = 0u64;
-                while let Some(batch) = batches.recv().await {
-                    let payload = Bytes::from(encode_batch_vllm(&batch));
-                    let rank = batch.dp_rank.unwrap_or(0);
-                    if let Err(e) = publisher.publish(rank, payload).await {
-                        failures += 1;
-                        if failures.is_power_of_two() {
-                            tracing::error!(error = %e, failures, "kv-event publish on nats failed");
-                        }
-                    }
-                }
-                if let Err(e) = publisher.flush().await {
-                    tracing::warn!(error = %e, "cannot flush the last kv events to nats");
-                }
-            });
-            return Ok((sink, forwarder));
-        }
-    };
-    let mut publisher = KvEventPublisher::bind(PublisherConfig::new(kv.events, kv.replay))
-        .await
-        .context("cannot bind the mock's kv-event sockets")?;
-    tracing::info!(
-        endpoint = publisher.endpoint(),
-        replay = publisher.replay_endpoint().unwrap_or_default(),
-        "mock kv events publishing"
-    );
-    let (sink, mut batches) = mpsc::channel::<EngineBatch>(1024);
-    let forwarder = tokio::spawn(async move {
-        let mut failures = 0u64;
-        while let Some(batch) = batches.recv().await {
-            if let Err(e) = publisher.publish_batch(&batch).await {
-                failures += 1;
-                if failures.is_power_of_two() {
-                    tracing::error!(error = %e, failures, "kv-event publish failed");
-                }
-            }
-        }
-        publisher.shutdown().await;
-    });
-    Ok((sink, forwarder))
 }
 
 fn engine_config(mock: &MockEngineConfig) -> EngineConfig {

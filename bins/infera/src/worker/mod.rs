@@ -4,7 +4,8 @@
 //! The lifecycle, the same for every engine:
 //!
 //! 1. connect to discovery first (a GPU engine is not started for a worker that cannot register);
-//! 2. start the engine: the mock in process ([`mock`]), a real engine as a child process in its
+//! 2. with `--infera-kvd-socket`, check that kvd answers `hello` (see [`crate::kvd_store`]);
+//!    start the engine: the mock in process ([`mock`]), a real engine as a child process in its
 //!    own process group ([`process`]) with the command line and environment of its
 //!    [`launch::LaunchPlan`];
 //! 3. wait until it answers `GET /health` (`--engine-ready-timeout`), read the block size it
@@ -13,31 +14,32 @@
 //!    metadata, `kv_events_endpoint`, block size, data-parallel ranks, request transport;
 //! 4. serve until SIGTERM / Ctrl-C or until the engine exits; with `--request-transport nats`
 //!    the worker also subscribes to `infera.req.<token>` (before registering) and proxies each
-//!    request to the engine's HTTP port ([`infera_backends::nats::NatsResponder`]), each one
+//!    request to the engine's HTTP port ([`crate::wiring::Responder`]), each one
 //!    bounded by the worker's own `--nats-req-max-duration` when set (a backstop that holds even
 //!    when the server died or its cancel was lost); with
 //!    `--kv-event-transport nats` the KV events go to `infera.kv.events.<token>.<rank>`
-//!    (the mock publishes there; a real engine's ZeroMQ events are relayed by [`kv_relay`]);
+//!    (the mock publishes there; a real engine's ZeroMQ events are relayed by
+//!    [`crate::wiring::KvRelay`]);
 //! 5. deregister first and stop taking NATS requests (no new work arrives), drain in-flight work bounded by
 //!    `--drain-timeout`, then stop the engine (SIGTERM, SIGKILL to its group after
 //!    [`process::STOP_GRACE`]).
 //!
 //! An engine that exits on its own is deregistered at once and the worker exits non-zero.
 
-mod kv_relay;
 pub mod launch;
 pub mod mock;
 pub mod probe;
 pub mod process;
+pub mod sglang_flags;
 
 use crate::config::worker::{EngineKind, LaunchConfig};
 use crate::config::{DiscoveryConfig, KvEventTransport, RequestTransport, WorkerConfig};
 use crate::signals::Signals;
+use crate::wiring::{self, KvRelay, NatsLink, Responder};
 use anyhow::{Context as _, bail};
-use infera_backends::discovery::{Registrar, Registration};
-use infera_backends::nats::{self, NatsResponder, ResponderConfig};
 use infera_core::event::{self, Engine, Role, WorkerRecord};
 use infera_core::ids::WorkerId;
+use infera_core::ports::discovery::{Registrar, Registration};
 use launch::{FreePorts, LaunchPlan};
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -51,8 +53,7 @@ pub fn run(config: WorkerConfig) -> anyhow::Result<()> {
     let config = advertise_pod_ip(config, std::env::var("POD_IP").ok());
     mock::runtime()?.block_on(async move {
         let mut signals = Signals::register()?;
-        let registrar =
-            crate::discovery::registrar(&config.discovery, config.etcd_lease_ttl.0).await?;
+        let registrar = wiring::registrar(&config.discovery, config.etcd_lease_ttl.0).await?;
         match &config.launch {
             LaunchConfig::Mock(engine) => {
                 let engine = engine.clone();
@@ -61,6 +62,9 @@ pub fn run(config: WorkerConfig) -> anyhow::Result<()> {
             LaunchConfig::Process(process) => {
                 let ports = free_ports()?;
                 let plan = launch::plan(&config, process, &|k| std::env::var(k).ok(), ports)?;
+                if let Some(socket) = &plan.kvd_socket {
+                    crate::kvd_store::preflight(socket, "infera-worker").await?;
+                }
                 run_process(
                     &config,
                     &plan,
@@ -100,14 +104,16 @@ fn epoch() -> u64 {
 }
 
 /// The NATS connection, when a transport of this worker uses it.
-async fn nats_client(config: &WorkerConfig) -> anyhow::Result<Option<nats::Client>> {
-    let uses_nats = config.request_transport == RequestTransport::Nats
-        || (config.kv_events.enabled && config.kv_events.transport == KvEventTransport::Nats);
-    if !uses_nats {
+async fn nats_client(config: &WorkerConfig) -> anyhow::Result<Option<NatsLink>> {
+    let flag = if config.request_transport == RequestTransport::Nats {
+        "--request-transport"
+    } else if config.kv_events.enabled && config.kv_events.transport == KvEventTransport::Nats {
+        "--kv-event-transport"
+    } else {
         return Ok(None);
-    }
+    };
     Ok(Some(
-        nats::connect(&config.nats_server, "infera-worker").await?,
+        NatsLink::connect(&config.nats_server, "infera-worker", flag).await?,
     ))
 }
 
@@ -120,8 +126,8 @@ fn worker_id(config: &WorkerConfig) -> String {
 /// the engine's HTTP port (a wildcard bind address is reached on loopback).
 async fn start_responder(
     config: &WorkerConfig,
-    client: Option<&nats::Client>,
-) -> anyhow::Result<Option<NatsResponder>> {
+    client: Option<&NatsLink>,
+) -> anyhow::Result<Option<Responder>> {
     let (RequestTransport::Nats, Some(client)) = (config.request_transport, client) else {
         return Ok(None);
     };
@@ -131,29 +137,21 @@ async fn start_responder(
         other => other,
     };
     let engine_url = format!("http://{}", crate::net::socket_addr(host, config.port));
-    let responder = NatsResponder::start(
-        client.clone(),
-        ResponderConfig {
-            worker_id: worker_id(config),
-            engine_url,
-            max_duration: config.nats_req_max_duration.map(|d| d.0),
-            idle_timeout: config.nats_req_idle_timeout.map(|d| d.0),
-            max_pending: config.nats_req_max_pending,
-        },
-    )
-    .await?;
+    let responder = client
+        .start_responder(worker_id(config), engine_url, config)
+        .await?;
     Ok(Some(responder))
 }
 
 /// Stops taking NATS requests (the first step of a drain).
-async fn stop_accepting(responder: Option<&NatsResponder>) {
+async fn stop_accepting(responder: Option<&Responder>) {
     if let Some(r) = responder {
         r.stop_accepting().await;
     }
 }
 
 /// Waits for the NATS requests still in flight, bounded by the drain timeout.
-async fn finish_responder(responder: Option<NatsResponder>, config: &WorkerConfig) {
+async fn finish_responder(responder: Option<Responder>, config: &WorkerConfig) {
     if let Some(r) = responder {
         r.finish(config.drain_timeout.0).await;
     }
@@ -171,9 +169,11 @@ async fn run_mock(
             tracing::info!("kv events disabled (--no-enable-kv-events)");
             None
         }
-        (true, KvEventTransport::Nats, Some(client)) => Some(mock::KvOut::Nats(
-            nats::kv::KvEventPublisher::new(client.clone(), worker_id(config), epoch()),
-        )),
+        (true, KvEventTransport::Nats, Some(link)) => Some(mock::KvOut::Nats {
+            link: link.clone(),
+            worker_id: worker_id(config),
+            epoch: epoch(),
+        }),
         (true, _, _) => Some(mock::KvOut::Zmq(mock::KvBind::from_port(
             &config.host,
             config.port,
@@ -276,14 +276,20 @@ async fn run_process(
     ) {
         (Some(client), KvEventTransport::Nats, Some(endpoint)) => {
             record.kv_events_endpoint = None;
-            Some(kv_relay::KvRelay::start(
+            match KvRelay::start(
                 client,
                 &worker_id(config),
                 endpoint,
                 plan.dp_rank,
                 plan.dp_size,
                 epoch(),
-            ))
+            ) {
+                Ok(relay) => Some(relay),
+                Err(e) => {
+                    engine.stop(process::STOP_GRACE).await;
+                    return Err(e.into());
+                }
+            }
         }
         _ => None,
     };
@@ -363,6 +369,10 @@ pub fn process_record(
     record.kv_block_size = block_size.unwrap_or(0);
     record.dp_rank = plan.dp_rank;
     record.dp_size = plan.dp_size;
+    if plan.kvd_socket.is_some() {
+        let field = infera_core::ports::kv_store::KVD_BACKED_FIELD;
+        record.extra.insert(field.into(), true.into());
+    }
     record
 }
 

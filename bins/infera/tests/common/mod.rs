@@ -8,7 +8,7 @@ use infera_core::ids::EngineHash;
 use infera_core::kv_events::{EngineBatch, EngineEvent};
 use serde_json::Value;
 use std::io::{Read as _, Write as _};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -16,25 +16,16 @@ use std::time::{Duration, Instant};
 /// Upper bound of every wait: a guard against a hung test, never a synchronisation.
 pub const DEADLINE: Duration = Duration::from_secs(60);
 
-/// A port nothing listens on right now.
+/// A loopback port nothing listens on, not handed out before in this test process (see
+/// `infera_backends::testing::free_port`).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    infera_backends::testing::free_port().unwrap()
 }
 
-/// A free port for `infera worker mock`, whose KV-event sockets take the port + 10000 and
-/// + 20000, which must be free (and below 65536) too; none of them in `taken`.
-pub fn free_mock_port(taken: &[u16]) -> u16 {
-    loop {
-        let port = free_port();
-        let free = |p: u16| !taken.contains(&p) && TcpListener::bind(("127.0.0.1", p)).is_ok();
-        if port < 45_000 && free(port) && free(port + 10_000) && free(port + 20_000) {
-            return port;
-        }
-    }
+/// A port for `infera worker mock`, whose KV-event sockets take the port + 10000 and + 20000:
+/// all three free, and none handed out before in this test process.
+pub fn free_mock_port() -> u16 {
+    infera_backends::testing::free_port_triple().unwrap()
 }
 
 /// The fixture tokenizer directory.
@@ -133,14 +124,21 @@ pub fn open_stream(port: u16, body: &str) -> (TcpStream, Vec<u8>) {
     (stream, seen)
 }
 
+/// `infera worker mock` on `port` (16-token blocks), registering itself in the etcd at `etcd`:
+/// the command every fleet of these tests starts its workers from, transports to be added.
+pub fn mock_worker_command(tok: &str, etcd: &str, port: u16) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_infera"));
+    cmd.args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
+        .args(["--port", &port.to_string(), "--block-size", "16"])
+        .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd]);
+    cmd
+}
+
 /// Starts `infera worker mock` on `port`, registering itself in etcd, serving requests over
 /// HTTP and publishing KV events on ZeroMQ, with `extra` flags.
 pub fn mock_worker(tok: &str, etcd: &str, port: u16, extra: &[&str]) -> Proc {
     Proc(
-        Command::new(env!("CARGO_BIN_EXE_infera"))
-            .args(["worker", "mock", "--model-path", tok, "--host", "127.0.0.1"])
-            .args(["--port", &port.to_string(), "--block-size", "16"])
-            .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
+        mock_worker_command(tok, etcd, port)
             .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
             .args(extra)
             .stdout(Stdio::null())
@@ -188,4 +186,34 @@ pub fn stored(first: u64, blocks: u64) -> EngineBatch {
         }],
         ..EngineBatch::default()
     }
+}
+
+/// The sum of every sample of `name`, whatever its other labels, in a Prometheus text
+/// exposition; `None` when it has none. `name` may end with its first labels, unclosed
+/// (`family{router="disagg"`).
+pub fn metric_in(text: &str, name: &str) -> Option<u64> {
+    let follows: &[char] = if name.contains('{') {
+        &[',', '}']
+    } else {
+        &[' ', '{']
+    };
+    let mut sum = None;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        if !rest.starts_with(follows) {
+            continue;
+        }
+        if let Some(v) = rest.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) {
+            *sum.get_or_insert(0) += v as u64;
+        }
+    }
+    sum
+}
+
+/// [`metric_in`] of the `/metrics` page at `port`; `None` while nothing answers there.
+pub fn metric(port: u16, name: &str) -> Option<u64> {
+    let (_, text) = http(port, "GET", "/metrics", "")?;
+    metric_in(&text, name)
 }

@@ -8,7 +8,14 @@ fn tokenizer_dir() -> tempfile::TempDir {
     dir
 }
 
+/// Parses `infera server` with a tokenizer and the worker selector that kubernetes discovery (the
+/// default) requires, then `extra`.
 fn parse(extra: &[&str]) -> Result<ServerConfig, ConfigError> {
+    parse_exactly(&[&["--k8s-label-selector", "app=worker"], extra].concat())
+}
+
+/// Parses `infera server` with a tokenizer, then `extra`.
+fn parse_exactly(extra: &[&str]) -> Result<ServerConfig, ConfigError> {
     let dir = tokenizer_dir();
     let path = dir.path().to_str().unwrap().to_owned();
     let mut argv = vec!["infera", "server", "--router-tokenizer-path", &path];
@@ -154,6 +161,28 @@ fn tokenizer_paths_are_checked_for_readability() {
 }
 
 #[test]
+fn kubernetes_discovery_needs_a_label_selector_as_in_the_python_server() {
+    let error = parse_exactly(&[]).unwrap_err();
+    assert_eq!(error.flag, "--k8s-label-selector");
+    assert!(
+        error.reason.contains("--discovery-backend kubernetes"),
+        "{error}"
+    );
+    let blank = parse_exactly(&["--k8s-label-selector", " "]).unwrap_err();
+    assert_eq!(blank.flag, "--k8s-label-selector");
+    let etcd = [
+        "--discovery-backend",
+        "etcd",
+        "--etcd-endpoint",
+        "127.0.0.1",
+    ];
+    assert!(matches!(
+        parse_exactly(&etcd).unwrap().discovery,
+        DiscoveryConfig::Etcd { .. }
+    ));
+}
+
+#[test]
 fn client_bounds_default_on_turn_off_with_zero_and_the_token_stays_secret() {
     let config = parse(&[]).unwrap();
     assert_eq!(
@@ -168,6 +197,10 @@ fn client_bounds_default_on_turn_off_with_zero_and_the_token_stays_secret() {
         config.http.client_body_timeout,
         Some("60s".parse().unwrap())
     );
+    assert_eq!(
+        config.http.client_write_timeout,
+        Some("60s".parse().unwrap())
+    );
     assert_eq!(config.http.max_connections, None);
     assert_eq!(config.http.parse_budget, ByteSize(512 << 20));
     assert_eq!(config.http.admin_token, None);
@@ -178,6 +211,8 @@ fn client_bounds_default_on_turn_off_with_zero_and_the_token_stays_secret() {
         "0",
         "--client-body-timeout",
         "2m",
+        "--client-write-timeout",
+        "0",
         "--max-connections",
         "100",
         "--parse-budget",
@@ -192,6 +227,7 @@ fn client_bounds_default_on_turn_off_with_zero_and_the_token_stays_secret() {
         config.http.client_body_timeout,
         Some("120s".parse().unwrap())
     );
+    assert_eq!(config.http.client_write_timeout, None);
     assert_eq!(config.http.max_connections, Some(100));
     assert_eq!(config.http.parse_budget, ByteSize(0));
     let token = config.http.admin_token.as_ref().unwrap();
@@ -217,4 +253,75 @@ fn zero_max_body_bytes_is_rejected() {
         parse(&["--max-body-bytes", "0"]).unwrap_err().flag,
         "--max-body-bytes"
     );
+}
+
+#[test]
+fn each_backend_flag_is_accepted_exactly_when_this_build_has_its_backend() {
+    use crate::config::assert_accepted_iff_built;
+    use crate::wiring::Backend::{Etcd, Kubernetes, Nats, Sql, Zmq};
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = format!("sqlite:{}", dir.path().join("events.db").display());
+    let k8s = ["--discovery-backend", "kubernetes"];
+    let plain = ["--request-transport", "http", "--kv-event-transport", "zmq"];
+    let cases: [(Vec<&str>, &[_]); 5] = [
+        (
+            [&k8s[..], &plain].concat(),
+            &[
+                (Kubernetes, "--discovery-backend", "kubernetes"),
+                (Zmq, "--kv-event-transport", "zmq"),
+            ],
+        ),
+        (
+            [
+                &[
+                    "--discovery-backend",
+                    "etcd",
+                    "--etcd-endpoint",
+                    "127.0.0.1:2379",
+                ][..],
+                &plain,
+            ]
+            .concat(),
+            &[
+                (Etcd, "--discovery-backend", "etcd"),
+                (Zmq, "--kv-event-transport", "zmq"),
+            ],
+        ),
+        (
+            [
+                &k8s[..],
+                &[
+                    "--request-transport",
+                    "nats",
+                    "--kv-event-transport",
+                    "nats",
+                ],
+            ]
+            .concat(),
+            &[
+                (Kubernetes, "--discovery-backend", "kubernetes"),
+                (Nats, "--request-transport", "nats"),
+                (Nats, "--kv-event-transport", "nats"),
+            ],
+        ),
+        (
+            [&k8s[..], &plain, &["--event-log", &sqlite]].concat(),
+            &[
+                (Kubernetes, "--discovery-backend", "kubernetes"),
+                (Zmq, "--kv-event-transport", "zmq"),
+                (Sql, "--event-log", "sqlite"),
+            ],
+        ),
+        (
+            [&k8s[..], &plain, &["--event-log", "nats"]].concat(),
+            &[
+                (Kubernetes, "--discovery-backend", "kubernetes"),
+                (Zmq, "--kv-event-transport", "zmq"),
+                (Nats, "--event-log", "nats"),
+            ],
+        ),
+    ];
+    for (argv, needs) in cases {
+        assert_accepted_iff_built(&parse(&argv), needs);
+    }
 }

@@ -14,8 +14,8 @@
 //!   with a PD protocol), else it would fall back to TCP silently. `--disaggregation-allow-tcp`
 //!   skips the transport check (benchmarks only).
 
-use super::{LaunchError, flag_value};
-use crate::config::worker::EngineKind;
+use super::{LaunchError, engine_value};
+use crate::config::worker::{EngineKind, engine_flag_given};
 use infera_core::event::Role;
 
 /// The variable that turns the fp8 KV-cache default off (`0`).
@@ -34,7 +34,8 @@ pub(super) fn added_args(
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Vec<String> {
     let mut added = Vec::new();
-    let given = |flag: &str| flag_value(passthrough, &[flag]).is_some();
+    // As the engine reads its arguments: SGLang's `--kv-cache-d auto` sets its KV cache dtype.
+    let given = |flag: &str| engine_flag_given(engine, passthrough, &[flag]);
     let fp8 = env(DEFAULT_KV_FP8_ENV).is_none_or(|v| v.trim() != "0");
     if matches!(engine, EngineKind::Vllm | EngineKind::Sglang) && fp8 && !given("--kv-cache-dtype")
     {
@@ -44,8 +45,9 @@ pub(super) fn added_args(
     if engine == EngineKind::Sglang
         && kv_events
         && role == Role::Decode
-        && flag_value(passthrough, &["--disaggregation-transfer-backend"]) == Some("mooncake")
-        && !passthrough.iter().any(|a| a == radix)
+        && engine_value(engine, passthrough, &["--disaggregation-transfer-backend"])
+            == Some("mooncake")
+        && !given(radix)
         && !given("--speculative-algorithm")
     {
         added.push(radix.to_owned());
@@ -82,7 +84,7 @@ pub(super) fn preflight(
     let hint = "pass --disaggregation-allow-tcp to start anyway (benchmarks only)";
     match engine {
         EngineKind::Sglang => {
-            match flag_value(passthrough, &["--disaggregation-transfer-backend"]) {
+            match engine_value(engine, passthrough, &["--disaggregation-transfer-backend"]) {
                 None => Err(LaunchError(format!(
                     "a disaggregated SGLang worker needs an explicit \
                      --disaggregation-transfer-backend ({}): the default risks a silent TCP \

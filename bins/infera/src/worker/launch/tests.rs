@@ -200,6 +200,9 @@ fn atom_gets_events_by_environment_and_an_internal_port() {
             "atom",
             "--model",
             "m",
+            "--etcd-endpoint",
+            "e:2379",
+            "--enable-kv-events",
             "--server-port",
             "8002",
             "-tp",
@@ -242,6 +245,78 @@ fn atom_gets_events_by_environment_and_an_internal_port() {
     );
     assert_eq!(plan.role, Role::Decode);
     assert_eq!(plan.disagg_meta.unwrap()["params"]["tp_size"], 8);
+}
+
+#[test]
+fn atom_publishes_no_kv_events_unless_asked() {
+    // ATOM has no native event stream: the Python launcher enables it only on request.
+    let plan = plan_for(&["atom", "--model", "m", "--etcd-endpoint", "e:2379"], &[]).unwrap();
+    assert!(plan.env.is_empty(), "{:?}", plan.env);
+    assert_eq!(plan.kv_events_endpoint, None);
+    assert_eq!(
+        &plan.args[plan.args.len() - 2..],
+        &strings(&["--port", "29500"])[..]
+    );
+}
+
+#[test]
+fn sglang_arguments_are_read_through_argparse_abbreviations() {
+    let plan = plan_for(
+        &[
+            "sglang",
+            "--model-path",
+            "m",
+            "--advertise-host",
+            "node1",
+            "--served",
+            "chat",
+            "--dp",
+            "4",
+            "--disaggregation-m",
+            "decode",
+            "--disaggregation-b=9000",
+            "--disaggregation-t",
+            "mooncake",
+            "--kv-cache-d",
+            "auto",
+            "--disaggregation-decode-enable-r",
+            "--kv-events-c",
+            r#"{"publisher":"zmq","endpoint":"tcp://*:7000","topic":"kv-events"}"#,
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(plan.served_model, "chat");
+    assert_eq!((plan.dp_rank, plan.dp_size), (0, 4));
+    assert_eq!(plan.role, Role::Decode);
+    assert_eq!(
+        plan.disagg_meta,
+        Some(json!({"protocol": "sglang-bootstrap", "params": {
+            "bootstrap_host": "node1", "bootstrap_port": 9000, "transfer_backend": "mooncake"}}))
+    );
+    // The user's settings stand: nothing SGLang would read as a second value is added.
+    for added in [
+        "--kv-cache-dtype",
+        "--disaggregation-decode-enable-radix-cache",
+        "--kv-events-config",
+    ] {
+        assert!(!plan.args.iter().any(|a| a == added), "{added} added");
+    }
+    assert_eq!(plan.kv_events_endpoint.as_deref(), Some("tcp://node1:7000"));
+}
+
+#[test]
+fn an_ambiguous_sglang_prefix_is_not_read_and_vllm_takes_none() {
+    // `--disaggregation` starts three SGLang flags: SGLang refuses it, so it sets no role.
+    let plan = plan_for(
+        &["sglang", "--model-path", "m", "--disaggregation", "decode"],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(plan.role, Role::Mixed);
+    // vLLM arguments count in their exact spellings only.
+    let plan = plan_for(&["vllm", "--model", "m", "--served", "chat"], &[]).unwrap();
+    assert_eq!(plan.served_model, "m");
 }
 
 #[test]
@@ -437,4 +512,228 @@ fn the_python_launchers_flags_set_the_publisher_and_the_preflight() {
             .iter()
             .any(|a| a == "--disaggregation-decode-enable-radix-cache")
     );
+}
+
+/// The value of the last `--kv-transfer-config` of a plan, parsed.
+fn transfer_config(plan: &LaunchPlan) -> Value {
+    serde_json::from_str(flag_value(&plan.args, &["--kv-transfer-config"]).unwrap()).unwrap()
+}
+
+fn kvd_connector() -> Value {
+    json!({"kv_connector": "InferaKvdConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "infera.engine.vllm.kvd_connector",
+        "kv_connector_extra_config": {"socket": "/run/kvd.sock"}})
+}
+
+#[test]
+fn vllm_with_kvd_gets_the_connector_and_the_socket() {
+    let plan = plan_for(
+        &[
+            "vllm",
+            "--model",
+            "m",
+            "--infera-kvd-socket",
+            "/run/kvd.sock",
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(transfer_config(&plan), kvd_connector());
+    assert!(!plan.args.iter().any(|a| a.contains("infera-kvd-socket")));
+    assert!(
+        plan.env
+            .contains(&("INFERA_KVD_SOCKET".to_owned(), "/run/kvd.sock".to_owned()))
+    );
+    assert_eq!(plan.role, Role::Mixed);
+    assert_eq!(
+        plan.kvd_socket.as_deref(),
+        Some(std::path::Path::new("/run/kvd.sock"))
+    );
+
+    // Without the flag: no connector, no socket, not kvd-backed.
+    let plain = plan_for(&["vllm", "--model", "m"], &[]).unwrap();
+    assert!(flag_value(&plain.args, &["--kv-transfer-config"]).is_none());
+    assert!(plain.env.iter().all(|(k, _)| k != "INFERA_KVD_SOCKET"));
+    assert_eq!(plain.kvd_socket, None);
+}
+
+#[test]
+fn vllm_kvd_is_merged_with_a_pd_connector_the_registration_still_reads() {
+    let transfer = r#"{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}"#;
+    let argv = [
+        "vllm",
+        "--model",
+        "m",
+        "--port",
+        "8003",
+        "--advertise-host",
+        "h1",
+        "--kv-transfer-config",
+        transfer,
+        "--infera-kvd-socket",
+        "/run/kvd.sock",
+    ];
+    let plan = plan_for(&argv, &[]).unwrap();
+    // One --kv-transfer-config: a MultiConnector, kvd first, the PD transport as given (with
+    // the pinned engine id); the top level keeps the role and the engine id.
+    assert_eq!(
+        plan.args
+            .iter()
+            .filter(|a| *a == "--kv-transfer-config")
+            .count(),
+        1
+    );
+    assert_eq!(
+        transfer_config(&plan),
+        json!({"kv_connector": "MultiConnector", "kv_role": "kv_producer",
+            "engine_id": "infera-h1-8003",
+            "kv_connector_extra_config": {"connectors": [kvd_connector(),
+                {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
+                 "engine_id": "infera-h1-8003"}]}})
+    );
+    assert_eq!(plan.role, Role::Prefill);
+    let meta = plan.disagg_meta.unwrap();
+    assert_eq!(meta["protocol"], "vllm-mooncake");
+    assert_eq!(meta["params"]["engine_id"], "infera-h1-8003");
+    assert!(plan.kvd_socket.is_some());
+
+    // A MultiConnector gets kvd appended; one that names kvd already is kept as given.
+    let multi = r#"{"kv_connector":"MultiConnector","kv_connector_extra_config":{"connectors":[{"kv_connector":"NixlConnector"}]}}"#;
+    let plan = plan_for(
+        &[
+            "vllm",
+            "--model",
+            "m",
+            "--kv-transfer-config",
+            multi,
+            "--infera-kvd-socket",
+            "/run/kvd.sock",
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        transfer_config(&plan)["kv_connector_extra_config"]["connectors"],
+        json!([{"kv_connector": "NixlConnector"}, kvd_connector()])
+    );
+    let own = r#"{"kv_connector":"InferaKvdConnector","kv_role":"kv_both","kv_connector_module_path":"infera.engine.vllm.kvd_connector"}"#;
+    let plan = plan_for(
+        &[
+            "vllm",
+            "--model",
+            "m",
+            "--kv-transfer-config",
+            own,
+            "--infera-kvd-socket",
+            "/run/kvd.sock",
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        transfer_config(&plan),
+        serde_json::from_str::<Value>(own).unwrap()
+    );
+}
+
+#[test]
+fn sglang_with_kvd_gets_the_hicache_backend_and_a_decode_leg_does_not() {
+    let plan = plan_for(
+        &[
+            "sglang",
+            "--model-path",
+            "m",
+            "--infera-kvd-socket",
+            "/run/kvd.sock",
+        ],
+        &[],
+    )
+    .unwrap();
+    let at = plan
+        .args
+        .iter()
+        .position(|a| a == "--enable-hierarchical-cache")
+        .unwrap();
+    assert_eq!(
+        &plan.args[at + 1..at + 4],
+        &strings(&[
+            "--hicache-storage-backend",
+            "dynamic",
+            "--hicache-storage-backend-extra-config"
+        ])[..]
+    );
+    let extra: Value = serde_json::from_str(&plan.args[at + 4]).unwrap();
+    assert_eq!(
+        extra,
+        json!({"backend_name": "infera-kvd", "module_path": "infera.engine.sglang.kvd_adapter",
+            "class_name": "InferaKvdBackend", "prefetch_threshold": 64})
+    );
+    // SGLang exits on an unknown flag: ours is never forwarded.
+    assert!(!plan.args.iter().any(|a| a.contains("infera-kvd-socket")));
+    assert_eq!(
+        plan.env,
+        vec![("INFERA_KVD_SOCKET".to_owned(), "/run/kvd.sock".to_owned())]
+    );
+    assert!(plan.kvd_socket.is_some());
+
+    // The user's own HiCache settings are kept.
+    let own = plan_for(
+        &[
+            "sglang",
+            "--model-path",
+            "m",
+            "--hicache-storage-backend",
+            "file",
+            "--infera-kvd-socket",
+            "/run/kvd.sock",
+        ],
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        flag_value(&own.args, &["--hicache-storage-backend"]),
+        Some("file")
+    );
+
+    let decode = plan_for(
+        &[
+            "sglang",
+            "--model-path",
+            "m",
+            "--advertise-host",
+            "10.0.0.2",
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-transfer-backend",
+            "mooncake",
+            "--infera-kvd-socket",
+            "/run/kvd.sock",
+        ],
+        &[],
+    )
+    .unwrap();
+    assert!(!decode.args.iter().any(|a| a.contains("hicache")));
+    assert_eq!(decode.kvd_socket, None);
+}
+
+#[test]
+fn atom_refuses_kvd() {
+    let Command::Worker(command) = parse_from([
+        "infera",
+        "worker",
+        "atom",
+        "--model",
+        "m",
+        "--etcd-endpoint",
+        "e:2379",
+        "--infera-kvd-socket",
+        "/run/kvd.sock",
+    ])
+    .unwrap()
+    .command
+    else {
+        panic!("not a worker command");
+    };
+    let error = WorkerConfig::try_from(command).unwrap_err();
+    assert!(error.to_string().contains("--infera-kvd-socket"), "{error}");
 }

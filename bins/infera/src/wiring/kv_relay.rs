@@ -1,14 +1,22 @@
 //! `--kv-event-transport nats` for a real engine: the worker subscribes to its engine's ZeroMQ
 //! publisher on loopback (one subscriber per dp rank, port P + rank offset) and republishes each
 //! batch's payload verbatim on `infera.kv.events.<token>.<rank>` with the engine's seq and the
-//! worker's epoch ([`infera_backends::nats::kv::KvEventPublisher`]), so the server sees the
-//! engine's gaps and restarts as they are. The relay moves bytes: it decodes nothing.
+//! worker's epoch (the NATS backend's `KvEventPublisher`), so the server sees the engine's gaps
+//! and restarts as they are. The relay moves bytes: it decodes nothing. It needs both the `nats`
+//! and the `zmq` features.
 //!
 //! [`KvRelay`] owns its tasks: [`KvRelay::stop`] cancels and joins them; a dropped relay
 //! cancels them.
 
-use infera_backends::nats::{self, kv::KvEventPublisher};
-use infera_backends::zmq::{KvEventSubscriber, SubscriberConfig, SubscriberItem, rank_endpoint};
+#[cfg(not(all(feature = "nats", feature = "zmq")))]
+use super::Backend;
+use super::NatsLink;
+use crate::config::ConfigError;
+#[cfg(all(feature = "nats", feature = "zmq"))]
+use infera_backends::{
+    nats::kv::KvEventPublisher,
+    zmq::{KvEventSubscriber, SubscriberConfig, SubscriberItem, rank_endpoint},
+};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -22,8 +30,36 @@ pub struct KvRelay {
 impl KvRelay {
     /// Starts one relay per rank of `dp_size` ranks from `dp_rank`, reading the engine's events
     /// at `endpoint` (rank offsets added to its port; a wildcard host read on loopback).
+    ///
+    /// # Errors
+    /// This build lacks ZeroMQ (to read the engine's events) or NATS.
+    #[cfg_attr(not(all(feature = "nats", feature = "zmq")), allow(unused_variables))]
     pub fn start(
-        client: &nats::Client,
+        link: &NatsLink,
+        worker_id: &str,
+        endpoint: &str,
+        dp_rank: u32,
+        dp_size: u32,
+        epoch: u64,
+    ) -> Result<Self, ConfigError> {
+        #[cfg(all(feature = "nats", feature = "zmq"))]
+        return Ok(Self::spawn(
+            link, worker_id, endpoint, dp_rank, dp_size, epoch,
+        ));
+        #[cfg(not(all(feature = "nats", feature = "zmq")))]
+        {
+            let missing = if Backend::Zmq.built() {
+                Backend::Nats
+            } else {
+                Backend::Zmq
+            };
+            Err(missing.not_built("--kv-event-transport", "nats"))
+        }
+    }
+
+    #[cfg(all(feature = "nats", feature = "zmq"))]
+    fn spawn(
+        link: &NatsLink,
         worker_id: &str,
         endpoint: &str,
         dp_rank: u32,
@@ -38,7 +74,7 @@ impl KvRelay {
                     its events are not relayed");
                 break;
             };
-            let publisher = KvEventPublisher::new(client.clone(), worker_id, epoch);
+            let publisher = link.kv_publisher(worker_id, epoch);
             tracing::info!(endpoint = %ep, dp_rank = dp_rank + offset, "relaying kv events to nats");
             tasks.push(tokio::spawn(relay(
                 ep,
@@ -65,6 +101,7 @@ impl Drop for KvRelay {
     }
 }
 
+#[cfg(all(feature = "nats", feature = "zmq"))]
 async fn relay(
     endpoint: String,
     dp_rank: u32,

@@ -1,0 +1,309 @@
+//! L4 against a real `redis-server` on loopback (started here, as the tests do).
+//!
+//! - `l4_put` / `l4_get`: 1 MiB and 4 MiB blocks through kvd's L4 (framing, checksum, the
+//!   write-behind queue, LMCache's two-key layout; a put round is N puts then a flush, a get
+//!   round one batched read of N blocks), next to `redis_set` / `redis_get`: the same blocks
+//!   with a plain pipelined RESP client written here (what `redis-benchmark -P` does). Target:
+//!   kvd ≥ 80 % of the plain client.
+//! - After the criterion groups, the L2 SET latency study: p50/p99 of SETs of `long` blocks
+//!   into the tiered store with no L4, and with an L4 that is healthy, slow (50 ms per remote
+//!   operation) or down. Target: p99 within 10 % of no L4.
+//!
+//! Run: `cargo bench -p infera-kvd --bench l4 -- --warm-up-time 1 --measurement-time 3`.
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "../tests/support/redis.rs"]
+mod redis_server;
+
+use bytes::Bytes;
+use criterion::{BenchmarkId, Criterion, Throughput};
+use infera_core::event::Retention;
+use infera_kvd::l4::frame::Framed;
+use infera_kvd::l4::{L4, L4Config, RemoteError, RemoteStore};
+use infera_kvd::long::LongStore;
+use infera_kvd::store::{Store, key_hash};
+use infera_kvd::{Namespace, SetItem};
+use redis_server::RedisServer;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+/// Blocks per round.
+const N: usize = 16;
+
+fn config(port: u16) -> L4Config {
+    let url = format!("redis://127.0.0.1:{port}");
+    let env = move |k: &str| (k == "INFERA_L4_REMOTE_URL").then(|| url.clone());
+    L4Config::from_lmcache(None, &env).unwrap()
+}
+
+fn block(i: usize, len: usize) -> Bytes {
+    Bytes::from(vec![i as u8; len])
+}
+
+/// The plain client: one connection, commands written back to back, replies read after.
+struct Plain {
+    reader: BufReader<tokio::net::tcp::OwnedReadHalf>,
+    writer: tokio::net::tcp::OwnedWriteHalf,
+}
+
+impl Plain {
+    async fn connect(port: u16) -> Self {
+        let stream = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        let (r, w) = stream.into_split();
+        Self {
+            reader: BufReader::with_capacity(256 << 10, r),
+            writer: w,
+        }
+    }
+
+    async fn command(&mut self, parts: &[&[u8]]) {
+        let mut head = format!("*{}\r\n", parts.len()).into_bytes();
+        for p in parts {
+            head.extend_from_slice(format!("${}\r\n", p.len()).as_bytes());
+            if p.len() > 4096 {
+                self.writer.write_all(&head).await.unwrap();
+                self.writer.write_all(p).await.unwrap();
+                head = b"\r\n".to_vec();
+            } else {
+                head.extend_from_slice(p);
+                head.extend_from_slice(b"\r\n");
+            }
+        }
+        self.writer.write_all(&head).await.unwrap();
+    }
+
+    async fn reply(&mut self) -> Option<Vec<u8>> {
+        let mut line = String::new();
+        self.reader.read_line(&mut line).await.unwrap();
+        match line.as_bytes()[0] {
+            b'+' => None,
+            b'$' => {
+                let len: i64 = line[1..].trim().parse().unwrap();
+                let mut buf = vec![0u8; len as usize + 2];
+                self.reader.read_exact(&mut buf).await.unwrap();
+                buf.truncate(len as usize);
+                Some(buf)
+            }
+            _ => panic!("unexpected reply {line:?}"),
+        }
+    }
+
+    async fn set_all(&mut self, blocks: &[Bytes]) {
+        for (i, b) in blocks.iter().enumerate() {
+            self.command(&[b"SET", format!("plain-{i}").as_bytes(), b])
+                .await;
+        }
+        for _ in blocks {
+            self.reply().await;
+        }
+    }
+
+    async fn get_all(&mut self, n: usize) -> usize {
+        for i in 0..n {
+            self.command(&[b"GET", format!("plain-{i}").as_bytes()])
+                .await;
+        }
+        let mut bytes = 0;
+        for _ in 0..n {
+            bytes += self.reply().await.unwrap().len();
+        }
+        bytes
+    }
+}
+
+fn throughput(c: &mut Criterion, rt: &tokio::runtime::Runtime, port: u16) {
+    let ns = Namespace::new("bench", "");
+    let cfg = config(port);
+    let l4 =
+        rt.block_on(async { Arc::new(L4::open(cfg.store(), cfg.options(), true).await.unwrap()) });
+    let mut plain = rt.block_on(Plain::connect(port));
+    for size in [1usize << 20, 4 << 20] {
+        let blocks: Vec<Bytes> = (0..N).map(|i| block(i, size)).collect();
+        let keys: Vec<(Bytes, u128)> = (0..N)
+            .map(|i| {
+                let k = Bytes::from(format!("k{i}"));
+                let h = key_hash(&ns, &k);
+                (k, h)
+            })
+            .collect();
+        let label = format!("{}MiB", size >> 20);
+        let mut put = c.benchmark_group("l4_put");
+        put.throughput(Throughput::Bytes((N * size) as u64));
+        put.bench_function(BenchmarkId::new("kvd", &label), |b| {
+            b.iter(|| {
+                rt.block_on(async {
+                    for ((k, h), v) in keys.iter().zip(&blocks) {
+                        let block = infera_kvd::long::LongBlock {
+                            hash: *h,
+                            ns: ns.clone(),
+                            key: k.clone(),
+                            value: v.clone(),
+                            metadata: None,
+                            class: Retention::Long,
+                            expires_at: None,
+                        };
+                        l4.put(block, infera_kvd::long::WritePermit::unbounded(), 1, false)
+                            .unwrap();
+                    }
+                    l4.flush().await.unwrap();
+                })
+            });
+        });
+        put.bench_function(BenchmarkId::new("redis_pipelined", &label), |b| {
+            b.iter(|| rt.block_on(plain.set_all(&blocks)));
+        });
+        put.finish();
+        let mut get = c.benchmark_group("l4_get");
+        get.throughput(Throughput::Bytes((N * size) as u64));
+        get.bench_function(BenchmarkId::new("kvd", &label), |b| {
+            b.iter(|| {
+                let hits = rt.block_on(l4.get_many(&ns, &keys, 1));
+                assert!(hits.iter().all(Option::is_some));
+            });
+        });
+        let remote = cfg.store();
+        let names: Vec<String> = keys
+            .iter()
+            .map(|(_, h)| infera_kvd::l4::name(&cfg.prefix, *h))
+            .collect();
+        get.bench_function(BenchmarkId::new("kvd_resp_client", &label), |b| {
+            b.iter(|| rt.block_on(remote.get_batch(&names)).unwrap());
+        });
+        get.bench_function(BenchmarkId::new("redis_pipelined", &label), |b| {
+            b.iter(|| rt.block_on(plain.get_all(N)));
+        });
+        get.finish();
+    }
+    rt.block_on(l4.close()).unwrap();
+}
+
+/// A store that answers like `inner`, 50 ms late.
+#[derive(Debug)]
+struct Slow(Arc<dyn RemoteStore>);
+
+#[async_trait::async_trait]
+impl RemoteStore for Slow {
+    fn describe(&self) -> String {
+        "slow".into()
+    }
+    async fn health(&self) -> Result<(), RemoteError> {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.0.health().await
+    }
+    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<(), RemoteError> {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.0.put_batch(items).await
+    }
+    async fn get_batch(&self, names: &[String]) -> Result<Vec<Option<Bytes>>, RemoteError> {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.0.get_batch(names).await
+    }
+    async fn exists_batch(&self, names: &[String]) -> Result<Vec<bool>, RemoteError> {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.0.exists_batch(names).await
+    }
+    async fn remove_batch(&self, names: &[String]) -> Result<(), RemoteError> {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.0.remove_batch(names).await
+    }
+}
+
+/// p50 and p99 of SETs of 64 KiB `long` blocks into a 1 GiB L2 with `long` behind it.
+async fn set_latency(long: Option<Arc<dyn LongStore>>) -> (Duration, Duration) {
+    let store = Store::new(1 << 30, None, long);
+    let ns = Namespace::new("bench", "");
+    let value = block(7, 64 << 10);
+    let mut times = Vec::with_capacity(8000);
+    for round in 0..8000 {
+        let item = SetItem::new(format!("s{round}"), value.clone()).retention(Retention::Long);
+        let t = Instant::now();
+        assert!(store.set(&ns, &item, 1).await.accepted);
+        times.push(t.elapsed());
+    }
+    times.sort();
+    (times[times.len() / 2], times[times.len() * 99 / 100])
+}
+
+fn set_study(rt: &tokio::runtime::Runtime, port: u16) {
+    let cfg = config(port);
+    let down = config(redis_server::free_port());
+    let mut rows = Vec::new();
+    for (name, l4) in [
+        ("no L4", None),
+        ("L4 healthy", Some(cfg.store())),
+        (
+            "L4 slow (50 ms)",
+            Some(Arc::new(Slow(cfg.store())) as Arc<dyn RemoteStore>),
+        ),
+        ("L4 down", Some(down.store())),
+    ] {
+        let (p50, p99) = rt.block_on(async {
+            let long = match l4 {
+                Some(remote) => {
+                    let l4 = L4::open(remote, cfg.options(), false).await.unwrap();
+                    Some(Arc::new(l4) as Arc<dyn LongStore>)
+                }
+                None => None,
+            };
+            let result = set_latency(long.clone()).await;
+            if let Some(long) = long {
+                let _ = long.close().await;
+            }
+            result
+        });
+        rows.push((name, p50, p99));
+    }
+    let base = rows[0].2.as_secs_f64();
+    println!("\nL2 SET of 64 KiB long blocks (8000 each):");
+    for (name, p50, p99) in rows {
+        println!(
+            "  {name:<18} p50 {:>8.1} µs   p99 {:>8.1} µs   p99 vs no L4 {:>+6.1} %",
+            p50.as_secs_f64() * 1e6,
+            p99.as_secs_f64() * 1e6,
+            (p99.as_secs_f64() / base - 1.0) * 100.0
+        );
+    }
+}
+
+/// Framing alone: encode (checksum) and decode (checksum, key check) of a 4 MiB block.
+fn framing(c: &mut Criterion) {
+    let ns = Namespace::new("bench", "");
+    let value = block(3, 4 << 20);
+    let info = infera_kvd::l4::frame::FrameInfo {
+        class: Retention::Long,
+        expires_at: None,
+        writer: 1,
+        seq: 1,
+        written_at: 1,
+    };
+    let stored = infera_kvd::l4::frame::joined(
+        &infera_kvd::l4::frame::encode(&ns, b"k", &value, info).unwrap(),
+    );
+    let mut g = c.benchmark_group("l4_frame");
+    g.throughput(Throughput::Bytes(value.len() as u64));
+    g.bench_function("encode/4MiB", |b| {
+        b.iter(|| infera_kvd::l4::frame::encode(&ns, b"k", &value, info).unwrap())
+    });
+    g.bench_function("decode/4MiB", |b| {
+        b.iter(|| infera_kvd::l4::frame::decode(&stored, &ns, b"k").unwrap())
+    });
+    g.finish();
+}
+
+fn main() {
+    let redis = RedisServer::start();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut c = Criterion::default().configure_from_args();
+    framing(&mut c);
+    throughput(&mut c, &rt, redis.port);
+    c.final_summary();
+    set_study(&rt, redis.port);
+}

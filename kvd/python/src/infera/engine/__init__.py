@@ -1,0 +1,2 @@
+"""The Python Infera's engine launchers (``python -m infera.engine.vllm|sglang|atom``) and
+connectors."""

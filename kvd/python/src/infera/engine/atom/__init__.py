@@ -1,0 +1,1 @@
+"""The ATOM worker: ``python -m infera.engine.atom`` runs ``infera worker atom``."""

@@ -1,0 +1,1 @@
+"""The SGLang worker: ``python -m infera.engine.sglang`` runs ``infera worker sglang``."""

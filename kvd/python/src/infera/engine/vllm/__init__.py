@@ -1,0 +1,1 @@
+"""The vLLM worker: ``python -m infera.engine.vllm`` runs ``infera worker vllm``."""

@@ -1,0 +1,1 @@
+"""``python -m infera.kvd`` runs ``infera kvd``, the KV-cache daemon."""

@@ -1,0 +1,234 @@
+//! kvd's own framing of every L4 value, so a value read back is used only when it is exactly
+//! a block kvd wrote under that key: a foreign value (another program's), a torn one (cut
+//! short, or its two LMCache keys out of step) or a colliding one (another key's block under
+//! the same store name) reads as a miss and is counted, never as wrong bytes.
+//!
+//! Layout (little-endian), 64 header bytes, then the key blob, then the value:
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 4 | magic `IKL4` |
+//! | 4 | 1 | version (1) |
+//! | 5 | 1 | retention class (`Retention as u8`) |
+//! | 6 | 2 | reserved (0) |
+//! | 8 | 8 | value length |
+//! | 16 | 8 | expiry, ms on the writer's wall clock (`u64::MAX`: none) |
+//! | 24 | 8 | writer id (random per daemon run) |
+//! | 32 | 8 | the writer's sequence number of this write |
+//! | 40 | 8 | written at, ms on the writer's wall clock |
+//! | 48 | 4 | key blob length |
+//! | 52 | 4 | reserved (0) |
+//! | 56 | 8 | XXH3-64 of bytes 0..56, the key blob and the value |
+//!
+//! The key blob is the full key, not a digest of it: `u16` model length, model, `u16` compat
+//! length, compat key, then the key bytes. A read compares it with the key asked for.
+
+use crate::proto::Namespace;
+use bytes::{BufMut, Bytes, BytesMut};
+use infera_core::event::Retention;
+use std::hash::Hasher;
+use twox_hash::XxHash3_64;
+
+const MAGIC: &[u8; 4] = b"IKL4";
+const VERSION: u8 = 1;
+/// Header bytes before the key blob.
+pub const HEADER_BYTES: usize = 64;
+const NO_EXPIRY: u64 = u64::MAX;
+
+/// What a frame says besides its value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameInfo {
+    pub class: Retention,
+    pub expires_at: Option<u64>,
+    pub writer: u64,
+    pub seq: u64,
+    pub written_at: u64,
+}
+
+/// A framed value in two parts (header + key blob, and the value itself), so a large value is
+/// never copied to be framed.
+#[derive(Debug, Clone)]
+pub struct Framed {
+    pub head: Bytes,
+    pub body: Bytes,
+}
+
+impl Framed {
+    /// Total length on the store.
+    pub fn len(&self) -> usize {
+        self.head.len() + self.body.len()
+    }
+
+    /// Whether the frame is empty (never: a frame has a header).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn key_blob(ns: &Namespace, key: &[u8]) -> Option<Vec<u8>> {
+    let model = ns.model.as_bytes();
+    let compat = ns.compat_key.as_bytes();
+    let mut blob = Vec::with_capacity(4 + model.len() + compat.len() + key.len());
+    blob.extend_from_slice(&u16::try_from(model.len()).ok()?.to_le_bytes());
+    blob.extend_from_slice(model);
+    blob.extend_from_slice(&u16::try_from(compat.len()).ok()?.to_le_bytes());
+    blob.extend_from_slice(compat);
+    blob.extend_from_slice(key);
+    Some(blob)
+}
+
+fn checksum(head: &[u8], blob: &[u8], body: &[u8]) -> u64 {
+    let mut h = XxHash3_64::with_seed(0x4c34_6b76_6466_726d);
+    h.write(&head[..56]);
+    h.write(blob);
+    h.write(body);
+    h.finish()
+}
+
+/// The length of the frame of `value` for `(ns, key)`, without building it; `None` when a
+/// namespace part is longer than 64 KiB (such a key cannot be framed).
+pub fn framed_len(ns: &Namespace, key: &[u8], value: usize) -> Option<usize> {
+    let model = u16::try_from(ns.model.len()).ok()? as usize;
+    let compat = u16::try_from(ns.compat_key.len()).ok()? as usize;
+    Some(HEADER_BYTES + 4 + model + compat + key.len() + value)
+}
+
+/// Frames `value` for `(ns, key)`; `None` when a namespace part is longer than 64 KiB.
+pub fn encode(ns: &Namespace, key: &[u8], value: &Bytes, info: FrameInfo) -> Option<Framed> {
+    let blob = key_blob(ns, key)?;
+    let mut head = BytesMut::with_capacity(HEADER_BYTES + blob.len());
+    head.put_slice(MAGIC);
+    head.put_u8(VERSION);
+    head.put_u8(info.class as u8);
+    head.put_u16_le(0);
+    head.put_u64_le(value.len() as u64);
+    head.put_u64_le(info.expires_at.unwrap_or(NO_EXPIRY));
+    head.put_u64_le(info.writer);
+    head.put_u64_le(info.seq);
+    head.put_u64_le(info.written_at);
+    head.put_u32_le(u32::try_from(blob.len()).ok()?);
+    head.put_u32_le(0);
+    let sum = checksum(&head, &blob, value);
+    head.put_u64_le(sum);
+    head.put_slice(&blob);
+    Some(Framed {
+        head: head.freeze(),
+        body: value.clone(),
+    })
+}
+
+/// Why a stored value is not a block of the key asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Reject {
+    /// Not kvd's framing (another program's value, or an unknown version).
+    #[error("foreign")]
+    Foreign,
+    /// Shorter or longer than its header says, or its checksum fails.
+    #[error("torn")]
+    Torn,
+    /// A block of another key.
+    #[error("colliding")]
+    Colliding,
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+/// Checks `stored` as a frame of `(ns, key)` and returns its value (a slice of `stored`).
+///
+/// # Errors
+/// [`Reject`].
+pub fn decode(stored: &Bytes, ns: &Namespace, key: &[u8]) -> Result<(Bytes, FrameInfo), Reject> {
+    if stored.len() < HEADER_BYTES || &stored[..4] != MAGIC || stored[4] != VERSION {
+        return Err(Reject::Foreign);
+    }
+    let class = Retention::ALL
+        .into_iter()
+        .find(|c| *c as u8 == stored[5])
+        .ok_or(Reject::Foreign)?;
+    let len = u64_at(stored, 8);
+    let mut blob_len = [0u8; 4];
+    blob_len.copy_from_slice(&stored[48..52]);
+    let blob_len = u32::from_le_bytes(blob_len) as u64;
+    let total = (HEADER_BYTES as u64)
+        .checked_add(blob_len)
+        .and_then(|t| t.checked_add(len))
+        .ok_or(Reject::Torn)?;
+    if total != stored.len() as u64 {
+        return Err(Reject::Torn);
+    }
+    let blob_end = HEADER_BYTES + blob_len as usize;
+    let (blob, body) = (&stored[HEADER_BYTES..blob_end], &stored[blob_end..]);
+    if checksum(&stored[..56], blob, body) != u64_at(stored, 56) {
+        return Err(Reject::Torn);
+    }
+    if key_blob(ns, key).as_deref() != Some(blob) {
+        return Err(Reject::Colliding);
+    }
+    let expires = u64_at(stored, 16);
+    let info = FrameInfo {
+        class,
+        expires_at: (expires != NO_EXPIRY).then_some(expires),
+        writer: u64_at(stored, 24),
+        seq: u64_at(stored, 32),
+        written_at: u64_at(stored, 40),
+    };
+    Ok((stored.slice(blob_end..), info))
+}
+
+/// The two parts as one buffer (for stores that take one value, and tests).
+pub fn joined(framed: &Framed) -> Bytes {
+    let mut out = BytesMut::with_capacity(framed.len());
+    out.put_slice(&framed.head);
+    out.put_slice(&framed.body);
+    out.freeze()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info() -> FrameInfo {
+        FrameInfo {
+            class: Retention::Long,
+            expires_at: Some(7),
+            writer: 1,
+            seq: 2,
+            written_at: 3,
+        }
+    }
+
+    #[test]
+    fn a_frame_reads_back_only_under_its_key() {
+        let ns = Namespace::new("m", "fp8");
+        let value = Bytes::from_static(b"block bytes");
+        let stored = joined(&encode(&ns, b"k", &value, info()).unwrap());
+        assert_eq!(framed_len(&ns, b"k", value.len()), Some(stored.len()));
+        let (back, got) = decode(&stored, &ns, b"k").unwrap();
+        assert_eq!((back, got), (value, info()));
+        assert_eq!(decode(&stored, &ns, b"j"), Err(Reject::Colliding));
+        let other = Namespace::new("m", "");
+        assert_eq!(decode(&stored, &other, b"k"), Err(Reject::Colliding));
+    }
+
+    #[test]
+    fn torn_and_foreign_values_are_refused() {
+        let ns = Namespace::new("m", "");
+        let stored = joined(&encode(&ns, b"k", &Bytes::from(vec![9u8; 300]), info()).unwrap());
+        assert_eq!(
+            decode(&stored.slice(..stored.len() - 1), &ns, b"k"),
+            Err(Reject::Torn)
+        );
+        let mut flipped = stored.to_vec();
+        flipped[200] ^= 1;
+        assert_eq!(decode(&Bytes::from(flipped), &ns, b"k"), Err(Reject::Torn));
+        assert_eq!(
+            decode(&Bytes::from_static(b"not ours"), &ns, b"k"),
+            Err(Reject::Foreign)
+        );
+        assert_eq!(decode(&Bytes::new(), &ns, b"k"), Err(Reject::Foreign));
+    }
+}

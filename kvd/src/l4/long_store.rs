@@ -1,0 +1,219 @@
+//! [`LongStore`] for [`L4`]: the tiered store's view of the remote tier (see the module docs
+//! of [`crate::l4`] for what each operation means over a shared store).
+
+use super::frame::{self, FrameInfo};
+use super::queue::{Op, Pending};
+use super::{L4, MAX_CUTOFFS, name};
+use crate::long::{LongBlock, LongHit, LongRejected, LongStore, Put, WritePermit};
+use crate::proto::Namespace;
+use crate::stats::LongStats;
+use bytes::Bytes;
+use infera_core::event::Retention;
+use std::io;
+use std::sync::atomic::Ordering;
+
+#[async_trait::async_trait]
+impl LongStore for L4 {
+    fn kind(&self) -> &'static str {
+        "lmcache"
+    }
+
+    fn class_of(&self, hash: u128, now: u64) -> Option<Retention> {
+        match self.inner.lock().ops.get(&hash) {
+            Some((_, Op::Put(p))) if p.info.expires_at.is_none_or(|t| t > now) => {
+                Some(p.info.class)
+            }
+            _ => None,
+        }
+    }
+
+    fn is_current(&self, hash: u128, generation: u64) -> bool {
+        self.inner.bucket(hash).load(Ordering::Acquire) <= generation
+    }
+
+    fn durable_writes(&self) -> bool {
+        false
+    }
+
+    async fn write_permits(&self, sizes: &[u64]) -> Vec<WritePermit> {
+        // Never waits: a put that does not fit in the queue is dropped instead.
+        sizes.iter().map(|_| WritePermit::unbounded()).collect()
+    }
+
+    fn try_write_permit(&self, _bytes: u64) -> Option<WritePermit> {
+        Some(WritePermit::unbounded())
+    }
+
+    fn put(
+        &self,
+        block: LongBlock,
+        _permit: WritePermit,
+        now: u64,
+        _spill: bool,
+    ) -> Result<Put, LongRejected> {
+        let inner = &self.inner;
+        if !matches!(block.class, Retention::Short | Retention::Long) {
+            return Err(LongRejected::ClassNotStored);
+        }
+        let seq = self.next_seq(block.hash, now);
+        let info = FrameInfo {
+            class: block.class,
+            expires_at: block.expires_at,
+            writer: inner.writer_id,
+            seq,
+            written_at: now,
+        };
+        let len = frame::framed_len(&block.ns, &block.key, block.value.len())
+            .map(|l| l as u64)
+            .filter(|l| *l <= inner.options.max_value_bytes);
+        let mut q = inner.lock();
+        let Some(len) = len else {
+            self.queue_removal(&mut q, block.hash, seq);
+            return Err(LongRejected::TooLarge);
+        };
+        if inner.breaker.load(Ordering::Acquire)
+            || !q.fits(block.hash, len, inner.options.queue_bytes)
+        {
+            inner.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            self.queue_removal(&mut q, block.hash, seq);
+        } else {
+            let pending = Pending {
+                ns: block.ns,
+                key: block.key,
+                value: block.value,
+                info,
+                len,
+            };
+            q.insert(block.hash, seq, Op::Put(Box::new(pending)));
+        }
+        drop(q);
+        inner.wake.notify_one();
+        Ok(Put {
+            generation: seq,
+            durable: None,
+        })
+    }
+
+    fn remove(&self, hash: u128) -> bool {
+        let seq = self.next_seq(hash, 0);
+        let mut q = self.inner.lock();
+        let had = matches!(q.ops.get(&hash), Some((_, Op::Put(_))));
+        self.queue_removal(&mut q, hash, seq);
+        drop(q);
+        self.inner.wake.notify_one();
+        had
+    }
+
+    async fn get(&self, ns: &Namespace, key: &[u8], hash: u128, now: u64) -> Option<LongHit> {
+        let key = Bytes::copy_from_slice(key);
+        self.read(ns, &[(key, hash)], now).await.pop().flatten()
+    }
+
+    async fn get_many(
+        &self,
+        ns: &Namespace,
+        reqs: &[(Bytes, u128)],
+        now: u64,
+    ) -> Vec<Option<LongHit>> {
+        self.read(ns, reqs, now).await
+    }
+
+    async fn held(&self, _ns: &Namespace, reqs: &[(Bytes, u128)], now: u64) -> Vec<bool> {
+        let inner = &self.inner;
+        let mut out = vec![false; reqs.len()];
+        let mut ask = Vec::new();
+        {
+            let q = inner.lock();
+            for (i, (_, hash)) in reqs.iter().enumerate() {
+                match q.ops.get(hash) {
+                    Some((_, Op::Put(p))) => out[i] = p.info.expires_at.is_none_or(|t| t > now),
+                    Some((_, Op::Remove)) => {}
+                    None => ask.push(i),
+                }
+            }
+        }
+        if ask.is_empty()
+            || inner.breaker.load(Ordering::Acquire)
+            || inner.reads_off.load(Ordering::Acquire)
+        {
+            return out;
+        }
+        let names: Vec<String> = ask
+            .iter()
+            .map(|i| name(&inner.options.prefix, reqs[*i].1))
+            .collect();
+        let result =
+            tokio::time::timeout(inner.options.op_timeout, inner.remote.exists_batch(&names)).await;
+        if let Ok(Ok(found)) = &result {
+            for (i, there) in ask.iter().zip(found) {
+                out[*i] = *there;
+            }
+        }
+        inner.outcome("exists", result);
+        out
+    }
+
+    fn clear(&self, ns: &Namespace) -> u64 {
+        let inner = &self.inner;
+        let seq = inner.seq.fetch_add(1, Ordering::AcqRel) + 1;
+        let cutoff = (seq, inner.clock.load(Ordering::Relaxed));
+        {
+            let mut c = inner.cutoffs.lock().unwrap_or_else(|p| p.into_inner());
+            if (ns.model.is_empty() && ns.compat_key.is_empty()) || c.by_ns.len() >= MAX_CUTOFFS {
+                c.all = cutoff;
+                c.by_ns.clear();
+            } else {
+                c.by_ns.insert(ns.clone(), cutoff);
+            }
+        }
+        let cleared = inner.lock().clear_namespace(ns, seq);
+        inner.wake.notify_one();
+        cleared
+    }
+
+    fn sweep(&self, _now: u64) -> usize {
+        0
+    }
+
+    fn stats(&self) -> LongStats {
+        LongStats {
+            l4: self.l4_stats(),
+            ..LongStats::default()
+        }
+    }
+
+    async fn flush(&self) -> io::Result<()> {
+        let inner = &self.inner;
+        let mut landed = inner.landed.subscribe();
+        loop {
+            if inner.lock().is_empty() {
+                return Ok(());
+            }
+            if inner.breaker.load(Ordering::Acquire) {
+                return Err(io::Error::other(format!(
+                    "the L4 store {} is down; {} operations not written",
+                    inner.remote.describe(),
+                    inner.lock().ops.len()
+                )));
+            }
+            if landed.changed().await.is_err() {
+                return Ok(());
+            }
+        }
+    }
+
+    async fn checkpoint(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    async fn close(&self) -> io::Result<()> {
+        let flushed = tokio::time::timeout(self.inner.options.op_timeout, self.flush()).await;
+        self.inner.stop.cancel();
+        match flushed {
+            Ok(result) => result,
+            Err(_) => Err(io::Error::other(
+                "the L4 queue did not drain before shutdown",
+            )),
+        }
+    }
+}

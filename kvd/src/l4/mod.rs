@@ -1,0 +1,461 @@
+//! L4: a remote store shared by a fleet, behind L2 (`--long-backend lmcache`) or behind the L3
+//! tablespace (`--l4-backend lmcache`, see [`crate::long::Stacked`]). [`L4`] implements
+//! [`LongStore`](crate::long::LongStore) over any [`RemoteStore`]: LMCache's Redis/Valkey layout ([`redis`], through
+//! the small RESP client [`resp`]) or LMCache's `lm://` server protocol ([`lm`]).
+//!
+//! - **Never wrong bytes.** Every value is framed ([`frame`]: magic, version, length,
+//!   checksum, the full key) and checked on read; a foreign, torn or colliding value is a miss,
+//!   counted in `l4_rejected_total`. Store names are `<prefix>@kvd@<32 hex digits of the key
+//!   hash>`: NUL-free, ASCII, within `lm://`'s 150 bytes and Mooncake's limits.
+//! - **Never block a SET.** [`LongStore::put`](crate::long::LongStore::put) queues the framed block (write-behind, see
+//!   `queue.rs`) and returns; reads of a queued key are answered from the queue. A queued
+//!   removal hides the store's value of its key until it lands, so a get returns the last
+//!   accepted value or nothing.
+//! - **Deadlines and a breaker.** Every remote operation runs under `rpc_timeout`; after
+//!   `breaker_failures` consecutive failures the breaker opens: reads miss at once, puts are
+//!   dropped (and counted), and the writer probes the store every `retry_interval`, closing the
+//!   breaker when it answers. A store down at start is a warning (the breaker starts open)
+//!   unless the daemon was told the L4 is required.
+//! - **What the index knows.** The store is shared, so kvd keeps no index of it: `class_of`
+//!   and `exists` see only queued puts; reads and `prefetch_hint`s ask the store. `clear` of a
+//!   namespace hides every block of it written before the clear (by sequence number for this
+//!   run's writes, by time for others') for the rest of this run, and removes nothing remotely
+//!   (after a restart the store's blocks read again, as with the Python kvd, whose LMCache
+//!   `clear` does nothing); `sweep` has nothing to do (frames carry their expiry; an expired
+//!   block reads as a miss).
+//! - A write the backend does not keep (a lower class, which L2 holds in RAM only) queues a
+//!   removal of the key's L4 copy: the store may hold one from an earlier run or another
+//!   daemon, and it must not answer once L2 evicts the newer value.
+//! - Across a restart, a block whose write had not landed (the store was down at shutdown)
+//!   reads as its previous value in the store, if any.
+
+pub mod config;
+pub mod frame;
+pub mod lm;
+mod long_store;
+mod queue;
+pub mod redis;
+pub mod remote;
+pub mod resp;
+
+pub use config::{L4Config, RemoteUrl};
+pub use remote::{RemoteError, RemoteStore};
+
+use crate::long::LongHit;
+use crate::proto::Namespace;
+use crate::stats::L4Stats;
+use bytes::Bytes;
+use frame::FrameInfo;
+use futures::StreamExt;
+use queue::{Op, Queue};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
+
+/// Buckets of the "last write" table used by [`LongStore::is_current`].
+const RECENT_BUCKETS: usize = 1 << 16;
+/// Connections one batched read spreads over at most.
+const READ_STREAMS: usize = 4;
+/// Namespaces with their own clear cutoff; more fold into one cutoff for everything.
+const MAX_CUTOFFS: usize = 1024;
+
+/// How an [`L4`] behaves.
+#[derive(Debug, Clone, PartialEq)]
+pub struct L4Options {
+    /// The store name prefix (a tenant boundary).
+    pub prefix: String,
+    /// The largest value written (framing included); larger blocks are not stored.
+    pub max_value_bytes: u64,
+    /// Bytes of queued puts at most.
+    pub queue_bytes: u64,
+    /// Queued removals at most (see `queue.rs`).
+    pub max_removals: usize,
+    /// The deadline of every remote operation.
+    pub op_timeout: Duration,
+    /// Operations per remote batch at most.
+    pub batch_items: usize,
+    /// Bytes per remote batch at most (one larger value goes alone).
+    pub batch_bytes: u64,
+    /// Consecutive failures that open the breaker.
+    pub breaker_failures: u32,
+    /// How often an open breaker probes the store.
+    pub retry_interval: Duration,
+}
+
+impl Default for L4Options {
+    fn default() -> Self {
+        Self {
+            prefix: "infera".to_owned(),
+            max_value_bytes: 64 << 20,
+            queue_bytes: 256 << 20,
+            max_removals: 1 << 20,
+            op_timeout: Duration::from_secs(30),
+            batch_items: 32,
+            batch_bytes: 32 << 20,
+            breaker_failures: 3,
+            retry_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Why an L4 could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum L4OpenError {
+    /// The store did not answer and the L4 is required.
+    #[error("the L4 store {store} is not reachable: {reason}")]
+    Unreachable { store: String, reason: String },
+}
+
+/// The name of the block `hash` in the store.
+pub fn name(prefix: &str, hash: u128) -> String {
+    format!("{prefix}@kvd@{hash:032x}")
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    puts: AtomicU64,
+    dropped: AtomicU64,
+    removes: AtomicU64,
+    gets: AtomicU64,
+    hits: AtomicU64,
+    rejected: AtomicU64,
+    errors: AtomicU64,
+    timeouts: AtomicU64,
+    breaker_opens: AtomicU64,
+    reconnects: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Cutoffs {
+    /// `(own sequence, daemon clock)` below which everything is hidden.
+    all: (u64, u64),
+    by_ns: rustc_hash::FxHashMap<Namespace, (u64, u64)>,
+}
+
+/// State shared with the writer task.
+#[derive(Debug)]
+struct Inner {
+    remote: Arc<dyn RemoteStore>,
+    options: L4Options,
+    writer_id: u64,
+    seq: AtomicU64,
+    clock: AtomicU64,
+    recent: Box<[AtomicU64]>,
+    queue: Mutex<Queue>,
+    cutoffs: Mutex<Cutoffs>,
+    breaker: AtomicBool,
+    failures: AtomicU32,
+    reads_off: AtomicBool,
+    counters: Counters,
+    wake: Notify,
+    landed: watch::Sender<u64>,
+    /// Mirrors the breaker: `true` while closed.
+    up: watch::Sender<bool>,
+    stop: CancellationToken,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn bucket(&self, hash: u128) -> &AtomicU64 {
+        &self.recent[(hash as usize) & (RECENT_BUCKETS - 1)]
+    }
+
+    /// Counts a remote operation's outcome and trips the breaker; whether it succeeded.
+    fn outcome<T>(
+        &self,
+        what: &str,
+        result: Result<Result<T, RemoteError>, tokio::time::error::Elapsed>,
+    ) -> bool {
+        let error = match result {
+            Ok(Ok(_)) => {
+                self.failures.store(0, Ordering::Relaxed);
+                return true;
+            }
+            Ok(Err(error)) => {
+                self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                error.to_string()
+            }
+            Err(_) => {
+                self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+                format!("no answer within {:?}", self.options.op_timeout)
+            }
+        };
+        let failures = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if failures >= self.options.breaker_failures && !self.breaker.swap(true, Ordering::AcqRel) {
+            self.counters.breaker_opens.fetch_add(1, Ordering::Relaxed);
+            self.up.send_replace(false);
+            tracing::warn!(
+                store = %self.remote.describe(), %error,
+                "kvd L4 {what} failed; breaker open, L4 reads miss and writes are dropped until it answers"
+            );
+        } else {
+            tracing::debug!(store = %self.remote.describe(), %error, "kvd L4 {what} failed");
+        }
+        false
+    }
+
+    /// One health probe of an open breaker; closes it on success.
+    async fn probe(&self) {
+        let answer = tokio::time::timeout(self.options.op_timeout, self.remote.health()).await;
+        if matches!(answer, Ok(Ok(()))) {
+            self.failures.store(0, Ordering::Relaxed);
+            self.breaker.store(false, Ordering::Release);
+            self.up.send_replace(true);
+            self.counters.reconnects.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(store = %self.remote.describe(), "kvd L4 store answers again; breaker closed");
+            self.wake.notify_one();
+        }
+    }
+
+    fn hidden(&self, ns: &Namespace, info: &FrameInfo) -> bool {
+        let cutoffs = self.cutoffs.lock().unwrap_or_else(|p| p.into_inner());
+        let below = |(seq, at): (u64, u64)| {
+            if info.writer == self.writer_id {
+                info.seq <= seq
+            } else {
+                info.written_at <= at
+            }
+        };
+        below(cutoffs.all) || cutoffs.by_ns.get(ns).is_some_and(|c| below(*c))
+    }
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct L4 {
+    inner: Arc<Inner>,
+}
+
+impl L4 {
+    /// An L4 over `remote`, its writer task spawned on the current runtime. The store is asked
+    /// for its health first: when it does not answer, `required` makes that an error, else the
+    /// L4 starts with its breaker open (and a warning).
+    ///
+    /// # Errors
+    /// [`L4OpenError::Unreachable`].
+    pub async fn open(
+        remote: Arc<dyn RemoteStore>,
+        options: L4Options,
+        required: bool,
+    ) -> Result<Self, L4OpenError> {
+        let health = tokio::time::timeout(options.op_timeout, remote.health()).await;
+        let down = match health {
+            Ok(Ok(())) => None,
+            Ok(Err(error)) => Some(error.to_string()),
+            Err(_) => Some(format!("no answer within {:?}", options.op_timeout)),
+        };
+        if let Some(reason) = &down {
+            if required {
+                return Err(L4OpenError::Unreachable {
+                    store: remote.describe(),
+                    reason: reason.clone(),
+                });
+            }
+            tracing::warn!(store = %remote.describe(), %reason,
+                "kvd L4 store not reachable at start; running with L4 reads and writes off until it answers");
+        }
+        let writer_id = {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            h.finish()
+        };
+        let inner = Arc::new(Inner {
+            remote,
+            options,
+            writer_id,
+            seq: AtomicU64::new(0),
+            // The daemon's clock is wall-clock milliseconds; start from the wall clock so a
+            // clear before any other operation still hides earlier runs' blocks.
+            clock: AtomicU64::new(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64),
+            ),
+            recent: (0..RECENT_BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+            queue: Mutex::new(Queue::default()),
+            cutoffs: Mutex::new(Cutoffs::default()),
+            breaker: AtomicBool::new(down.is_some()),
+            failures: AtomicU32::new(0),
+            reads_off: AtomicBool::new(false),
+            counters: Counters::default(),
+            wake: Notify::new(),
+            landed: watch::channel(0).0,
+            up: watch::channel(down.is_none()).0,
+            stop: CancellationToken::new(),
+        });
+        tokio::spawn(queue::writer(inner.clone()));
+        Ok(Self { inner })
+    }
+
+    /// Whether the breaker is closed (the store answered last time).
+    pub fn is_up(&self) -> bool {
+        !self.inner.breaker.load(Ordering::Acquire)
+    }
+
+    /// The breaker's state as it changes: `true` while closed.
+    pub fn watch_up(&self) -> watch::Receiver<bool> {
+        self.inner.up.subscribe()
+    }
+
+    fn next_seq(&self, hash: u128, now: u64) -> u64 {
+        let seq = self.inner.seq.fetch_add(1, Ordering::AcqRel) + 1;
+        self.inner.bucket(hash).fetch_max(seq, Ordering::AcqRel);
+        self.inner.clock.fetch_max(now, Ordering::Relaxed);
+        seq
+    }
+
+    /// Queues a removal of `hash` (see `queue.rs` for the bound).
+    fn queue_removal(&self, q: &mut Queue, hash: u128, seq: u64) {
+        if q.removes >= self.inner.options.max_removals && !q.ops.contains_key(&hash) {
+            if !self.inner.reads_off.swap(true, Ordering::AcqRel) {
+                tracing::error!(
+                    "kvd L4: more than {} removals queued (the store has been down for long); \
+                     L4 reads are off until restart so that no stale block is served",
+                    self.inner.options.max_removals
+                );
+            }
+            return;
+        }
+        q.insert(hash, seq, Op::Remove);
+    }
+
+    /// Reads blocks (one remote batch per `batch_items`); see [`LongStore::get_many`].
+    async fn read(&self, ns: &Namespace, reqs: &[(Bytes, u128)], now: u64) -> Vec<Option<LongHit>> {
+        let inner = &self.inner;
+        let start = inner.seq.load(Ordering::Acquire);
+        inner.clock.fetch_max(now, Ordering::Relaxed);
+        let mut out: Vec<Option<LongHit>> = vec![None; reqs.len()];
+        let mut remote = Vec::new();
+        {
+            let q = inner.lock();
+            for (i, (key, hash)) in reqs.iter().enumerate() {
+                match q.ops.get(hash) {
+                    Some((_, Op::Put(p))) => {
+                        if p.ns == *ns && p.key == *key && p.info.expires_at.is_none_or(|t| t > now)
+                        {
+                            out[i] = Some(LongHit {
+                                value: p.value.clone(),
+                                class: p.info.class,
+                                expires_at: p.info.expires_at,
+                                generation: start,
+                            });
+                        }
+                    }
+                    Some((_, Op::Remove)) => {}
+                    None => remote.push(i),
+                }
+            }
+        }
+        let off = inner.breaker.load(Ordering::Acquire) || inner.reads_off.load(Ordering::Acquire);
+        if !off && !remote.is_empty() {
+            // Spread over up to READ_STREAMS connections (at most `batch_items` blocks each),
+            // so large blocks overlap on the wire.
+            let per = remote
+                .len()
+                .div_ceil(READ_STREAMS)
+                .clamp(1, inner.options.batch_items.max(1));
+            let reads: Vec<_> = remote
+                .chunks(per)
+                .map(|chunk| self.fetch(chunk.to_vec(), reqs))
+                .collect();
+            let mut reads = futures::stream::iter(reads).buffered(READ_STREAMS);
+            while let Some((chunk, result)) = reads.next().await {
+                let values = match result {
+                    Ok(Ok(values)) if values.len() == chunk.len() => values,
+                    other => {
+                        inner.outcome("get", other.map(|r| r.map(|_| ())));
+                        break;
+                    }
+                };
+                inner.failures.store(0, Ordering::Relaxed);
+                for (i, value) in chunk.iter().zip(values) {
+                    out[*i] = self.check(ns, &reqs[*i].0, value, now, start);
+                }
+            }
+        }
+        let hits = out.iter().filter(|h| h.is_some()).count() as u64;
+        inner
+            .counters
+            .gets
+            .fetch_add(reqs.len() as u64, Ordering::Relaxed);
+        inner.counters.hits.fetch_add(hits, Ordering::Relaxed);
+        out
+    }
+
+    /// One remote read of the blocks `chunk` (indexes into `reqs`), under the deadline.
+    async fn fetch(
+        &self,
+        chunk: Vec<usize>,
+        reqs: &[(Bytes, u128)],
+    ) -> (
+        Vec<usize>,
+        Result<Result<Vec<Option<Bytes>>, RemoteError>, tokio::time::error::Elapsed>,
+    ) {
+        let inner = &self.inner;
+        let names: Vec<String> = chunk
+            .iter()
+            .map(|i| name(&inner.options.prefix, reqs[*i].1))
+            .collect();
+        let got =
+            tokio::time::timeout(inner.options.op_timeout, inner.remote.get_batch(&names)).await;
+        (chunk, got)
+    }
+
+    /// A stored value as a hit, if it is a live frame of `(ns, key)` not hidden by a clear.
+    fn check(
+        &self,
+        ns: &Namespace,
+        key: &[u8],
+        value: Option<Bytes>,
+        now: u64,
+        start: u64,
+    ) -> Option<LongHit> {
+        let value = value.filter(|v| !v.is_empty())?;
+        match frame::decode(&value, ns, key) {
+            Ok((body, info)) => {
+                if self.inner.hidden(ns, &info) || info.expires_at.is_some_and(|t| t <= now) {
+                    return None;
+                }
+                Some(LongHit {
+                    value: body,
+                    class: info.class,
+                    expires_at: info.expires_at,
+                    generation: start,
+                })
+            }
+            Err(reject) => {
+                self.inner.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%reject, "kvd L4 value refused");
+                None
+            }
+        }
+    }
+
+    /// The L4 counters.
+    pub fn l4_stats(&self) -> L4Stats {
+        let c = &self.inner.counters;
+        let q = self.inner.lock();
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        L4Stats {
+            up: u64::from(self.is_up()),
+            queued_bytes: q.bytes,
+            queued_ops: q.ops.len() as u64,
+            puts_total: get(&c.puts),
+            dropped_total: get(&c.dropped),
+            removes_total: get(&c.removes),
+            gets_total: get(&c.gets),
+            hits_total: get(&c.hits),
+            rejected_total: get(&c.rejected),
+            errors_total: get(&c.errors),
+            timeouts_total: get(&c.timeouts),
+            breaker_opens_total: get(&c.breaker_opens),
+            reconnects_total: get(&c.reconnects),
+        }
+    }
+}

@@ -1,0 +1,40 @@
+//! The port every remote L4 store implements: [`RemoteStore`], batched operations on opaque
+//! values under NUL-free string names. Deadlines, retries and the circuit breaker live in the
+//! caller ([`super::L4`]); a store only reports what happened.
+
+use super::frame::Framed;
+use std::io;
+
+/// Why a remote operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    /// Connecting, reading or writing failed.
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    /// The store answered something this client does not understand, or an error.
+    #[error("{0}")]
+    Protocol(String),
+}
+
+/// A remote store: see the module docs. Names are what [`super::names`] builds.
+#[async_trait::async_trait]
+pub trait RemoteStore: Send + Sync + std::fmt::Debug {
+    /// The store's URL without credentials, for logs.
+    fn describe(&self) -> String;
+
+    /// Whether the store answers at all (a cheap round trip).
+    async fn health(&self) -> Result<(), RemoteError>;
+
+    /// Writes each `(name, value)`; done when every write is applied.
+    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<(), RemoteError>;
+
+    /// Reads each name: its value, or `None` when the store holds none (or only part of one).
+    async fn get_batch(&self, names: &[String]) -> Result<Vec<Option<bytes::Bytes>>, RemoteError>;
+
+    /// Whether the store holds a committed value under each name.
+    async fn exists_batch(&self, names: &[String]) -> Result<Vec<bool>, RemoteError>;
+
+    /// Removes each name's value (a store without deletes overwrites it with an empty value,
+    /// which reads as a miss).
+    async fn remove_batch(&self, names: &[String]) -> Result<(), RemoteError>;
+}

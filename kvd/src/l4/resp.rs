@@ -1,0 +1,225 @@
+//! A small Redis (RESP2) client: pipelined commands over pooled TCP connections, every reply
+//! bounded in size. Deadlines belong to the caller: a future dropped mid-command drops its
+//! connection with it (a connection goes back to the pool only after a whole pipeline).
+
+use super::frame::Framed;
+use super::remote::RemoteError;
+use bytes::{Bytes, BytesMut};
+use std::sync::Mutex;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+
+/// Longest status, error or length line accepted.
+const MAX_LINE: usize = 64 * 1024;
+/// Idle connections kept per pool.
+const MAX_IDLE: usize = 16;
+
+/// One command argument: plain bytes, or a framed value written in its two parts.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg<'a> {
+    Plain(&'a [u8]),
+    Framed(&'a Framed),
+}
+
+/// A reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    Status(String),
+    Int(i64),
+    Bulk(Option<Bytes>),
+    Array(usize),
+}
+
+fn protocol(message: impl Into<String>) -> RemoteError {
+    RemoteError::Protocol(message.into())
+}
+
+/// Where and how to connect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub host: String,
+    pub port: u16,
+    pub password: Option<String>,
+    pub username: Option<String>,
+    pub db: Option<u32>,
+}
+
+/// One connection.
+#[derive(Debug)]
+pub struct Conn {
+    reader: BufReader<OwnedReadHalf>,
+    writer: BufWriter<OwnedWriteHalf>,
+    max_bulk: usize,
+}
+
+impl Conn {
+    async fn open(ep: &Endpoint, max_bulk: usize) -> Result<Self, RemoteError> {
+        let stream = TcpStream::connect((ep.host.as_str(), ep.port)).await?;
+        stream.set_nodelay(true)?;
+        let (r, w) = stream.into_split();
+        let mut conn = Self {
+            reader: BufReader::with_capacity(256 * 1024, r),
+            writer: BufWriter::with_capacity(64 * 1024, w),
+            max_bulk,
+        };
+        if let Some(password) = &ep.password {
+            let mut args = vec![Arg::Plain(b"AUTH")];
+            if let Some(user) = &ep.username {
+                args.push(Arg::Plain(user.as_bytes()));
+            }
+            args.push(Arg::Plain(password.as_bytes()));
+            conn.expect_ok(&args).await?;
+        }
+        if let Some(db) = ep.db {
+            let db = db.to_string();
+            conn.expect_ok(&[Arg::Plain(b"SELECT"), Arg::Plain(db.as_bytes())])
+                .await?;
+        }
+        Ok(conn)
+    }
+
+    async fn expect_ok(&mut self, args: &[Arg<'_>]) -> Result<(), RemoteError> {
+        self.send(args).await?;
+        self.writer.flush().await?;
+        match self.read().await? {
+            Reply::Status(_) => Ok(()),
+            other => Err(protocol(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    /// Queues one command (flushed by [`Conn::flush`]).
+    pub async fn send(&mut self, args: &[Arg<'_>]) -> Result<(), RemoteError> {
+        let w = &mut self.writer;
+        w.write_all(format!("*{}\r\n", args.len()).as_bytes())
+            .await?;
+        for arg in args {
+            match arg {
+                Arg::Plain(b) => {
+                    w.write_all(format!("${}\r\n", b.len()).as_bytes()).await?;
+                    w.write_all(b).await?;
+                }
+                Arg::Framed(f) => {
+                    w.write_all(format!("${}\r\n", f.len()).as_bytes()).await?;
+                    w.write_all(&f.head).await?;
+                    w.write_all(&f.body).await?;
+                }
+            }
+            w.write_all(b"\r\n").await?;
+        }
+        Ok(())
+    }
+
+    /// Sends what is queued.
+    pub async fn flush(&mut self) -> Result<(), RemoteError> {
+        Ok(self.writer.flush().await?)
+    }
+
+    async fn line(&mut self) -> Result<String, RemoteError> {
+        let mut line = Vec::new();
+        let n = (&mut self.reader)
+            .take(MAX_LINE as u64)
+            .read_until(b'\n', &mut line)
+            .await?;
+        if n == 0 {
+            return Err(protocol("the store closed the connection"));
+        }
+        if !line.ends_with(b"\r\n") {
+            return Err(protocol("a reply line is too long or cut short"));
+        }
+        line.truncate(line.len() - 2);
+        String::from_utf8(line).map_err(|_| protocol("a reply line is not UTF-8"))
+    }
+
+    /// Reads one reply (an array answers its length; its elements follow as replies). A store
+    /// error (`-ERR ...`) is returned as an error.
+    pub async fn read(&mut self) -> Result<Reply, RemoteError> {
+        let line = self.line().await?;
+        let (kind, rest) = line
+            .split_at_checked(1)
+            .ok_or_else(|| protocol("empty reply"))?;
+        let int = || {
+            rest.parse::<i64>()
+                .map_err(|_| protocol(format!("bad length or integer {rest:?}")))
+        };
+        match kind {
+            "+" => Ok(Reply::Status(rest.to_owned())),
+            "-" => Err(protocol(format!("the store answered {rest}"))),
+            ":" => Ok(Reply::Int(int()?)),
+            "*" => Ok(Reply::Array(usize::try_from(int()?).unwrap_or(0))),
+            "$" => {
+                let len = int()?;
+                if len < 0 {
+                    return Ok(Reply::Bulk(None));
+                }
+                let len = len as usize;
+                if len > self.max_bulk {
+                    return Err(protocol(format!(
+                        "a value of {len} bytes is over the {} byte bound",
+                        self.max_bulk
+                    )));
+                }
+                // Read into spare capacity: a large value is never zeroed first.
+                let mut buf = BytesMut::with_capacity(len + 2);
+                while buf.len() < len + 2 {
+                    let want = (len + 2 - buf.len()) as u64;
+                    if (&mut self.reader).take(want).read_buf(&mut buf).await? == 0 {
+                        return Err(protocol("the store closed the connection mid-value"));
+                    }
+                }
+                if &buf[len..] != b"\r\n" {
+                    return Err(protocol("a value is not followed by CRLF"));
+                }
+                buf.truncate(len);
+                Ok(Reply::Bulk(Some(buf.freeze())))
+            }
+            _ => Err(protocol(format!("unknown reply type {kind:?}"))),
+        }
+    }
+}
+
+/// Pooled connections to one endpoint.
+#[derive(Debug)]
+pub struct Pool {
+    endpoint: Endpoint,
+    max_bulk: usize,
+    idle: Mutex<Vec<Conn>>,
+}
+
+impl Pool {
+    /// A pool for `endpoint`; replies longer than `max_bulk` bytes are refused.
+    pub fn new(endpoint: Endpoint, max_bulk: usize) -> Self {
+        Self {
+            endpoint,
+            max_bulk,
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The endpoint.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// An idle connection, or a new one.
+    pub async fn take(&self) -> Result<Conn, RemoteError> {
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        match idle {
+            Some(conn) => Ok(conn),
+            None => Conn::open(&self.endpoint, self.max_bulk).await,
+        }
+    }
+
+    /// Returns a connection whose last pipeline completed.
+    pub fn give(&self, conn: Conn) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < MAX_IDLE {
+            idle.push(conn);
+        }
+    }
+
+    /// Drops every idle connection (after a failure: they may lead to a dead server).
+    pub fn reset(&self) {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}
