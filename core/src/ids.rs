@@ -65,7 +65,17 @@ impl fmt::Display for WorkerRank {
     }
 }
 
-/// A client request's id (`X-Infera-Request-Id`, or generated).
+/// A request's id.
+///
+/// The client's id (`X-Infera-Request-Id`, or generated) names a request to its client and to the
+/// engine; a client may send one id with many concurrent requests, so the router keys its own
+/// accounting by ids it makes from it:
+/// - the request key `<client id>#<n>`, made once per client request ([`RequestId::keyed`]);
+/// - the attempt id `<request key>.<m>`, once per attempt: the first, each retry and each
+///   migration ([`RequestId::attempt`]).
+///
+/// `n` and `m` are numbers the router never gives twice. An id of another shape is its own key
+/// and its own client id.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct RequestId(pub String);
@@ -74,6 +84,37 @@ impl RequestId {
     pub fn new(id: impl Into<String>) -> Self {
         Self(id.into())
     }
+
+    /// The key of client request number `n` sent with `client_id`.
+    pub fn keyed(client_id: &str, n: u64) -> Self {
+        Self(format!("{client_id}#{n}"))
+    }
+
+    /// Attempt number `m` of the request keyed `key`.
+    pub fn attempt(key: &str, m: u64) -> Self {
+        Self(format!("{key}.{m}"))
+    }
+
+    /// The request key this id belongs to (an attempt's request, or the key itself).
+    pub fn request_key(&self) -> &str {
+        split_request_id(&self.0).map_or(&self.0, |(_, key_end)| &self.0[..key_end])
+    }
+
+    /// The client's id inside this key or attempt id.
+    pub fn client_id(&self) -> &str {
+        split_request_id(&self.0).map_or(&self.0, |(client, _)| client)
+    }
+}
+
+/// `<client>#<n>[.<m>]` → the client id and where the key `<client>#<n>` ends.
+fn split_request_id(id: &str) -> Option<(&str, usize)> {
+    let (client, tail) = id.rsplit_once('#')?;
+    let (n, m) = match tail.split_once('.') {
+        Some((n, m)) => (n, Some(m)),
+        None => (tail, None),
+    };
+    let number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    (number(n) && m.is_none_or(number)).then_some((client, client.len() + 1 + n.len()))
 }
 
 impl fmt::Display for RequestId {
@@ -111,5 +152,38 @@ impl EngineHash {
     /// An engine hash sent as bytes (vLLM with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
     pub fn from_bytes(b: &[u8]) -> Self {
         Self(xxhash_rust::xxh3::xxh3_64(b))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RequestId;
+
+    #[test]
+    fn attempts_and_keys_lead_back_to_the_client_id() {
+        let key = RequestId::keyed("chat-42", 7);
+        let attempt = RequestId::attempt(&key.0, 9);
+        assert_eq!(attempt.0, "chat-42#7.9");
+        assert_eq!(attempt.request_key(), key.0);
+        assert_eq!(key.request_key(), key.0);
+        assert_eq!(
+            (attempt.client_id(), key.client_id()),
+            ("chat-42", "chat-42")
+        );
+        // A client id that already holds `#<n>` keeps it.
+        let odd = RequestId::attempt(&RequestId::keyed("a#1", 2).0, 3);
+        assert_eq!((odd.client_id(), odd.request_key()), ("a#1", "a#1#2"));
+    }
+
+    #[test]
+    fn ids_of_another_shape_are_their_own_key_and_client() {
+        for plain in ["x", "x#", "x#1.", "x#a", "x#1.b", "x.1", ""] {
+            let id = RequestId::new(plain);
+            assert_eq!(
+                (id.request_key(), id.client_id()),
+                (plain, plain),
+                "{plain:?}"
+            );
+        }
     }
 }

@@ -27,8 +27,10 @@
 //! therefore wait until every request that arrived before them has finished: a rotation writes the
 //! finished rows that arrived before the oldest request still in flight and keeps the rest for
 //! the next segment. A request in flight for longer than [`RecorderOptions::max_in_flight_us`]
-//! no longer holds rows back; if it finishes later its row is dropped (`late`). Retries of one
-//! client request (attempt ids `<id>#<n>`) become one row with the first attempt's arrival.
+//! no longer holds rows back; if it finishes later its row is dropped (`late`). Requests are
+//! told apart by the router's request key, never by the client's id (a client may send one id
+//! with concurrent requests); the attempts of one request (its retries) become one row, with the
+//! first attempt's arrival and the client's id ([`RequestId`](infera_core::ids::RequestId)).
 //! Rotation happens by size ([`RecorderOptions::segment_max_bytes`], estimated) and age
 //! ([`RecorderOptions::segment_max_age_us`]); each file is written complete and atomically
 //! (temporary file, fsync, rename), so a crash loses at most the rows and events of the open
@@ -108,6 +110,9 @@ struct InFlight {
 /// One finished request, ready for a segment.
 #[derive(Debug)]
 struct Row {
+    /// The router's key of the request ([`RequestId::request_key`](infera_core::ids::RequestId::request_key)); `request.request_id` is
+    /// the client's id.
+    key: String,
     request: TraceRequest,
     worker: String,
     dp_rank: u32,
@@ -152,22 +157,11 @@ pub struct Recorder {
     written_upto_us: u64,
     stats: RecorderStats,
     errors: Vec<TraceError>,
-    /// What the events do not carry, by client request id: session id and prompt token ids,
-    /// with when it was noted.
+    /// What the events do not carry, by request key: session id and prompt token ids, with when
+    /// it was noted.
     metas: HashMap<String, Meta>,
     /// Each session's last finish, for the think times of its later turns.
     sessions: think::SessionClock,
-}
-
-/// The client request an attempt id belongs to: `<id>#<n>` → `<id>`.
-fn base_id(attempt: &str) -> &str {
-    attempt.rsplit_once('#').map_or(attempt, |(base, n)| {
-        if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) {
-            base
-        } else {
-            attempt
-        }
-    })
 }
 
 /// Puts a request's session and prompt on its row (a prompt whose length does not match the
@@ -240,25 +234,21 @@ impl Recorder {
         self.in_flight.len()
     }
 
-    /// Takes what the events do not say about request `request_id`: its session and (when the
-    /// server records prompts) its token ids. It may arrive before or after the request's events.
+    /// Takes what the events do not say about the request keyed `key` ([`RequestId`](infera_core::ids::RequestId)): its
+    /// session and (when the server records prompts) its token ids. It may arrive before or after
+    /// the request's events.
     pub fn note_request(
         &mut self,
-        request_id: String,
+        key: String,
         session_id: Option<String>,
         token_ids: Option<Vec<u32>>,
         now_us: u64,
     ) {
-        if let Some(row) = self
-            .rows
-            .iter_mut()
-            .find(|r| r.request.request_id == request_id)
-        {
+        if let Some(row) = self.rows.iter_mut().find(|r| r.key == key) {
             attach(&mut row.request, session_id, token_ids);
             return;
         }
-        self.metas
-            .insert(request_id, (session_id, token_ids, now_us));
+        self.metas.insert(key, (session_id, token_ids, now_us));
     }
 
     /// Takes one committed event.
@@ -294,13 +284,13 @@ impl Recorder {
     }
 
     fn routed(&mut self, r: &RequestRouted) {
-        let base = base_id(r.request_id.0.as_str()).to_owned();
-        let (arrival_us, attempts) = match self.failed.remove(&base) {
+        let key = r.request_id.request_key().to_owned();
+        let (arrival_us, attempts) = match self.failed.remove(&key) {
             Some((earlier, _)) => (earlier.arrival_us, earlier.attempts + 1),
             None => (r.at_us, 1),
         };
         self.in_flight.insert(
-            base,
+            key,
             InFlight {
                 attempt: r.request_id.0.as_str().to_owned(),
                 arrival_us,
@@ -311,13 +301,13 @@ impl Recorder {
     }
 
     fn finished(&mut self, f: &RequestFinished, ts_us: u64) {
-        let base = base_id(f.request_id.0.as_str());
-        let Some(flight) = self.in_flight.remove(base) else {
+        let key = f.request_id.request_key();
+        let Some(flight) = self.in_flight.remove(key) else {
             return;
         };
         if flight.attempt != f.request_id.0.as_str() {
             // An older attempt's late news: the newer attempt stays in flight.
-            self.in_flight.insert(base.to_owned(), flight);
+            self.in_flight.insert(key.to_owned(), flight);
             return;
         }
         let Some(row) = self.row(&flight, f, ts_us) else {
@@ -326,14 +316,14 @@ impl Recorder {
         };
         if f.status == RequestStatus::WorkerError {
             // Failed before any byte reached the client: a retry may follow at once.
-            self.failed.insert(base.to_owned(), (flight, row));
+            self.failed.insert(key.to_owned(), (flight, row));
         } else {
             self.push_row(row, ts_us);
         }
     }
 
     fn push_row(&mut self, mut row: Row, now_us: u64) {
-        if let Some((session, tokens, _)) = self.metas.remove(&row.request.request_id) {
+        if let Some((session, tokens, _)) = self.metas.remove(&row.key) {
             attach(&mut row.request, session, tokens);
         }
         if row.request.arrival_us < self.written_upto_us {
@@ -361,9 +351,10 @@ impl Recorder {
         }
         let decode = r.legs.get(1).map(|l| l.worker.worker.as_str().to_owned());
         Some(Row {
+            key: r.request_id.request_key().to_owned(),
             request: TraceRequest {
                 arrival_us: flight.arrival_us,
-                request_id: base_id(r.request_id.0.as_str()).to_owned(),
+                request_id: r.request_id.client_id().to_owned(),
                 model: r.model.clone(),
                 input_length,
                 output_length: f.tokens_out,

@@ -283,18 +283,25 @@ pub(super) fn status_of(code: StatusCode) -> RequestStatus {
     }
 }
 
-/// Numbers the attempts of this process (see [`attempt_id`]).
-static NEXT_ATTEMPT: AtomicU64 = AtomicU64::new(0);
+/// The numbers in request keys and attempt ids (see [`RequestId`]), unique to this server.
+static NEXT_NUMBER: AtomicU64 = AtomicU64::new(0);
 
-/// A new attempt's id: `<client id>#<n>`, `n` unique to this server: a client may send one
-/// `x-infera-request-id` with concurrent requests, and the fleet's in-flight accounting must
-/// never merge them.
-pub(super) fn attempt_id(st: &ServerState, base_id: &str) -> RequestId {
-    let n = st
-        .inner
+fn next_number(st: &ServerState) -> u64 {
+    st.inner
         .id_prefix
-        .wrapping_add(NEXT_ATTEMPT.fetch_add(1, Ordering::Relaxed));
-    RequestId::new(format!("{base_id}#{n}"))
+        .wrapping_add(NEXT_NUMBER.fetch_add(1, Ordering::Relaxed))
+}
+
+/// A new client request's key, `<client id>#<n>`: a client may send one `x-infera-request-id`
+/// with concurrent requests, and neither the fleet's in-flight accounting nor the trace
+/// recorder may merge them.
+pub(super) fn request_key(st: &ServerState, client_id: &str) -> String {
+    RequestId::keyed(client_id, next_number(st)).0
+}
+
+/// A new attempt of the request keyed `key`: `<key>.<m>`.
+pub(super) fn attempt_id(st: &ServerState, key: &str) -> RequestId {
+    RequestId::attempt(key, next_number(st))
 }
 
 #[cfg(test)]

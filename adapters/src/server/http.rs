@@ -230,11 +230,12 @@ async fn pipeline(
         None
     };
 
+    let key = super::attempt::request_key(st, id);
     let Prepared {
         req,
         tokens,
         tokenized,
-    } = prepare(st, id, model, input, retention, direct.is_some()).await?;
+    } = prepare(st, &key, model, input, retention, direct.is_some()).await?;
     if let Some(with_tokens) = st.meta_wants_tokens() {
         let session_id = headers
             .get("x-session-id")
@@ -243,7 +244,7 @@ async fn pipeline(
             .or(session_id)
             .filter(|s| !s.is_empty() && s.len() <= 256);
         st.feed_meta(super::RequestMeta {
-            request_id: id.to_owned(),
+            request_id: key,
             session_id,
             token_ids: (with_tokens && tokenized).then_some(tokens),
         });
@@ -275,7 +276,7 @@ pub(super) struct Prepared {
 /// A model no worker serves; a prompt the tokenizer or chat template refuses.
 pub(super) async fn prepare(
     st: &ServerState,
-    id: &str,
+    key: &str,
     model: String,
     input: Input,
     retention: Option<infera_core::event::Retention>,
@@ -350,7 +351,7 @@ pub(super) async fn prepare(
         Vec::new()
     };
     let req = RouteRequest {
-        request_id: RequestId::new(id),
+        request_id: RequestId::new(key),
         model,
         prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
         hashes,

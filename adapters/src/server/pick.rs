@@ -12,7 +12,7 @@
 //! anything else a completions request (`prompt`), as the Python Infera's picker does.
 
 use super::ServerState;
-use super::attempt::{Attempt, Usage, attempt_id};
+use super::attempt::{Attempt, Usage, attempt_id, request_key};
 use super::body::Shape;
 use super::http::{Prepared, prepare, route_error};
 use super::relay::{Route, decide};
@@ -93,9 +93,10 @@ impl ServerState {
         let shape = if chat { Shape::Messages } else { Shape::Prompt };
         let default = self.inner.options.client.default_retention;
         let parsed = super::body::parse(body, shape, default).map_err(to_pick)?;
+        let key = request_key(self, id);
         let Prepared { mut req, .. } = prepare(
             self,
-            id,
+            &key,
             parsed.model,
             parsed.input,
             parsed.retention,
@@ -103,7 +104,7 @@ impl ServerState {
         )
         .await
         .map_err(to_pick)?;
-        req.request_id = attempt_id(self, id);
+        req.request_id = attempt_id(self, &key);
         let route = decide(self, &mut req, None).map_err(|e| to_pick(route_error(&e)))?;
         let (worker, url, prefill) = match route {
             Route::Single { rank, url, .. } => (rank.worker, url, None),

@@ -205,7 +205,10 @@ pub(crate) async fn forward(
     body: Bytes,
     stream: bool,
 ) -> Result<Response, ApiError> {
-    let base_id = req.request_id.0.clone();
+    // `req.request_id` is the request's key (see `RequestId`); the engine and the logs see the
+    // client's own id.
+    let key = req.request_id.0.clone();
+    let base_id = req.request_id.client_id().to_owned();
     // The worker an endpoint picker named is not replaced by another.
     let attempts = if direct.is_some() {
         1
@@ -219,10 +222,7 @@ pub(crate) async fn forward(
     // The body sent to a single worker, when it asks for token ids (set per attempt).
     let mut asked_ids: Option<Bytes>;
     for attempt in 0..attempts {
-        // The router's own identity of each attempt, `<client id>#<n>` with `n` unique to this
-        // server: a client may send one `x-infera-request-id` with concurrent requests, and
-        // the fleet's in-flight accounting must never merge them.
-        req.request_id = attempt_id(st, &base_id);
+        req.request_id = attempt_id(st, &key);
         asked_ids = None;
         if attempt > 0 {
             inc(&st.inner.metrics.retries, 1);

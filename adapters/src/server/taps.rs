@@ -21,7 +21,7 @@ pub type EventBatch = Arc<[Envelope]>;
 /// `x-session-id` or body field `session_id`) and, when asked for, its prompt's token ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestMeta {
-    /// The client request id (attempt ids `<id>#<n>` share it).
+    /// The request's key (`<client id>#<n>`, see `RequestId`; its attempt ids share it).
     pub request_id: String,
     pub session_id: Option<String>,
     /// Only with [`ServerState::tap_request_meta`]'s `tokens`, and only for tokenized requests.

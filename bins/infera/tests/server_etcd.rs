@@ -10,8 +10,8 @@
 mod common;
 
 use common::{
-    DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, metric, mock_worker,
-    open_stream, server, stored, tokenizer_dir,
+    DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, http_with_headers,
+    metric, mock_worker, open_stream, server, stored, tokenizer_dir,
 };
 
 use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _};
@@ -237,7 +237,8 @@ async fn the_server_records_a_trace_that_replay_reads() {
         get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == 2)
     });
 
-    // Three conversations, each sent twice: the repeat is a prefix hit on the same worker.
+    // Three conversations, each sent twice: the repeat is a prefix hit on the same worker. All
+    // six carry one client request id: the recorder tells requests apart by its own keys.
     let prompt = |topic: usize| {
         let mut p = format!("topic {topic}:");
         for i in 0..120 {
@@ -250,7 +251,9 @@ async fn the_server_records_a_trace_that_replay_reads() {
             let req = json!({"model": tok, "prompt": prompt(topic), "max_tokens": 3,
                 "session_id": format!("conversation-{topic}")})
             .to_string();
-            let (status, body) = http(server_port, "POST", "/v1/completions", &req).unwrap();
+            let shared = [("x-infera-request-id", "one-client-id")];
+            let (status, body) =
+                http_with_headers(server_port, "POST", "/v1/completions", &shared, &req).unwrap();
             assert_eq!(status, 200, "round {round}: {body}");
         }
         if round == 0 {
@@ -281,13 +284,18 @@ async fn the_server_records_a_trace_that_replay_reads() {
         .iter()
         .map(|r| r.session_id.as_deref())
         .collect();
+    let conversation = |t: usize| Some(format!("conversation-{t}"));
+    let want: Vec<Option<String>> = (0..6).map(|i| conversation(i % 3)).collect();
     assert_eq!(
-        sessions[..3],
-        [
-            Some("conversation-0"),
-            Some("conversation-1"),
-            Some("conversation-2")
-        ]
+        sessions,
+        want.iter().map(Option::as_deref).collect::<Vec<_>>(),
+        "each request's session lands on its own row"
+    );
+    assert!(
+        trace
+            .requests
+            .iter()
+            .all(|r| r.request_id == "one-client-id")
     );
     for topic in 0..3 {
         assert_eq!(

@@ -436,7 +436,7 @@ async fn a_worker_at_its_pending_limit_is_answered_429_or_failed_over() {
     // Retry-After.
     let body = json!({"model": tok, "prompt": "refused", "max_tokens": 2}).to_string();
     let (status, text) = tokio::task::spawn_blocking(move || {
-        common::http_with_headers(port, "POST", "/v1/completions", &body).unwrap()
+        common::http_with_headers(port, "POST", "/v1/completions", &[], &body).unwrap()
     })
     .await
     .unwrap();

@@ -179,19 +179,61 @@ fn decision_and_outcome_columns_sit_beside_the_trace_columns() {
 #[test]
 fn a_retried_request_is_one_row_with_its_first_arrival() {
     let mut rig = Rig::new(|_| {});
-    rig.feed(10, routed("x", "w1", 10, 32));
-    rig.feed(11, finished("x", RequestStatus::WorkerError));
-    rig.feed(12, routed("x#1", "w2", 12, 32));
-    rig.feed(30, finished("x#1", RequestStatus::Ok));
+    // Attempt ids as the server makes them: `<client id>#<request n>.<attempt n>`.
+    rig.feed(10, routed("x#5.6", "w1", 10, 32));
+    rig.feed(11, finished("x#5.6", RequestStatus::WorkerError));
+    rig.feed(12, routed("x#5.9", "w2", 12, 32));
+    rig.feed(30, finished("x#5.9", RequestStatus::Ok));
     // A plain failure that nobody retried is recorded as it ended.
-    rig.feed(40, routed("y", "w1", 40, 16));
-    rig.feed(41, finished("y", RequestStatus::WorkerError));
+    rig.feed(40, routed("y#7.8", "w1", 40, 16));
+    rig.feed(41, finished("y#7.8", RequestStatus::WorkerError));
     let (stats, _) = rig.rec.finish(100);
     assert_eq!(stats.rows_written, 2);
     let trace = load(&rig.path(), &LoadOptions::default()).expect("load");
     assert_eq!(trace.requests[0].request_id, "x");
     assert_eq!(trace.requests[0].arrival_us, 10);
     assert_eq!(trace.requests[1].request_id, "y");
+}
+
+#[test]
+fn concurrent_requests_sent_with_one_client_id_are_each_a_row() {
+    let mut rig = Rig::new(|_| {});
+    // Ten streams under one `x-infera-request-id`, all in flight at once, one retried.
+    for k in 0..10u64 {
+        rig.feed(10 + k, routed(&format!("same#{k}.{k}"), "w1", 10 + k, 32));
+    }
+    rig.feed(21, finished("same#3.3", RequestStatus::WorkerError));
+    rig.feed(22, routed("same#3.40", "w2", 22, 32));
+    for k in 0..10u64 {
+        let attempt = if k == 3 { 40 } else { k };
+        rig.feed(
+            30 + k,
+            finished(&format!("same#{k}.{attempt}"), RequestStatus::Ok),
+        );
+    }
+    rig.rec
+        .note_request("same#4".into(), Some("s4".into()), None, 50);
+    let (stats, _) = rig.rec.finish(100);
+    assert_eq!((stats.rows_written, stats.rows_unhashed), (10, 0));
+    let trace = load(&rig.path(), &LoadOptions::default()).expect("load");
+    let arrivals: Vec<u64> = trace.requests.iter().map(|r| r.arrival_us).collect();
+    assert_eq!(
+        arrivals,
+        (10..20).collect::<Vec<_>>(),
+        "the retry keeps its first arrival"
+    );
+    assert!(trace.requests.iter().all(|r| r.request_id == "same"));
+    let sessions: Vec<Option<&str>> = trace
+        .requests
+        .iter()
+        .map(|r| r.session_id.as_deref())
+        .collect();
+    let mut want = vec![None; 10];
+    want[4] = Some("s4");
+    assert_eq!(
+        sessions, want,
+        "a request's metadata lands on its own row only"
+    );
 }
 
 #[test]

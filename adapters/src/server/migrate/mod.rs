@@ -301,7 +301,8 @@ impl Migration {
         self.left -= 1;
         let failed = self.current.clone();
         self.req.exclude.push(failed.clone());
-        self.req.request_id = attempt_id(&self.st, &self.client_id);
+        let key = self.req.request_id.request_key().to_owned();
+        self.req.request_id = attempt_id(&self.st, &key);
         let (rank, url, dp_rank) = match super::relay::decide_single(&self.st, &mut self.req) {
             Ok(Some(x)) => x,
             Ok(None) | Err(RouteError::NoWorker { .. }) => {

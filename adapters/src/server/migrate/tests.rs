@@ -10,7 +10,7 @@ fn migration(
     asked_ids: bool,
 ) -> Option<Box<Migration>> {
     let req = RouteRequest {
-        request_id: RequestId::new("r#1"),
+        request_id: RequestId::new("r#1.2"),
         model: "m".into(),
         prompt_tokens: 1,
         hashes: Vec::new(),

@@ -65,18 +65,29 @@ pub fn sigterm(child: &Child) {
 
 /// One HTTP/1.1 exchange with `Connection: close`; `None` while nothing listens.
 pub fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
-    let (status, raw) = http_with_headers(port, method, path, body)?;
+    let (status, raw) = http_with_headers(port, method, path, &[], body)?;
     let (_, body) = raw.split_once("\r\n\r\n")?;
     Some((status, body.to_owned()))
 }
 
-/// As [`http`], with the response head (status line and headers) before the body.
-pub fn http_with_headers(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
+/// As [`http`], sending the request `headers` too, with the response head (status line and
+/// headers) before the body.
+pub fn http_with_headers(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Option<(u16, String)> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(DEADLINE)).ok()?;
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     let req = format!(
         "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+         Content-Type: application/json\r\n{extra}Content-Length: {}\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).ok()?;
