@@ -11,6 +11,8 @@
 //!   `torch.frombuffer`/`numpy.frombuffer` copy straight between the KV cache and the arena.
 //! - [`blocks`]: `BlockCopier` — a packed block of every layer of a host KV cache copied into
 //!   a lease, or out of a slot, by `memcpy` per contiguous piece (the CPU cache's hot path).
+//! - [`pages`]: `gather`/`scatter` — a value copied from, or over, host-memory ranges an engine
+//!   names by address (SGLang's HiCache host pool pages, its zero-copy `_v1` interface).
 //! - [`pin`]: registering the arena for DMA with the CUDA driver or the HIP runtime (each
 //!   loaded at run time); never required, always reported (`Client.arena_info()`).
 //!
@@ -19,6 +21,7 @@
 
 pub mod blocks;
 pub mod client;
+pub mod pages;
 pub mod pin;
 pub mod views;
 
@@ -45,6 +48,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<views::Slot>()?;
     m.add_class::<views::Lease>()?;
     m.add_class::<blocks::BlockCopier>()?;
+    m.add_function(wrap_pyfunction!(pages::gather, m)?)?;
+    m.add_function(wrap_pyfunction!(pages::scatter, m)?)?;
     m.add("KvdError", m.py().get_type::<KvdError>())?;
     m.add("KvdUnavailable", m.py().get_type::<KvdUnavailable>())?;
     Ok(())

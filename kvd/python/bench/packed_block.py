@@ -6,7 +6,8 @@ on the same data, side by side in one run.
     python bench/packed_block.py --socket ... --device cuda   # on a GPU machine
 
 With ``--device cuda`` the KV cache lives on the GPU, so a save is device -> arena and a load
-arena -> device, measured once with the arena pinned through the CUDA driver and once without.
+arena -> device, measured once with the arena pinned through the CUDA driver and once without,
+beside the bus alone (the whole block in one copy between the device and an arena slot).
 
 memcpy is one contiguous copy of the block's bytes (``numpy.copyto``) into faulted-in memory
 that is not in cache, as an arena slot is (the hot-cache figure is printed too); a path's figure
@@ -26,7 +27,7 @@ import torch
 
 from infera_kvd.client import KvdClient
 from infera_kvd.packed import PackedLayout
-from infera_kvd.transfer import LayerCache, copier, load_block, save_block
+from infera_kvd.transfer import LayerCache, as_bytes, copier, load_block, save_block
 
 
 def best(fn, rounds: int) -> float:
@@ -100,6 +101,14 @@ def run(a, src, dst, layout: PackedLayout, pin: bool) -> list[tuple[str, float]]
     t_load = best(arena_load, a.rounds)
     assert all(torch.equal(s.block(3), d.block(5)) for s, d in zip(src, dst))
     rows = [("memcpy", t_memcpy), ("memcpy (hot)", t_hot), ("arena save, torch" + tag, t_save), ("arena load, torch" + tag, t_load)]
+
+    if a.device != "cpu":
+        # The bus alone: the whole block in one copy between the device and an arena lease.
+        lease = client.reserve(total)
+        view, dev = as_bytes(lease)[:total], torch.empty(total, dtype=torch.uint8, device=a.device)
+        rows.append(("one copy device -> arena" + tag, best(lambda: view.copy_(dev), a.rounds)))
+        rows.append(("one copy arena -> device" + tag, best(lambda: dev.copy_(view), a.rounds)))
+        client.cancel(lease)
 
     fast_src, fast_dst = copier(src, layout), copier(dst, layout)
     if fast_src is not None and fast_dst is not None:  # host caches: the Rust copier

@@ -13,8 +13,10 @@
 //! - **SGLang**: `--enable-hierarchical-cache`, `--hicache-storage-backend dynamic` and
 //!   `--hicache-storage-backend-extra-config {"backend_name": "infera-kvd", "module_path":
 //!   "infera.engine.sglang.kvd_adapter", "class_name": "InferaKvdBackend",
-//!   "prefetch_threshold": 64}`, each unless the command line sets it; a `--hicache-ratio` under
-//!   1.5 without `--hicache-size` is warned about (storage prefetch barely runs then).
+//!   "prefetch_threshold": 64, "interface_v1": 1}` (`interface_v1`: SGLang's zero-copy storage
+//!   calls, pages copied in place between its host pool and kvd's arena), each unless the
+//!   command line sets it; a `--hicache-ratio` under 1.5 without `--hicache-size` is warned
+//!   about (storage prefetch barely runs then).
 //! - **PD decode legs** are not wired: neither engine reads from kvd on the decode leg, so kvd
 //!   would only be written to there (the Python launcher skips it too).
 
@@ -170,6 +172,7 @@ fn sglang(args: &mut Vec<String>) {
         "module_path": SGLANG_BACKEND_MODULE,
         "class_name": SGLANG_BACKEND_CLASS,
         "prefetch_threshold": 64,
+        "interface_v1": 1,
     });
     args.extend([EXTRA_CONFIG_FLAG.to_owned(), config.to_string()]);
 }

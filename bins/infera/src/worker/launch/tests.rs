@@ -666,7 +666,7 @@ fn sglang_with_kvd_gets_the_hicache_backend_and_a_decode_leg_does_not() {
     assert_eq!(
         extra,
         json!({"backend_name": "infera-kvd", "module_path": "infera.engine.sglang.kvd_adapter",
-            "class_name": "InferaKvdBackend", "prefetch_threshold": 64})
+            "class_name": "InferaKvdBackend", "prefetch_threshold": 64, "interface_v1": 1})
     );
     // SGLang exits on an unknown flag: ours is never forwarded.
     assert!(!plan.args.iter().any(|a| a.contains("infera-kvd-socket")));
