@@ -190,6 +190,12 @@ impl RemoteStore for Slow {
     fn describe(&self) -> String {
         "slow".into()
     }
+    fn backend(&self) -> &'static str {
+        self.0.backend()
+    }
+    fn streams(&self) -> usize {
+        self.0.streams()
+    }
     async fn health(&self) -> Result<(), RemoteError> {
         tokio::time::sleep(Duration::from_millis(50)).await;
         self.0.health().await

@@ -62,6 +62,10 @@ impl RemoteStore for Faulty {
         "faulty://".to_owned()
     }
 
+    fn backend(&self) -> &'static str {
+        "faulty"
+    }
+
     async fn health(&self) -> Result<(), RemoteError> {
         match self.fault() {
             Fault::Error => Err(Self::error()),

@@ -80,7 +80,7 @@ async fn blocks_written_in_the_lmcache_layout_read_back_byte_exact_through_a_fre
     let ns = Namespace::new("llama", "fp8");
     let values: Vec<Bytes> = (0..6).map(|i| block(i, 200_000 + i * 4099)).collect();
 
-    let daemon = Daemon::start(|o, _| o.long = Some(LongBackendConfig::Lmcache(l4.clone()))).await;
+    let daemon = Daemon::start(|o, _| o.long = Some(LongBackendConfig::L4(l4.clone()))).await;
     let mut client = daemon.client().await;
     for (i, v) in values.iter().enumerate() {
         let item = SetItem::new(key(i), v.clone()).retention(Retention::Long);
@@ -104,8 +104,7 @@ async fn blocks_written_in_the_lmcache_layout_read_back_byte_exact_through_a_fre
         assert!(value.len() > v.len() && value.ends_with(v), "framed block");
     }
 
-    let mut fresh =
-        Daemon::start(|o, _| o.long = Some(LongBackendConfig::Lmcache(l4.clone()))).await;
+    let mut fresh = Daemon::start(|o, _| o.long = Some(LongBackendConfig::L4(l4.clone()))).await;
     let mut client = fresh.client().await;
     // A prefetch hint (what the server's /v1/cache/prewarm sends) reaches L4 blocks: the first
     // three are promoted into L2.

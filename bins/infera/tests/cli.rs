@@ -554,8 +554,8 @@ fn kvd_validation_failures_name_the_flag() {
     );
     assert_invalid(
         &["kvd", "--long-backend", "mooncake"],
-        "--long-backend",
-        "not built yet",
+        "--mooncake-config",
+        "master_address and cluster_id required",
     );
 }
 

@@ -73,6 +73,7 @@ fn lmcache_settings_resolve_with_the_environment_winning() {
         &env,
     );
     let l4 = &config["l4_tier"];
+    assert_eq!(l4["store"], json!("lmcache"));
     assert_eq!(l4["placement"], json!("instead_of_l3"));
     assert_eq!(l4["remote_url"], json!("redis://***@127.0.0.1:7001/1"));
     assert_eq!(l4["prefix"], json!("from-env"));
@@ -101,13 +102,80 @@ fn lmcache_settings_resolve_with_the_environment_winning() {
 }
 
 #[test]
+fn mooncake_settings_resolve_from_the_python_kvds_file_and_variables() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("mooncake.yaml");
+    std::fs::write(
+        &file,
+        "master_address: ${MASTER}:50051\ncluster_id: prod\nprotocol: tcp\n\
+         metadata_server: P2PHANDSHAKE\nglobal_segment_size: 0\n",
+    )
+    .unwrap();
+    let path = file.to_str().unwrap();
+    let config = check_config(
+        &[
+            "kvd",
+            "--long-backend",
+            "mooncake",
+            "--mooncake-config",
+            path,
+        ],
+        &[("MASTER", "10.0.0.9"), ("INFERA_L4_CLUSTER_ID", "from-env")],
+    );
+    let l4 = &config["l4_tier"];
+    assert_eq!(l4["store"], json!("mooncake"));
+    assert_eq!(l4["placement"], json!("instead_of_l3"));
+    assert_eq!(l4["remote_url"], json!("mooncake://10.0.0.9:50051"));
+    assert_eq!(l4["prefix"], json!("from-env"));
+    assert_eq!(
+        config["inert_flags"],
+        Value::Null,
+        "--mooncake-config is read"
+    );
+    let stacked = check_config(
+        &[
+            "kvd",
+            "--long-path",
+            "/l3",
+            "--l4-backend",
+            "mooncake",
+            "--mooncake-config",
+            path,
+        ],
+        &[("MASTER", "10.0.0.9")],
+    );
+    assert_eq!(stacked["l4_tier"]["placement"], json!("behind_l3"));
+    assert_eq!(stacked["l4_tier"]["prefix"], json!("prod"));
+}
+
+#[test]
 fn l4_flag_mistakes_are_refused_on_one_line() {
     let url = [("INFERA_L4_REMOTE_URL", "redis://127.0.0.1:6379")];
     assert_refused(
         &["kvd", "--long-backend", "mooncake"],
         &[],
+        "--mooncake-config",
+        "master_address and cluster_id required",
+    );
+    assert_refused(
+        &["kvd", "--long-backend", "mooncake", "--long-path", "/l3"],
+        &[
+            ("INFERA_L4_MASTER_ADDRESS", "127.0.0.1:50051"),
+            ("INFERA_L4_CLUSTER_ID", "c"),
+        ],
         "--long-backend",
-        "not built yet",
+        "--l4-backend mooncake",
+    );
+    assert_refused(
+        &["kvd", "--long-backend", "mooncake"],
+        &[
+            ("INFERA_L4_MASTER_ADDRESS", "127.0.0.1:50051"),
+            ("INFERA_L4_CLUSTER_ID", "c"),
+            ("INFERA_L4_PROTOCOL", "rdma"),
+            ("INFERA_L4_DEVICE_NAME", "no_such_rdma_device"),
+        ],
+        "--mooncake-config",
+        "refusing to start",
     );
     assert_refused(
         &["kvd", "--long-backend", "lmcache", "--long-path", "/l3"],

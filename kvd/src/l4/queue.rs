@@ -24,9 +24,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use tokio::time::timeout;
 
-/// Connections one batch of puts spreads over at most.
-const WRITE_STREAMS: usize = 4;
-
 /// A queued put: the block and what its frame will say (framed, checksum included, by the
 /// writer task, so a SET never pays for it).
 #[derive(Debug, Clone)]
@@ -220,9 +217,9 @@ async fn write(inner: &Inner, batch: &[(u128, u64, Op)]) -> bool {
     }
     let deadline = inner.options.op_timeout;
     if !puts.is_empty() {
-        // Spread over up to WRITE_STREAMS connections: the batch's keys are distinct, so
-        // their order does not matter.
-        let per = puts.len().div_ceil(WRITE_STREAMS);
+        // Spread over the store's streams: the batch's keys are distinct, so their order does
+        // not matter.
+        let per = puts.len().div_ceil(inner.remote.streams().max(1));
         let sends = puts
             .chunks(per)
             .map(|chunk| timeout(deadline, inner.remote.put_batch(chunk)));

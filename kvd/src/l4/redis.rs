@@ -81,6 +81,10 @@ fn unexpected(reply: &Reply) -> RemoteError {
 
 #[async_trait::async_trait]
 impl RemoteStore for RedisStore {
+    fn backend(&self) -> &'static str {
+        "lmcache"
+    }
+
     fn describe(&self) -> String {
         let ep = self.pool.endpoint();
         format!("redis://{}:{}", ep.host, ep.port)

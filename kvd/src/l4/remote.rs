@@ -22,6 +22,16 @@ pub trait RemoteStore: Send + Sync + std::fmt::Debug {
     /// The store's URL without credentials, for logs.
     fn describe(&self) -> String;
 
+    /// The backend's name, as `--long-backend` spells it (`lmcache`, `mooncake`).
+    fn backend(&self) -> &'static str;
+
+    /// How many batches the store serves at once: the L4 spreads a batch of puts or gets over
+    /// this many concurrent calls (the network stores keep a connection each; a store that
+    /// serves one call at a time says 1, so a batch stays whole).
+    fn streams(&self) -> usize {
+        4
+    }
+
     /// Whether the store answers at all (a cheap round trip).
     async fn health(&self) -> Result<(), RemoteError>;
 

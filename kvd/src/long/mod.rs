@@ -3,10 +3,8 @@
 //! [`LongBackendConfig`] (`--long-backend tablespace|mooncake|lmcache`, `--l4-backend`).
 //!
 //! Implementations: the tablespace (L3, [`crate::tablespace`]); the L4 over a remote store
-//! ([`crate::l4::L4`], LMCache's Redis layout or `lm://` server); and [`Stacked`], L3 with an
-//! L4 behind it (L2 → L3 → L4). The Mooncake Store is not built yet: choosing it is refused by
-//! [`check_available`], which `infera kvd` calls while validating its flags, so the user gets
-//! one line and a nonzero exit instead of a daemon that silently runs without its tier.
+//! ([`crate::l4::L4`]: LMCache's Redis layout or `lm://` server, or a Mooncake Store); and
+//! [`Stacked`], L3 with an L4 behind it (L2 → L3 → L4).
 //!
 //! # Contract
 //! - The index is in memory and answers synchronously ([`LongStore::class_of`],
@@ -52,50 +50,15 @@ use tokio::sync::OwnedSemaphorePermit;
 pub enum LongBackendConfig {
     /// L3: container files on local devices.
     Tablespace(TablespaceConfig),
-    /// L4: a Mooncake Store cluster (not built yet).
-    Mooncake,
-    /// L4 alone: an LMCache remote store (`--long-backend lmcache`).
-    Lmcache(L4Config),
-    /// L3 with an L4 behind it (`--long-path(s)` with `--l4-backend lmcache`).
+    /// L4 alone: an LMCache remote store or a Mooncake Store (`--long-backend lmcache|mooncake`).
+    L4(L4Config),
+    /// L3 with an L4 behind it (`--long-path(s)` with `--l4-backend lmcache|mooncake`).
     Stacked(TablespaceConfig, L4Config),
-}
-
-impl LongBackendConfig {
-    /// The `--long-backend` value.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            LongBackendConfig::Tablespace(_) => "tablespace",
-            LongBackendConfig::Mooncake => "mooncake",
-            LongBackendConfig::Lmcache(_) => "lmcache",
-            LongBackendConfig::Stacked(..) => "tablespace",
-        }
-    }
-}
-
-/// Whether the backend named `kind` is part of this build; the error is one line that follows
-/// the flag name (`--long-backend <error>`).
-///
-/// # Errors
-/// For `mooncake` (not built yet) and unknown names.
-pub fn check_available(kind: &str) -> Result<(), String> {
-    match kind {
-        "tablespace" | "lmcache" => Ok(()),
-        "mooncake" => Err(format!(
-            "{kind}: the Mooncake Store backend is not built yet; use lmcache (--lmcache-config) \
-             or tablespace (--long-path)"
-        )),
-        other => Err(format!(
-            "{other}: unknown backend; use tablespace, mooncake or lmcache"
-        )),
-    }
 }
 
 /// Why a backend could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum LongOpenError {
-    /// The backend is not part of this build.
-    #[error("--long-backend {0}")]
-    Unavailable(String),
     /// The settings cannot work (sizes, paths, I/O mode on this device).
     #[error("{0}")]
     Invalid(String),
@@ -116,10 +79,9 @@ pub enum LongOpenError {
 /// # Errors
 /// [`LongOpenError`].
 pub async fn open(config: &LongBackendConfig) -> Result<Arc<dyn LongStore>, LongOpenError> {
-    check_available(config.kind()).map_err(LongOpenError::Unavailable)?;
     match config {
         LongBackendConfig::Tablespace(ts) => Ok(Arc::new(open_tablespace(ts).await?)),
-        LongBackendConfig::Lmcache(l4) => Ok(Arc::new(open_l4(l4).await?)),
+        LongBackendConfig::L4(l4) => Ok(Arc::new(open_l4(l4).await?)),
         LongBackendConfig::Stacked(ts, l4) => {
             let l3 = open_tablespace(ts).await?;
             Ok(Arc::new(Stacked::new(
@@ -127,7 +89,6 @@ pub async fn open(config: &LongBackendConfig) -> Result<Arc<dyn LongStore>, Long
                 Arc::new(open_l4(l4).await?),
             )))
         }
-        LongBackendConfig::Mooncake => Err(LongOpenError::Unavailable(config.kind().to_owned())),
     }
 }
 
@@ -317,28 +278,4 @@ pub trait LongStore: Send + Sync + std::fmt::Debug {
     /// # Errors
     /// As [`LongStore::flush`] and [`LongStore::checkpoint`].
     async fn close(&self) -> io::Result<()>;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mooncake_is_not_available() {
-        assert!(check_available("tablespace").is_ok());
-        assert!(check_available("lmcache").is_ok());
-        let message = check_available("mooncake").unwrap_err();
-        assert!(message.contains("not built yet"), "{message}");
-        assert!(!message.contains('\n'));
-        assert!(check_available("s3").is_err());
-    }
-
-    #[tokio::test]
-    async fn opening_a_remote_backend_is_refused() {
-        let err = open(&LongBackendConfig::Mooncake).await.unwrap_err();
-        assert!(
-            err.to_string().starts_with("--long-backend mooncake:"),
-            "{err}"
-        );
-    }
 }

@@ -74,7 +74,10 @@ impl Stacked {
 #[async_trait::async_trait]
 impl LongStore for Stacked {
     fn kind(&self) -> &'static str {
-        "tablespace+lmcache"
+        match self.l4.kind() {
+            "mooncake" => "tablespace+mooncake",
+            _ => "tablespace+lmcache",
+        }
     }
 
     fn class_of(&self, hash: u128, now: u64) -> Option<Retention> {

@@ -70,10 +70,10 @@ pub struct KvdArgs {
     #[arg(long, help_heading = L3)]
     pub use_tablespace: bool,
 
-    /// Long-term store, one only: tablespace (L3) | mooncake | lmcache (L4). lmcache replaces
-    /// L3 with an LMCache remote store (settings from --lmcache-config / INFERA_L4_*) and cannot
-    /// be combined with --long-path(s); mooncake is not built yet (refused with a one-line
-    /// error). To keep L3 and add an L4 behind it, use --l4-backend.
+    /// Long-term store, one only: tablespace (L3) | mooncake | lmcache (L4). lmcache and
+    /// mooncake replace L3 with a remote store (settings from --lmcache-config or
+    /// --mooncake-config, and INFERA_L4_*) and cannot be combined with --long-path(s). To keep
+    /// L3 and add an L4 behind it, use --l4-backend.
     #[arg(long, value_enum, default_value = "tablespace", help_heading = L3)]
     pub long_backend: LongBackend,
 
@@ -146,7 +146,7 @@ pub struct KvdArgs {
 
     /// Stack an L4 behind the L3 tablespace (L2 → L3 → L4): every block L3 gets is also
     /// written behind to the remote store, and L3 misses are read from it and promoted. Needs
-    /// --long-path or --long-paths; settings as for --long-backend lmcache.
+    /// --long-path or --long-paths; settings as for --long-backend lmcache|mooncake.
     #[arg(long, value_enum, value_name = "STORE", help_heading = L4)]
     pub l4_backend: Option<L4Backend>,
 
@@ -157,9 +157,15 @@ pub struct KvdArgs {
     #[arg(long, value_name = "PATH", help_heading = L4)]
     pub lmcache_config: Option<PathBuf>,
 
-    /// (Python kvd flag) Mooncake Store settings, read only with --long-backend mooncake,
-    /// which this build refuses (not built yet). Alone it has no effect, as in the Python kvd,
-    /// and is logged so.
+    /// Mooncake Store settings: a flat YAML file with master_address and cluster_id (both
+    /// required), metadata_server, protocol (tcp | rdma), device_name, local_hostname
+    /// (default $POD_IP:$INFERA_L4_LOCAL_PORT, 14001), global_segment_size (1 GiB; 0 gives no memory),
+    /// local_buffer_size (256 MiB), max_value_bytes (64 MiB), rpc_timeout_s (30) and python
+    /// (python3: the interpreter whose `mooncake` package runs kvd's store sidecar); each key
+    /// is overridden by INFERA_L4_<KEY>. protocol rdma without its device under
+    /// /sys/class/infiniband refuses to start unless INFERA_L4_ALLOW_TCP_FALLBACK=1. Read with
+    /// --long-backend mooncake or --l4-backend mooncake; alone it has no effect, as in the
+    /// Python kvd, and is logged so.
     #[arg(long, value_name = "PATH", help_heading = L4)]
     pub mooncake_config: Option<PathBuf>,
 

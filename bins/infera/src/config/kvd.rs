@@ -3,11 +3,10 @@
 //! Built only by `TryFrom<KvdArgs>`, which checks: `--max-bytes`, `--long-bytes`,
 //! `--long-workers-per-shard`, `--max-connections`, `--max-batch-keys` and `--frame-timeout`
 //! are positive (`--idle-timeout 0` means never); `--long-path` and `--long-paths` are not both
-//! given; striped paths are non-empty and distinct; `--long-backend` is available in this
-//! build (the daemon's resolver, `infera_kvd::long::check_available`, says which: Mooncake is
-//! not yet); `--long-backend lmcache` (L4 instead of L3) takes no `--long-path(s)` and no
-//! `--l4-backend`; `--l4-backend` (L4 behind L3) needs `--long-path(s)`; `--l4-required` needs
-//! an L4; the LMCache settings (`--lmcache-config`, `INFERA_L4_*`) resolve and parse.
+//! given; striped paths are non-empty and distinct; `--long-backend lmcache|mooncake` (L4
+//! instead of L3) takes no `--long-path(s)` and no `--l4-backend`; `--l4-backend` (L4 behind L3)
+//! needs `--long-path(s)`; `--l4-required` needs an L4; the store's settings
+//! (`--lmcache-config` or `--mooncake-config`, and `INFERA_L4_*`) resolve and parse.
 //! `--use-tablespace` is accepted and ignored with a warning.
 //! `--shared-arena-bytes auto` resolves to `--max-bytes`.
 //!
@@ -17,7 +16,7 @@
 //! (the journal sync interval, or durable writes at 0), `--tablespace-buffered-io` and
 //! `--tablespace-auto-detect-fs` (the I/O mode, in the Python's precedence). Where it has not
 //! (`--tablespace-slot-bytes`, `--tablespace-pools`, `--shared-arena-pin`, `--mooncake-config`
-//! without `--long-backend mooncake`, and the tablespace flags without an L3 region), the value
+//! without a Mooncake L4, and the tablespace flags without an L3 region), the value
 //! is validated where the Python validates it and listed in [`KvdConfig::inert_flags`] with
 //! what this kvd does instead, and a warning is logged.
 //!
@@ -38,7 +37,7 @@ use std::str::FromStr;
 pub enum LongBackend {
     /// L3: container files on local NVMe (or NFS).
     Tablespace,
-    /// L4: a Mooncake Store cluster (not built yet).
+    /// L4: a Mooncake Store cluster (`--mooncake-config`), instead of L3.
     Mooncake,
     /// L4: an LMCache remote store (Redis/Valkey layout or `lm://` server), instead of L3.
     Lmcache,
@@ -50,13 +49,26 @@ pub enum LongBackend {
 pub enum L4Backend {
     /// An LMCache remote store (Redis/Valkey layout or `lm://` server).
     Lmcache,
+    /// A Mooncake Store cluster.
+    Mooncake,
 }
 
-/// The L4 tier: an LMCache remote store, alone or behind L3.
+impl L4Backend {
+    fn name(self) -> &'static str {
+        match self {
+            L4Backend::Lmcache => "lmcache",
+            L4Backend::Mooncake => "mooncake",
+        }
+    }
+}
+
+/// The L4 tier: an LMCache remote store or a Mooncake Store, alone or behind L3.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct L4TierConfig {
-    /// `instead_of_l3` (`--long-backend lmcache`) or `behind_l3` (`--l4-backend lmcache`).
+    /// `lmcache` or `mooncake`.
+    pub store: String,
+    /// `instead_of_l3` (`--long-backend`) or `behind_l3` (`--l4-backend`).
     pub placement: String,
     /// The store (any password masked).
     pub remote_url: String,
@@ -273,23 +285,16 @@ impl TryFrom<KvdArgs> for KvdConfig {
             frame_timeout: positive("--frame-timeout", args.frame_timeout)?,
             max_batch_keys: positive("--max-batch-keys", args.max_batch_keys)?,
         };
-        let backend = match args.long_backend {
-            LongBackend::Tablespace => "tablespace",
-            LongBackend::Mooncake => "mooncake",
-            LongBackend::Lmcache => "lmcache",
-        };
-        infera_kvd::long::check_available(backend)
-            .map_err(|reason| ConfigError::new("--long-backend", reason))?;
         let l4_tier = l4_tier(&args, &|name| std::env::var(name).ok())?;
         let mut inert = Vec::new();
         if let Some(path) = &args.mooncake_config
-            && args.long_backend != LongBackend::Mooncake
+            && l4_tier.as_ref().is_none_or(|t| t.store != "mooncake")
         {
             inert.push(InertFlag::new(
                 "--mooncake-config",
                 path.display(),
-                "read only with --long-backend mooncake (not in this build); as in the Python \
-                 kvd, it changes nothing alone",
+                "read only with --long-backend mooncake or --l4-backend mooncake; as in the \
+                 Python kvd, it changes nothing alone",
             ));
         }
         if args.shared_arena_pin {
@@ -597,41 +602,55 @@ fn pool_size(text: &str) -> Option<u64> {
         .filter(|n| *n > 0)
 }
 
-/// Checks the L4 flags and resolves the LMCache settings (`env` looks variables up).
+/// Checks the L4 flags and resolves the store's settings (`env` looks variables up).
 fn l4_tier(
     args: &KvdArgs,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Option<L4TierConfig>, ConfigError> {
     let l3 = args.long_path.is_some() || args.long_paths.is_some();
-    let placement = match (args.long_backend, args.l4_backend) {
-        (LongBackend::Lmcache, Some(_)) => {
+    let alone = match args.long_backend {
+        LongBackend::Tablespace => None,
+        LongBackend::Lmcache => Some(L4Backend::Lmcache),
+        LongBackend::Mooncake => Some(L4Backend::Mooncake),
+    };
+    let (store, placement) = match (alone, args.l4_backend) {
+        (Some(store), Some(_)) => {
             return Err(ConfigError::new(
                 "--l4-backend",
-                "stacks an L4 behind L3 and cannot be combined with --long-backend lmcache \
-                 (L4 instead of L3); choose one",
+                format!(
+                    "stacks an L4 behind L3 and cannot be combined with --long-backend {} (L4 \
+                     instead of L3); choose one",
+                    store.name()
+                ),
             ));
         }
-        (LongBackend::Lmcache, None) if l3 => {
+        (Some(store), None) if l3 => {
+            let name = store.name();
             return Err(ConfigError::new(
                 "--long-backend",
-                "lmcache replaces L3 and cannot be combined with --long-path/--long-paths; \
-                 to keep L3 and add an L4 behind it use --l4-backend lmcache",
+                format!(
+                    "{name} replaces L3 and cannot be combined with --long-path/--long-paths; \
+                     to keep L3 and add an L4 behind it use --l4-backend {name}"
+                ),
             ));
         }
-        (LongBackend::Lmcache, None) => "instead_of_l3",
-        (_, Some(L4Backend::Lmcache)) if l3 => "behind_l3",
-        (_, Some(L4Backend::Lmcache)) => {
+        (Some(store), None) => (store, "instead_of_l3"),
+        (None, Some(store)) if l3 => (store, "behind_l3"),
+        (None, Some(store)) => {
             return Err(ConfigError::new(
                 "--l4-backend",
-                "stacks an L4 behind the L3 tablespace and needs --long-path or --long-paths; \
-                 for an L4 alone use --long-backend lmcache",
+                format!(
+                    "stacks an L4 behind the L3 tablespace and needs --long-path or \
+                     --long-paths; for an L4 alone use --long-backend {}",
+                    store.name()
+                ),
             ));
         }
-        (_, None) => {
+        (None, None) => {
             if args.l4_required {
                 return Err(ConfigError::new(
                     "--l4-required",
-                    "needs an L4: --long-backend lmcache or --l4-backend lmcache",
+                    "needs an L4: --long-backend lmcache|mooncake or --l4-backend lmcache|mooncake",
                 ));
             }
             if args.lmcache_config.is_some() {
@@ -640,10 +659,19 @@ fn l4_tier(
             return Ok(None);
         }
     };
-    let mut resolved = infera_kvd::l4::L4Config::from_lmcache(args.lmcache_config.as_deref(), env)
-        .map_err(|reason| ConfigError::new("--lmcache-config", reason))?;
+    let mut resolved = match store {
+        L4Backend::Lmcache => {
+            infera_kvd::l4::L4Config::from_lmcache(args.lmcache_config.as_deref(), env)
+                .map_err(|reason| ConfigError::new("--lmcache-config", reason))?
+        }
+        L4Backend::Mooncake => {
+            infera_kvd::l4::L4Config::from_mooncake(args.mooncake_config.as_deref(), env)
+                .map_err(|reason| ConfigError::new("--mooncake-config", reason))?
+        }
+    };
     resolved.required = args.l4_required;
     Ok(Some(L4TierConfig {
+        store: store.name().to_owned(),
         placement: placement.to_owned(),
         remote_url: resolved.remote_url.clone(),
         prefix: resolved.prefix.clone(),
@@ -729,7 +757,7 @@ impl From<KvdConfig> for infera_kvd::KvdOptions {
         options.long = match (l3, l4) {
             (Some(ts), Some(l4)) => Some(infera_kvd::LongBackendConfig::Stacked(ts, l4)),
             (Some(ts), None) => Some(infera_kvd::LongBackendConfig::Tablespace(ts)),
-            (None, Some(l4)) => Some(infera_kvd::LongBackendConfig::Lmcache(l4)),
+            (None, Some(l4)) => Some(infera_kvd::LongBackendConfig::L4(l4)),
             (None, None) => None,
         };
         options
@@ -836,7 +864,7 @@ mod tests {
 
     #[test]
     fn invalid_combinations_name_the_flag() {
-        let cases: [(&[&str], &str); 10] = [
+        let cases: [(&[&str], &str); 12] = [
             (&["--max-bytes", "0"], "--max-bytes"),
             (&["--max-connections", "0"], "--max-connections"),
             (&["--max-batch-keys", "0"], "--max-batch-keys"),
@@ -850,12 +878,17 @@ mod tests {
                 &["--long-path", "/a", "--long-paths", "/b,/c"],
                 "--long-path",
             ),
-            (&["--long-backend", "mooncake"], "--long-backend"),
+            (&["--long-backend", "mooncake"], "--mooncake-config"),
             (
                 &["--long-backend", "lmcache", "--long-path", "/a"],
                 "--long-backend",
             ),
+            (
+                &["--long-backend", "mooncake", "--long-path", "/a"],
+                "--long-backend",
+            ),
             (&["--l4-backend", "lmcache"], "--l4-backend"),
+            (&["--l4-backend", "mooncake"], "--l4-backend"),
         ];
         for (argv, flag) in cases {
             assert_eq!(parse(argv).unwrap_err().flag, flag, "{argv:?}");
@@ -1229,7 +1262,9 @@ mod tests {
             "the last of the pair wins, as in argparse"
         );
         let error = parse(&["--long-backend", "mooncake", "--mooncake-config", "/m.yaml"]);
-        assert_eq!(error.unwrap_err().flag, "--long-backend");
+        let error = error.unwrap_err();
+        assert_eq!(error.flag, "--mooncake-config");
+        assert!(error.reason.contains("cannot read /m.yaml"), "{error:?}");
         let json = serde_json::to_value(parse(&["--shared-arena-pin"]).unwrap()).unwrap();
         assert!(
             json["inert_flags"][0]["reason"]
@@ -1239,6 +1274,49 @@ mod tests {
         );
         let plain = serde_json::to_value(parse(&[]).unwrap()).unwrap();
         assert!(plain.get("inert_flags").is_none(), "omitted when none");
+    }
+
+    #[test]
+    fn a_mooncake_store_replaces_l3_or_stacks_behind_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mooncake.yaml");
+        std::fs::write(
+            &path,
+            "master_address: 127.0.0.1:50051\ncluster_id: team\nlocal_hostname: 127.0.0.1:14001\n",
+        )
+        .unwrap();
+        let file = path.to_str().unwrap();
+        let alone = parse(&["--long-backend", "mooncake", "--mooncake-config", file]).unwrap();
+        let tier = alone.l4_tier.clone().unwrap();
+        assert_eq!(
+            (
+                tier.store.as_str(),
+                tier.placement.as_str(),
+                tier.prefix.as_str()
+            ),
+            ("mooncake", "instead_of_l3", "team")
+        );
+        assert_eq!(tier.remote_url, "mooncake://127.0.0.1:50051");
+        assert!(alone.inert_flags.is_empty(), "{:?}", alone.inert_flags);
+        let options = infera_kvd::KvdOptions::from(alone);
+        assert!(matches!(
+            options.long,
+            Some(infera_kvd::LongBackendConfig::L4(_))
+        ));
+
+        let stacked = parse(&[
+            "--long-path",
+            "/l3",
+            "--l4-backend",
+            "mooncake",
+            "--mooncake-config",
+            file,
+        ]);
+        let tier = stacked.unwrap().l4_tier.unwrap();
+        assert_eq!(
+            (tier.store.as_str(), tier.placement.as_str()),
+            ("mooncake", "behind_l3")
+        );
     }
 
     #[test]

@@ -1,0 +1,187 @@
+//! L4 against a real Mooncake Store on loopback (master and memory holder started here, as
+//! the tests do), side by side with the store's own client.
+//!
+//! - kvd: 16 blocks of 1 MiB and of 4 MiB per round through kvd's L4 (framing, checksum, the
+//!   write-behind queue, the sidecar and its staging area): a put round is 16 puts then a
+//!   flush, a get round one batched read of the 16.
+//! - The store's own client, the Python binding, the same blocks in one process on the same
+//!   cluster, each way it offers: `upsert_batch`/`get_batch` (bytes objects) and
+//!   `batch_upsert_from`/`batch_get_into` (zero-copy from and into a registered buffer).
+//! - kvd's store client alone (its own sidecar) reading the same values: the L4's get less
+//!   its framing checks and bookkeeping.
+//! - Printed: median throughput of 15 rounds each, and kvd against the binding's faster way.
+//!   Target: kvd ≥ 80 %.
+//!
+//! Run: `cargo bench -p infera-kvd --bench l4_mooncake` (needs the `mooncake` package for
+//! `python3`, as the tests do).
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "../tests/support/mooncake.rs"]
+mod mooncake;
+
+use bytes::Bytes;
+use infera_core::event::Retention;
+use infera_kvd::Namespace;
+use infera_kvd::l4::{L4, name};
+use infera_kvd::long::{LongBlock, LongStore, WritePermit};
+use infera_kvd::store::key_hash;
+use mooncake::{Cluster, free_port};
+use std::time::Instant;
+
+/// The allocator `infera kvd` runs with: a get's values land in memory it hands out.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Blocks per round, and rounds.
+const N: usize = 16;
+const ROUNDS: usize = 15;
+
+/// The binding's side: prints `{"<size>": {"<way>": bytes per second}}`.
+const BINDING: &str = r#"
+import ctypes, json, mmap, statistics, sys, time
+from mooncake.store import MooncakeDistributedStore
+cfg = json.loads(sys.argv[1])
+s = MooncakeDistributedStore()
+assert s.setup(cfg["local"], cfg["metadata"], 0, 64 << 20, "tcp", "", cfg["master"]) == 0
+n, rounds, out = cfg["n"], cfg["rounds"], {}
+for size in cfg["sizes"]:
+    keys = [f"binding-{size}-{i}" for i in range(n)]
+    values = [bytes([i]) * size for i in range(n)]
+    buf = mmap.mmap(-1, n * size)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert s.register_buffer(base, n * size) == 0
+    ptrs, sizes = [base + i * size for i in range(n)], [size] * n
+    times = {"upsert_batch": [], "get_batch": [], "batch_upsert_from": [], "batch_get_into": []}
+    for _ in range(rounds):
+        t = time.perf_counter(); assert s.upsert_batch(keys, values) == 0; times["upsert_batch"].append(time.perf_counter() - t)
+        t = time.perf_counter(); got = s.get_batch(keys); times["get_batch"].append(time.perf_counter() - t)
+        assert all(len(g) == size for g in got)
+        t = time.perf_counter(); assert all(r == 0 for r in s.batch_upsert_from(keys, ptrs, sizes)); times["batch_upsert_from"].append(time.perf_counter() - t)
+        t = time.perf_counter(); assert all(r == size for r in s.batch_get_into(keys, ptrs, sizes)); times["batch_get_into"].append(time.perf_counter() - t)
+    out[str(size)] = {way: n * size / statistics.median(ts) for way, ts in times.items()}
+print(json.dumps(out))
+"#;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let cluster = Cluster::start();
+    let sizes = [1usize << 20, 4 << 20];
+    let binding = std::process::Command::new(
+        std::env::var("INFERA_PYTHON").unwrap_or_else(|_| "python3".into()),
+    )
+    .arg("-c")
+    .arg(BINDING)
+    .arg(
+        serde_json::json!({
+            "local": format!("127.0.0.1:{}", free_port()),
+            "metadata": cluster.metadata_url(),
+            "master": format!("127.0.0.1:{}", cluster.rpc_port),
+            "n": N, "rounds": ROUNDS, "sizes": sizes,
+        })
+        .to_string(),
+    )
+    .output()
+    .unwrap();
+    assert!(
+        binding.status.success(),
+        "the binding's run failed:\n{}",
+        String::from_utf8_lossy(&binding.stderr)
+    );
+    let binding: serde_json::Value = serde_json::from_slice(&binding.stdout).unwrap();
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = cluster.config("bench", free_port());
+    let prefix = cfg.options().prefix;
+    let l4 = rt.block_on(async { L4::open(cfg.store(), cfg.options(), true).await.unwrap() });
+    // kvd's store client alone (its own sidecar), reading what the L4 wrote: the L4's reads
+    // less their framing checks and bookkeeping.
+    let client = cluster.config("bench", free_port()).store();
+    let ns = Namespace::new("bench", "");
+    println!("| block | way | put MB/s | get MB/s |");
+    println!("|---|---|---:|---:|");
+    for size in sizes {
+        let keys: Vec<(Bytes, u128)> = (0..N)
+            .map(|i| {
+                let k = Bytes::from(format!("k{size}-{i}"));
+                let h = key_hash(&ns, &k);
+                (k, h)
+            })
+            .collect();
+        let blocks: Vec<Bytes> = (0..N).map(|i| Bytes::from(vec![i as u8; size])).collect();
+        let (mut puts, mut gets) = (Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            let start = Instant::now();
+            rt.block_on(async {
+                for ((k, h), v) in keys.iter().zip(&blocks) {
+                    let block = LongBlock {
+                        hash: *h,
+                        ns: ns.clone(),
+                        key: k.clone(),
+                        value: v.clone(),
+                        metadata: None,
+                        class: Retention::Long,
+                        expires_at: None,
+                    };
+                    l4.put(block, WritePermit::unbounded(), 1, false).unwrap();
+                }
+                l4.flush().await.unwrap();
+            });
+            puts.push(start.elapsed().as_secs_f64());
+            let start = Instant::now();
+            let hits = rt.block_on(l4.get_many(&ns, &keys, 1));
+            gets.push(start.elapsed().as_secs_f64());
+            assert!(hits.iter().all(Option::is_some), "every block reads back");
+        }
+        let names: Vec<String> = keys.iter().map(|(_, h)| name(&prefix, *h)).collect();
+        let mut client_gets = Vec::new();
+        for _ in 0..ROUNDS {
+            let start = Instant::now();
+            let got = rt.block_on(client.get_batch(&names)).unwrap();
+            client_gets.push(start.elapsed().as_secs_f64());
+            assert!(got.iter().all(Option::is_some), "every value reads back");
+        }
+        let bytes = (N * size) as f64;
+        let mb = |bps: f64| bps / 1e6;
+        let (kvd_put, kvd_get) = (bytes / median(puts), bytes / median(gets));
+        let way = |name: &str| binding[size.to_string()][name].as_f64().unwrap();
+        let label = format!("{} MiB", size >> 20);
+        for (name, put, get) in [
+            ("kvd L4", Some(kvd_put), kvd_get),
+            (
+                "kvd's store client alone",
+                None,
+                bytes / median(client_gets),
+            ),
+            (
+                "binding, bytes",
+                Some(way("upsert_batch")),
+                way("get_batch"),
+            ),
+            (
+                "binding, zero-copy",
+                Some(way("batch_upsert_from")),
+                way("batch_get_into"),
+            ),
+        ] {
+            let put = put.map_or("—".to_owned(), |p| format!("{:.0}", mb(p)));
+            println!("| {label} | {name} | {put} | {:.0} |", mb(get));
+        }
+        let best_put = way("upsert_batch").max(way("batch_upsert_from"));
+        let best_get = way("get_batch").max(way("batch_get_into"));
+        println!(
+            "| {label} | kvd / the binding's faster way | {:.0} % | {:.0} % |",
+            100.0 * kvd_put / best_put,
+            100.0 * kvd_get / best_get
+        );
+    }
+    rt.block_on(l4.close()).unwrap();
+}

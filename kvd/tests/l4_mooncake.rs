@@ -1,0 +1,271 @@
+//! The L4 against a real Mooncake Store (master and memory holder started by the test on free
+//! loopback ports; kvd's sidecar runs the store's own Python client): blocks written through
+//! one daemon read back byte-exact through another and by prefetch hints; batches larger than
+//! the staging area are split both ways; a foreign or torn value under a block's name is a
+//! counted miss; and a cluster killed mid-run costs no client error, shows in the counters, and
+//! once restarted the breaker closes and writes land again.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+#[path = "support/mooncake.rs"]
+mod mooncake;
+
+use bytes::Bytes;
+use common::Daemon;
+use infera_core::event::Retention;
+use infera_kvd::l4::frame::Framed;
+use infera_kvd::l4::{L4, name};
+use infera_kvd::long::LongStore;
+use infera_kvd::store::{Got, Store, key_hash};
+use infera_kvd::{LongBackendConfig, Namespace, SetItem};
+use mooncake::{Cluster, free_port};
+use std::sync::Arc;
+use std::time::Duration;
+
+const WITHIN: Duration = Duration::from_secs(60);
+
+fn block(i: usize, len: usize) -> Bytes {
+    Bytes::from(
+        (0..len)
+            .map(|j| (j as u8).wrapping_mul(29).wrapping_add(i as u8))
+            .collect::<Vec<u8>>(),
+    )
+}
+
+fn key(i: usize) -> Vec<u8> {
+    format!("block-{i}").into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_written_through_one_daemon_read_back_byte_exact_through_another() {
+    let cluster = Cluster::start();
+    let ns = Namespace::new("llama", "fp8");
+    let values: Vec<Bytes> = (0..6).map(|i| block(i, 1_000_000 + i * 4099)).collect();
+
+    let writer = cluster.config("team-a", free_port());
+    let daemon = Daemon::start(|o, _| o.long = Some(LongBackendConfig::L4(writer.clone()))).await;
+    let mut client = daemon.client().await;
+    for (i, v) in values.iter().enumerate() {
+        let item = SetItem::new(key(i), v.clone()).retention(Retention::Long);
+        assert!(client.set(&ns, item).await.unwrap().accepted);
+    }
+    // Shutdown drains the write-behind queue; the writer gave the store no memory, so its
+    // blocks outlive it.
+    daemon.stop().await;
+    let names: Vec<String> = (0..6)
+        .map(|i| name(&writer.prefix, key_hash(&ns, &key(i))))
+        .collect();
+    // Each client of the cluster has a name of its own (a restarted one gets its name back only
+    // once the master has forgotten the old one).
+    let outside = cluster.config("team-a", free_port()).store();
+    let present = outside.exists_batch(&names).await.unwrap();
+    assert_eq!(present, vec![true; 6], "every block is in the store");
+
+    let reader = cluster.config("team-a", free_port());
+    let mut fresh =
+        Daemon::start(|o, _| o.long = Some(LongBackendConfig::L4(reader.clone()))).await;
+    let mut client = fresh.client().await;
+    // A prefetch hint (what the server's /v1/cache/prewarm sends) reaches L4 blocks.
+    let seen = *fresh.prefetches.borrow_and_update();
+    let hinted: Vec<Bytes> = (0..3).map(|i| Bytes::from(key(i))).collect();
+    client.prefetch_hint(&ns, hinted, 5000).await.unwrap();
+    fresh.prefetches.wait_for(|n| *n > seen).await.unwrap();
+    let stats = client.stats(true).await.unwrap().extended.unwrap();
+    assert_eq!(stats.prefetch_promoted_total, 3, "{stats:?}");
+    for (i, v) in values.iter().enumerate() {
+        let hit = client.get(&ns, &key(i)).await.unwrap().expect("an L4 hit");
+        assert_eq!(&hit.value, v, "byte-exact");
+        assert_eq!(hit.retention, Some(Retention::Long));
+    }
+    assert!(
+        client
+            .get(&Namespace::new("llama", ""), &key(0))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    // Another cluster_id is another tenant: none of team-a's blocks.
+    let other = cluster.config("team-b", free_port());
+    let names_b: Vec<String> = (0..6)
+        .map(|i| name(&other.prefix, key_hash(&ns, &key(i))))
+        .collect();
+    assert_eq!(
+        other.store().exists_batch(&names_b).await.unwrap(),
+        vec![false; 6]
+    );
+    let stats = client.stats(true).await.unwrap().extended.unwrap();
+    assert!(stats.l4.hits_total >= values.len() as u64, "{stats:?}");
+    assert_eq!(stats.l4.up, 1);
+    fresh.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_larger_than_the_staging_area_are_split_both_ways() {
+    let cluster = Cluster::start();
+    let config = cluster.config("split", free_port());
+    let store = config.store();
+    // Ten values of 7 MiB: 70 MiB against a 64 MiB staging area.
+    let items: Vec<(String, Framed)> = (0..10)
+        .map(|i| {
+            let body = block(i, 7 << 20);
+            (
+                format!("split@raw@{i}"),
+                Framed {
+                    head: Bytes::from_static(b"h"),
+                    body,
+                },
+            )
+        })
+        .collect();
+    store.put_batch(&items).await.unwrap();
+    let names: Vec<String> = items.iter().map(|(n, _)| n.clone()).collect();
+    let mut asked = names.clone();
+    asked.insert(2, "split@raw@missing".into());
+    let got = store.get_batch(&asked).await.unwrap();
+    assert!(got[2].is_none(), "a missing name is a miss");
+    let found = got
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 2)
+        .map(|(_, g)| g);
+    for ((name, framed), got) in items.iter().zip(found) {
+        let got = got.as_ref().expect("a value");
+        assert_eq!(got.len(), framed.len(), "{name}");
+        assert!(got[..1] == *b"h" && got[1..] == framed.body[..], "{name}");
+    }
+    store.remove_batch(&names).await.unwrap();
+    assert_eq!(store.exists_batch(&names).await.unwrap(), vec![false; 10]);
+    store.remove_batch(&names).await.unwrap(); // removing what is gone is done, not an error
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_or_torn_value_under_a_blocks_name_is_a_counted_miss() {
+    let cluster = Cluster::start();
+    let config = cluster.config("tenant", free_port());
+    let l4 = L4::open(config.store(), config.options(), true)
+        .await
+        .unwrap();
+    let ns = Namespace::new("m", "");
+    let raw = cluster.config("tenant", free_port()).store();
+    let foreign = name(&config.prefix, key_hash(&ns, &key(0)));
+    raw.put_batch(&[(
+        foreign,
+        Framed {
+            head: Bytes::new(),
+            body: block(0, 4096),
+        },
+    )])
+    .await
+    .unwrap();
+    // A real block, then its stored frame cut short (a torn write).
+    let long: Arc<dyn LongStore> = Arc::new(l4);
+    let store = Store::new(1 << 20, None, Some(long.clone()));
+    assert!(
+        store
+            .set(
+                &ns,
+                &SetItem::new(key(1), block(1, 65536)).retention(Retention::Long),
+                1
+            )
+            .await
+            .accepted
+    );
+    long.flush().await.unwrap();
+    let torn = name(&config.prefix, key_hash(&ns, &key(1)));
+    let whole = raw.get_batch(std::slice::from_ref(&torn)).await.unwrap()[0]
+        .clone()
+        .unwrap();
+    raw.put_batch(&[(
+        torn,
+        Framed {
+            head: Bytes::new(),
+            body: whole.slice(..whole.len() - 100),
+        },
+    )])
+    .await
+    .unwrap();
+
+    let reader = cluster.config("tenant", free_port());
+    let reader = L4::open(reader.store(), reader.options(), true)
+        .await
+        .unwrap();
+    for i in [0, 1] {
+        assert!(
+            reader
+                .get(&ns, &key(i), key_hash(&ns, &key(i)), 1)
+                .await
+                .is_none(),
+            "block {i}"
+        );
+    }
+    let s = reader.l4_stats();
+    assert_eq!(s.rejected_total, 2, "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_cluster_costs_no_client_error_and_the_breaker_closes_when_it_is_back() {
+    let mut cluster = Cluster::start();
+    let cfg = cluster.config("chaos", free_port());
+    let mut options = cfg.options();
+    options.retry_interval = Duration::from_millis(200);
+    options.op_timeout = Duration::from_secs(5);
+    let l4 = Arc::new(L4::open(cfg.store(), options.clone(), true).await.unwrap());
+    let long: Arc<dyn LongStore> = l4.clone();
+    let store = Store::new(256 << 10, None, Some(long));
+    let ns = Namespace::new("m", "");
+    let set = |i: usize| SetItem::new(key(i), block(i, 48 << 10)).retention(Retention::Long);
+    for i in 0..4 {
+        assert!(store.set(&ns, &set(i), 1).await.accepted);
+    }
+    l4.flush().await.unwrap();
+    let mut up = l4.watch_up();
+
+    cluster.kill();
+    for i in 4..40 {
+        assert!(
+            store.set(&ns, &set(i), 1).await.accepted,
+            "a SET never fails for L4"
+        );
+        let k = Bytes::from(key(i % 4));
+        if let Some(Got::Bytes(v, _)) = store.get(&ns, &k, 1, false).await {
+            assert_eq!(v, block(i % 4, 48 << 10));
+        }
+    }
+    let opened = tokio::time::timeout(WITHIN, up.wait_for(|u| !*u))
+        .await
+        .is_ok();
+    assert!(opened, "the breaker opens: {:?}", l4.l4_stats());
+    assert!(store.set(&ns, &set(40), 1).await.accepted);
+    let s = l4.l4_stats();
+    assert!(s.breaker_opens_total >= 1, "{s:?}");
+    assert!(s.errors_total + s.timeouts_total >= 1, "{s:?}");
+    assert_eq!(s.up, 0);
+
+    cluster.restart();
+    let closed = tokio::time::timeout(WITHIN, up.wait_for(|u| *u))
+        .await
+        .is_ok();
+    assert!(closed, "the breaker closes: {:?}", l4.l4_stats());
+    assert!(store.set(&ns, &set(41), 1).await.accepted);
+    l4.flush().await.unwrap();
+    let s = l4.l4_stats();
+    assert!(s.reconnects_total >= 1, "{s:?}");
+
+    // A fresh L4 over the restarted cluster reads the new write back byte-exact; block 40,
+    // written while the cluster was down, reads as a miss rather than as anything else.
+    let again = L4::open(cluster.config("chaos", free_port()).store(), options, true)
+        .await
+        .unwrap();
+    let hit = again
+        .get(&ns, &key(41), key_hash(&ns, &key(41)), 1)
+        .await
+        .expect("read back");
+    assert_eq!(hit.value, block(41, 48 << 10));
+    assert!(
+        again
+            .get(&ns, &key(40), key_hash(&ns, &key(40)), 1)
+            .await
+            .is_none()
+    );
+}
