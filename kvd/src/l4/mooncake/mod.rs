@@ -5,14 +5,15 @@
 //! library that no package ships. kvd therefore runs the binding in a child process, the
 //! sidecar (`sidecar.py`, built into the binary and started as `<python> -c`), and keeps the
 //! daemon free of its threads, allocator and GIL:
-//! - **Values never cross a pipe.** kvd maps a memfd (the staging area, at least one L4 batch
-//!   or one largest value), which the sidecar maps through `/proc/<kvd>/fd` and registers with
+//! - **Values never cross a pipe.** kvd maps a memfd (the staging area: two L4 batches, and
+//!   at least two largest values), which the sidecar maps through `/proc/<kvd>/fd` and registers with
 //!   the store. A put writes the batch's frames there and the sidecar calls
-//!   `batch_upsert_from` on them; for a get the sidecar reads the values' sizes from their
-//!   replica descriptors and has the store write them there (`batch_get_into`), back to back,
-//!   and kvd copies them out. Values that do not fit one reply are asked for again in the next.
-//! - **Commands** go over the sidecar's stdin and stdout (framing in `sidecar.py`), one at a
-//!   time: the staging area belongs to the command in flight.
+//!   `batch_upsert_from` on them. A get first asks the values' sizes (the store's replica
+//!   descriptors), places them in the area and has the store write them there
+//!   (`batch_get_into`), chunk by chunk, alternating between its two halves so that the
+//!   sidecar reads one chunk while kvd copies the last one out.
+//! - **Commands** go over the sidecar's stdin and stdout (framing in `sidecar.py`) under one
+//!   lock: the staging area belongs to the commands in flight.
 //! - **Failure is a restart.** A call that fails to exchange its frames, or whose future is
 //!   dropped mid-call (the L4's deadline), leaves the sidecar in an unknown state: it is
 //!   killed, and the next call starts a new one, whose setup fails while the cluster is down.
@@ -37,9 +38,14 @@ use tokio::sync::Mutex;
 
 /// The sidecar's source, run with `python -c`.
 const SIDECAR: &str = include_str!("sidecar.py");
-/// The smallest staging area: two L4 batches of the default size, so that a batched read of
-/// 4 MiB blocks is one call (a memfd's pages are taken only as they are written).
+/// The smallest staging area: two L4 batches of the default size (a memfd's pages are taken
+/// only as they are written).
 const MIN_STAGING: usize = 64 << 20;
+/// The bytes of one pipelined put or get command at most (see [`plan`]).
+const CHUNK: u64 = 8 << 20;
+/// The values of one command at most (a reply of 16 bytes each stays well within a pipe's
+/// buffer, so a command sent ahead never waits on an unread reply).
+const CHUNK_ITEMS: usize = 1024;
 /// The longest reply the sidecar sends (a result pair per name, or an error message).
 const MAX_REPLY: usize = 16 << 20;
 
@@ -52,12 +58,11 @@ enum Op {
     Get = 3,
     Exists = 4,
     Remove = 5,
+    Sizes = 6,
 }
 
-/// The sidecar's result for a get whose value is not in the store, and for one that did not fit
-/// this reply.
+/// The sidecar's result for a value the store does not hold.
 const MISSING: i64 = -1;
-const NO_ROOM: i64 = -2;
 
 /// See the module docs.
 #[derive(Debug)]
@@ -83,11 +88,12 @@ struct Sidecar {
 
 impl MooncakeStore {
     /// A client of the cluster `config` names, for values of at most `max_value` bytes. The
-    /// staging area and the sidecar are made by the first call.
+    /// staging area (two halves, each holding the largest value) and the sidecar are made by
+    /// the first call.
     pub fn new(config: MooncakeConfig, max_value: usize) -> Self {
         Self {
             config,
-            staging_bytes: max_value.max(MIN_STAGING),
+            staging_bytes: max_value.saturating_mul(2).max(MIN_STAGING),
             state: Mutex::new(State::default()),
         }
     }
@@ -155,15 +161,17 @@ impl MooncakeStore {
         Ok(sidecar)
     }
 
-    /// Runs one command with the staging area prepared by `stage` and read by `collect`
-    /// (both under the lock, while nothing else uses the area).
-    async fn call<T>(
+    /// Runs the commands `chunks` of `op`, pipelined: chunk k+1 is staged (`stage`) and sent
+    /// before chunk k's reply is read and handed to `collect`, so the caller must place
+    /// consecutive chunks in disjoint parts of the staging area ([`plan`] alternates halves).
+    /// Everything runs under the lock, while nothing else uses the area.
+    async fn run(
         &self,
         op: Op,
-        items: &[(&str, u64, u64)],
-        stage: impl FnOnce(&SharedMap),
-        collect: impl FnOnce(&SharedMap, Vec<(i64, u64)>) -> T,
-    ) -> Result<T, RemoteError> {
+        chunks: &[Vec<(&str, u64, u64)>],
+        mut stage: impl FnMut(&SharedMap, usize),
+        mut collect: impl FnMut(&SharedMap, usize, Vec<(i64, u64)>),
+    ) -> Result<(), RemoteError> {
         let mut state = self.state.lock().await;
         let State {
             staging,
@@ -176,18 +184,38 @@ impl MooncakeStore {
                 self.staging_bytes,
             )?),
         };
-        // Taken out for the call: if the call fails or its future is dropped, the sidecar is
+        // Taken out for the calls: if one fails or the future is dropped, the sidecar is
         // dropped with it (and killed), and the next call starts a fresh one.
         let mut sidecar = match slot.take() {
             Some(s) => s,
             None => self.start(staging).await?,
         };
-        stage(staging);
-        sidecar.send(op, items).await?;
-        let count = if op == Op::Health { 1 } else { items.len() };
-        let results = sidecar.read_reply(count).await?;
-        let out = collect(staging, results);
+        if let Some(first) = chunks.first() {
+            stage(staging, 0);
+            sidecar.send(op, first).await?;
+        }
+        for (k, chunk) in chunks.iter().enumerate() {
+            if let Some(ahead) = chunks.get(k + 1) {
+                stage(staging, k + 1);
+                sidecar.send(op, ahead).await?;
+            }
+            let count = if op == Op::Health { 1 } else { chunk.len() };
+            let results = sidecar.read_reply(count).await?;
+            collect(staging, k, results);
+        }
         *slot = Some(sidecar);
+        Ok(())
+    }
+
+    /// One command that uses no staging area; its results.
+    async fn call(
+        &self,
+        op: Op,
+        items: Vec<(&str, u64, u64)>,
+    ) -> Result<Vec<(i64, u64)>, RemoteError> {
+        let mut out = Vec::new();
+        self.run(op, &[items], |_, _| {}, |_, _, results| out = results)
+            .await?;
         Ok(out)
     }
 }
@@ -247,6 +275,48 @@ impl Sidecar {
     }
 }
 
+/// One command's values: `(index, offset in the staging area, length)`.
+type Chunk = Vec<(usize, u64, u64)>;
+
+/// Where the values of `lens` (`(index, length)`, in order) go in a staging area of two halves
+/// of `half` bytes: chunks of `(index, offset, length)` of at most [`CHUNK`] bytes (or one
+/// larger value) and [`CHUNK_ITEMS`] values, consecutive chunks in alternate halves, so one
+/// can be staged or copied out while the sidecar works on the other. A value larger than
+/// `half` is left out (and named in the second list).
+fn plan(lens: impl IntoIterator<Item = (usize, u64)>, half: u64) -> (Vec<Chunk>, Vec<usize>) {
+    let (mut chunks, mut too_large) = (Vec::new(), Vec::new());
+    let mut chunk: Chunk = Vec::new();
+    let mut used = 0u64;
+    for (i, len) in lens {
+        if len > half {
+            too_large.push(i);
+            continue;
+        }
+        if !chunk.is_empty() && (used + len > CHUNK || chunk.len() == CHUNK_ITEMS) {
+            chunks.push(std::mem::take(&mut chunk));
+            used = 0;
+        }
+        let start = half * (chunks.len() as u64 % 2);
+        chunk.push((i, start + used, len));
+        used += len;
+    }
+    if !chunk.is_empty() {
+        chunks.push(chunk);
+    }
+    (chunks, too_large)
+}
+
+/// A plan's chunks as the sidecar's commands, each value named by `name`.
+fn commands_of<'a>(
+    chunks: &[Chunk],
+    name: impl Fn(usize) -> &'a str,
+) -> Vec<Vec<(&'a str, u64, u64)>> {
+    chunks
+        .iter()
+        .map(|c| c.iter().map(|&(i, at, len)| (name(i), at, len)).collect())
+        .collect()
+}
+
 /// Fails on the first result below zero (a store error code).
 fn all_ok(op: &str, results: &[(i64, u64)]) -> Result<(), RemoteError> {
     match results.iter().find(|(r, _)| *r < 0) {
@@ -274,125 +344,151 @@ impl RemoteStore for MooncakeStore {
     }
 
     async fn health(&self) -> Result<(), RemoteError> {
-        let results = self.call(Op::Health, &[], |_| {}, |_, r| r).await?;
+        let results = self.call(Op::Health, Vec::new()).await?;
         all_ok("health_check", &results)
     }
 
-    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<(), RemoteError> {
-        let room = self.staging_bytes;
-        let mut rest = items;
-        while !rest.is_empty() {
-            // As many as fit the staging area (a value larger than it is never queued: the
-            // area is at least the largest value).
-            let mut used = 0usize;
-            let mut placed = Vec::new();
-            for (name, framed) in rest {
-                let len = framed.len();
-                if used + len > room && !placed.is_empty() {
-                    break;
-                }
-                if len > room {
-                    return Err(RemoteError::Protocol(format!(
-                        "a value of {len} bytes is larger than the staging area ({room})"
-                    )));
-                }
-                placed.push((name.as_str(), used as u64, len as u64));
-                used += len;
-            }
-            let batch = &rest[..placed.len()];
-            let results = self
-                .call(
-                    Op::Put,
-                    &placed,
-                    |shm| {
-                        for ((_, framed), (_, at, _)) in batch.iter().zip(&placed) {
-                            let at = *at as usize;
-                            shm.write(at, &framed.head);
-                            shm.write(at + framed.head.len(), &framed.body);
-                        }
-                    },
-                    |_, r| r,
-                )
-                .await?;
-            all_ok("put", &results)?;
-            rest = &rest[placed.len()..];
+    /// Stages the frames chunk by chunk ([`plan`]) while the sidecar writes the previous chunk
+    /// to the store (`batch_upsert_from`).
+    async fn put_batch(&self, values: &[(String, Framed)]) -> Result<(), RemoteError> {
+        let half = (self.staging_bytes / 2) as u64;
+        let (chunks, too_large) = plan(
+            values
+                .iter()
+                .enumerate()
+                .map(|(i, (_, f))| (i, f.len() as u64)),
+            half,
+        );
+        if let Some(&i) = too_large.first() {
+            // Never queued: the L4 refuses values over its maximum, and half the area holds one.
+            return Err(RemoteError::Protocol(format!(
+                "a value of {} bytes is larger than half the staging area ({half})",
+                values[i].1.len()
+            )));
         }
-        Ok(())
+        let commands = commands_of(&chunks, |i| values[i].0.as_str());
+        let mut failed = None;
+        self.run(
+            Op::Put,
+            &commands,
+            |shm, k| {
+                for &(i, at, _) in &chunks[k] {
+                    let framed = &values[i].1;
+                    shm.write(at as usize, &framed.head);
+                    shm.write(at as usize + framed.head.len(), &framed.body);
+                }
+            },
+            |_, _, results| {
+                if failed.is_none() {
+                    failed = all_ok("put", &results).err();
+                }
+            },
+        )
+        .await?;
+        failed.map_or(Ok(()), Err)
     }
 
+    /// Asks the values' sizes (one command), then reads them chunk by chunk ([`plan`]),
+    /// copying one chunk out while the sidecar reads the next.
     async fn get_batch(&self, names: &[String]) -> Result<Vec<Option<Bytes>>, RemoteError> {
         let mut out: Vec<Option<Bytes>> = vec![None; names.len()];
-        let mut pending: Vec<usize> = (0..names.len()).collect();
-        while !pending.is_empty() {
-            let items: Vec<(&str, u64, u64)> =
-                pending.iter().map(|&i| (names[i].as_str(), 0, 0)).collect();
-            let results = self
-                .call(
-                    Op::Get,
-                    &items,
-                    |_| {},
-                    |shm, results| {
-                        results
-                            .into_iter()
-                            .map(|(len, at)| match len {
-                                n if n > 0
-                                    && (at as usize)
-                                        .checked_add(n as usize)
-                                        .is_some_and(|end| end <= shm.len()) =>
-                                {
-                                    Ok(Some(Bytes::copy_from_slice(
-                                        shm.slice(at as usize, n as usize),
-                                    )))
-                                }
-                                NO_ROOM => Err(()),
-                                MISSING => Ok(None),
-                                code => {
-                                    tracing::debug!(code, "kvd L4: a Mooncake get failed; a miss");
-                                    Ok(None)
-                                }
-                            })
-                            .collect::<Vec<_>>()
-                    },
-                )
-                .await?;
-            let mut again = Vec::new();
-            for (i, result) in pending.iter().zip(results) {
-                match result {
-                    Ok(value) => out[*i] = value,
-                    Err(()) => again.push(*i),
-                }
-            }
-            if again.len() == pending.len() {
-                // Not even the first fitted: larger than the staging area, so not one of ours.
-                break;
-            }
-            pending = again;
+        if names.is_empty() {
+            return Ok(out);
         }
+        let asked = names.iter().map(|n| (n.as_str(), 0, 0)).collect();
+        let sizes = self.call(Op::Sizes, asked).await?;
+        // Missing values are left out, and so are values over half the area: kvd never writes
+        // one, so they are not blocks of ours.
+        let present = sizes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &(size, _))| u64::try_from(size).ok().map(|len| (i, len)))
+            .filter(|&(_, len)| len > 0);
+        let (chunks, _) = plan(present, (self.staging_bytes / 2) as u64);
+        let commands = commands_of(&chunks, |i| names[i].as_str());
+        self.run(
+            Op::Get,
+            &commands,
+            |_, _| {},
+            |shm, k, results| {
+                for (&(i, offset, len), (result, at)) in chunks[k].iter().zip(results) {
+                    out[i] = match result {
+                        n if u64::try_from(n) == Ok(len) && at == offset => {
+                            Some(Bytes::copy_from_slice(shm.slice(at as usize, len as usize)))
+                        }
+                        MISSING => None,
+                        code => {
+                            tracing::debug!(code, "kvd L4: a Mooncake get failed; a miss");
+                            None
+                        }
+                    };
+                }
+            },
+        )
+        .await?;
         Ok(out)
     }
 
     async fn exists_batch(&self, names: &[String]) -> Result<Vec<bool>, RemoteError> {
-        let items: Vec<(&str, u64, u64)> = names.iter().map(|n| (n.as_str(), 0, 0)).collect();
-        let results = self.call(Op::Exists, &items, |_| {}, |_, r| r).await?;
+        let asked = names.iter().map(|n| (n.as_str(), 0, 0)).collect();
+        let results = self.call(Op::Exists, asked).await?;
         all_ok("exists", &results)?;
         Ok(results.into_iter().map(|(r, _)| r == 1).collect())
     }
 
     async fn remove_batch(&self, names: &[String]) -> Result<(), RemoteError> {
-        let items: Vec<(&str, u64, u64)> = names.iter().map(|n| (n.as_str(), 0, 0)).collect();
-        let results = self.call(Op::Remove, &items, |_| {}, |_, r| r).await?;
+        let asked = names.iter().map(|n| (n.as_str(), 0, 0)).collect();
+        let results = self.call(Op::Remove, asked).await?;
         all_ok("remove", &results)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::MISSING;
+    use super::{CHUNK, MISSING, plan};
 
     #[test]
-    fn the_sidecar_and_kvd_agree_on_the_result_codes() {
+    fn the_sidecar_and_kvd_agree_on_the_ops_and_result_codes() {
         let source = super::SIDECAR;
-        assert!(source.contains(&format!("MISSING, NO_ROOM = {MISSING}, {}", super::NO_ROOM)));
-        assert!(source.contains("HEALTH, PUT, GET, EXISTS, REMOVE = 1, 2, 3, 4, 5"));
+        assert!(source.contains(&format!("MISSING = {MISSING}")));
+        assert!(source.contains("HEALTH, PUT, GET, EXISTS, REMOVE, SIZES = 1, 2, 3, 4, 5, 6"));
+    }
+
+    #[test]
+    fn chunks_alternate_halves_and_leave_out_values_over_half() {
+        const MIB: u64 = 1 << 20;
+        let half = 32 * MIB;
+        let lens = [
+            (0, 3 * MIB),
+            (2, 3 * MIB),
+            (3, 3 * MIB),
+            (4, 20 * MIB),
+            (5, 40 * MIB),
+            (6, 1),
+        ];
+        let (chunks, too_large) = plan(lens, half);
+        assert_eq!(
+            chunks,
+            vec![
+                vec![(0, 0, 3 * MIB), (2, 3 * MIB, 3 * MIB)],
+                vec![(3, half, 3 * MIB)],
+                vec![(4, 0, 20 * MIB)],
+                vec![(6, half, 1)],
+            ],
+            "8 MiB chunks in alternate halves; a larger value alone"
+        );
+        assert_eq!(too_large, vec![5]);
+        for chunk in &chunks {
+            let bytes: u64 = chunk.iter().map(|(_, _, n)| n).sum();
+            assert!(chunk.len() == 1 || bytes <= CHUNK);
+            let (start, end) = (
+                chunk[0].1,
+                chunk.iter().map(|(_, at, n)| at + n).max().unwrap(),
+            );
+            assert!(
+                start / half == (end - 1) / half,
+                "a chunk stays within its half"
+            );
+        }
     }
 }

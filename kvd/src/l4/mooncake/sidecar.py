@@ -4,15 +4,16 @@ kvd starts it as `python3 -c <this file> CONFIG_JSON` and speaks to it over stdi
 store's Python binding is the only public client of a Mooncake Store, and running it in its own
 process keeps its threads, its allocator and its GIL out of the daemon. Values never cross the
 pipe: they sit in kvd's shared memory (a memfd this process maps through /proc), registered
-with the store, so a put is `batch_upsert_from` out of it and a get `batch_get_into` it, at
-the sizes the replica descriptors give.
+with the store, so a put is `batch_upsert_from` out of it and a get `batch_get_into` it.
 
 Frames (little-endian): a request is `u32 length`, then `u8 op`, `u32 count`, and per item
 `u16 name length`, the name, `u64 offset`, `u64 length`; a reply is `u32 length`, then `u8 0`
 and per item `i64 result`, `u64 offset`, or `u8 1` and an error message. Ops: 1 health, 2 put
-(the items' bytes at offset/length), 3 get (results packed from offset 0; result -1: missing,
--2: no room left in this reply), 4 exists (1 or 0), 5 remove. Results below -2 are the store's
-error codes. The first reply (count 0) says whether setup worked.
+(the items' bytes at offset/length), 6 sizes (each value's size from its replica descriptors,
+one master round trip), 3 get (each value into offset/length, where kvd placed it by its size;
+result: the length), 4 exists (1 or 0), 5 remove. Result -1: missing; below it, the store's
+error codes. kvd may send a command before it has read the previous reply (its gets are
+pipelined); replies come in order. The first reply (count 0) says whether setup worked.
 """
 
 import ctypes
@@ -22,8 +23,8 @@ import os
 import struct
 import sys
 
-HEALTH, PUT, GET, EXISTS, REMOVE = 1, 2, 3, 4, 5
-MISSING, NO_ROOM = -1, -2
+HEALTH, PUT, GET, EXISTS, REMOVE, SIZES = 1, 2, 3, 4, 5, 6
+MISSING = -1
 # Mooncake's "object not found" (OBJECT_NOT_FOUND): a remove of a missing key did its job.
 NOT_FOUND = -704
 
@@ -60,8 +61,7 @@ def parse(body):
 
 
 def value_size(replicas):
-    """A value's size from its replica descriptors (one master round trip for the batch); 0
-    when the store holds none."""
+    """A value's size from its replica descriptors; 0 when the store holds none."""
     for replica in replicas or ():
         if replica.is_memory_replica():
             return replica.get_memory_descriptor().buffer_descriptor.size
@@ -70,33 +70,23 @@ def value_size(replicas):
     return 0
 
 
-def get(store, names, base, limit):
-    """Reads the values straight into the staging area (`batch_get_into`), back to back from
-    offset 0; those that do not fit are NO_ROOM, for kvd to ask again."""
-    replicas = store.batch_get_replica_desc(names)
-    results, placed, at = [], [], 0
-    for name in names:
-        size = value_size(replicas.get(name))
-        if size <= 0:
+def get(store, items, base):
+    """Reads each value straight into the staging area where kvd placed it (`batch_get_into`)."""
+    got = store.batch_get_into(
+        [name for name, _, _ in items],
+        [base + offset for _, offset, _ in items],
+        [length for _, _, length in items],
+    )
+    results = []
+    for (_, offset, length), rc in zip(items, got):
+        if rc == length:
+            results.append((length, offset))
+        elif rc == NOT_FOUND or rc >= 0:
+            # Gone, or replaced by a value of another size since kvd read its size: a miss,
+            # never part of a value.
             results.append((MISSING, 0))
-        elif at + size > limit:
-            results.append((NO_ROOM, 0))
         else:
-            results.append((size, at))
-            placed.append((len(results) - 1, name, at, size))
-            at += size
-    if placed:
-        got = store.batch_get_into(
-            [name for _, name, _, _ in placed],
-            [base + offset for _, _, offset, _ in placed],
-            [size for _, _, _, size in placed],
-        )
-        for (i, _, offset, size), rc in zip(placed, got):
-            # A value replaced or removed since its size was read is a miss, never part of one.
-            if rc == NOT_FOUND or (0 <= rc and rc != size):
-                results[i] = (MISSING, 0)
-            elif rc < 0:
-                results[i] = (int(rc), 0)
+            results.append((int(rc), 0))
     return results
 
 
@@ -144,8 +134,14 @@ def main():
             elif op == PUT:
                 rcs = store.batch_upsert_from(names, [base + o for _, o, _ in items], [n for _, _, n in items])
                 results = [(int(rc), 0) for rc in rcs]
+            elif op == SIZES:
+                replicas = store.batch_get_replica_desc(names)
+                results = [(value_size(replicas.get(name)) or MISSING, 0) for name in names]
             elif op == GET:
-                results = get(store, names, base, limit)
+                if any(offset + length > limit for _, offset, length in items):
+                    reply(out, error="a get placed outside the staging area")
+                    continue
+                results = get(store, items, base)
             elif op == EXISTS:
                 results = [(int(rc), 0) for rc in store.batch_is_exist(names)]
             elif op == REMOVE:
