@@ -21,6 +21,7 @@
 
 pub mod blocks;
 pub mod client;
+pub mod device_blocks;
 pub mod pages;
 pub mod pin;
 pub mod views;
@@ -48,6 +49,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<views::Slot>()?;
     m.add_class::<views::Lease>()?;
     m.add_class::<blocks::BlockCopier>()?;
+    m.add_class::<device_blocks::DeviceBlockCopier>()?;
     m.add_function(wrap_pyfunction!(pages::gather, m)?)?;
     m.add_function(wrap_pyfunction!(pages::scatter, m)?)?;
     m.add("KvdError", m.py().get_type::<KvdError>())?;

@@ -110,8 +110,8 @@ def run(a, src, dst, layout: PackedLayout, pin: bool) -> list[tuple[str, float]]
         rows.append(("one copy arena -> device" + tag, best(lambda: dev.copy_(view), a.rounds)))
         client.cancel(lease)
 
-    fast_src, fast_dst = copier(src, layout), copier(dst, layout)
-    if fast_src is not None and fast_dst is not None:  # host caches: the Rust copier
+    fast_src, fast_dst = copier(src, layout, info["pinned"]), copier(dst, layout, info["pinned"])
+    if fast_src is not None and fast_dst is not None:  # the Rust copier (host or CUDA caches)
         rows.append(("arena save, Rust" + tag, best(lambda: save_block(client, key, src, 3, layout, "short", None, fast_src), a.rounds)))
 
         def fast_load() -> None:

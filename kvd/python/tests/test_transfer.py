@@ -56,5 +56,17 @@ def test_bad_blocks_leases_and_layouts_are_refused(daemon):
     (slot,) = client.lookup([b"k"])
     assert not load_block(slot, caches(None), 0, other, copier(caches(None), other)), "a foreign layout is a miss"
     assert not load_block(slot, caches(None), 0, other)
-    # GPU or non-contiguous caches take the torch path.
+    # Non-contiguous caches take the torch path.
     assert copier([LayerCache("t", src[0].tensor.transpose(3, 4), 1)], layout) is None
+
+
+def test_the_cuda_copier_refuses_host_tensors_by_name():
+    # The CUDA copier itself runs only on a GPU machine (bench/packed_block.py --device cuda);
+    # here: host caches are the host copier's, and the CUDA one says why it cannot take them.
+    from infera_kvd._native import DeviceBlockCopier
+
+    src = caches(seed=3)
+    layout = PackedLayout(3, 16, src[0].block_bytes, "layout")
+    assert type(copier(src, layout)).__name__ == "BlockCopier"
+    with pytest.raises(ValueError, match="layer 0: the cache must be a contiguous CUDA tensor"):
+        DeviceBlockCopier([s.tensor for s in src], src[0].tensor.stride(1) * 2, [(0, 64)], 6, layout.header())

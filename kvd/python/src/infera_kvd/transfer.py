@@ -6,17 +6,20 @@ block of a layer is ``kv.select(block_dim, block_id)``, copied with ``Tensor.cop
 into (save) or out of (load) a ``torch.uint8`` tensor over the arena slot, every layer in one
 ``torch._foreach_copy_`` call: no bytes objects, no per-layer Python work.
 Without an arena lease (a daemon without one, or a value larger than its slots) the block is
-assembled in a host tensor and sent inline. For host (CPU) caches, :func:`copier` returns the
-Rust ``BlockCopier``, which does the same copies as one ``memcpy`` per contiguous piece with no
-Python work per layer. GPU caches go through a packed staging buffer on their device: a save
-gathers every layer's block into it (one fused device-to-device ``_foreach_copy_``), then moves
-the block to the arena in one copy; a load moves it from the arena in one copy, then scatters
-it on the device. One transfer per block instead of one per layer: DMA at the bus's speed when
-the arena is pinned, one staged driver copy when it is not.
+assembled in a host tensor and sent inline.
+
+:func:`copier` returns the Rust copier for a cache it can serve, which does the same copies with
+no Python work per layer: ``BlockCopier`` for host (CPU) caches (one ``memcpy`` per contiguous
+piece), ``DeviceBlockCopier`` for CUDA caches with a pinned arena (one asynchronous DMA per
+piece on the current stream, then one wait). Other GPU caches (ROCm, an unpinned arena, CUDA
+without its driver) take the torch path through a packed staging buffer on their device: a save
+gathers every layer's block into it (one ``_foreach_copy_``) and moves it to the arena in one
+copy; a load moves it from the arena in one copy and scatters it on the device.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,9 +27,11 @@ from typing import Any
 
 import torch
 
-from infera_kvd._native import BlockCopier
+from infera_kvd._native import BlockCopier, DeviceBlockCopier
 from infera_kvd.client import KvdClient
 from infera_kvd.packed import HEADER_BYTES, PackedLayout
+
+logger = logging.getLogger("infera_kvd.transfer")
 
 
 @dataclass(frozen=True)
@@ -54,11 +59,27 @@ def find_block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
     raise ValueError(f"no dimension of {tuple(tensor.shape)} indexes {num_blocks} blocks")
 
 
-def copier(layers: Sequence[LayerCache], layout: PackedLayout) -> BlockCopier | None:
-    """The Rust copier for contiguous host caches of one shape, or None (GPU, other layouts)."""
+class OnStream:
+    """A ``DeviceBlockCopier`` that copies on its device's current CUDA stream, after the work
+    queued there (the engine's kernels that wrote or will read the block)."""
+
+    def __init__(self, native: DeviceBlockCopier, device: torch.device) -> None:
+        self.native, self.device = native, device
+
+    def pack(self, lease: Any, block: int) -> int:
+        return self.native.pack(lease, block, torch.cuda.current_stream(self.device).cuda_stream)
+
+    def unpack(self, slot: Any, block: int) -> bool:
+        return self.native.unpack(slot, block, torch.cuda.current_stream(self.device).cuda_stream)
+
+
+def copier(layers: Sequence[LayerCache], layout: PackedLayout, pinned: bool = False) -> BlockCopier | OnStream | None:
+    """The Rust copier for contiguous caches of one shape on the host, or on one CUDA device
+    when the arena is ``pinned`` (a copy per piece into pageable memory is a staged, waited
+    copy each, slower than the torch path's one per block); else None (the torch path)."""
     first = layers[0].tensor
     same = all(
-        layer.tensor.device.type == "cpu"
+        layer.tensor.device == first.device
         and layer.tensor.is_contiguous()
         and layer.tensor.shape == first.shape
         and layer.tensor.dtype == first.dtype
@@ -70,13 +91,24 @@ def copier(layers: Sequence[LayerCache], layout: PackedLayout) -> BlockCopier | 
     el, dim = first.element_size(), layers[0].block_dim
     inner = first.stride(dim) * el
     pieces = [(0, inner)] if dim == 0 else [(i * first.stride(0) * el, inner) for i in range(first.shape[0])]
-    return BlockCopier(
-        [layer.tensor.view(torch.uint8).numpy() for layer in layers],
-        first.stride(dim) * el,
-        pieces,
-        first.shape[dim],
-        layout.header(),
-    )
+    geometry = (first.stride(dim) * el, pieces, first.shape[dim], layout.header())
+    if first.device.type == "cpu":
+        return BlockCopier([layer.tensor.view(torch.uint8).numpy() for layer in layers], *geometry)
+    if not pinned or first.device.type != "cuda" or torch.version.hip is not None:
+        return None
+    try:
+        native = DeviceBlockCopier([layer.tensor for layer in layers], *geometry)
+    except RuntimeError as e:  # no usable driver: the torch path still works
+        logger.warning("infera-kvd: the CUDA copier is unavailable (%s); using torch copies", e)
+        return None
+    return OnStream(native, first.device)
+
+
+def describe(fast: BlockCopier | OnStream | None) -> str:
+    """How a copier from :func:`copier` moves blocks, for logs."""
+    if fast is None:
+        return "torch"
+    return "Rust CUDA" if isinstance(fast, OnStream) else "Rust host"
 
 
 def as_bytes(buffer: Any) -> torch.Tensor:
@@ -143,7 +175,7 @@ def save_block(
     layout: PackedLayout,
     retention: str,
     ttl_s: float | None,
-    fast: BlockCopier | None = None,
+    fast: BlockCopier | OnStream | None = None,
 ) -> bool:
     """Writes block ``block_id`` of every layer as one packed value; True when stored."""
     lease = client.try_reserve(layout.total_bytes)
@@ -158,7 +190,7 @@ def save_block(
     return client.try_set([key], [staged.numpy()], retention, ttl_s)[0]
 
 
-def load_block(slot: Any, layers: Sequence[LayerCache], block_id: int, layout: PackedLayout, fast: BlockCopier | None = None) -> bool:
+def load_block(slot: Any, layers: Sequence[LayerCache], block_id: int, layout: PackedLayout, fast: BlockCopier | OnStream | None = None) -> bool:
     """Copies a packed value (a ``Slot``) into block ``block_id`` of every layer.
 
     False — and the block's contents must not be used — when the value has another layout or

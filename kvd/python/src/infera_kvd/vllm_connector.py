@@ -172,7 +172,7 @@ def _build(base: type | None = None, version: str | None = None) -> type:
     from infera_kvd.client import KvdClient, socket_path
     from infera_kvd.keys import block_keys
     from infera_kvd.packed import PackedLayout
-    from infera_kvd.transfer import LayerCache, copier, find_block_dim, load_block, save_block
+    from infera_kvd.transfer import LayerCache, copier, describe, find_block_dim, load_block, save_block
 
     base = base or vbase.KVConnectorBase_V1
     version = version or getattr(vllm, "__version__", "unknown")
@@ -304,10 +304,10 @@ def _build(base: type | None = None, version: str | None = None) -> type:
             if len(sizes) != 1:
                 raise ValueError(f"infera-kvd packs layers of one block size; these have {sorted(sizes)}")
             self._layout = PackedLayout(len(self._layers), self._block_size, sizes.pop(), self._compat)
-            self._fast = copier(self._layers, self._layout)
+            self._fast = copier(self._layers, self._layout, pinned=bool(self._client.arena_info().get("pinned")))
             logger.info(
                 "infera-kvd: %d layers, packed blocks of %d bytes, %s copies; arena %s",
-                len(self._layers), self._layout.total_bytes, "Rust host" if self._fast else "torch", self._client.arena_info(),
+                len(self._layers), self._layout.total_bytes, describe(self._fast), self._client.arena_info(),
             )
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
