@@ -30,6 +30,10 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::sync::{Mutex, PoisonError};
 
+mod sla;
+
+pub(crate) use sla::{SlaFamilies, SlaSample};
+
 /// One label.
 pub type Label = [(&'static str, &'static str); 1];
 /// A label whose value is a worker id (`worker_id`; `<id>#dp<rank>` for a rank of a
@@ -49,29 +53,6 @@ const REQUEST_BUCKETS: [f64; 13] = [
 ];
 /// Buckets of `infera_pd_dispatch_duration_seconds`.
 const LEG_BUCKETS: [f64; 11] = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
-
-/// Buckets of the SLA planner's histograms (`--enable-sla-metrics`).
-const TTFT_BUCKETS: [f64; 11] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
-const ITL_BUCKETS: [f64; 10] = [
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 1.0,
-];
-const ISL_BUCKETS: [f64; 8] = [
-    64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0,
-];
-const OSL_BUCKETS: [f64; 8] = [4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0];
-
-fn ttft_histogram() -> Histogram {
-    Histogram::new(TTFT_BUCKETS)
-}
-fn itl_histogram() -> Histogram {
-    Histogram::new(ITL_BUCKETS)
-}
-fn isl_histogram() -> Histogram {
-    Histogram::new(ISL_BUCKETS)
-}
-fn osl_histogram() -> Histogram {
-    Histogram::new(OSL_BUCKETS)
-}
 
 fn block_histogram() -> Histogram {
     Histogram::new(BLOCK_BUCKETS)
@@ -136,66 +117,6 @@ pub struct ServerMetrics {
     /// Committed events handed to a tap, and those a tap's full queue could not take.
     pub(crate) tap_delivered: Family<Label, Counter>,
     pub(crate) tap_dropped: Family<Label, Counter>,
-}
-
-/// `router` and `model`.
-pub type SlaLabel = [(&'static str, String); 2];
-
-/// The SLA planner's four histograms (`--enable-sla-metrics`).
-#[derive(Debug)]
-pub(crate) struct SlaFamilies {
-    pub(crate) ttft: Hist<SlaLabel>,
-    pub(crate) itl: Hist<SlaLabel>,
-    pub(crate) isl: Hist<SlaLabel>,
-    pub(crate) osl: Hist<SlaLabel>,
-}
-
-impl Default for SlaFamilies {
-    fn default() -> Self {
-        SlaFamilies {
-            ttft: Family::new_with_constructor(ttft_histogram),
-            itl: Family::new_with_constructor(itl_histogram),
-            isl: Family::new_with_constructor(isl_histogram),
-            osl: Family::new_with_constructor(osl_histogram),
-        }
-    }
-}
-
-/// What one successful request showed, for the SLA histograms.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct SlaSample {
-    /// Dispatch to first token, for a streamed reply.
-    pub(crate) ttft_s: Option<f64>,
-    /// Dispatch to the last byte.
-    pub(crate) total_s: f64,
-    pub(crate) input_tokens: u32,
-    pub(crate) output_tokens: u32,
-}
-
-impl SlaFamilies {
-    /// Observes one successful request as the Python Infera does: ISL and OSL when known, and
-    /// for a streamed reply its TTFT and, over two or more tokens, the mean gap after it.
-    pub(crate) fn observe(&self, router: &'static str, model: &str, s: SlaSample) {
-        let label = [("router", router.to_owned()), ("model", model.to_owned())];
-        if s.input_tokens > 0 {
-            self.isl
-                .get_or_create(&label)
-                .observe(f64::from(s.input_tokens));
-        }
-        if s.output_tokens > 0 {
-            self.osl
-                .get_or_create(&label)
-                .observe(f64::from(s.output_tokens));
-        }
-        let Some(ttft) = s.ttft_s else { return };
-        self.ttft.get_or_create(&label).observe(ttft);
-        if s.output_tokens > 1 {
-            let decode = (s.total_s - ttft).max(0.0);
-            self.itl
-                .get_or_create(&label)
-                .observe(decode / f64::from(s.output_tokens - 1));
-        }
-    }
 }
 
 /// A rank's `worker_id` label: the worker's id, or `<id>#dp<rank>` for a rank of a worker that
@@ -665,59 +586,4 @@ impl ServerState {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_family_a_failure_path_feeds_renders_with_its_type_and_labels() {
-        let m = ServerMetrics::default();
-        m.pick("prefill", "w#dp1".into(), 3, 8);
-        m.pd_bootstrap_failure("prefill_5xx");
-        m.migration_failed("limit");
-        m.migrations_by_reason
-            .get_or_create(&[("reason", "stream_broken")])
-            .inc();
-        m.pd_dispatch_duration
-            .get_or_create(&[("leg", "decode".into()), ("worker_id", "w".into())])
-            .observe(0.3);
-        m.worker_breaker_trips
-            .get_or_create(&[("worker_id", "w".into())])
-            .inc();
-        let text = m.render(|_| {});
-        let picks = r#"infera_router_picks_total{role="prefill",worker_id="w#dp1"} 1"#;
-        let hits = r#"infera_router_pick_cache_hits_bucket{role="prefill",le="4.0"} 1"#;
-        let leg =
-            r#"infera_pd_dispatch_duration_seconds_bucket{leg="decode",worker_id="w",le="0.5"} 1"#;
-        for (family, kind, sample) in [
-            ("infera_router_picks_total", "counter", picks),
-            ("infera_router_pick_cache_hits", "histogram", hits),
-            ("infera_pd_dispatch_duration_seconds", "histogram", leg),
-            (
-                "infera_migrations_total",
-                "counter",
-                r#"infera_migrations_total{reason="stream_broken"} 1"#,
-            ),
-            (
-                "infera_migrations_failed_total",
-                "counter",
-                r#"infera_migrations_failed_total{reason="limit"} 1"#,
-            ),
-            (
-                "infera_pd_bootstrap_failures_total",
-                "counter",
-                r#"infera_pd_bootstrap_failures_total{reason="prefill_5xx"} 1"#,
-            ),
-            (
-                "infera_router_worker_breaker_trips_total",
-                "counter",
-                r#"infera_router_worker_breaker_trips_total{worker_id="w"} 1"#,
-            ),
-        ] {
-            assert!(
-                text.contains(&format!("# TYPE {family} {kind}\n")),
-                "{family}:\n{text}"
-            );
-            assert!(text.contains(&format!("{sample}\n")), "{sample}:\n{text}");
-        }
-    }
-}
+mod tests;
