@@ -5,9 +5,8 @@
 //!   round one batched read of N blocks), next to `redis_set` / `redis_get`: the same blocks
 //!   with a plain pipelined RESP client written here (what `redis-benchmark -P` does). Target:
 //!   kvd ≥ 80 % of the plain client.
-//! - After the criterion groups, the L2 SET latency study: p50/p99 of SETs of `long` blocks
-//!   into the tiered store with no L4, and with an L4 that is healthy, slow (50 ms per remote
-//!   operation) or down. Target: p99 within 10 % of no L4.
+//! - After the criterion groups, the L2 SET latency study (`support/set_study.rs`) with this
+//!   Redis store.
 //!
 //! Run: `cargo bench -p infera-kvd --bench l4 -- --warm-up-time 1 --measurement-time 3`.
 
@@ -15,18 +14,18 @@
 
 #[path = "../tests/support/redis.rs"]
 mod redis_server;
+#[path = "support/set_study.rs"]
+mod set_study;
 
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput};
 use infera_core::event::Retention;
-use infera_kvd::l4::frame::Framed;
-use infera_kvd::l4::{L4, L4Config, RemoteError, RemoteStore};
+use infera_kvd::Namespace;
+use infera_kvd::l4::{L4, L4Config};
 use infera_kvd::long::LongStore;
-use infera_kvd::store::{Store, key_hash};
-use infera_kvd::{Namespace, SetItem};
+use infera_kvd::store::key_hash;
 use redis_server::RedisServer;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
@@ -181,100 +180,6 @@ fn throughput(c: &mut Criterion, rt: &tokio::runtime::Runtime, port: u16) {
     rt.block_on(l4.close()).unwrap();
 }
 
-/// A store that answers like `inner`, 50 ms late.
-#[derive(Debug)]
-struct Slow(Arc<dyn RemoteStore>);
-
-#[async_trait::async_trait]
-impl RemoteStore for Slow {
-    fn describe(&self) -> String {
-        "slow".into()
-    }
-    fn backend(&self) -> &'static str {
-        self.0.backend()
-    }
-    fn streams(&self) -> usize {
-        self.0.streams()
-    }
-    async fn health(&self) -> Result<(), RemoteError> {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        self.0.health().await
-    }
-    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<(), RemoteError> {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        self.0.put_batch(items).await
-    }
-    async fn get_batch(&self, names: &[String]) -> Result<Vec<Option<Bytes>>, RemoteError> {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        self.0.get_batch(names).await
-    }
-    async fn exists_batch(&self, names: &[String]) -> Result<Vec<bool>, RemoteError> {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        self.0.exists_batch(names).await
-    }
-    async fn remove_batch(&self, names: &[String]) -> Result<(), RemoteError> {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        self.0.remove_batch(names).await
-    }
-}
-
-/// p50 and p99 of SETs of 64 KiB `long` blocks into a 1 GiB L2 with `long` behind it.
-async fn set_latency(long: Option<Arc<dyn LongStore>>) -> (Duration, Duration) {
-    let store = Store::new(1 << 30, None, long);
-    let ns = Namespace::new("bench", "");
-    let value = block(7, 64 << 10);
-    let mut times = Vec::with_capacity(8000);
-    for round in 0..8000 {
-        let item = SetItem::new(format!("s{round}"), value.clone()).retention(Retention::Long);
-        let t = Instant::now();
-        assert!(store.set(&ns, &item, 1).await.accepted);
-        times.push(t.elapsed());
-    }
-    times.sort();
-    (times[times.len() / 2], times[times.len() * 99 / 100])
-}
-
-fn set_study(rt: &tokio::runtime::Runtime, port: u16) {
-    let cfg = config(port);
-    let down = config(redis_server::free_port());
-    let mut rows = Vec::new();
-    for (name, l4) in [
-        ("no L4", None),
-        ("L4 healthy", Some(cfg.store())),
-        (
-            "L4 slow (50 ms)",
-            Some(Arc::new(Slow(cfg.store())) as Arc<dyn RemoteStore>),
-        ),
-        ("L4 down", Some(down.store())),
-    ] {
-        let (p50, p99) = rt.block_on(async {
-            let long = match l4 {
-                Some(remote) => {
-                    let l4 = L4::open(remote, cfg.options(), false).await.unwrap();
-                    Some(Arc::new(l4) as Arc<dyn LongStore>)
-                }
-                None => None,
-            };
-            let result = set_latency(long.clone()).await;
-            if let Some(long) = long {
-                let _ = long.close().await;
-            }
-            result
-        });
-        rows.push((name, p50, p99));
-    }
-    let base = rows[0].2.as_secs_f64();
-    println!("\nL2 SET of 64 KiB long blocks (8000 each):");
-    for (name, p50, p99) in rows {
-        println!(
-            "  {name:<18} p50 {:>8.1} µs   p99 {:>8.1} µs   p99 vs no L4 {:>+6.1} %",
-            p50.as_secs_f64() * 1e6,
-            p99.as_secs_f64() * 1e6,
-            (p99.as_secs_f64() / base - 1.0) * 100.0
-        );
-    }
-}
-
 /// Framing alone: encode (checksum) and decode (checksum, key check) of a 4 MiB block.
 fn framing(c: &mut Criterion) {
     let ns = Namespace::new("bench", "");
@@ -311,5 +216,7 @@ fn main() {
     framing(&mut c);
     throughput(&mut c, &rt, redis.port);
     c.final_summary();
-    set_study(&rt, redis.port);
+    let cfg = config(redis.port);
+    let down = config(redis_server::free_port()).store();
+    set_study::run(&rt, &cfg.options(), &|| cfg.store(), down);
 }

@@ -9,6 +9,8 @@
 //!   `batch_upsert_from`/`batch_get_into` (zero-copy from and into a registered buffer).
 //! - kvd's store client alone (its own sidecar) reading the same values: the L4's get less
 //!   its framing checks and bookkeeping.
+//! - Then the L2 SET latency study (`support/set_study.rs`) with a Mooncake L4 healthy, slow
+//!   and down (a cluster killed).
 //! - Printed: median throughput of 15 rounds each, and kvd against the binding's faster way.
 //!   Target: kvd ≥ 80 %.
 //!
@@ -19,6 +21,8 @@
 
 #[path = "../tests/support/mooncake.rs"]
 mod mooncake;
+#[path = "support/set_study.rs"]
+mod set_study;
 
 use bytes::Bytes;
 use infera_core::event::Retention;
@@ -184,4 +188,16 @@ fn main() {
         );
     }
     rt.block_on(l4.close()).unwrap();
+
+    // A cluster that is gone: its master and holder killed.
+    let mut gone = Cluster::start();
+    let down = gone.config("down", free_port()).store();
+    gone.kill();
+    let options = cfg.options();
+    set_study::run(
+        &rt,
+        &options,
+        &|| cluster.config("study", free_port()).store(),
+        down,
+    );
 }

@@ -1,0 +1,115 @@
+//! The L2 SET latency study shared by the L4 benches: p50/p99 of SETs of 64 KiB `long` blocks
+//! into the tiered store with no L4, and with an L4 that is healthy, slow (50 ms per remote
+//! operation) or down. Target: p99 within 10 % of no L4 (a SET never waits on L4).
+
+use bytes::Bytes;
+use infera_core::event::Retention;
+use infera_kvd::l4::frame::Framed;
+use infera_kvd::l4::{L4, L4Options, RemoteError, RemoteStore};
+use infera_kvd::long::LongStore;
+use infera_kvd::store::Store;
+use infera_kvd::{Namespace, SetItem};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// SETs per case.
+const SETS: usize = 8000;
+
+/// Runs the study: `healthy` makes a store of a running cluster (once for the healthy case,
+/// once under the slow wrapper), `down` is one nothing answers; prints a table.
+pub fn run(
+    rt: &tokio::runtime::Runtime,
+    options: &L4Options,
+    healthy: &dyn Fn() -> Arc<dyn RemoteStore>,
+    down: Arc<dyn RemoteStore>,
+) {
+    let mut rows = Vec::new();
+    for (name, remote) in [
+        ("no L4", None),
+        ("L4 healthy", Some(healthy())),
+        (
+            "L4 slow (50 ms)",
+            Some(Arc::new(Slow(healthy())) as Arc<dyn RemoteStore>),
+        ),
+        ("L4 down", Some(down)),
+    ] {
+        let (p50, p99) = rt.block_on(async {
+            let long = match remote {
+                Some(remote) => {
+                    let l4 = L4::open(remote, options.clone(), false).await.unwrap();
+                    Some(Arc::new(l4) as Arc<dyn LongStore>)
+                }
+                None => None,
+            };
+            let result = set_latency(long.clone()).await;
+            if let Some(long) = long {
+                let _ = long.close().await;
+            }
+            result
+        });
+        rows.push((name, p50, p99));
+    }
+    let base = rows[0].2.as_secs_f64();
+    println!("\nL2 SET of 64 KiB long blocks ({SETS} each):");
+    for (name, p50, p99) in rows {
+        println!(
+            "  {name:<18} p50 {:>8.1} µs   p99 {:>8.1} µs   p99 vs no L4 {:>+6.1} %",
+            p50.as_secs_f64() * 1e6,
+            p99.as_secs_f64() * 1e6,
+            (p99.as_secs_f64() / base - 1.0) * 100.0
+        );
+    }
+}
+
+/// p50 and p99 of SETs of 64 KiB `long` blocks into a 1 GiB L2 with `long` behind it.
+async fn set_latency(long: Option<Arc<dyn LongStore>>) -> (Duration, Duration) {
+    let store = Store::new(1 << 30, None, long);
+    let ns = Namespace::new("bench", "");
+    let value = Bytes::from(vec![7u8; 64 << 10]);
+    let mut times = Vec::with_capacity(SETS);
+    for round in 0..SETS {
+        let item = SetItem::new(format!("s{round}"), value.clone()).retention(Retention::Long);
+        let t = Instant::now();
+        assert!(store.set(&ns, &item, 1).await.accepted);
+        times.push(t.elapsed());
+    }
+    times.sort();
+    (times[times.len() / 2], times[times.len() * 99 / 100])
+}
+
+/// A store that answers like `inner`, 50 ms late.
+#[derive(Debug)]
+struct Slow(Arc<dyn RemoteStore>);
+
+#[async_trait::async_trait]
+impl RemoteStore for Slow {
+    fn describe(&self) -> String {
+        "slow".into()
+    }
+    fn backend(&self) -> &'static str {
+        self.0.backend()
+    }
+    fn streams(&self) -> usize {
+        self.0.streams()
+    }
+    async fn health(&self) -> Result<(), RemoteError> {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.0.health().await
+    }
+    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<(), RemoteError> {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.0.put_batch(items).await
+    }
+    async fn get_batch(&self, names: &[String]) -> Result<Vec<Option<Bytes>>, RemoteError> {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.0.get_batch(names).await
+    }
+    async fn exists_batch(&self, names: &[String]) -> Result<Vec<bool>, RemoteError> {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.0.exists_batch(names).await
+    }
+    async fn remove_batch(&self, names: &[String]) -> Result<(), RemoteError> {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.0.remove_batch(names).await
+    }
+}
