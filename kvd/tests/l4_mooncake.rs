@@ -8,6 +8,8 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[path = "support/l4_outage.rs"]
+mod l4_outage;
 #[path = "support/mooncake.rs"]
 mod mooncake;
 
@@ -15,27 +17,16 @@ use bytes::Bytes;
 use common::Daemon;
 use infera_core::event::Retention;
 use infera_kvd::l4::frame::Framed;
-use infera_kvd::l4::{L4, name};
+use infera_kvd::l4::{L4, RemoteStore, name};
 use infera_kvd::long::LongStore;
-use infera_kvd::store::{Got, Store, key_hash};
+use infera_kvd::store::{Store, key_hash};
 use infera_kvd::{LongBackendConfig, Namespace, SetItem};
+use l4_outage::{Outage, block, key};
 use mooncake::{Cluster, free_port};
 use std::sync::Arc;
 use std::time::Duration;
 
 const WITHIN: Duration = Duration::from_secs(60);
-
-fn block(i: usize, len: usize) -> Bytes {
-    Bytes::from(
-        (0..len)
-            .map(|j| (j as u8).wrapping_mul(29).wrapping_add(i as u8))
-            .collect::<Vec<u8>>(),
-    )
-}
-
-fn key(i: usize) -> Vec<u8> {
-    format!("block-{i}").into_bytes()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_written_through_one_daemon_read_back_byte_exact_through_another() {
@@ -206,66 +197,21 @@ async fn a_foreign_or_torn_value_under_a_blocks_name_is_a_counted_miss() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_cluster_costs_no_client_error_and_the_breaker_closes_when_it_is_back() {
     let mut cluster = Cluster::start();
-    let cfg = cluster.config("chaos", free_port());
-    let mut options = cfg.options();
+    let mut options = cluster.config("chaos", free_port()).options();
     options.retry_interval = Duration::from_millis(200);
     options.op_timeout = Duration::from_secs(5);
-    let l4 = Arc::new(L4::open(cfg.store(), options.clone(), true).await.unwrap());
-    let long: Arc<dyn LongStore> = l4.clone();
-    let store = Store::new(256 << 10, None, Some(long));
-    let ns = Namespace::new("m", "");
-    let set = |i: usize| SetItem::new(key(i), block(i, 48 << 10)).retention(Retention::Long);
-    for i in 0..4 {
-        assert!(store.set(&ns, &set(i), 1).await.accepted);
+    l4_outage::a_killed_store_costs_no_client_error(&mut cluster, options, WITHIN).await;
+}
+
+impl Outage for Cluster {
+    /// A client named by a port of its own: a name just killed is refused for a while.
+    fn client(&self) -> Arc<dyn RemoteStore> {
+        self.config("chaos", free_port()).store()
     }
-    l4.flush().await.unwrap();
-    let mut up = l4.watch_up();
-
-    cluster.kill();
-    for i in 4..40 {
-        assert!(
-            store.set(&ns, &set(i), 1).await.accepted,
-            "a SET never fails for L4"
-        );
-        let k = Bytes::from(key(i % 4));
-        if let Some(Got::Bytes(v, _)) = store.get(&ns, &k, 1, false).await {
-            assert_eq!(v, block(i % 4, 48 << 10));
-        }
+    fn kill(&mut self) {
+        Cluster::kill(self);
     }
-    let opened = tokio::time::timeout(WITHIN, up.wait_for(|u| !*u))
-        .await
-        .is_ok();
-    assert!(opened, "the breaker opens: {:?}", l4.l4_stats());
-    assert!(store.set(&ns, &set(40), 1).await.accepted);
-    let s = l4.l4_stats();
-    assert!(s.breaker_opens_total >= 1, "{s:?}");
-    assert!(s.errors_total + s.timeouts_total >= 1, "{s:?}");
-    assert_eq!(s.up, 0);
-
-    cluster.restart();
-    let closed = tokio::time::timeout(WITHIN, up.wait_for(|u| *u))
-        .await
-        .is_ok();
-    assert!(closed, "the breaker closes: {:?}", l4.l4_stats());
-    assert!(store.set(&ns, &set(41), 1).await.accepted);
-    l4.flush().await.unwrap();
-    let s = l4.l4_stats();
-    assert!(s.reconnects_total >= 1, "{s:?}");
-
-    // A fresh L4 over the restarted cluster reads the new write back byte-exact; block 40,
-    // written while the cluster was down, reads as a miss rather than as anything else.
-    let again = L4::open(cluster.config("chaos", free_port()).store(), options, true)
-        .await
-        .unwrap();
-    let hit = again
-        .get(&ns, &key(41), key_hash(&ns, &key(41)), 1)
-        .await
-        .expect("read back");
-    assert_eq!(hit.value, block(41, 48 << 10));
-    assert!(
-        again
-            .get(&ns, &key(40), key_hash(&ns, &key(40)), 1)
-            .await
-            .is_none()
-    );
+    fn restart(&mut self) {
+        Cluster::restart(self);
+    }
 }

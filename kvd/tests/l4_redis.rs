@@ -6,6 +6,8 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[path = "support/l4_outage.rs"]
+mod l4_outage;
 #[path = "support/redis.rs"]
 mod redis_server;
 
@@ -13,10 +15,10 @@ use bytes::Bytes;
 use common::Daemon;
 use infera_core::event::Retention;
 use infera_kvd::l4::resp::{Arg, Endpoint, Pool, Reply};
-use infera_kvd::l4::{L4, L4Config, name};
-use infera_kvd::long::LongStore;
-use infera_kvd::store::{Got, Store, key_hash};
+use infera_kvd::l4::{L4Config, RemoteStore, name};
+use infera_kvd::store::key_hash;
 use infera_kvd::{LongBackendConfig, Namespace, SetItem};
+use l4_outage::{Outage, block, key};
 use redis_server::RedisServer;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,18 +33,6 @@ fn config(port: u16) -> L4Config {
         _ => None,
     };
     L4Config::from_lmcache(None, &env).unwrap()
-}
-
-fn block(i: usize, len: usize) -> Bytes {
-    Bytes::from(
-        (0..len)
-            .map(|j| (j as u8).wrapping_mul(31).wrapping_add(i as u8))
-            .collect::<Vec<u8>>(),
-    )
-}
-
-fn key(i: usize) -> Vec<u8> {
-    format!("block-{i}").into_bytes()
 }
 
 /// `GET`s of the two LMCache keys of a block, straight from Redis.
@@ -131,67 +121,24 @@ async fn blocks_written_in_the_lmcache_layout_read_back_byte_exact_through_a_fre
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_store_costs_no_client_error_and_the_breaker_closes_when_it_is_back() {
     let mut redis = RedisServer::start();
-    let port = redis.port;
-    let cfg = config(port);
+    let cfg = config(redis.port);
     let mut options = cfg.options();
     options.retry_interval = Duration::from_millis(50);
-    let l4 = Arc::new(L4::open(cfg.store(), options.clone(), true).await.unwrap());
-    let long: Arc<dyn LongStore> = l4.clone();
-    let store = Store::new(256 << 10, None, Some(long));
-    let ns = Namespace::new("m", "");
-    let set = |i: usize| SetItem::new(key(i), block(i, 48 << 10)).retention(Retention::Long);
-    for i in 0..4 {
-        assert!(store.set(&ns, &set(i), 1).await.accepted);
-    }
-    l4.flush().await.unwrap();
-    let mut up = l4.watch_up();
-
-    redis.kill();
-    for i in 4..40 {
-        assert!(
-            store.set(&ns, &set(i), 1).await.accepted,
-            "a SET never fails for L4"
-        );
-        let k = Bytes::from(key(i % 4));
-        if let Some(Got::Bytes(v, _)) = store.get(&ns, &k, 1, false).await {
-            assert_eq!(v, block(i % 4, 48 << 10));
-        }
-    }
-    let opened = tokio::time::timeout(WITHIN, up.wait_for(|u| !*u))
-        .await
-        .is_ok();
-    assert!(opened, "the breaker opens: {:?}", l4.l4_stats());
-    assert!(store.set(&ns, &set(40), 1).await.accepted);
-    let s = l4.l4_stats();
-    assert!(s.breaker_opens_total >= 1, "{s:?}");
-    assert!(s.errors_total + s.timeouts_total >= 1, "{s:?}");
-    assert!(s.dropped_total >= 1, "{s:?}");
-    assert_eq!(s.up, 0);
-
-    let _redis = RedisServer::start_on(port);
-    let closed = tokio::time::timeout(WITHIN, up.wait_for(|u| *u))
-        .await
-        .is_ok();
-    assert!(closed, "the breaker closes: {:?}", l4.l4_stats());
-    assert!(store.set(&ns, &set(41), 1).await.accepted);
-    l4.flush().await.unwrap();
-    let s = l4.l4_stats();
-    assert!(s.reconnects_total >= 1, "{s:?}");
-    let (meta, _) = raw(port, &name(&cfg.prefix, key_hash(&ns, &key(41)))).await;
+    let down = l4_outage::a_killed_store_costs_no_client_error(&mut redis, options, WITHIN).await;
+    assert!(down.dropped_total >= 1, "{down:?}");
+    let ns = l4_outage::namespace();
+    let (meta, _) = raw(redis.port, &name(&cfg.prefix, key_hash(&ns, &key(41)))).await;
     assert!(meta.is_some(), "the write after the restart landed");
+}
 
-    // A fresh L4 over the restarted store reads it back byte-exact; block 40, dropped while
-    // the store was down, reads as a miss rather than as anything else.
-    let again = L4::open(cfg.store(), options, true).await.unwrap();
-    let hit = again
-        .get(&ns, &key(41), key_hash(&ns, &key(41)), 1)
-        .await
-        .expect("read back");
-    assert_eq!(hit.value, block(41, 48 << 10));
-    assert!(
-        again
-            .get(&ns, &key(40), key_hash(&ns, &key(40)), 1)
-            .await
-            .is_none()
-    );
+impl Outage for RedisServer {
+    fn client(&self) -> Arc<dyn RemoteStore> {
+        config(self.port).store()
+    }
+    fn kill(&mut self) {
+        RedisServer::kill(self);
+    }
+    fn restart(&mut self) {
+        *self = RedisServer::start_on(self.port);
+    }
 }
