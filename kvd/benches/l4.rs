@@ -14,6 +14,8 @@
 
 #[path = "../tests/support/redis.rs"]
 mod redis_server;
+#[path = "support/rounds.rs"]
+mod rounds;
 #[path = "support/set_study.rs"]
 mod set_study;
 
@@ -23,7 +25,6 @@ use infera_core::event::Retention;
 use infera_kvd::Namespace;
 use infera_kvd::l4::{L4, L4Config};
 use infera_kvd::long::LongStore;
-use infera_kvd::store::key_hash;
 use redis_server::RedisServer;
 use std::sync::Arc;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -122,35 +123,12 @@ fn throughput(c: &mut Criterion, rt: &tokio::runtime::Runtime, port: u16) {
     let mut plain = rt.block_on(Plain::connect(port));
     for size in [1usize << 20, 4 << 20] {
         let blocks: Vec<Bytes> = (0..N).map(|i| block(i, size)).collect();
-        let keys: Vec<(Bytes, u128)> = (0..N)
-            .map(|i| {
-                let k = Bytes::from(format!("k{i}"));
-                let h = key_hash(&ns, &k);
-                (k, h)
-            })
-            .collect();
+        let keys = rounds::keys(&ns, "", N);
         let label = format!("{}MiB", size >> 20);
         let mut put = c.benchmark_group("l4_put");
         put.throughput(Throughput::Bytes((N * size) as u64));
         put.bench_function(BenchmarkId::new("kvd", &label), |b| {
-            b.iter(|| {
-                rt.block_on(async {
-                    for ((k, h), v) in keys.iter().zip(&blocks) {
-                        let block = infera_kvd::long::LongBlock {
-                            hash: *h,
-                            ns: ns.clone(),
-                            key: k.clone(),
-                            value: v.clone(),
-                            metadata: None,
-                            class: Retention::Long,
-                            expires_at: None,
-                        };
-                        l4.put(block, infera_kvd::long::WritePermit::unbounded(), 1, false)
-                            .unwrap();
-                    }
-                    l4.flush().await.unwrap();
-                })
-            });
+            b.iter(|| rt.block_on(rounds::put_round(&l4, &ns, &keys, &blocks)));
         });
         put.bench_function(BenchmarkId::new("redis_pipelined", &label), |b| {
             b.iter(|| rt.block_on(plain.set_all(&blocks)));

@@ -21,15 +21,15 @@
 
 #[path = "../tests/support/mooncake.rs"]
 mod mooncake;
+#[path = "support/rounds.rs"]
+mod rounds;
 #[path = "support/set_study.rs"]
 mod set_study;
 
 use bytes::Bytes;
-use infera_core::event::Retention;
 use infera_kvd::Namespace;
 use infera_kvd::l4::{L4, name};
-use infera_kvd::long::{LongBlock, LongStore, WritePermit};
-use infera_kvd::store::key_hash;
+use infera_kvd::long::LongStore;
 use mooncake::{Cluster, free_port};
 use std::time::Instant;
 
@@ -113,32 +113,12 @@ fn main() {
     println!("| block | way | put MB/s | get MB/s |");
     println!("|---|---|---:|---:|");
     for size in sizes {
-        let keys: Vec<(Bytes, u128)> = (0..N)
-            .map(|i| {
-                let k = Bytes::from(format!("k{size}-{i}"));
-                let h = key_hash(&ns, &k);
-                (k, h)
-            })
-            .collect();
+        let keys = rounds::keys(&ns, &format!("{size}-"), N);
         let blocks: Vec<Bytes> = (0..N).map(|i| Bytes::from(vec![i as u8; size])).collect();
         let (mut puts, mut gets) = (Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
             let start = Instant::now();
-            rt.block_on(async {
-                for ((k, h), v) in keys.iter().zip(&blocks) {
-                    let block = LongBlock {
-                        hash: *h,
-                        ns: ns.clone(),
-                        key: k.clone(),
-                        value: v.clone(),
-                        metadata: None,
-                        class: Retention::Long,
-                        expires_at: None,
-                    };
-                    l4.put(block, WritePermit::unbounded(), 1, false).unwrap();
-                }
-                l4.flush().await.unwrap();
-            });
+            rt.block_on(rounds::put_round(&l4, &ns, &keys, &blocks));
             puts.push(start.elapsed().as_secs_f64());
             let start = Instant::now();
             let hits = rt.block_on(l4.get_many(&ns, &keys, 1));
