@@ -7,12 +7,14 @@
 //! by a conversation tail, so candidates overlap it by 0, 256 or 512 blocks.
 //!
 //! `decision/hash+route_8k_tokens_64_workers` measures hashing the prompt (chained XXH3 over 512
-//! blocks) plus `Router::decide` (overlap over 64 candidates, load, cost, choice).
+//! blocks) plus `Router::decide` (overlap over 64 candidates, load, cost, choice);
+//! `…_resident` the same with `--router-resident-weight 1` after 2,048 finished conversations
+//! left their tips (32 per worker, the most kept).
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use infera_core::event::{
-    Engine, Envelope, Event, KvBlocksStored, RequestTransport, Role, Tier, WorkerRecord,
-    WorkerRegistered,
+    Engine, Envelope, Event, KvBlocksStored, RequestFinished, RequestStatus, RequestTransport,
+    Role, Tier, WorkerRecord, WorkerRegistered,
 };
 use infera_core::fleet::{FleetConfig, FleetState};
 use infera_core::hashing::{hash_blocks, synthetic_block_tokens};
@@ -113,6 +115,30 @@ fn setup() -> Setup {
         }
     }
     let mut router = Router::new(RouterConfig::default());
+    // Finished conversations, each leaving a tip on its worker.
+    for i in 0..(WORKERS * 32) as u64 {
+        let toks = prompt(i % APPS, 8_000_000 + i);
+        let req = RouteRequest {
+            request_id: RequestId::new(format!("done{i}")),
+            model: "m".into(),
+            prompt_tokens: toks.len() as u32,
+            hashes: vec![(BS as u32, hash_blocks(&toks, BS, None))],
+            retention: None,
+            per_worker: Default::default(),
+            exclude: vec![],
+        };
+        if let Ok(d) = router.decide(&s.fleet, &req, 0) {
+            s.apply(Event::RequestRouted(d));
+            s.apply(Event::RequestFinished(RequestFinished {
+                request_id: req.request_id,
+                status: RequestStatus::Ok,
+                ttft_us: None,
+                tokens_in: 0,
+                tokens_out: 0,
+                cached_tokens: None,
+            }));
+        }
+    }
     for i in 0..(WORKERS * 4) as u64 {
         let toks = prompt(i % APPS, 9_000_000 + i);
         let req = RouteRequest {
@@ -137,24 +163,32 @@ fn benches(c: &mut Criterion) {
     let requests: Vec<Vec<u32>> = (0..64u64)
         .map(|i| prompt(i % APPS, 100 * (i % WORKERS as u64) + i % 30))
         .collect();
-    let mut router = Router::new(RouterConfig::default());
-    let mut i = 0usize;
-    c.bench_function("decision/hash+route_8k_tokens_64_workers", |b| {
-        b.iter(|| {
-            let toks = &requests[i % requests.len()];
-            i += 1;
-            let req = RouteRequest {
-                request_id: RequestId::new("r"),
-                model: "m".into(),
-                prompt_tokens: toks.len() as u32,
-                hashes: vec![(BS as u32, hash_blocks(toks, BS, None))],
-                retention: None,
-                per_worker: Default::default(),
-                exclude: vec![],
-            };
-            black_box(router.decide(&s.fleet, &req, 1_000_000).is_ok())
-        })
-    });
+    for (name, resident_weight) in [
+        ("decision/hash+route_8k_tokens_64_workers", 0.0),
+        ("decision/hash+route_8k_tokens_64_workers_resident", 1.0),
+    ] {
+        let mut router = Router::new(RouterConfig {
+            resident_weight,
+            ..RouterConfig::default()
+        });
+        let mut i = 0usize;
+        c.bench_function(name, |b| {
+            b.iter(|| {
+                let toks = &requests[i % requests.len()];
+                i += 1;
+                let req = RouteRequest {
+                    request_id: RequestId::new("r"),
+                    model: "m".into(),
+                    prompt_tokens: toks.len() as u32,
+                    hashes: vec![(BS as u32, hash_blocks(toks, BS, None))],
+                    retention: None,
+                    per_worker: Default::default(),
+                    exclude: vec![],
+                };
+                black_box(router.decide(&s.fleet, &req, 1_000_000).is_ok())
+            })
+        });
+    }
 }
 
 fn parts(c: &mut Criterion) {

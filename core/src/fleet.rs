@@ -20,6 +20,21 @@
 //! a rank for work it has completed would make sequential turns of one conversation ping-pong
 //! between workers.
 //!
+//! # Resident conversations
+//! A finished request leaves a *tip* on each rank it ran on: its prompt's length in blocks, its
+//! last block and when it finished (at most [`MAX_TIPS`] per rank, newest kept). A request
+//! whose prompt extends a tip (the same block at the tip's last position; hashes are chained)
+//! continues that conversation. [`FleetState::resident_blocks_at`] sums the tips on a rank that
+//! the request at hand does not continue and that finished within [`RESIDENT_HORIZON_US`]: the
+//! other conversations that live there between their turns (an agent's tool call, a user
+//! reading). Each counts only beyond the prefix the request shares with the rank (its overlap
+//! there), so that requests sharing a long system prompt with different questions are not
+//! each other's load: what differs between them is their own part. The router charges them only with `--router-resident-weight` above 0, so that new
+//! sessions spread over workers while each session's own turns, never charged for their own
+//! history, stay where their cache is. A request routed to a rank retires the tips it
+//! continues there. Tips are soft state: a snapshot does not carry them, so a rebuild starts
+//! without them (they come back as requests finish) and [`PartialEq`] ignores them.
+//!
 //! # Draining
 //! A `WorkerDraining` marks a registered worker as shutting down: it stays listed
 //! ([`FleetState::workers`], [`FleetState::worker`]), keeps its index entries and the load of its
@@ -36,6 +51,7 @@
 //! registered ones; the state depends only on the events folded, never on a clock, so a rebuild
 //! from a dump is identical and replay is deterministic.
 
+use crate::clock::Micros;
 use crate::event::{
     Envelope, Event, RequestFinished, RequestPrefilled, RequestRouted, Role, WorkerDraining,
     WorkerRecord, WorkerRegistered,
@@ -44,7 +60,7 @@ use crate::ids::{BlockHash, RequestId, WorkerId, WorkerRank};
 use crate::index::{KvIndex, WorkerSlot};
 use crate::projection::Projection;
 use rustc_hash::FxHashMap;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 /// Tunables of the load accounting. It has none today: the load is what is in flight, exactly
 /// (see the module docs); the type stays so that every caller builds the state one way.
@@ -67,7 +83,30 @@ struct RankLoad {
     /// The sum of `active`'s counts: blocks of in-flight requests, per request.
     inflight_blocks: u64,
     queued_prefill_tokens: u64,
+    /// Conversations that finished a request here, oldest first (see the module docs).
+    tips: VecDeque<Tip>,
 }
+
+/// The last request of a conversation on a rank (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Tip {
+    blocks: u32,
+    last: BlockHash,
+    at_us: Micros,
+}
+
+impl Tip {
+    /// Whether a prompt of `blocks` extends this one.
+    fn continued_by(&self, blocks: &[BlockHash]) -> bool {
+        let n = self.blocks as usize;
+        n > 0 && n <= blocks.len() && blocks[n - 1] == self.last
+    }
+}
+
+/// Tips kept per rank.
+pub const MAX_TIPS: usize = 32;
+/// How long after its request finished a conversation counts as resident.
+pub const RESIDENT_HORIZON_US: Micros = 60_000_000;
 
 #[derive(Debug, Clone, PartialEq)]
 struct InFlight {
@@ -245,6 +284,27 @@ impl FleetState {
         self.load_at(slot).map(|l| l.inflight_blocks).unwrap_or(0)
     }
 
+    /// Blocks of the conversations resident on the rank at `slot` at `now_us` that a prompt of
+    /// `blocks` does not continue, each beyond the `overlap` the prompt has there (see the
+    /// module docs).
+    pub fn resident_blocks_at(
+        &self,
+        slot: WorkerSlot,
+        blocks: &[BlockHash],
+        overlap: u32,
+        now_us: Micros,
+    ) -> u64 {
+        self.load_at(slot).map_or(0, |l| {
+            l.tips
+                .iter()
+                .filter(|t| {
+                    now_us.saturating_sub(t.at_us) <= RESIDENT_HORIZON_US && !t.continued_by(blocks)
+                })
+                .map(|t| u64::from(t.blocks.saturating_sub(overlap)))
+                .sum()
+        })
+    }
+
     /// Blocks of the requests in flight on `rank`, summed over requests.
     pub fn inflight_blocks(&self, rank: &WorkerRank) -> u64 {
         self.index
@@ -375,6 +435,7 @@ impl FleetState {
                 continue;
             };
             let load = self.load_mut(slot);
+            load.tips.retain(|t| !t.continued_by(&r.blocks));
             for b in &r.blocks {
                 *load.active.entry(*b).or_default() += 1;
             }
@@ -416,7 +477,7 @@ impl FleetState {
         }
     }
 
-    fn finished(&mut self, fin: &RequestFinished) {
+    fn finished(&mut self, fin: &RequestFinished, now_us: Micros) {
         let Some(f) = self.inflight.remove(&fin.request_id) else {
             return;
         };
@@ -442,6 +503,16 @@ impl FleetState {
             load.inflight_blocks = load
                 .inflight_blocks
                 .saturating_sub(f.routed.blocks.len() as u64);
+            if let Some(last) = f.routed.blocks.last() {
+                if load.tips.len() >= MAX_TIPS {
+                    load.tips.pop_front();
+                }
+                load.tips.push_back(Tip {
+                    blocks: u32::try_from(f.routed.blocks.len()).unwrap_or(u32::MAX),
+                    last: *last,
+                    at_us: now_us,
+                });
+            }
         }
     }
 }
@@ -461,7 +532,7 @@ impl Projection for FleetState {
             }
             Event::RequestRouted(r) => self.routed(r),
             Event::RequestPrefilled(p) => self.prefilled(p),
-            Event::RequestFinished(f) => self.finished(f),
+            Event::RequestFinished(f) => self.finished(f, env.ts_us),
             // A v3 snapshot's recent-pick window: nothing to fold (see the module docs).
             Event::RecentLoad(_) => {}
         }

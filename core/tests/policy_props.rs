@@ -10,7 +10,7 @@ use infera_core::event::{
 };
 use infera_core::fleet::{FleetConfig, FleetState};
 use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
-use infera_core::policy::{RouteRequest, Router, RouterConfig, score_candidates};
+use infera_core::policy::{RouteRequest, Router, RouterConfig, Weights, score_candidates};
 use infera_core::projection::Projection;
 use proptest::prelude::*;
 
@@ -178,9 +178,10 @@ proptest! {
         let r = req("q".into(), blocks.clone());
         let cands = w.fleet.candidates("m", Role::Mixed).to_vec();
         let mut scratch = Default::default();
-        let before = score_candidates(&w.fleet, &r, &cands, weight, &mut scratch).expect("score");
+        let weights = Weights { overlap: weight, resident: 1.0 };
+        let before = score_candidates(&w.fleet, &r, &cands, weights, 0, &mut scratch).expect("score");
         w.store(target, &blocks[..have + 1]);
-        let after = score_candidates(&w.fleet, &r, &cands, weight, &mut scratch).expect("score");
+        let after = score_candidates(&w.fleet, &r, &cands, weights, 0, &mut scratch).expect("score");
         for (b, a) in before.iter().zip(&after) {
             prop_assert!(a.overlap >= b.overlap);
             prop_assert!(a.cost <= b.cost + 1e-9, "{} -> {}", b.cost, a.cost);

@@ -33,12 +33,24 @@ pub struct SuiteTrace {
     pub base: SimConfig,
 }
 
-/// The policies compared: round-robin, then KV-aware at the default weight and two higher ones.
-pub const POLICIES: [(&str, PolicyKind, f64); 4] = [
-    ("round-robin", PolicyKind::RoundRobin, 1.0),
-    ("kv-aware, weight 1 (default)", PolicyKind::KvAware, 1.0),
-    ("kv-aware, weight 4", PolicyKind::KvAware, 4.0),
-    ("kv-aware, weight 16", PolicyKind::KvAware, 16.0),
+/// The policies compared (label, policy, overlap weight, resident weight): round-robin, then
+/// KV-aware at the default weight and two higher ones, and with resident conversations counted.
+pub const POLICIES: [(&str, PolicyKind, f64, f64); 5] = [
+    ("round-robin", PolicyKind::RoundRobin, 1.0, 0.0),
+    (
+        "kv-aware, weight 1 (default)",
+        PolicyKind::KvAware,
+        1.0,
+        0.0,
+    ),
+    ("kv-aware, weight 4", PolicyKind::KvAware, 4.0, 0.0),
+    ("kv-aware, weight 16", PolicyKind::KvAware, 16.0, 0.0),
+    (
+        "kv-aware, weight 4, resident weight 1",
+        PolicyKind::KvAware,
+        4.0,
+        1.0,
+    ),
 ];
 
 /// One line of the table.
@@ -115,6 +127,7 @@ pub fn run(traces: &[SuiteTrace]) -> Result<Vec<SuiteRow>, SimError> {
                     let mut c = st.base.clone();
                     c.router.policy = POLICIES[*p].1;
                     c.router.overlap_weight = POLICIES[*p].2;
+                    c.router.resident_weight = POLICIES[*p].3;
                     c
                 }
                 Job::Tune(point) => point.config.clone(),

@@ -22,6 +22,7 @@ pub const SWEEPABLE: &[&str] = &[
     "kv-prefill-overlap-weight",
     "kv-decode-overlap-weight",
     "router-temperature",
+    "router-resident-weight",
     "router-policy",
     "workers",
     "prefill-workers",
@@ -115,6 +116,7 @@ pub fn apply(cfg: &mut SimConfig, key: &str, value: &str) -> Result<(), SweepErr
             cfg.router.decode_overlap_weight = Some(num(key, value, false)?)
         }
         "router-temperature" => cfg.router.temperature = num(key, value, false)?,
+        "router-resident-weight" => cfg.router.resident_weight = num(key, value, false)?,
         "router-policy" => {
             cfg.router.policy = match value {
                 "kv-aware" => PolicyKind::KvAware,

@@ -3,7 +3,7 @@
 //!
 //! The search is a [`crate::sweep`] grid: the caller's `--sweep` axes when given, otherwise
 //! [`default_axes`] (the KV-overlap weight, or the PD prefill weight on a PD fleet, against the
-//! router temperature). Every configuration is scored on three objectives ([`Objectives`]): hit
+//! router temperature and the resident-conversation weight). Every configuration is scored on three objectives ([`Objectives`]): hit
 //! rate (higher is better), TTFT p50 (lower) and balance, the busiest worker's share over the
 //! mean (lower). A configuration is on the [`front`] when no other is at least as good on all
 //! three and better on one. [`recommend`] picks, among the configurations whose busiest worker
@@ -26,8 +26,11 @@ pub const HIT_RATE_TIE: f64 = 0.002;
 const WEIGHTS: &str = "0,0.5,1,2,4,8,16,32";
 /// Router temperatures searched by default.
 const TEMPERATURES: &str = "0,0.1,0.5";
+/// Resident-conversation weights searched by default.
+const RESIDENT_WEIGHTS: &str = "0,0.5,1";
 
-/// The default search: the weight the fleet's router uses against the temperature.
+/// The default search: the weight the fleet's router uses against the temperature and the
+/// resident-conversation weight.
 pub fn default_axes(base: &SimConfig) -> Vec<SweepAxis> {
     let weight = if base.pd.is_some() {
         "kv-prefill-overlap-weight"
@@ -41,6 +44,7 @@ pub fn default_axes(base: &SimConfig) -> Vec<SweepAxis> {
     vec![
         axis(weight, WEIGHTS),
         axis("router-temperature", TEMPERATURES),
+        axis("router-resident-weight", RESIDENT_WEIGHTS),
     ]
 }
 
@@ -240,6 +244,7 @@ mod tests {
         let mixed = default_axes(&SimConfig::default());
         assert_eq!(mixed[0].key, "kv-overlap-weight");
         assert_eq!(mixed[1].key, "router-temperature");
+        assert_eq!(mixed[2].key, "router-resident-weight");
         let pd = default_axes(&SimConfig {
             pd: Some((1, 3)),
             ..SimConfig::default()

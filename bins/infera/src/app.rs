@@ -75,7 +75,7 @@ pub fn run(cli: Cli) -> Result<(), AppError> {
     match cli.command {
         Command::Server(args) => {
             let check = args.check_config;
-            match ServerConfig::try_from(args) {
+            match ServerConfig::try_from(*args) {
                 Ok(config) if !check => {
                     crate::server_cmd::run(config).map_err(|error| AppError::Failed {
                         command: "server",

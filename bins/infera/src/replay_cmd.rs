@@ -45,6 +45,7 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
     };
     nonneg("kv-overlap-weight", a.kv_overlap_weight)?;
     nonneg("router-temperature", a.router_temperature)?;
+    nonneg("router-resident-weight", a.router_resident_weight)?;
     nonneg("kv-event-delay-ms", a.kv_event_delay_ms)?;
     nonneg("frontend-ms", a.frontend_ms)?;
     nonneg("load-ms-per-block", a.load_ms_per_block)?;
@@ -90,6 +91,7 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
     cfg.router.prefill_overlap_weight = a.kv_prefill_overlap_weight;
     cfg.router.decode_overlap_weight = a.kv_decode_overlap_weight;
     cfg.router.temperature = a.router_temperature;
+    cfg.router.resident_weight = a.router_resident_weight;
     cfg.router.seed = a.seed;
     cfg.workers = a.workers;
     cfg.pd = a.prefill_workers.zip(a.decode_workers);

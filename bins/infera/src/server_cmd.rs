@@ -69,6 +69,7 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         request_max_retries: config.router.request_max_retries,
         router: RouterConfig {
             temperature: config.router.temperature,
+            resident_weight: config.router.resident_weight,
             ..router_config(
                 config.router.policy,
                 config.router.kv_overlap_weight,

@@ -4,7 +4,8 @@
 //!
 //! - One user sending turns one after another with a long shared system prompt, on an otherwise
 //!   idle fleet: every turn after the first is a prefix-cache hit (the fleet charges no worker for
-//!   requests that have finished).
+//!   requests that have finished; with `--router-resident-weight`, only for what the other
+//!   conversations hold beyond the shared prompt).
 //! - A burst of identical prompts: it spreads, no worker takes more than half of it (each request
 //!   in flight loads its worker).
 //! - Concurrent requests that share one client `x-infera-request-id` each count in flight.
@@ -45,8 +46,8 @@ struct Fleet {
 }
 
 impl Fleet {
-    /// Starts the fleet; `mock` flags go to every worker.
-    async fn start(transport: Transport, workers: usize, mock: &[&str]) -> Fleet {
+    /// Starts the fleet; `mock` flags go to every worker, `server` flags to the server.
+    async fn start(transport: Transport, workers: usize, mock: &[&str], server: &[&str]) -> Fleet {
         let one = ONE_FLEET.lock().await;
         let etcd = EtcdServer::start().await.expect("etcd starts");
         let nats = match transport {
@@ -81,7 +82,8 @@ impl Fleet {
         .args(["--port", &server_port.to_string()])
         .args(["--discovery-backend", "etcd", "--etcd-endpoint"])
         .arg(etcd.endpoint())
-        .args(&wires);
+        .args(&wires)
+        .args(server);
         procs.push(spawn(cmd));
         eventually("every worker to be discovered", || {
             get_json(server_port, "/health").is_some_and(|h| h["active_workers"] == workers)
@@ -160,8 +162,8 @@ fn turn(system: &str, i: usize) -> Value {
 
 /// Six sequential turns sharing the system prompt, each sent once the previous one has been
 /// answered: every turn after the first finds the prompt cached.
-async fn sequential_turns_hit_the_cache(transport: Transport) {
-    let fleet = Fleet::start(transport, 3, &[]).await;
+async fn sequential_turns_hit_the_cache(transport: Transport, server: &[&str]) {
+    let fleet = Fleet::start(transport, 3, &[], server).await;
     let system = system_prompt();
     let port = fleet.server_port;
     let answers = tokio::task::spawn_blocking(move || {
@@ -192,17 +194,24 @@ async fn sequential_turns_hit_the_cache(transport: Transport) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sequential_shared_prefix_turns_hit_the_cache_over_http_and_zmq() {
-    sequential_turns_hit_the_cache(Transport::HttpZmq).await;
+    sequential_turns_hit_the_cache(Transport::HttpZmq, &[]).await;
+}
+
+/// With resident conversations counted, the earlier turns are other conversations on the
+/// worker, but beyond the shared prompt they hold only a question: the turns still stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequential_shared_prefix_turns_hit_the_cache_with_resident_load_counted() {
+    sequential_turns_hit_the_cache(Transport::HttpZmq, &["--router-resident-weight", "1"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sequential_shared_prefix_turns_hit_the_cache_over_nats() {
-    sequential_turns_hit_the_cache(Transport::Nats).await;
+    sequential_turns_hit_the_cache(Transport::Nats, &[]).await;
 }
 
 /// 32 identical prompts sent at once: no worker takes more than half of them.
 async fn a_burst_spreads(transport: Transport) {
-    let fleet = Fleet::start(transport, 3, &[]).await;
+    let fleet = Fleet::start(transport, 3, &[], &[]).await;
     let system = system_prompt();
     let port = fleet.server_port;
     let sent: Vec<_> = (0..32)
@@ -256,7 +265,7 @@ fn open_stream_with_id(port: u16, id: &str, body: &Value) -> TcpStream {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_sharing_a_client_id_each_count_in_flight() {
     // Real-time engines: 4,000 tokens keep every stream open for the whole check.
-    let fleet = Fleet::start(Transport::HttpZmq, 2, &["--speedup", "1"]).await;
+    let fleet = Fleet::start(Transport::HttpZmq, 2, &["--speedup", "1"], &[]).await;
     let port = fleet.server_port;
     let streams = tokio::task::spawn_blocking(move || {
         (0..10)

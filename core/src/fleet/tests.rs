@@ -382,3 +382,86 @@ fn states_that_differ_only_in_a_drain_are_not_equal() {
     g.apply(&env(3, drain("a:1", "pod deleted")));
     assert_ne!(f, g);
 }
+
+fn at(ts_us: u64, event: Event) -> Envelope {
+    Envelope {
+        v: 1,
+        seq: ts_us,
+        ts_us,
+        source: None,
+        event,
+    }
+}
+
+fn hashes(blocks: &[u64]) -> Vec<BlockHash> {
+    blocks.iter().map(|b| BlockHash(*b)).collect()
+}
+
+#[test]
+fn a_finished_conversation_stays_resident_for_others_until_the_horizon() {
+    let (mut f, a, b) = fleet_with_two();
+    let slot_a = f.index().slot(&a).expect("slot");
+    let slot_b = f.index().slot(&b).expect("slot");
+    f.apply(&at(10, routed("x1", &a, &[1, 2, 3], 10)));
+    // In flight it is load, not a resident.
+    assert_eq!(f.resident_blocks_at(slot_a, &hashes(&[7, 8]), 0, 10), 0);
+    f.apply(&at(1_000, finished("x1")));
+    // Another conversation sees it on a, not on b.
+    assert_eq!(f.resident_blocks_at(slot_a, &hashes(&[7, 8]), 0, 2_000), 3);
+    assert_eq!(f.resident_blocks_at(slot_b, &hashes(&[7, 8]), 0, 2_000), 0);
+    // Its own next turn (same prefix, longer) is not charged for its history.
+    assert_eq!(
+        f.resident_blocks_at(slot_a, &hashes(&[1, 2, 3, 4]), 3, 2_000),
+        0
+    );
+    // A prompt that shares a part of it is another conversation, counted beyond what it
+    // shares with the rank.
+    assert_eq!(
+        f.resident_blocks_at(slot_a, &hashes(&[1, 2, 9, 4]), 0, 2_000),
+        3
+    );
+    assert_eq!(
+        f.resident_blocks_at(slot_a, &hashes(&[1, 2, 9, 4]), 2, 2_000),
+        1
+    );
+    // Past the horizon it no longer counts.
+    let late = 1_000 + RESIDENT_HORIZON_US + 1;
+    assert_eq!(f.resident_blocks_at(slot_a, &hashes(&[7, 8]), 0, late), 0);
+}
+
+#[test]
+fn a_continued_conversation_leaves_one_tip_and_tips_are_bounded() {
+    let (mut f, a, _) = fleet_with_two();
+    let slot_a = f.index().slot(&a).expect("slot");
+    // Three turns of one conversation on a: only the last counts for others.
+    let turns: [&[u64]; 3] = [&[1, 2], &[1, 2, 3, 4], &[1, 2, 3, 4, 5, 6]];
+    for (i, blocks) in turns.iter().enumerate() {
+        let id = format!("t{i}");
+        let t = 100 * (i as u64 + 1);
+        f.apply(&at(t, routed(&id, &a, blocks, t)));
+        f.apply(&at(t + 50, finished(&id)));
+    }
+    assert_eq!(f.resident_blocks_at(slot_a, &hashes(&[9]), 0, 1_000), 6);
+    // Many one-turn conversations: the newest MAX_TIPS are kept.
+    for i in 0..(MAX_TIPS as u64 + 5) {
+        let id = format!("c{i}");
+        f.apply(&at(2_000 + i, routed(&id, &a, &[100 + i], 2_000 + i)));
+        f.apply(&at(2_000 + i, finished(&id)));
+    }
+    assert_eq!(
+        f.resident_blocks_at(slot_a, &hashes(&[9]), 0, 3_000),
+        MAX_TIPS as u64
+    );
+}
+
+#[test]
+fn resident_tips_are_soft_state_outside_equality() {
+    let (mut f, a, _) = fleet_with_two();
+    let (g, _, _) = fleet_with_two();
+    f.apply(&at(10, routed("x1", &a, &[1, 2, 3], 10)));
+    f.apply(&at(20, finished("x1")));
+    assert!(
+        f == g,
+        "a finished request leaves nothing a rebuild must reproduce"
+    );
+}

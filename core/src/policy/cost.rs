@@ -1,6 +1,7 @@
 //! The kv-aware cost of each candidate, and the choice among them (argmin or softmax).
 
 use super::{RouteError, RouteRequest};
+use crate::clock::Micros;
 use crate::event::Tier;
 use crate::fleet::{Candidate, FleetState};
 use crate::ids::BlockHash;
@@ -13,7 +14,8 @@ pub struct Scored {
     pub candidate: Candidate,
     /// Leading blocks the candidate holds or is computing (index + expected cache).
     pub overlap: u32,
-    /// Blocks of its in-flight requests, summed over requests.
+    /// Blocks of its in-flight requests, summed over requests, plus the weighted blocks of the
+    /// other conversations resident on it.
     pub load: f64,
     pub prefill_blocks: f64,
     pub cost: f64,
@@ -26,12 +28,22 @@ pub struct Scratch {
     overlaps: Vec<u32>,
 }
 
-/// Scores every candidate for `req` with the given overlap `weight`.
+/// The weights of a decision's cost terms.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Weights {
+    /// Of the blocks to prefill (the overlap weight, scaled for the leg's role and retention).
+    pub overlap: f64,
+    /// Of the blocks of the other conversations resident on a candidate.
+    pub resident: f64,
+}
+
+/// Scores every candidate for `req` at `now_us` with the given weights.
 pub fn score_candidates(
     fleet: &FleetState,
     req: &RouteRequest,
     cands: &[Candidate],
-    weight: f64,
+    weights: Weights,
+    now_us: Micros,
     scratch: &mut Scratch,
 ) -> Result<Vec<Scored>, RouteError> {
     let mut out: Vec<Scored> = Vec::with_capacity(cands.len());
@@ -60,14 +72,17 @@ pub fn score_candidates(
         }
     }
     for (c, overlap) in cands.iter().zip(overlap_of) {
-        let request_blocks = req
-            .blocks_for(&c.rank.worker, c.block_size)
-            .map_or(0, <[BlockHash]>::len) as f64;
+        let blocks = req.blocks_for(&c.rank.worker, c.block_size).unwrap_or(&[]);
+        let request_blocks = blocks.len() as f64;
         let queued_blocks =
             fleet.queued_prefill_tokens_at(c.slot) as f64 / c.block_size.max(1) as f64;
         let prefill_blocks = request_blocks - overlap as f64 + queued_blocks;
-        let load = fleet.inflight_blocks_at(c.slot) as f64;
-        let cost = weight * prefill_blocks + load;
+        let mut load = fleet.inflight_blocks_at(c.slot) as f64;
+        if weights.resident > 0.0 {
+            load +=
+                weights.resident * fleet.resident_blocks_at(c.slot, blocks, overlap, now_us) as f64;
+        }
+        let cost = weights.overlap * prefill_blocks + load;
         out.push(Scored {
             candidate: c.clone(),
             overlap,

@@ -3,7 +3,7 @@
 //! - `kv-aware`: for each candidate `w` (lower is better)
 //!   ```text
 //!   prefill_blocks(w) = request_blocks − overlap(w) + queued_prefill_blocks(w)
-//!   load(w)           = inflight_blocks(w)
+//!   load(w)           = inflight_blocks(w) + resident_weight × resident_blocks(w)
 //!   cost(w)           = weight × prefill_blocks(w) + load(w)
 //!   ```
 //!   `overlap(w)` is the prefix the engine announced, extended by the blocks of `w`'s requests in
@@ -11,6 +11,11 @@
 //!   the blocks of `w`'s requests in flight, per request. Nothing outlives a request: sequential
 //!   turns of one conversation stay on the worker that holds their prefix, and a burst of
 //!   identical prompts spreads because each one in flight loads its worker.
+//!   `resident_blocks(w)` (`--router-resident-weight`, default 0: off) counts the other
+//!   conversations living on `w` between their turns ([`FleetState::resident_blocks_at`]): an
+//!   agent's next turn may come seconds after its last answer, and a fleet that sees only what
+//!   is in flight stacks new sessions on the worker that happens to be idle in that moment. A
+//!   request is never charged for its own conversation's history, so sequential turns stay.
 //!   `weight` is `--kv-overlap-weight`, or the prefill / decode weight for PD roles, scaled by the
 //!   request's retention hint (`long` ×2, `none` ×0.1). With `--router-temperature 0` the cheapest
 //!   candidate wins; ties go to the lower load, then to a seeded random choice (never list order).
@@ -24,7 +29,7 @@
 
 mod cost;
 
-pub use cost::{Scored, Scratch, score_candidates};
+pub use cost::{Scored, Scratch, Weights, score_candidates};
 
 use crate::clock::Micros;
 use crate::event::{CandidateScore, RequestRouted, Retention, Role, RoutedLeg};
@@ -68,6 +73,10 @@ pub struct RouterConfig {
     pub seed: u64,
     /// How many scored candidates a `RequestRouted` event keeps.
     pub record_top: usize,
+    /// `--router-resident-weight`: the load of the other conversations resident on a worker,
+    /// per block of their last prompts (0: not counted).
+    #[serde(default)]
+    pub resident_weight: f64,
 }
 
 impl Default for RouterConfig {
@@ -80,6 +89,7 @@ impl Default for RouterConfig {
             temperature: 0.0,
             seed: 0,
             record_top: 4,
+            resident_weight: 0.0,
         }
     }
 }
@@ -257,7 +267,7 @@ impl Router {
         let mut top = Vec::new();
         let mut blocks: Vec<BlockHash> = Vec::new();
         for &role in roles {
-            let (leg, leg_blocks, leg_top, weight) = self.decide_leg(fleet, req, role)?;
+            let (leg, leg_blocks, leg_top, weight) = self.decide_leg(fleet, req, role, now_us)?;
             if blocks.is_empty() {
                 blocks = leg_blocks.to_vec();
             }
@@ -342,6 +352,7 @@ impl Router {
         fleet: &FleetState,
         req: &'r RouteRequest,
         role: Role,
+        now_us: Micros,
     ) -> Result<LegDecision<'r>, RouteError> {
         let all = fleet.candidates(&req.model, role);
         let filtered: Vec<Candidate>;
@@ -385,7 +396,12 @@ impl Router {
                 Ok((leg, blocks, Vec::new(), weight))
             }
             PolicyKind::KvAware => {
-                let scored = score_candidates(fleet, req, cands, weight, &mut self.scratch)?;
+                let weights = Weights {
+                    overlap: weight,
+                    resident: self.config.resident_weight,
+                };
+                let scored =
+                    score_candidates(fleet, req, cands, weights, now_us, &mut self.scratch)?;
                 let pick = cost::choose(&scored, self.config.temperature, &mut self.rng);
                 let chosen = &scored[pick];
                 let blocks = req

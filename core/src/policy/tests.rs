@@ -45,11 +45,15 @@ impl World {
     }
 
     fn apply(&mut self, event: Event) {
+        self.apply_at(0, event);
+    }
+
+    fn apply_at(&mut self, ts_us: u64, event: Event) {
         self.seq += 1;
         let env = Envelope {
             v: 1,
             seq: self.seq,
-            ts_us: 0,
+            ts_us,
             source: None,
             event,
         };
@@ -370,4 +374,142 @@ fn a_worker_that_renders_its_own_way_is_scored_and_charged_with_its_own_hashes()
     );
     // A rendering without hashes at a block size is a missing block size, as for the fleet's.
     assert_eq!(per_worker.blocks_for(&WorkerId::new("b:1"), 8), None);
+}
+
+/// Routes `tokens` at `t_us` with `r`, then finishes it a millisecond later; the worker picked.
+fn turn(w: &mut World, r: &mut Router, id: &str, tokens: &[u32], t_us: u64) -> WorkerRank {
+    let d = r
+        .decide(&w.fleet, &request(id, tokens), t_us)
+        .expect("decision");
+    let picked = d.legs[0].worker.clone();
+    w.apply_at(t_us, Event::RequestRouted(d));
+    w.apply_at(
+        t_us + 1_000,
+        Event::RequestFinished(crate::event::RequestFinished {
+            request_id: RequestId::new(id),
+            status: crate::event::RequestStatus::Ok,
+            ttft_us: None,
+            tokens_in: 0,
+            tokens_out: 0,
+            cached_tokens: None,
+        }),
+    );
+    picked
+}
+
+/// A shared system prompt of 32 tokens (8 blocks), then the session's own text.
+fn session_prompt(session: u32, len: u32) -> Vec<u32> {
+    (0..32)
+        .chain((0..len).map(|i| 1_000 * (session + 1) + i))
+        .collect()
+}
+
+#[test]
+fn a_new_session_avoids_a_worker_where_another_one_is_resident() {
+    for seed in 0..16 {
+        let run = |resident_weight: f64| {
+            let mut w = World::new(&[("a:1", Role::Mixed), ("b:1", Role::Mixed)]);
+            let system = hash_blocks(&session_prompt(0, 0), 4, None);
+            w.store("a:1", &system);
+            w.store("b:1", &system);
+            let mut r = Router::new(RouterConfig {
+                resident_weight,
+                seed,
+                ..RouterConfig::default()
+            });
+            // Session 1's turn ends; it is thinking when session 2 starts.
+            let first = turn(&mut w, &mut r, "s1", &session_prompt(1, 16), 1_000_000);
+            let second = turn(&mut w, &mut r, "s2", &session_prompt(2, 16), 3_000_000);
+            (first, second)
+        };
+        let (first, second) = run(1.0);
+        assert_ne!(first, second, "seed {seed}: the sessions share a worker");
+    }
+    // Without the term, the idle fleet looks even and the second session lands by chance.
+    let shared = (0..16).any(|seed| {
+        let mut w = World::new(&[("a:1", Role::Mixed), ("b:1", Role::Mixed)]);
+        let mut r = Router::new(RouterConfig {
+            seed,
+            ..RouterConfig::default()
+        });
+        let first = turn(&mut w, &mut r, "s1", &session_prompt(1, 16), 1_000_000);
+        first == turn(&mut w, &mut r, "s2", &session_prompt(2, 16), 3_000_000)
+    });
+    assert!(shared);
+}
+
+#[test]
+fn sequential_turns_stay_on_their_worker_with_resident_load_on() {
+    for resident_weight in [0.5, 1.0, 4.0] {
+        let mut w = World::new(&[
+            ("a:1", Role::Mixed),
+            ("b:1", Role::Mixed),
+            ("c:1", Role::Mixed),
+        ]);
+        let mut r = Router::new(RouterConfig {
+            resident_weight,
+            ..RouterConfig::default()
+        });
+        // Another session lives on some worker; ours sends six turns, each the previous
+        // prompt plus more, seconds apart.
+        let other = turn(&mut w, &mut r, "o", &session_prompt(9, 400), 0);
+        let mut picks = Vec::new();
+        for k in 1..=6u32 {
+            let tokens = session_prompt(1, 64 * k);
+            let picked = turn(
+                &mut w,
+                &mut r,
+                &format!("t{k}"),
+                &tokens,
+                u64::from(k) * 5_000_000,
+            );
+            // The engine announces what it cached.
+            let blocks = hash_blocks(&tokens, 4, None);
+            w.store(picked.worker.as_str(), &blocks);
+            picks.push(picked);
+        }
+        assert!(
+            picks.iter().all(|p| *p == picks[0]),
+            "weight {resident_weight}: turns moved: {picks:?}"
+        );
+        assert_ne!(
+            picks[0], other,
+            "weight {resident_weight}: the sessions share a worker"
+        );
+    }
+}
+
+#[test]
+fn sequential_questions_under_one_system_prompt_stay_with_resident_load_on() {
+    // One user, one long system prompt, a new question each time (no history): the earlier
+    // questions are other conversations, but all they hold beyond the shared prompt is a
+    // question, so they never outweigh the prompt's cache.
+    for resident_weight in [0.5, 1.0, 4.0] {
+        let mut w = World::new(&[
+            ("a:1", Role::Mixed),
+            ("b:1", Role::Mixed),
+            ("c:1", Role::Mixed),
+        ]);
+        let mut r = Router::new(RouterConfig {
+            resident_weight,
+            ..RouterConfig::default()
+        });
+        let mut picks = Vec::new();
+        for k in 0..6u32 {
+            let tokens: Vec<u32> = (0..256).chain((0..8).map(|i| 50_000 + 8 * k + i)).collect();
+            let picked = turn(
+                &mut w,
+                &mut r,
+                &format!("q{k}"),
+                &tokens,
+                u64::from(k) * 2_000_000,
+            );
+            w.store(picked.worker.as_str(), &hash_blocks(&tokens, 4, None));
+            picks.push(picked);
+        }
+        assert!(
+            picks.iter().all(|p| *p == picks[0]),
+            "weight {resident_weight}: questions moved: {picks:?}"
+        );
+    }
 }

@@ -102,7 +102,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// OpenAI-compatible HTTP server and KV-aware router.
-    Server(server::ServerArgs),
+    Server(Box<server::ServerArgs>),
     /// Launch one engine and join it to the fleet.
     #[command(subcommand)]
     Worker(worker::WorkerCommand),

@@ -48,6 +48,10 @@ pub struct ReplayArgs {
     /// 0: cheapest worker wins; above 0: softmax over normalised costs (Infera extension).
     #[arg(long, default_value_t = 0.0)]
     pub router_temperature: f64,
+    /// Load per block of the other conversations resident on a worker between their turns, as
+    /// `infera server` (Infera extension).
+    #[arg(long, default_value_t = 0.0)]
+    pub router_resident_weight: f64,
 
     /// Mixed (non-PD) workers in the simulated fleet.
     #[arg(long, default_value_t = 8)]
@@ -115,7 +119,8 @@ pub struct ReplayArgs {
     pub sweeps: Vec<String>,
     /// Search the router's tunables and print the Pareto front of hit rate, TTFT p50 and balance
     /// with the flags to use. Searches the --sweep axes when given [default: kv-overlap-weight
-    /// (the prefill weight on a PD fleet) 0..32 against router-temperature 0, 0.1, 0.5]; with
+    /// (the prefill weight on a PD fleet) 0..32 against router-temperature 0, 0.1, 0.5 and
+    /// router-resident-weight 0, 0.5, 1]; with
     /// --plot, charts hit rate against balance with the recommended point marked.
     #[arg(long)]
     pub tune: bool,

@@ -260,6 +260,13 @@ pub struct ServerArgs {
     )]
     pub router_temperature: f64,
 
+    /// Infera extension: load per block of the other conversations living on a worker between
+    /// their turns (finished within the last minute, not continued yet); 0 counts only what is
+    /// in flight. Above 0, new sessions spread over workers while each session's own turns stay
+    /// with their cache (agentic traffic: try 1; `infera replay --tune` searches it).
+    #[arg(long, default_value = "0", value_name = "W", allow_negative_numbers = true, help_heading = EXTENSIONS)]
+    pub router_resident_weight: f64,
+
     /// Infera extension: where router events are kept, so a restarted server keeps its KV
     /// index and replicas share load: memory, nats (JetStream on --nats-server),
     /// nats://HOST:PORT[?stream=NAME&max_age=7d&max_bytes=8GiB], sqlite:PATH or

@@ -149,6 +149,9 @@ pub struct RouterConfig {
     pub kv_decode_overlap_weight: Option<f64>,
     /// 0: argmin; above 0: softmax sampling over range-normalised costs.
     pub temperature: f64,
+    /// `--router-resident-weight`: load per block of the conversations resident on a worker.
+    #[serde(default)]
+    pub resident_weight: f64,
     /// Failovers before the first response byte.
     pub request_max_retries: u32,
     /// The retention of a request that asks for none.
@@ -282,6 +285,10 @@ impl TryFrom<ServerArgs> for ServerConfig {
             kv_prefill_overlap_weight,
             kv_decode_overlap_weight,
             temperature: non_negative_f64("--router-temperature", args.router_temperature)?,
+            resident_weight: non_negative_f64(
+                "--router-resident-weight",
+                args.router_resident_weight,
+            )?,
             request_max_retries: args.request_max_retries,
             default_retention: args.default_retention.into(),
             default_chat_template_kwargs: template_kwargs(

@@ -22,7 +22,7 @@ fn parse_exactly(extra: &[&str]) -> Result<ServerConfig, ConfigError> {
     argv.extend_from_slice(extra);
     let cli = Cli::try_parse_from(argv).unwrap();
     match cli.command {
-        crate::cli::Command::Server(args) => ServerConfig::try_from(args),
+        crate::cli::Command::Server(args) => ServerConfig::try_from(*args),
         other => panic!("parsed as {other:?}"),
     }
 }
@@ -71,11 +71,15 @@ fn negative_weights_and_temperature_are_rejected() {
         ("--kv-prefill-overlap-weight", "-0.5"),
         ("--kv-decode-overlap-weight", "-2"),
         ("--router-temperature", "-0.1"),
+        ("--router-resident-weight", "-1"),
     ] {
         let error = parse(&[flag, value]).unwrap_err();
         assert_eq!(error.flag, flag);
     }
     assert!(parse(&["--kv-overlap-weight", "0", "--router-temperature", "0.5"]).is_ok());
+    let resident = parse(&["--router-resident-weight", "0.5"]).unwrap();
+    assert_eq!(resident.router.resident_weight, 0.5);
+    assert_eq!(parse(&[]).unwrap().router.resident_weight, 0.0);
 }
 
 #[test]
