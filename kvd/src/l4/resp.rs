@@ -4,7 +4,7 @@
 
 use super::frame::Framed;
 use super::remote::RemoteError;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use std::sync::Mutex;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
@@ -159,19 +159,21 @@ impl Conn {
                         self.max_bulk
                     )));
                 }
-                // Read into spare capacity: a large value is never zeroed first.
-                let mut buf = BytesMut::with_capacity(len + 2);
-                while buf.len() < len + 2 {
-                    let want = (len + 2 - buf.len()) as u64;
-                    if (&mut self.reader).take(want).read_buf(&mut buf).await? == 0 {
-                        return Err(protocol("the store closed the connection mid-value"));
+                // A zeroed allocation of this size is fresh pages from the kernel: nothing
+                // is written twice.
+                let mut buf = vec![0u8; len + 2];
+                self.reader.read_exact(&mut buf).await.map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                        protocol("the store closed the connection mid-value")
+                    } else {
+                        RemoteError::Io(e)
                     }
-                }
+                })?;
                 if &buf[len..] != b"\r\n" {
                     return Err(protocol("a value is not followed by CRLF"));
                 }
                 buf.truncate(len);
-                Ok(Reply::Bulk(Some(buf.freeze())))
+                Ok(Reply::Bulk(Some(Bytes::from(buf))))
             }
             _ => Err(protocol(format!("unknown reply type {kind:?}"))),
         }
@@ -221,5 +223,63 @@ impl Pool {
     /// Drops every idle connection (after a failure: they may lead to a dead server).
     pub fn reset(&self) {
         self.idle.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    /// A store that answers any command with `reply` and then closes.
+    async fn store_answering(reply: Vec<u8>) -> Endpoint {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.expect("accept");
+            let mut buf = [0u8; 256];
+            let _ = s.read(&mut buf).await;
+            s.write_all(&reply).await.expect("write");
+        });
+        Endpoint {
+            host: "127.0.0.1".into(),
+            port,
+            password: None,
+            username: None,
+            db: None,
+        }
+    }
+
+    async fn get(reply: &[u8], max_bulk: usize) -> Result<Reply, RemoteError> {
+        let ep = store_answering(reply.to_vec()).await;
+        let mut conn = Conn::open(&ep, max_bulk).await?;
+        conn.send(&[Arg::Plain(b"GET"), Arg::Plain(b"k")]).await?;
+        conn.flush().await?;
+        conn.read().await
+    }
+
+    #[tokio::test]
+    async fn a_value_reads_whole_and_a_missing_one_as_none() {
+        let value: Vec<u8> = (0..300_000u32).map(|i| i as u8).collect();
+        let mut reply = format!("${}\r\n", value.len()).into_bytes();
+        reply.extend_from_slice(&value);
+        reply.extend_from_slice(b"\r\n");
+        let got = get(&reply, 1 << 20).await.expect("reply");
+        assert_eq!(got, Reply::Bulk(Some(Bytes::from(value))));
+        assert_eq!(get(b"$-1\r\n", 16).await.expect("nil"), Reply::Bulk(None));
+    }
+
+    #[tokio::test]
+    async fn cut_oversized_and_unterminated_values_are_errors() {
+        let message = |r: Result<Reply, RemoteError>| r.expect_err("an error").to_string();
+        let cut = message(get(b"$10\r\n0123", 64).await);
+        assert!(cut.contains("mid-value"), "{cut}");
+        let big = message(get(b"$100\r\n", 64).await);
+        assert!(big.contains("over the 64 byte bound"), "{big}");
+        let unterminated = message(get(b"$4\r\nabcdXY", 64).await);
+        assert!(
+            unterminated.contains("not followed by CRLF"),
+            "{unterminated}"
+        );
     }
 }
