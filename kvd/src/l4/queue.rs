@@ -10,8 +10,8 @@
 //!   open, becomes a removal (its L4 copy is dropped and counted; the store's older value must
 //!   not answer for it). Removals are small and bounded in number; past the bound L4 reads are
 //!   switched off for the rest of the run (an error is logged) rather than risk an old value.
-//! - The writer sends batches (bounded in items and bytes; a batch's puts spread over a few
-//!   connections) under a deadline each; a failed batch goes back to the queue. Consecutive failures open the circuit breaker; while it is
+//! - The writer sends batches (bounded in items and bytes; a batch's puts spread over the
+//!   store's write streams) under a deadline each; a failed batch goes back to the queue. Consecutive failures open the circuit breaker; while it is
 //!   open the writer probes the store's health every retry interval and closes it on success.
 
 use super::frame::{self, FrameInfo};
@@ -219,7 +219,7 @@ async fn write(inner: &Inner, batch: &[(u128, u64, Op)]) -> bool {
     if !puts.is_empty() {
         // Spread over the store's streams: the batch's keys are distinct, so their order does
         // not matter.
-        let per = puts.len().div_ceil(inner.remote.streams().max(1));
+        let per = puts.len().div_ceil(inner.remote.write_streams().max(1));
         let sends = puts
             .chunks(per)
             .map(|chunk| timeout(deadline, inner.remote.put_batch(chunk)));

@@ -32,6 +32,11 @@ pub trait RemoteStore: Send + Sync + std::fmt::Debug {
         4
     }
 
+    /// How many calls a batch of puts is spread over (by default [`RemoteStore::streams`]).
+    fn write_streams(&self) -> usize {
+        self.streams()
+    }
+
     /// Whether the store answers at all (a cheap round trip).
     async fn health(&self) -> Result<(), RemoteError>;
 
