@@ -44,6 +44,19 @@ fn prompt(app: u64, tail: u64) -> Vec<u32> {
     tokens(prefix.chain(tail))
 }
 
+/// The request for prompt `toks`, hashed at the fleet's block size.
+fn request(id: String, toks: &[u32]) -> RouteRequest {
+    RouteRequest {
+        request_id: RequestId::new(id),
+        model: "m".into(),
+        prompt_tokens: toks.len() as u32,
+        hashes: vec![(BS as u32, hash_blocks(toks, BS, None))],
+        retention: None,
+        per_worker: Default::default(),
+        exclude: vec![],
+    }
+}
+
 struct Setup {
     fleet: FleetState,
     seq: u64,
@@ -117,16 +130,7 @@ fn setup() -> Setup {
     let mut router = Router::new(RouterConfig::default());
     // Finished conversations, each leaving a tip on its worker.
     for i in 0..(WORKERS * 32) as u64 {
-        let toks = prompt(i % APPS, 8_000_000 + i);
-        let req = RouteRequest {
-            request_id: RequestId::new(format!("done{i}")),
-            model: "m".into(),
-            prompt_tokens: toks.len() as u32,
-            hashes: vec![(BS as u32, hash_blocks(&toks, BS, None))],
-            retention: None,
-            per_worker: Default::default(),
-            exclude: vec![],
-        };
+        let req = request(format!("done{i}"), &prompt(i % APPS, 8_000_000 + i));
         if let Ok(d) = router.decide(&s.fleet, &req, 0) {
             s.apply(Event::RequestRouted(d));
             s.apply(Event::RequestFinished(RequestFinished {
@@ -140,16 +144,7 @@ fn setup() -> Setup {
         }
     }
     for i in 0..(WORKERS * 4) as u64 {
-        let toks = prompt(i % APPS, 9_000_000 + i);
-        let req = RouteRequest {
-            request_id: RequestId::new(format!("busy{i}")),
-            model: "m".into(),
-            prompt_tokens: toks.len() as u32,
-            hashes: vec![(BS as u32, hash_blocks(&toks, BS, None))],
-            retention: None,
-            per_worker: Default::default(),
-            exclude: vec![],
-        };
+        let req = request(format!("busy{i}"), &prompt(i % APPS, 9_000_000 + i));
         if let Ok(d) = router.decide(&s.fleet, &req, i * 1000) {
             s.apply(Event::RequestRouted(d));
         }
@@ -174,17 +169,8 @@ fn benches(c: &mut Criterion) {
         let mut i = 0usize;
         c.bench_function(name, |b| {
             b.iter(|| {
-                let toks = &requests[i % requests.len()];
+                let req = request("r".into(), &requests[i % requests.len()]);
                 i += 1;
-                let req = RouteRequest {
-                    request_id: RequestId::new("r"),
-                    model: "m".into(),
-                    prompt_tokens: toks.len() as u32,
-                    hashes: vec![(BS as u32, hash_blocks(toks, BS, None))],
-                    retention: None,
-                    per_worker: Default::default(),
-                    exclude: vec![],
-                };
                 black_box(router.decide(&s.fleet, &req, 1_000_000).is_ok())
             })
         });
@@ -197,15 +183,7 @@ fn parts(c: &mut Criterion) {
     c.bench_function("decision/hash_only_8k_tokens", |b| {
         b.iter(|| black_box(hash_blocks(black_box(&toks), BS, None)))
     });
-    let req = RouteRequest {
-        request_id: RequestId::new("r"),
-        model: "m".into(),
-        prompt_tokens: toks.len() as u32,
-        hashes: vec![(BS as u32, hash_blocks(&toks, BS, None))],
-        retention: None,
-        per_worker: Default::default(),
-        exclude: vec![],
-    };
+    let req = request("r".into(), &toks);
     let mut router = Router::new(RouterConfig::default());
     c.bench_function("decision/route_only_512_blocks_64_workers", |b| {
         b.iter(|| black_box(router.decide(&s.fleet, &req, 1_000_000).is_ok()))

@@ -29,10 +29,10 @@
 //! other conversations that live there between their turns (an agent's tool call, a user
 //! reading). Each counts only beyond the prefix the request shares with the rank (its overlap
 //! there), so that requests sharing a long system prompt with different questions are not
-//! each other's load: what differs between them is their own part. The router charges them only with `--router-resident-weight` above 0, so that new
-//! sessions spread over workers while each session's own turns, never charged for their own
-//! history, stay where their cache is. A request routed to a rank retires the tips it
-//! continues there. Tips are soft state: a snapshot does not carry them, so a rebuild starts
+//! each other's load: what differs between them is their own part. The router charges them
+//! only with `--router-resident-weight` above 0, so that new sessions spread over workers while
+//! each session's own turns, never charged for their own history, stay where their cache is.
+//! A request routed to a rank retires the tips it continues there. Tips are soft state: a snapshot does not carry them, so a rebuild starts
 //! without them (they come back as requests finish) and [`PartialEq`] ignores them.
 //!
 //! # Draining

@@ -404,70 +404,78 @@ fn session_prompt(session: u32, len: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Two sessions on two workers that both hold the shared system prompt: session 1's turn ends,
+/// and it is thinking when session 2 starts. The workers each one got.
+fn two_sessions(seed: u64, resident_weight: f64) -> (WorkerRank, WorkerRank) {
+    let mut w = World::new(&[("a:1", Role::Mixed), ("b:1", Role::Mixed)]);
+    let system = hash_blocks(&session_prompt(0, 0), 4, None);
+    w.store("a:1", &system);
+    w.store("b:1", &system);
+    let mut r = Router::new(RouterConfig {
+        resident_weight,
+        seed,
+        ..RouterConfig::default()
+    });
+    let first = turn(&mut w, &mut r, "s1", &session_prompt(1, 16), 1_000_000);
+    let second = turn(&mut w, &mut r, "s2", &session_prompt(2, 16), 3_000_000);
+    (first, second)
+}
+
 #[test]
 fn a_new_session_avoids_a_worker_where_another_one_is_resident() {
     for seed in 0..16 {
-        let run = |resident_weight: f64| {
-            let mut w = World::new(&[("a:1", Role::Mixed), ("b:1", Role::Mixed)]);
-            let system = hash_blocks(&session_prompt(0, 0), 4, None);
-            w.store("a:1", &system);
-            w.store("b:1", &system);
-            let mut r = Router::new(RouterConfig {
-                resident_weight,
-                seed,
-                ..RouterConfig::default()
-            });
-            // Session 1's turn ends; it is thinking when session 2 starts.
-            let first = turn(&mut w, &mut r, "s1", &session_prompt(1, 16), 1_000_000);
-            let second = turn(&mut w, &mut r, "s2", &session_prompt(2, 16), 3_000_000);
-            (first, second)
-        };
-        let (first, second) = run(1.0);
+        let (first, second) = two_sessions(seed, 1.0);
         assert_ne!(first, second, "seed {seed}: the sessions share a worker");
     }
     // Without the term, the idle fleet looks even and the second session lands by chance.
-    let shared = (0..16).any(|seed| {
-        let mut w = World::new(&[("a:1", Role::Mixed), ("b:1", Role::Mixed)]);
-        let mut r = Router::new(RouterConfig {
-            seed,
-            ..RouterConfig::default()
-        });
-        let first = turn(&mut w, &mut r, "s1", &session_prompt(1, 16), 1_000_000);
-        first == turn(&mut w, &mut r, "s2", &session_prompt(2, 16), 3_000_000)
+    assert!((0..16).any(|seed| {
+        let (first, second) = two_sessions(seed, 0.0);
+        first == second
+    }));
+}
+
+/// Three workers and a router with `resident_weight`.
+fn three_workers(resident_weight: f64) -> (World, Router) {
+    let w = World::new(&[
+        ("a:1", Role::Mixed),
+        ("b:1", Role::Mixed),
+        ("c:1", Role::Mixed),
+    ]);
+    let r = Router::new(RouterConfig {
+        resident_weight,
+        ..RouterConfig::default()
     });
-    assert!(shared);
+    (w, r)
+}
+
+/// Sends `prompts` one after another, `step_us` apart from `step_us` on, each once the
+/// previous one finished, the engine announcing each prompt's blocks on the worker picked.
+/// The workers picked.
+fn one_after_another(
+    w: &mut World,
+    r: &mut Router,
+    prompts: &[Vec<u32>],
+    step_us: u64,
+) -> Vec<WorkerRank> {
+    let mut picks = Vec::new();
+    for (k, tokens) in prompts.iter().enumerate() {
+        let at = (k as u64 + 1) * step_us;
+        let picked = turn(w, r, &format!("t{k}"), tokens, at);
+        w.store(picked.worker.as_str(), &hash_blocks(tokens, 4, None));
+        picks.push(picked);
+    }
+    picks
 }
 
 #[test]
 fn sequential_turns_stay_on_their_worker_with_resident_load_on() {
     for resident_weight in [0.5, 1.0, 4.0] {
-        let mut w = World::new(&[
-            ("a:1", Role::Mixed),
-            ("b:1", Role::Mixed),
-            ("c:1", Role::Mixed),
-        ]);
-        let mut r = Router::new(RouterConfig {
-            resident_weight,
-            ..RouterConfig::default()
-        });
+        let (mut w, mut r) = three_workers(resident_weight);
         // Another session lives on some worker; ours sends six turns, each the previous
         // prompt plus more, seconds apart.
         let other = turn(&mut w, &mut r, "o", &session_prompt(9, 400), 0);
-        let mut picks = Vec::new();
-        for k in 1..=6u32 {
-            let tokens = session_prompt(1, 64 * k);
-            let picked = turn(
-                &mut w,
-                &mut r,
-                &format!("t{k}"),
-                &tokens,
-                u64::from(k) * 5_000_000,
-            );
-            // The engine announces what it cached.
-            let blocks = hash_blocks(&tokens, 4, None);
-            w.store(picked.worker.as_str(), &blocks);
-            picks.push(picked);
-        }
+        let turns: Vec<Vec<u32>> = (1..=6u32).map(|k| session_prompt(1, 64 * k)).collect();
+        let picks = one_after_another(&mut w, &mut r, &turns, 5_000_000);
         assert!(
             picks.iter().all(|p| *p == picks[0]),
             "weight {resident_weight}: turns moved: {picks:?}"
@@ -485,28 +493,11 @@ fn sequential_questions_under_one_system_prompt_stay_with_resident_load_on() {
     // questions are other conversations, but all they hold beyond the shared prompt is a
     // question, so they never outweigh the prompt's cache.
     for resident_weight in [0.5, 1.0, 4.0] {
-        let mut w = World::new(&[
-            ("a:1", Role::Mixed),
-            ("b:1", Role::Mixed),
-            ("c:1", Role::Mixed),
-        ]);
-        let mut r = Router::new(RouterConfig {
-            resident_weight,
-            ..RouterConfig::default()
-        });
-        let mut picks = Vec::new();
-        for k in 0..6u32 {
-            let tokens: Vec<u32> = (0..256).chain((0..8).map(|i| 50_000 + 8 * k + i)).collect();
-            let picked = turn(
-                &mut w,
-                &mut r,
-                &format!("q{k}"),
-                &tokens,
-                u64::from(k) * 2_000_000,
-            );
-            w.store(picked.worker.as_str(), &hash_blocks(&tokens, 4, None));
-            picks.push(picked);
-        }
+        let (mut w, mut r) = three_workers(resident_weight);
+        let questions: Vec<Vec<u32>> = (0..6u32)
+            .map(|k| (0..256).chain((0..8).map(|i| 50_000 + 8 * k + i)).collect())
+            .collect();
+        let picks = one_after_another(&mut w, &mut r, &questions, 2_000_000);
         assert!(
             picks.iter().all(|p| *p == picks[0]),
             "weight {resident_weight}: questions moved: {picks:?}"

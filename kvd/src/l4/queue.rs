@@ -11,8 +11,9 @@
 //!   not answer for it). Removals are small and bounded in number; past the bound L4 reads are
 //!   switched off for the rest of the run (an error is logged) rather than risk an old value.
 //! - The writer sends batches (bounded in items and bytes; a batch's puts spread over the
-//!   store's write streams) under a deadline each; a failed batch goes back to the queue. Consecutive failures open the circuit breaker; while it is
-//!   open the writer probes the store's health every retry interval and closes it on success.
+//!   store's write streams) under a deadline each; a failed batch goes back to the queue.
+//!   Consecutive failures open the circuit breaker; while it is open the writer probes the
+//!   store's health every retry interval and closes it on success.
 
 use super::frame::{self, FrameInfo};
 use super::{Inner, name};
@@ -217,8 +218,8 @@ async fn write(inner: &Inner, batch: &[(u128, u64, Op)]) -> bool {
     }
     let deadline = inner.options.op_timeout;
     if !puts.is_empty() {
-        // Spread over the store's streams: the batch's keys are distinct, so their order does
-        // not matter.
+        // Spread over the store's write streams: the batch's keys are distinct, so their order
+        // does not matter.
         let per = puts.len().div_ceil(inner.remote.write_streams().max(1));
         let sends = puts
             .chunks(per)

@@ -86,9 +86,9 @@ impl RemoteStore for RedisStore {
     }
 
     /// One connection: the server is single-threaded, and large values written on several
-    /// connections at once cost it more than they overlap (16 puts of 1 or 4 MiB: 64–67 % of a
-    /// plain pipelined client on two connections, 85–108 % on one). Reads keep four: copying
-    /// large replies out of the sockets is the client's work, and it overlaps.
+    /// connections at once cost it more than they overlap (16 puts of 1 or 4 MiB: 52–90 % of a
+    /// plain pipelined client on two or four connections, 72–108 % on one). Reads keep four:
+    /// copying large replies out of the sockets is the client's work, and it overlaps.
     fn write_streams(&self) -> usize {
         1
     }

@@ -159,8 +159,8 @@ impl Conn {
                         self.max_bulk
                     )));
                 }
-                // A zeroed allocation of this size is fresh pages from the kernel: nothing
-                // is written twice.
+                // A large zeroed allocation is fresh pages from the kernel, not zeroed by
+                // hand and then overwritten.
                 let mut buf = vec![0u8; len + 2];
                 self.reader.read_exact(&mut buf).await.map_err(|e| {
                     if e.kind() == std::io::ErrorKind::UnexpectedEof {
