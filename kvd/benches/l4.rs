@@ -7,8 +7,9 @@
 //!   the values it read as kvd does (a reader that dropped each value at once would reuse one
 //!   hot buffer, 1.6× faster on the 2-core build VM, that no caller could keep). Target: kvd
 //!   ≥ 80 % of the plain client.
-//! - After the criterion groups, the L2 SET latency study (`support/set_study.rs`) with this
-//!   Redis store.
+//! - After the criterion groups, the L2 SET latency studies with this Redis store: in process
+//!   (`support/set_study.rs`: the SET path's own cost) and over kvd's socket
+//!   (`support/set_socket.rs`: what a client waits for).
 //!
 //! Run: `cargo bench -p infera-kvd --bench l4 -- --warm-up-time 1 --measurement-time 3`.
 
@@ -18,6 +19,8 @@
 mod redis_server;
 #[path = "support/rounds.rs"]
 mod rounds;
+#[path = "support/set_socket.rs"]
+mod set_socket;
 #[path = "support/set_study.rs"]
 mod set_study;
 
@@ -204,4 +207,12 @@ fn main() {
     let cfg = config(redis.port);
     let down = config(redis_server::free_port()).store();
     set_study::run(&rt, &cfg.options(), &|| cfg.store(), down);
+    set_socket::run(
+        &rt,
+        vec![
+            ("no L4", None),
+            ("L4 healthy", Some(config(redis.port))),
+            ("L4 down", Some(config(redis_server::free_port()))),
+        ],
+    );
 }

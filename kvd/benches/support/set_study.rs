@@ -67,25 +67,40 @@ pub fn run(
             }
         }
     });
-    let median = |v: &mut Vec<Duration>| {
-        v.sort();
-        v[v.len() / 2]
-    };
-    let rows: Vec<(&str, Duration, Duration)> = longs
+    let rows = longs
         .iter()
-        .zip(&mut samples)
-        .map(|((name, _), (p50s, p99s))| (*name, median(p50s), median(p99s)))
+        .zip(samples)
+        .map(|((name, _), (p50s, p99s))| (*name, p50s, p99s))
         .collect();
-    let base = rows[0].2.as_secs_f64();
-    println!(
-        "\nL2 SET of 64 KiB long blocks ({SETS} per case and round; medians of {ROUNDS} rounds):"
+    report(
+        &format!(
+            "L2 SET of 64 KiB long blocks ({SETS} per case and round; medians of {ROUNDS} rounds)"
+        ),
+        rows,
     );
-    for (name, p50, p99) in rows {
+}
+
+/// The p50 and p99 of `times` (sorted here).
+pub fn percentiles(times: &mut [Duration]) -> (Duration, Duration) {
+    times.sort();
+    (times[times.len() / 2], times[times.len() * 99 / 100])
+}
+
+/// Prints `title` and, per case (the first is the baseline, no L4), the medians over rounds of
+/// its p50s and p99s, and its p99 against the baseline's.
+pub fn report(title: &str, rows: Vec<(&str, Vec<Duration>, Vec<Duration>)>) {
+    let median = |mut v: Vec<Duration>| {
+        v.sort();
+        v[v.len() / 2].as_secs_f64() * 1e6
+    };
+    println!("\n{title}:");
+    let mut base = None;
+    for (name, p50s, p99s) in rows {
+        let (p50, p99) = (median(p50s), median(p99s));
+        let base = *base.get_or_insert(p99);
         println!(
-            "  {name:<18} p50 {:>8.1} µs   p99 {:>8.1} µs   p99 vs no L4 {:>+6.1} %",
-            p50.as_secs_f64() * 1e6,
-            p99.as_secs_f64() * 1e6,
-            (p99.as_secs_f64() / base - 1.0) * 100.0
+            "  {name:<18} p50 {p50:>8.1} µs   p99 {p99:>8.1} µs   p99 vs no L4 {:>+6.1} %",
+            (p99 / base - 1.0) * 100.0
         );
     }
 }
@@ -102,8 +117,7 @@ async fn set_latency(long: Option<Arc<dyn LongStore>>, round: usize) -> (Duratio
         assert!(store.set(&ns, &item, 1).await.accepted);
         times.push(t.elapsed());
     }
-    times.sort();
-    (times[times.len() / 2], times[times.len() * 99 / 100])
+    percentiles(&mut times)
 }
 
 /// A store that answers like `inner`, 50 ms late.

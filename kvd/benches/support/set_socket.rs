@@ -1,0 +1,91 @@
+//! The L2 SET latency as a client sees it: one client SETs 64 KiB `long` blocks over kvd's
+//! socket, the daemon serving with no L4, with an L4 that is healthy, or with one that is down
+//! (its address answers nothing), the cases alternating over rounds; a case starts once the
+//! previous one's L4 writes have landed. The in-process study
+//! (`set_study.rs`) isolates the SET path's own cost; this is the latency an engine waits for.
+//! Target: p99 within 10 % of no L4.
+
+use super::set_study::{percentiles, report};
+use bytes::Bytes;
+use infera_core::event::Retention;
+use infera_kvd::l4::L4Config;
+use infera_kvd::long::LongBackendConfig;
+use infera_kvd::{KvdClient, KvdOptions, KvdServer, Namespace, SetItem};
+use std::time::{Duration, Instant};
+
+/// SETs per case and round.
+const SETS: usize = 4000;
+/// Rounds; each case's figure is the median over them.
+const ROUNDS: usize = 5;
+
+/// Runs the study on `rt` (the daemons' runtime) with `cases` (a name and the L4 behind the
+/// daemon, if any); prints a table.
+pub fn run(rt: &tokio::runtime::Runtime, cases: Vec<(&str, Option<L4Config>)>) {
+    let dir = tempfile::tempdir().unwrap();
+    let client_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut daemons = Vec::new();
+    for (i, (name, l4)) in cases.into_iter().enumerate() {
+        let path = dir.path().join(format!("kvd-{i}.sock"));
+        rt.block_on(async {
+            let mut options = KvdOptions::new(&path, 1 << 30);
+            options.long = l4.map(LongBackendConfig::L4);
+            let server = KvdServer::bind(options).await.unwrap();
+            tokio::spawn(server.serve());
+        });
+        let client = client_rt.block_on(KvdClient::connect(&path)).unwrap();
+        daemons.push((name, client, Vec::new(), Vec::new()));
+    }
+    let ns = Namespace::new("bench", "");
+    let value = Bytes::from(vec![7u8; 64 << 10]);
+    for round in 0..ROUNDS {
+        for (_, client, p50s, p99s) in &mut daemons {
+            let mut times = Vec::with_capacity(SETS);
+            client_rt.block_on(async {
+                for i in 0..SETS {
+                    let item = SetItem::new(format!("s{round}-{i}"), value.clone())
+                        .retention(Retention::Long);
+                    let t = Instant::now();
+                    assert!(client.set(&ns, item).await.unwrap().accepted);
+                    times.push(t.elapsed());
+                }
+            });
+            // The next case starts once this daemon's L4 has written what it queued, so its
+            // writer does not compete with another case's SETs.
+            client_rt.block_on(drained(client));
+            let (p50, p99) = percentiles(&mut times);
+            p50s.push(p50);
+            p99s.push(p99);
+        }
+    }
+    let rows = daemons
+        .into_iter()
+        .map(|(name, _, p50s, p99s)| (name, p50s, p99s))
+        .collect();
+    report(
+        &format!(
+            "SET of 64 KiB long blocks over kvd's socket, one client ({SETS} per case and round; \
+             medians of {ROUNDS} rounds)"
+        ),
+        rows,
+    );
+}
+
+/// Waits until the daemon's L4 has no put queued (removals of an L4 that is down stay queued).
+async fn drained(client: &mut KvdClient) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let stats = client.stats(true).await.unwrap();
+        let queued = stats.extended.map_or(0, |e| e.l4.queued_bytes);
+        if queued == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "L4 still has {queued} bytes queued"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
