@@ -177,7 +177,14 @@ async fn server_info(State(st): State<Arc<AppState>>) -> Response {
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let text = st.metrics.render();
-    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()
+    (
+        [(
+            header::CONTENT_TYPE,
+            infera_core::service::metrics::text::CONTENT_TYPE,
+        )],
+        text,
+    )
+        .into_response()
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Response {

@@ -1,6 +1,6 @@
 //! The mock's Prometheus metrics: `prometheus_client` counters, gauges and histograms written by
 //! the engine loop and the handlers, in one registry per mock engine, rendered on
-//! `GET /metrics` as the server renders its own ([`crate::metrics::render`]).
+//! `GET /metrics` as the server renders its own ([`infera_core::service::metrics::text::render`]).
 //!
 //! Names follow vLLM's (`vllm:` prefix, the same meanings) so that dashboards and the launcher's
 //! block-size probe (`vllm:cache_config_info{block_size=…}`) work against the mock unchanged;
@@ -259,7 +259,7 @@ impl MockMetrics {
 
     /// The Prometheus text exposition.
     pub(crate) fn render(&self) -> String {
-        crate::metrics::render(&self.registry)
+        infera_core::service::metrics::text::render(&self.registry)
     }
 }
 

@@ -5,7 +5,7 @@
 //! # Pieces
 //! - `http`: the axum routes — `POST /v1/completions`, `POST /v1/chat/completions` (streaming
 //!   and not), `GET /v1/models`, `GET /health`, `GET /metrics`.
-//! - `engine`: one task that owns the [`EngineModel`](infera_core::engine::EngineModel), fed by
+//! - `engine`: one task that owns the [`EngineModel`], fed by
 //!   a bounded channel, that turns each step into tokens for the clients and a KV-event batch.
 //! - `clock`: the engine loop's step clock, precise to the microsecond (a timerfd on Linux,
 //!   where tokio's timer would end every step up to 2 ms late).

@@ -181,7 +181,7 @@ impl DurableLog {
 impl ServerState {
     /// This replica's source id in shared logs (`router/<hex>`).
     pub fn replica_id(&self) -> String {
-        format!("{REPLICA_PREFIX}{:016x}", self.inner.id_prefix)
+        format!("{REPLICA_PREFIX}{:016x}", self.service().id_prefix())
     }
 }
 

@@ -1,25 +1,28 @@
-//! The server's axum routes: the request pipeline (body read and parsed by the `body` module
-//! within the parse budget, retention stamped per PROTOCOLS.md §5, tokenization on the blocking
-//! pool, hashing), the admin routes behind the `client` module's token guard, and the status
+//! The server's axum routes: the request front (body read and parsed by the `body` module
+//! within the parse budget, retention stamped per PROTOCOLS.md §5, then the request service:
+//! prepare and forward; its reply and errors translated back), the admin routes behind the `client` module's token guard, and the status
 //! pages (`/v1/models`, `/health`, `/v1/workers`, `/metrics`). Errors use the OpenAI shape
 //! `{"error": {"message", "type", "code"}}` with one status per cause (400, 401, 404, 408, 413,
 //! 429 and 503 with `Retry-After`, 500, 502, 504).
 
+use super::ServerState;
 use super::body::Shape;
-use super::{ServerState, relay};
-use crate::tokenize::{ChatExtras, ChatMessage, TemplateKwargs, TokenizeError};
+use crate::tokenize::{ChatExtras, ChatMessage};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use futures::StreamExt as _;
+use futures::stream::BoxStream;
 use infera_core::error::{ErrorCode, ServiceError as _};
-use infera_core::hashing::hash_blocks;
-use infera_core::ids::{RequestId, WorkerRank};
-use infera_core::policy::{DirectPick, PolicyKind, RouteError, RouteRequest, WorkerHashes};
+use infera_core::ids::WorkerRank;
+use infera_core::policy::{DirectPick, RouteError};
+use infera_core::ports::transport::TransportError;
+use infera_core::service::metrics::text;
+use infera_core::service::{Prepared, Reply, ReplyBody, RequestError};
 use serde::Deserialize as _;
 use serde_json::{Value, json};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The request-id header, echoed or generated.
@@ -71,6 +74,55 @@ impl IntoResponse for ApiError {
         }
         resp
     }
+}
+
+impl From<RequestError> for ApiError {
+    fn from(e: RequestError) -> Self {
+        Self {
+            status: e.status(),
+            message: e.message,
+            retry_after_s: e.retry_after_s,
+        }
+    }
+}
+
+/// A worker's answer as the client's response. A stream that the service ends with a failure
+/// ends with an SSE error event (`code` 502 or 504) and `data: [DONE]`, never silently
+/// truncated.
+pub(super) fn reply_response(reply: Reply) -> Response {
+    let mut out = Response::builder().status(reply.status);
+    if let Some(ct) = reply.content_type {
+        out = out.header(header::CONTENT_TYPE, ct);
+    }
+    match reply.body {
+        ReplyBody::Full(bytes) => out.body(Body::from(bytes)),
+        ReplyBody::Stream(s) => out
+            .header(header::CACHE_CONTROL, "no-cache")
+            .body(Body::from_stream(with_error_event(s))),
+    }
+    .unwrap_or_else(|_| Response::new(Body::empty()))
+}
+
+/// `s` with its failure (the last item, if any) as an OpenAI SSE error event, in a frame of
+/// its own.
+fn with_error_event(
+    s: BoxStream<'static, Result<Bytes, TransportError>>,
+) -> impl futures::Stream<Item = Result<Bytes, std::convert::Infallible>> {
+    let mut last_byte = b'\n';
+    s.map(move |item| {
+        Ok(match item {
+            Ok(data) => {
+                last_byte = data.last().copied().unwrap_or(last_byte);
+                data
+            }
+            Err(e) => {
+                let err =
+                    ApiError::new(e.code().http_status(), format!("worker stream failed: {e}"));
+                let sep = if last_byte == b'\n' { "" } else { "\n\n" };
+                Bytes::from(format!("{sep}data: {}\n\ndata: [DONE]\n\n", err.body()))
+            }
+        })
+    })
 }
 
 /// A routing error as the client's answer (its status from [`ErrorCode`]'s table).
@@ -145,7 +197,7 @@ fn request_id(st: &ServerState, headers: &HeaderMap) -> String {
         .map(str::to_owned)
         .unwrap_or_else(|| {
             let n = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-            format!("infera-{:016x}-{n}", st.inner.id_prefix)
+            format!("infera-{:016x}-{n}", st.service().id_prefix())
         })
 }
 
@@ -169,9 +221,10 @@ async fn handle(st: ServerState, ep: Endpoint, headers: HeaderMap, body: Body) -
     resp
 }
 
-/// What to tokenize.
-#[derive(Debug)]
-pub(super) enum Input {
+/// What to tokenize: the front's prompt type for the service's tokenizer port (`pub` for that
+/// impl; the module is private).
+#[derive(Debug, Clone)]
+pub enum Input {
     Text(String),
     Tokens(Vec<u32>),
     Chat(Vec<ChatMessage>, ChatExtras),
@@ -219,31 +272,30 @@ async fn pipeline(
         session_id,
     } = super::body::parse(bytes, shape, options.client.default_retention)?;
     let seen = retention.map_or("none", infera_core::event::Retention::as_str);
-    st.inner
-        .metrics
-        .cache_control_seen
-        .get_or_create(&[("retention", seen)])
-        .inc();
+    st.metrics().retention_seen(seen);
     let direct = if options.direct {
         direct_pick(headers)?
     } else {
         None
     };
 
-    let key = super::attempt::request_key(st, id);
+    let key = st.service().request_key(id);
     let Prepared {
         req,
         tokens,
         tokenized,
-    } = prepare(st, &key, model, input, retention, direct.is_some()).await?;
-    if let Some(with_tokens) = st.meta_wants_tokens() {
+    } = st
+        .service()
+        .prepare(st, &key, model, input, retention, direct.is_some())
+        .await?;
+    if let Some(with_tokens) = st.service().meta_wants_tokens() {
         let session_id = headers
             .get("x-session-id")
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned)
             .or(session_id)
             .filter(|s| !s.is_empty() && s.len() <= 256);
-        st.feed_meta(super::RequestMeta {
+        st.service().feed_meta(super::RequestMeta {
             request_id: key,
             session_id,
             token_ids: (with_tokens && tokenized).then_some(tokens),
@@ -252,117 +304,15 @@ async fn pipeline(
     // Parsed: the body's charge to the parse budget ends here.
     drop(parse_charge);
     let model = req.model.clone();
-    let resp = relay::forward(st, req, direct, ep.path(), forward_body, stream).await?;
+    let reply = st
+        .service()
+        .forward(req, direct, ep.path(), forward_body, stream)
+        .await?;
+    let resp = reply_response(reply);
     Ok(if ep == Endpoint::Messages {
         super::anthropic::from_chat(resp, stream, &model, id).await
     } else {
         resp
-    })
-}
-
-/// A parsed request made ready to decide: its [`RouteRequest`] and the prompt's token ids.
-pub(super) struct Prepared {
-    pub(super) req: RouteRequest,
-    pub(super) tokens: Vec<u32>,
-    /// Whether the prompt was tokenized (round-robin needs no prefix: not tokenized at all).
-    pub(super) tokenized: bool,
-}
-
-/// Tokenizes and hashes `input` at every block size the model's workers use (unless the policy
-/// needs no prefix and no worker is `direct`ly named): the part of the pipeline between parsing
-/// a body and deciding, shared by the HTTP front and [`ServerState::pick`].
-///
-/// # Errors
-/// A model no worker serves; a prompt the tokenizer or chat template refuses.
-pub(super) async fn prepare(
-    st: &ServerState,
-    key: &str,
-    model: String,
-    input: Input,
-    retention: Option<infera_core::event::Retention>,
-    direct: bool,
-) -> Result<Prepared, ApiError> {
-    let block_sizes: Vec<u32> = st.with_fleet(|f| {
-        let mut v: Vec<u32> = f
-            .workers()
-            .filter(|w| w.model_name == model)
-            .map(|w| w.kv_block_size)
-            .collect();
-        v.sort_unstable();
-        v.dedup();
-        v
-    });
-    if block_sizes.is_empty() {
-        st.inner.metrics.decision("unknown_model");
-        return Err(route_error(&RouteError::UnknownModel(model)));
-    }
-    // Round-robin ignores the prefix, so its requests are not tokenized at all. Nor are chats
-    // with images, audio or other non-text parts: the router cannot hash what the engine
-    // caches for them (an image's placeholder tokens are the same whatever the image), so a
-    // text prefix match could send one image's request to another image's KV; they are routed
-    // by load (the Python Infera's `cache_locality_skipped{reason="multimodal"}`).
-    let multimodal = matches!(&input, Input::Chat(messages, _) if messages.iter().any(ChatMessage::has_non_text));
-    if multimodal {
-        st.inner
-            .metrics
-            .cache_locality_skipped
-            .get_or_create(&[("reason", "multimodal")])
-            .inc();
-    }
-    let tokenized =
-        !multimodal && (direct || st.inner.options.router.policy != PolicyKind::RoundRobin);
-    // A chat is also rendered the way each worker with other template defaults renders it.
-    let renderings = match &input {
-        Input::Chat(messages, extras) if tokenized => st
-            .differing_renderings(&model)
-            .into_iter()
-            .map(|(defaults, workers)| {
-                let input = Input::Chat(messages.clone(), extras.clone());
-                (defaults, workers, input)
-            })
-            .collect(),
-        _ => Vec::new(),
-    };
-    let tokens = if tokenized {
-        tokenize(st, input, st.inner.options.template_defaults.clone()).await?
-    } else {
-        Vec::new()
-    };
-    let mut per_worker = WorkerHashes::default();
-    for (variant, (defaults, workers, input)) in (1u32..).zip(renderings) {
-        let tokens = tokenize(st, input, defaults).await?;
-        let mut sizes: Vec<u32> = workers.iter().map(|(_, bs)| *bs).collect();
-        sizes.sort_unstable();
-        sizes.dedup();
-        for bs in sizes {
-            let blocks = hash_blocks(&tokens, bs.max(1) as usize, None);
-            per_worker.hashes.push((variant, bs, blocks));
-        }
-        per_worker
-            .workers
-            .extend(workers.into_iter().map(|(worker, _)| (worker, variant)));
-    }
-    let hashes = if tokenized {
-        block_sizes
-            .into_iter()
-            .map(|bs| (bs, hash_blocks(&tokens, bs.max(1) as usize, None)))
-            .collect()
-    } else {
-        Vec::new()
-    };
-    let req = RouteRequest {
-        request_id: RequestId::new(key),
-        model,
-        prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
-        hashes,
-        retention,
-        per_worker,
-        exclude: Vec::<WorkerRank>::new(),
-    };
-    Ok(Prepared {
-        req,
-        tokens,
-        tokenized,
     })
 }
 
@@ -431,40 +381,6 @@ pub(super) fn parse_chat(body: &Value) -> Result<Input, ApiError> {
     Ok(Input::Chat(messages, extras))
 }
 
-/// Tokenizes `input`, a chat rendered with the template `defaults` its engine merges in before
-/// it renders (`--kv-default-chat-template-kwargs`, or a worker's own).
-pub(super) async fn tokenize(
-    st: &ServerState,
-    input: Input,
-    defaults: Arc<TemplateKwargs>,
-) -> Result<Vec<u32>, ApiError> {
-    let tokenizer = st.inner.tokenizer.clone();
-    let template = st.inner.options.chat_template.clone();
-    let joined = tokio::task::spawn_blocking(move || match input {
-        Input::Tokens(ids) => Ok(ids),
-        Input::Text(text) => tokenizer.encode(&text),
-        Input::Chat(messages, mut extras) => {
-            extras.with_defaults(&defaults);
-            tokenizer.encode_chat(&messages, &extras, template.as_deref())
-        }
-    })
-    .await
-    .map_err(|e| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("tokenizer task failed: {e}"),
-        )
-    })?;
-    joined.map_err(|e| {
-        super::metrics::inc(&st.inner.metrics.tokenizer_failures, 1);
-        tracing::warn!(error = %e, "router tokenizer failed on a request");
-        match e {
-            TokenizeError::Template(t) => ApiError::bad_request(format!("chat template: {t}")),
-            other => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, other.to_string()),
-        }
-    })
-}
-
 async fn models(State(st): State<ServerState>) -> Response {
     let data: Vec<Value> = st.with_fleet(|f| {
         f.models()
@@ -501,7 +417,7 @@ async fn workers(State(st): State<ServerState>) -> Response {
                     "record": w,
                     "draining": draining.is_some(),
                     "drain_reason": draining,
-                    "breaker": st.inner.breaker.state_of(&w.worker_id).as_str(),
+                    "breaker": st.breaker_state(&w.worker_id).as_str(),
                     "load": ranks,
                 })
             })
@@ -511,6 +427,6 @@ async fn workers(State(st): State<ServerState>) -> Response {
 }
 
 async fn metrics(State(st): State<ServerState>) -> Response {
-    let text = st.render_metrics();
-    ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response()
+    let exposition = st.service().render_metrics();
+    ([(header::CONTENT_TYPE, text::CONTENT_TYPE)], exposition).into_response()
 }

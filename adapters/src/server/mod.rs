@@ -1,52 +1,33 @@
-//! The `infera server` front: the OpenAI-compatible HTTP API, the request pipeline (parse →
-//! tokenize → hash → decide → forward → relay) and the router state it decides with.
+//! The `infera server` front: the OpenAI-compatible HTTP API, the adapter before the request
+//! service (`infera_core::service`). It reads and parses bodies, implements the service's
+//! tokenizer port (the private `tokens` module: the tokenizer, chat templates and per-worker
+//! renderings), and translates the service's reply and errors back into HTTP, SSE and the
+//! OpenAI or Anthropic error shapes; hashing, deciding, dispatching, failover, relaying and
+//! recording are the service's.
 //!
 //! # State
-//! [`ServerState`] owns one [`Kernel`] (fleet projection, router, in-memory log; see
-//! `infera_core::kernel`) behind a `std::sync::Mutex` that is only ever held for synchronous
-//! sections (never across `.await`). Every change is an event committed on the kernel, so the
-//! fleet is always the fold of the log in sequence order; the server's taps get a copy of each
-//! committed batch under the same lock. Discovery and the
-//! KV-event transport feed events through [`ServerState::apply`],
+//! [`ServerState`] holds the [`Service`] (which owns the kernel: fleet projection, router,
+//! in-memory log, and the taps on its committed stream), the tokenizer and the front's options.
+//! Discovery and the KV-event transport feed events through [`ServerState::apply`],
 //! [`ServerState::register_worker`], [`ServerState::deregister_worker`] and
 //! [`ServerState::ingest_kv_batch`] (the KV-event pipeline's [`KvSink`]); this crate does not
 //! know those transports.
 //!
 //! # Requests (PROTOCOLS.md §2 and §4)
-//! A request is tokenized on the blocking pool, hashed at every block size the model's workers
-//! use, and decided by the [`Router`] (round-robin needs no prefix, so under it requests are
-//! neither tokenized nor hashed); the `RequestRouted` event is appended before the request
-//! is handed to the [`RequestTransport`] the server was built with (HTTP to `worker.url + path`
-//! by default, NATS from `infera-backends`). A connection failure, a 429 admission reject, a
-//! timeout or a 5xx before the first response byte finishes that attempt (`RequestFinished` with
-//! `worker_error`) and re-decides with the failed rank excluded (and every worker whose circuit
-//! breaker is open, see the private `breaker` module), up to `request_max_retries` more times; each attempt has its own request
-//! id (`<id>#<n>`, `n` unique to the server) so the fleet's in-flight accounting never mixes
-//! attempts, nor requests that share a client id.
-//! `RequestPrefilled` is appended at the first response byte (for a prefill/decode pair: when
-//! the prefill leg's answer has arrived) and `RequestFinished` at the end (or when the client
-//! goes away: `cancelled`), never `RequestPrefilled` after it. A stream that fails midway ends
-//! with an SSE `data: {"error": ...}` event and `data: [DONE]`. A worker registered with
-//! `dp_size > 1` fronts several DP ranks: the request is pinned to the chosen one with the
-//! `X-data-parallel-rank` header (its rank within the registration), which vLLM, SGLang and ATOM
-//! read.
+//! A body is read within `--max-body-bytes` and the parse budget; [`Service::prepare`]
+//! tokenizes it through the front's tokenizer on the blocking pool (a chat rendered with its
+//! template, and again the way each SGLang worker with other template defaults renders it) and
+//! hashes it at every block size the model's workers use (round-robin needs no prefix, so under
+//! it requests are neither tokenized nor hashed); [`Service::forward`] takes it from there. Its [`Reply`](infera_core::service::Reply) becomes the response; a
+//! stream the service ends with a failure ends with an SSE `data: {"error": ...}` event and
+//! `data: [DONE]`. Every request carries `x-infera-request-id` (the client's, or one minted
+//! here); the service keys it `<id>#<n>` so concurrent requests with one id never merge.
 //!
 //! # Direct mode
 //! With [`ServerOptions::direct`], the pipeline is the same (tokenize, hash, record), but the
-//! decision is [`Router::decide_direct`] on the worker named by `x-worker-instance-id` (and
+//! decision is the router's direct one on the worker named by `x-worker-instance-id` (and
 //! `x-prefill-instance-id`, `x-dp-rank`): a missing header is a 400, a worker that is not
 //! registered a 503, a worker of another model a 400. The named worker is not failed over.
-//!
-//! # Prefill/decode
-//! A model served by prefill and decode workers is decided onto one of each (one
-//! `RequestRouted` with both legs, each with its role, so both count as load); the private `pd`
-//! module drives the pair per the protocol both registered in `disagg_meta.protocol`
-//! (PROTOCOLS.md §7): concurrent legs (`sglang-bootstrap`, `vllm-mori-write`) or a one-token
-//! prefill whose answer builds the decode leg (`vllm-nixl`, `vllm-mooncake`, `vllm-mori-read`,
-//! `atom-mooncake`). The client gets the decode leg's response; a failed prefill fails the
-//! attempt before the first byte and is failed over like a single worker. An SGLang leg left
-//! running when its pair is given up gets SGLang's `POST /abort_request` (private `pd_abort`
-//! module).
 //!
 //! # Other endpoints
 //! `/v1/messages` is translated by the private `anthropic` module; `/v1/cache/prewarm`,
@@ -64,37 +45,31 @@
 //! endpoints and `/v1/workers` take an optional bearer token (private `client` module).
 
 mod anthropic;
-mod attempt;
 mod body;
-mod breaker;
 mod client;
 mod durable;
 #[cfg(test)]
 mod fuzz;
 mod http;
-mod metrics;
-mod migrate;
-mod pd;
-mod pd_abort;
 mod pick;
 mod prewarm;
 mod profile;
 mod prompt;
-mod relay;
 mod scale;
-mod taps;
 #[cfg(test)]
 mod test_support;
+mod tokens;
 pub mod transport;
 mod variants;
 
-pub use breaker::{BreakerConfig, BreakerState, PROBE_TIMEOUT};
 pub use client::{AdminToken, ClientOptions, ParseBudget};
 pub use durable::{COMPACT_EVERY, DurableLog, REPLICA_PREFIX, attach as attach_event_log};
-pub use metrics::ServerMetrics;
+pub use infera_core::service::metrics::Metrics as ServerMetrics;
+pub use infera_core::service::{
+    BreakerConfig, BreakerState, EventBatch, PROBE_TIMEOUT, RequestMeta,
+};
 pub use pick::{Pick, PickError};
 pub use prewarm::{DEFAULT_DEADLINE_MS, MAX_KEYS};
-pub use taps::{EventBatch, RequestMeta};
 pub use transport::{HttpDeadlines, HttpTransport};
 
 use crate::tokenize::{ChatTemplate, TemplateKwargs, Tokenizer};
@@ -105,7 +80,6 @@ use infera_core::event::{
 };
 use infera_core::fleet::{FleetConfig, FleetState};
 use infera_core::ids::{WorkerId, WorkerRank};
-use infera_core::kernel::{Compaction, Ingested, Kernel};
 use infera_core::kv_events::pipeline::KvSink;
 use infera_core::kv_events::{EngineBatch, IngestStats};
 use infera_core::log::NewEvent;
@@ -113,9 +87,12 @@ use infera_core::policy::RouterConfig;
 use infera_core::ports::prefetch::KvPrefetch;
 use infera_core::ports::scaling::PoolScaler;
 use infera_core::ports::transport::RequestTransport;
+use infera_core::service::{Plane, Service, ServiceOptions};
+use prometheus_client::registry::Registry;
 use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::net::TcpListener;
+use tokio::sync::mpsc;
 
 /// Everything the front needs besides the tokenizer.
 #[derive(Debug, Clone)]
@@ -145,55 +122,12 @@ pub struct ServerOptions {
     pub client: ClientOptions,
 }
 
-/// The router's kernel and the consumers of its committed stream, under one short lock.
-#[derive(Debug)]
-pub(crate) struct Core {
-    pub(crate) kernel: Kernel,
-    /// Consumers of the committed stream (see [`taps`]).
-    pub(crate) taps: Vec<taps::Tap>,
-}
-
-impl Core {
-    /// Commits `events` on the kernel (see [`Kernel::commit`]) and hands the taps their copy;
-    /// without taps nothing is copied. Returns how many events were applied.
-    pub(crate) fn commit(&mut self, events: Vec<NewEvent>) -> usize {
-        let tapped = !self.taps.is_empty();
-        let (applied, copy) = self
-            .kernel
-            .commit_with(events, |envs| tapped.then(|| envs.to_vec()));
-        if let Some(envs) = copy {
-            self.feed_taps(envs);
-        }
-        applied
-    }
-
-    /// Ingests one engine batch on the kernel (see [`Kernel::ingest`]), feeding the taps.
-    fn ingest(
-        &mut self,
-        rank: &WorkerRank,
-        seq: Option<u64>,
-        batch: &EngineBatch,
-    ) -> Option<Ingested> {
-        let tapped = !self.taps.is_empty();
-        let (done, copy) = self
-            .kernel
-            .ingest_with(rank, seq, batch, |envs| tapped.then(|| envs.to_vec()))?;
-        if let Some(envs) = copy {
-            self.feed_taps(envs);
-        }
-        Some(done)
-    }
-}
-
 #[derive(Debug)]
 pub(crate) struct Inner {
-    pub(crate) core: Mutex<Core>,
-    pub(crate) clock: Arc<dyn Clock>,
+    /// The request pipeline and the router's plane (see `infera_core::service`).
+    pub(crate) service: Service,
     pub(crate) tokenizer: Arc<Tokenizer>,
     pub(crate) options: ServerOptions,
-    pub(crate) metrics: ServerMetrics,
-    pub(crate) transport: Arc<dyn RequestTransport>,
-    pub(crate) id_prefix: u64,
     pub(crate) restore: Mutex<durable::RestoreState>,
     pub(crate) prefetch: Mutex<Option<Arc<dyn KvPrefetch>>>,
     /// Each probed worker's own chat template defaults (`--kv-per-worker-template-kwargs`).
@@ -201,11 +135,6 @@ pub(crate) struct Inner {
     /// `--enable-scaling-api`: the pools `/v1/admin/scale` reads and resizes.
     pub(crate) scaler: Mutex<Option<Arc<dyn PoolScaler>>>,
     pub(crate) profiling: std::sync::atomic::AtomicBool,
-    /// `--enable-sla-metrics`: the SLA planner's histograms are recorded.
-    pub(crate) sla_metrics: std::sync::atomic::AtomicBool,
-    pub(crate) meta_tap: Mutex<Option<taps::MetaTap>>,
-    pub(crate) breaker: breaker::Breaker,
-    pub(crate) migration_limit: std::sync::atomic::AtomicU32,
 }
 
 /// A cheap, cloneable handle on the server's state. See the module docs.
@@ -227,55 +156,44 @@ impl ServerState {
         transport: Arc<dyn RequestTransport>,
     ) -> Self {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let core = Core {
-            kernel: Kernel::new(
-                options.fleet,
-                options.router.clone(),
-                Arc::clone(&clock),
-                Compaction::Auto,
-            ),
-            taps: Vec::new(),
-        };
-        let id_prefix = clock.now_us() ^ u64::from(std::process::id()).rotate_left(40);
+        let service = Service::new(
+            ServiceOptions {
+                router: options.router.clone(),
+                fleet: options.fleet,
+                request_max_retries: options.request_max_retries,
+                max_body_bytes: options.max_body_bytes,
+            },
+            transport,
+            clock,
+        );
         let variants = variants::Variants::new(options.per_worker_template_kwargs);
         Self {
             inner: Arc::new(Inner {
-                core: Mutex::new(core),
-                clock,
+                service,
                 tokenizer,
                 options,
-                metrics: ServerMetrics::default(),
-                transport,
-                id_prefix,
                 restore: Mutex::new(durable::RestoreState::default()),
                 prefetch: Mutex::new(None),
                 scaler: Mutex::new(None),
                 variants,
                 profiling: std::sync::atomic::AtomicBool::new(false),
-                sla_metrics: std::sync::atomic::AtomicBool::new(false),
-                meta_tap: Mutex::new(None),
-                breaker: breaker::Breaker::default(),
-                migration_limit: std::sync::atomic::AtomicU32::new(0),
             }),
         }
     }
 
-    pub(crate) fn lock(&self) -> MutexGuard<'_, Core> {
-        self.inner
-            .core
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+    /// The request pipeline this front translates into.
+    pub fn service(&self) -> &Service {
+        &self.inner.service
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Plane> {
+        self.inner.service.lock()
     }
 
     /// Appends `events` to the log and applies them to the fleet, in order. Returns how many
     /// were applied.
     pub fn apply(&self, events: Vec<NewEvent>) -> usize {
-        if events.is_empty() {
-            return 0;
-        }
-        let applied = self.lock().commit(events);
-        self.inner.metrics.events_applied(applied as u64);
-        applied
+        self.inner.service.apply(events)
     }
 
     /// A worker appeared (or its record changed).
@@ -299,7 +217,7 @@ impl ServerState {
     /// A worker left routing.
     pub fn deregister_worker(&self, worker: WorkerId, reason: String) {
         tracing::info!(worker = %worker.as_str(), %reason, "worker deregistered");
-        self.inner.transport.worker_left(&worker);
+        self.inner.service.transport().worker_left(&worker);
         self.inner.variants.forget(&worker);
         self.apply(vec![NewEvent::new(Event::WorkerDeregistered(
             WorkerDeregistered { worker, reason },
@@ -329,7 +247,7 @@ impl ServerState {
 
     /// Runs `f` on the fleet under the lock (keep it short; for tests and status pages).
     pub fn with_fleet<T>(&self, f: impl FnOnce(&FleetState) -> T) -> T {
-        f(self.lock().kernel.fleet())
+        self.inner.service.with_fleet(f)
     }
 
     /// Converts one engine batch of `rank` into core events (parents resolved through the
@@ -350,8 +268,8 @@ impl ServerState {
         }
         let done = core.ingest(rank, seq, batch)?;
         drop(core);
-        self.inner.metrics.events_applied(done.applied as u64);
-        self.inner.metrics.kv_ingested(&done.stats);
+        self.metrics().events_applied(done.applied as u64);
+        self.metrics().kv_ingested(&done.stats);
         if done.stats.dropped() > 0 {
             tracing::warn!(worker = %rank.worker.as_str(), dp_rank = rank.dp_rank,
                 dropped = done.stats.dropped(), stats = ?done.stats, "kv events dropped");
@@ -378,12 +296,53 @@ impl ServerState {
 
     /// The name of the request transport (`http`, `nats`).
     pub fn transport_name(&self) -> &'static str {
-        self.inner.transport.name()
+        self.inner.service.transport().name()
     }
 
     /// The server's metrics.
     pub fn metrics(&self) -> &ServerMetrics {
-        &self.inner.metrics
+        self.inner.service.metrics()
+    }
+
+    /// Sets the circuit breaker (see [`Service::set_breaker`]).
+    pub fn set_breaker(&self, config: BreakerConfig, clock: Arc<dyn Clock>) {
+        self.inner.service.set_breaker(config, clock);
+    }
+
+    /// The breaker state of `worker` (see [`Service::breaker_state`]).
+    pub fn breaker_state(&self, worker: &WorkerId) -> BreakerState {
+        self.inner.service.breaker_state(worker)
+    }
+
+    /// Sets `--migration-limit` (see [`Service::set_migration_limit`]).
+    pub fn set_migration_limit(&self, limit: u32) {
+        self.inner.service.set_migration_limit(limit);
+    }
+
+    /// Records the SLA planner's histograms (see [`Service::set_sla_metrics`]).
+    pub fn set_sla_metrics(&self, enabled: bool) {
+        self.inner.service.set_sla_metrics(enabled);
+    }
+
+    /// Opens a tap on the committed stream (see [`Service::tap`]).
+    pub fn tap(&self, name: &'static str, capacity: usize) -> mpsc::Receiver<EventBatch> {
+        self.inner.service.tap(name, capacity)
+    }
+
+    /// Opens the request-metadata tap (see [`Service::tap_request_meta`]).
+    pub fn tap_request_meta(&self, capacity: usize, tokens: bool) -> mpsc::Receiver<RequestMeta> {
+        self.inner.service.tap_request_meta(capacity, tokens)
+    }
+
+    /// Ends every tap's stream (see [`Service::close_taps`]).
+    pub fn close_taps(&self) {
+        self.inner.service.close_taps();
+    }
+
+    /// Lets a component put its own families in the server's registry (see
+    /// [`Service::register_metrics`]).
+    pub fn register_metrics(&self, with: impl FnOnce(&mut Registry)) {
+        self.inner.service.register_metrics(with);
     }
 
     /// The axum routes of the server API.
@@ -403,7 +362,7 @@ impl KvSink for ServerState {
     }
 
     fn gap(&self, _rank: &WorkerRank, _missing: &std::ops::RangeInclusive<u64>, replayed: bool) {
-        self.inner.metrics.kv_gap(replayed);
+        self.metrics().kv_gap(replayed);
     }
 
     fn malformed(&self, worker: &WorkerId, reason: &str) {

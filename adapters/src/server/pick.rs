@@ -12,12 +12,11 @@
 //! anything else a completions request (`prompt`), as the Python Infera's picker does.
 
 use super::ServerState;
-use super::attempt::{Attempt, Usage, attempt_id, request_key};
 use super::body::Shape;
-use super::http::{Prepared, prepare, route_error};
-use super::relay::{Route, decide};
+use super::http::route_error;
 use axum::body::Bytes;
 use infera_core::event::RequestStatus;
+use infera_core::service::{Attempt, Prepared, Route, Usage};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -93,19 +92,23 @@ impl ServerState {
         let shape = if chat { Shape::Messages } else { Shape::Prompt };
         let default = self.inner.options.client.default_retention;
         let parsed = super::body::parse(body, shape, default).map_err(to_pick)?;
-        let key = request_key(self, id);
-        let Prepared { mut req, .. } = prepare(
-            self,
-            &key,
-            parsed.model,
-            parsed.input,
-            parsed.retention,
-            false,
-        )
-        .await
-        .map_err(to_pick)?;
-        req.request_id = attempt_id(self, &key);
-        let route = decide(self, &mut req, None).map_err(|e| to_pick(route_error(&e)))?;
+        let service = self.service();
+        let key = service.request_key(id);
+        let Prepared { mut req, .. } = service
+            .prepare(
+                self,
+                &key,
+                parsed.model,
+                parsed.input,
+                parsed.retention,
+                false,
+            )
+            .await
+            .map_err(|e| to_pick(e.into()))?;
+        req.request_id = service.attempt_id(&key);
+        let route = service
+            .decide(&mut req, None)
+            .map_err(|e| to_pick(route_error(&e)))?;
         let (worker, url, prefill) = match route {
             Route::Single { rank, url, .. } => (rank.worker, url, None),
             Route::Pd(pair) => (
@@ -120,7 +123,7 @@ impl ServerState {
             prefill,
             // A pair's prompt is processed when the gateway's request gets its first byte too:
             // the decode worker drives the prefill leg before answering.
-            attempt: Attempt::new(self, &req, false),
+            attempt: Attempt::new(service, &req, false),
         })
     }
 }

@@ -14,7 +14,7 @@
 //! A non-hex key (any non-ASCII character included) is a 400 naming it, never a panic.
 
 use super::ServerState;
-use super::http::{ApiError, Input, parse_chat, parse_prompt, tokenize};
+use super::http::{ApiError, Input, parse_chat, parse_prompt};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -140,7 +140,7 @@ async fn handle(st: &ServerState, headers: &HeaderMap, body: Body) -> Result<usi
                         format!("no worker serves model {model:?}, so its block size is unknown"),
                     )
                 })?;
-            let tokens = tokenize(st, input, st.inner.options.template_defaults.clone()).await?;
+            let tokens = st.service().tokenize(st, input, None).await?;
             block_keys(&tokens, block_size.max(1) as usize)
         }
         [] => return Err(bad("give `block_hashes`, `prompt` or `messages`")),

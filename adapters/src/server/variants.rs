@@ -20,6 +20,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use infera_core::event::{Engine, WorkerRecord};
 use infera_core::ids::WorkerId;
+use infera_core::ports::tokenize::Rendering;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -28,10 +29,6 @@ use std::time::Duration;
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The largest `/get_server_info` answer read.
 const MAX_INFO_BYTES: usize = 4 << 20;
-
-/// One rendering other than the fleet's: its template defaults, and the workers (with their
-/// block sizes) that render with them.
-pub(crate) type Rendering = (Arc<TemplateKwargs>, Vec<(WorkerId, u32)>);
 
 /// What each probed worker's engine merges into chat requests, kept only where it differs from
 /// the fleet's defaults: a uniform fleet leaves the map empty, and its chats pay one lock.
@@ -83,7 +80,7 @@ impl Variants {
 impl ServerState {
     /// The renderings of `model`'s workers that differ from the fleet's, each with its workers
     /// and their block sizes; empty for a uniform fleet.
-    pub(crate) fn differing_renderings(&self, model: &str) -> Vec<Rendering> {
+    pub(crate) fn differing_renderings(&self, model: &str) -> Vec<Rendering<Arc<TemplateKwargs>>> {
         let variants = &self.inner.variants;
         if !variants.enabled || variants.map().is_empty() {
             return Vec::new();

@@ -1,15 +1,15 @@
 //! Taps on the committed event stream.
 //!
-//! A tap ([`ServerState::tap`]) receives every event committed after it was opened, in log
+//! A tap ([`Service::tap`]) receives every event committed after it was opened, in log
 //! order, as the batches they were committed in. It exists for consumers that live outside the
 //! router's lock — the trace recorder, a durable event log — and it never slows the request path
 //! down: each tap is a bounded queue filled with `try_send` under the core lock; a batch that
 //! does not fit is dropped and counted (`infera_event_tap_dropped_events_total{tap="…"}`),
-//! never waited for. [`ServerState::close_taps`] ends every tap's stream (at shutdown, once no
+//! never waited for. [`Service::close_taps`] ends every tap's stream (at shutdown, once no
 //! request can commit anymore), so consumers can flush.
 
-use super::{Core, ServerState};
-use infera_core::event::Envelope;
+use super::{Plane, Service};
+use crate::event::Envelope;
 use prometheus_client::metrics::counter::Counter;
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -24,7 +24,7 @@ pub struct RequestMeta {
     /// The request's key (`<client id>#<n>`, see `RequestId`; its attempt ids share it).
     pub request_id: String,
     pub session_id: Option<String>,
-    /// Only with [`ServerState::tap_request_meta`]'s `tokens`, and only for tokenized requests.
+    /// Only with [`Service::tap_request_meta`]'s `tokens`, and only for tokenized requests.
     pub token_ids: Option<Vec<u32>>,
 }
 
@@ -52,7 +52,7 @@ pub(crate) struct TapCounters {
 }
 
 impl TapCounters {
-    fn new(st: &ServerState, name: &'static str) -> Self {
+    fn new(st: &Service, name: &'static str) -> Self {
         let label = [("tap", name)];
         let m = &st.inner.metrics;
         TapCounters {
@@ -62,7 +62,7 @@ impl TapCounters {
     }
 }
 
-impl Core {
+impl Plane {
     /// Offers a committed batch to every tap, without waiting. The batch is moved into one
     /// shared allocation, never copied per tap or per event.
     pub(crate) fn feed_taps(&mut self, batch: Vec<Envelope>) {
@@ -101,7 +101,7 @@ impl Core {
     }
 }
 
-impl ServerState {
+impl Service {
     /// Opens a tap named `name` (a Prometheus label value) holding up to `capacity` batches.
     /// See the module docs.
     pub fn tap(&self, name: &'static str, capacity: usize) -> mpsc::Receiver<EventBatch> {
@@ -112,7 +112,7 @@ impl ServerState {
     }
 
     /// Opens the request-metadata tap (one per server; a second call replaces the first), with
-    /// prompt token ids when `tokens`. Same rules as [`ServerState::tap`]: never waited for,
+    /// prompt token ids when `tokens`. Same rules as [`Service::tap`]: never waited for,
     /// drops counted under `tap="request-meta"`.
     pub fn tap_request_meta(&self, capacity: usize, tokens: bool) -> mpsc::Receiver<RequestMeta> {
         let (tx, rx) = mpsc::channel(capacity.max(1));
@@ -133,12 +133,12 @@ impl ServerState {
     }
 
     /// Whether a metadata tap wants token ids.
-    pub(crate) fn meta_wants_tokens(&self) -> Option<bool> {
+    pub fn meta_wants_tokens(&self) -> Option<bool> {
         self.meta_tap().as_ref().map(|t| t.tokens)
     }
 
     /// Offers one request's metadata to the metadata tap, without waiting.
-    pub(crate) fn feed_meta(&self, meta: RequestMeta) {
+    pub fn feed_meta(&self, meta: RequestMeta) {
         let mut slot = self.meta_tap();
         let Some(tap) = slot.as_ref() else { return };
         match tap.tx.try_send(meta) {
@@ -165,9 +165,9 @@ impl ServerState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::test_support::{record, state};
-    use infera_core::event::Event;
-    use infera_core::ids::WorkerId;
+    use crate::event::Event;
+    use crate::ids::WorkerId;
+    use crate::service::test_support::{record, state};
 
     #[tokio::test]
     async fn taps_see_commits_in_order_drop_when_full_and_end_when_closed() {

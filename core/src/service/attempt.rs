@@ -4,28 +4,28 @@
 //! (`cancelled`) when the client goes away — with the usage the worker's answer reported
 //! ([`usage_of`]). `RequestPrefilled` never follows `RequestFinished`.
 
-use super::ServerState;
+use super::Service;
 use super::metrics::SlaSample;
-use axum::http::StatusCode;
-use infera_core::event::{Event, RequestFinished, RequestPrefilled, RequestStatus};
-use infera_core::ids::RequestId;
-use infera_core::log::NewEvent;
-use infera_core::policy::RouteRequest;
+use crate::event::{Event, RequestFinished, RequestPrefilled, RequestStatus};
+use crate::ids::RequestId;
+use crate::log::NewEvent;
+use crate::policy::RouteRequest;
+use http::StatusCode;
 use serde_json::Value;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 /// One attempt's lifecycle in the fleet. See the module docs.
 #[derive(Debug)]
-pub(super) struct Attempt {
-    pub(super) st: ServerState,
+pub struct Attempt {
+    pub(crate) st: Service,
     id: RequestId,
     started: Instant,
     prompt_tokens: u32,
     ttft_us: Option<u64>,
     done: bool,
-    pub(super) prefill: PrefillState,
+    pub(crate) prefill: PrefillState,
     /// A PD attempt: `RequestPrefilled` waits for the prefill leg, not the first byte.
     pd: bool,
     /// A PD attempt's decode worker (its route key): the decode leg is timed to the end.
@@ -48,15 +48,15 @@ struct Sla {
 /// task; the lock is held across the append, so `RequestPrefilled` never follows
 /// `RequestFinished`.
 #[derive(Debug, Clone)]
-pub(super) struct PrefillState {
-    st: ServerState,
+pub(crate) struct PrefillState {
+    st: Service,
     id: RequestId,
     settled: Arc<Mutex<bool>>,
 }
 
 impl PrefillState {
     /// Appends `RequestPrefilled`, once, unless the attempt already finished.
-    pub(super) fn prefilled(&self) {
+    pub(crate) fn prefilled(&self) {
         let mut settled = self.settled.lock().unwrap_or_else(PoisonError::into_inner);
         if !std::mem::replace(&mut *settled, true) {
             self.st.apply(vec![NewEvent::new(Event::RequestPrefilled(
@@ -77,7 +77,7 @@ impl PrefillState {
 }
 
 impl Attempt {
-    pub(super) fn new(st: &ServerState, req: &RouteRequest, pd: bool) -> Self {
+    pub fn new(st: &Service, req: &RouteRequest, pd: bool) -> Self {
         Attempt {
             st: st.clone(),
             id: req.request_id.clone(),
@@ -98,7 +98,7 @@ impl Attempt {
     }
 
     /// Records this attempt in the SLA histograms when it succeeds (`--enable-sla-metrics`).
-    pub(super) fn observe_sla(&mut self, model: &str, stream: bool) {
+    pub(crate) fn observe_sla(&mut self, model: &str, stream: bool) {
         if self.st.inner.sla_metrics.load(Ordering::Relaxed) {
             self.sla = Some(Sla {
                 model: model.to_owned(),
@@ -110,7 +110,7 @@ impl Attempt {
 
     /// Counts the token frames of a relayed stream chunk (`data:` lines other than `[DONE]`
     /// and usage frames), when the SLA histograms are on.
-    pub(super) fn count_frames(&mut self, chunk: &[u8]) {
+    pub(crate) fn count_frames(&mut self, chunk: &[u8]) {
         let Some(sla) = &mut self.sla else { return };
         let frames = chunk
             .split(|b| *b == b'\n')
@@ -148,7 +148,7 @@ impl Attempt {
     /// A PD attempt's legs, for `infera_pd_dispatch_duration_seconds`: returns what the pair's
     /// sender runs when the prefill leg completed (the prompt is processed; the prefill leg's
     /// duration ends); the decode leg's ends with the attempt.
-    pub(super) fn pd_legs(
+    pub(crate) fn pd_legs(
         &mut self,
         prefill_worker: String,
         decode_worker: String,
@@ -168,7 +168,7 @@ impl Attempt {
     }
 
     /// The client's first byte: the TTFT; for one leg, the prompt is processed too.
-    pub(super) fn first_byte(&mut self) {
+    pub fn first_byte(&mut self) {
         if self.ttft_us.is_some() {
             return;
         }
@@ -179,11 +179,11 @@ impl Attempt {
     }
 
     /// Finishes the attempt as a worker error.
-    pub(super) fn finish_failed(&mut self) {
+    pub(crate) fn finish_failed(&mut self) {
         self.finish(RequestStatus::WorkerError, Usage::default());
     }
 
-    pub(super) fn finish(&mut self, status: RequestStatus, usage: Usage) {
+    pub fn finish(&mut self, status: RequestStatus, usage: Usage) {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
@@ -238,16 +238,16 @@ impl Drop for Attempt {
 
 /// What a response says it used.
 #[derive(Debug, Default, Clone, Copy)]
-pub(super) struct Usage {
-    pub(super) prompt_tokens: Option<u32>,
-    pub(super) completion_tokens: Option<u32>,
-    pub(super) cached_tokens: Option<u32>,
+pub struct Usage {
+    pub prompt_tokens: Option<u32>,
+    pub completion_tokens: Option<u32>,
+    pub cached_tokens: Option<u32>,
 }
 
 /// The `usage` object of a response body (or of one SSE chunk's payload). Everything else in
 /// the body is skipped, not built: a response parsed into a `Value` cost as much as the rest
 /// of relaying it. A count that is not a u32 is absent, as is a body that is not JSON.
-pub(super) fn usage_of(body: &[u8]) -> Usage {
+pub(crate) fn usage_of(body: &[u8]) -> Usage {
     #[derive(serde::Deserialize)]
     struct Body {
         usage: Option<UsageWire>,
@@ -273,7 +273,7 @@ pub(super) fn usage_of(body: &[u8]) -> Usage {
 }
 
 /// The request status of a worker's answer.
-pub(super) fn status_of(code: StatusCode) -> RequestStatus {
+pub(crate) fn status_of(code: StatusCode) -> RequestStatus {
     if code.is_success() {
         RequestStatus::Ok
     } else if code.is_client_error() {
@@ -281,27 +281,6 @@ pub(super) fn status_of(code: StatusCode) -> RequestStatus {
     } else {
         RequestStatus::WorkerError
     }
-}
-
-/// The numbers in request keys and attempt ids (see [`RequestId`]), unique to this server.
-static NEXT_NUMBER: AtomicU64 = AtomicU64::new(0);
-
-fn next_number(st: &ServerState) -> u64 {
-    st.inner
-        .id_prefix
-        .wrapping_add(NEXT_NUMBER.fetch_add(1, Ordering::Relaxed))
-}
-
-/// A new client request's key, `<client id>#<n>`: a client may send one `x-infera-request-id`
-/// with concurrent requests, and neither the fleet's in-flight accounting nor the trace
-/// recorder may merge them.
-pub(super) fn request_key(st: &ServerState, client_id: &str) -> String {
-    RequestId::keyed(client_id, next_number(st)).0
-}
-
-/// A new attempt of the request keyed `key`: `<key>.<m>`.
-pub(super) fn attempt_id(st: &ServerState, key: &str) -> RequestId {
-    RequestId::attempt(key, next_number(st))
 }
 
 #[cfg(test)]

@@ -18,11 +18,11 @@
 //! transport (`/abort_request` on the worker, over HTTP or NATS alike), one task each, bounded
 //! by [`ABORT_TIMEOUT`]; a failed abort is logged, never retried.
 
-use axum::body::Bytes;
+use crate::ids::WorkerId;
+use crate::ports::transport::{BodyStream, Outbound, RequestTransport, TransportError};
+use bytes::Bytes;
 use futures::Stream;
 use futures::StreamExt as _;
-use infera_core::ids::WorkerId;
-use infera_core::ports::transport::{BodyStream, Outbound, RequestTransport, TransportError};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -215,9 +215,9 @@ impl Stream for GuardedBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ports::transport::Inbound;
     use async_trait::async_trait;
-    use axum::http::StatusCode;
-    use infera_core::ports::transport::Inbound;
+    use http::StatusCode;
     use tokio::sync::mpsc;
 
     /// Records every request and answers 200 with an empty body.

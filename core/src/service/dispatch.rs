@@ -1,5 +1,6 @@
-//! The request path after parsing (PROTOCOLS.md §2): decide, hand the body to the configured
-//! [`RequestTransport`](super::transport::RequestTransport), relay status and body; fail over
+//! The request path after the decision's inputs are ready (PROTOCOLS.md §2): decide, hand the
+//! body to the [`RequestTransport`](crate::ports::transport::RequestTransport), relay status and
+//! body; fail over
 //! before the first response byte, up to `request_max_retries` more times, on an unreachable
 //! worker, a 429 admission reject of the transport, a timeout (connect or first byte; the worker
 //! was told to cancel), a 5xx, or a body that fails before its first byte (the first chunk is
@@ -7,7 +8,7 @@
 //! dies is failed over too). When every attempt was refused for load the client gets 429 with
 //! `Retry-After`; when the last one timed out, 504; else 502.
 //!
-//! Each attempt's outcome before the first byte feeds the circuit breaker (`breaker`): workers
+//! Each attempt's outcome before the first byte feeds the circuit breaker ([`super::breaker`]): workers
 //! whose breaker is open are added to the request's exclusions when deciding, so no policy
 //! picks them until their cooldown ends (unless no other candidate is left).
 //!
@@ -19,9 +20,10 @@
 //! `RequestPrefilled` never follows it. Each leg is pinned to the DP rank the router chose
 //! (`X-data-parallel-rank`) when its worker fronts several. Streams are relayed frame by frame
 //! as they arrive; a worker failure mid-stream (a broken connection, a lost or reordered chunk, a
-//! timeout) ends the client's stream with an SSE error event (`code` 502 or 504) and
-//! `data: [DONE]`, never with a silently truncated or corrupted body — unless the stream can be
-//! continued on another worker (`--migration-limit`, see `migrate`).
+//! timeout) ends the reply's stream with that failure, which the edge turns into an error event
+//! (the OpenAI front: an SSE `error` with `code` 502 or 504, then `data: [DONE]`), never a
+//! silently truncated or corrupted body — unless the stream can be continued on another worker
+//! (`--migration-limit`, see [`super::migrate`]).
 //!
 //! A decision with a prefill and a decode leg is sent by [`pd`] (both legs, per their
 //! protocol) and relayed as the decode leg's response. A leg the worker did not take (or a
@@ -29,182 +31,49 @@
 //! prefill's 4xx is the client's answer; a pair that cannot be driven (protocols differ, a
 //! registration lacks a parameter, the prefill's answer lacks the hand-off) is not retried.
 
-use super::ServerState;
-use super::attempt::{Attempt, Usage, attempt_id, status_of, usage_of};
+use super::Service;
+use super::attempt::{Attempt, Usage, status_of, usage_of};
 use super::breaker::{Judge, Outcome, answer_outcome, breaker_outcome};
-use super::http::{ApiError, route_error};
+use super::decide::{Route, decide};
 use super::metrics::{inc, route_key};
 use super::migrate::{self, Migration};
 use super::pd;
-use axum::body::{Body, Bytes};
-use axum::http::{StatusCode, header};
-use axum::response::Response;
+use super::reply::{Reply, ReplyBody, RequestError};
+use crate::error::{ErrorCode, ServiceError};
+use crate::event::{RequestStatus, Role};
+use crate::policy::{DirectPick, RouteError, RouteRequest};
+use crate::ports::transport::{BodyStream, Inbound, Outbound, TransportError};
+use bytes::Bytes;
 use futures::StreamExt as _;
-use infera_core::event::{Event, RequestStatus, Role, RoutedLeg};
-use infera_core::ids::WorkerRank;
-use infera_core::log::NewEvent;
-use infera_core::policy::{DirectPick, RouteError, RouteRequest};
-use infera_core::ports::transport::{
-    BodyStream, Inbound, Outbound, TransportError, engine_dp_rank,
-};
-use serde_json::{Map, Value, json};
-use std::convert::Infallible;
+use serde_json::{Map, Value};
 
-/// Where one attempt goes.
-pub(super) enum Route {
-    /// One worker (a mixed model, or a direct pick of one worker): its rank, its URL without a
-    /// trailing slash, and the engine-side DP rank to pin the request to ([`engine_dp_rank`]).
-    /// Built from the fleet's record without copying it: this is every mixed request's path.
-    Single {
-        rank: WorkerRank,
-        url: String,
-        dp_rank: Option<u32>,
-    },
-    /// A prefill and a decode worker, driven by their PD protocol ([`pd`]).
-    Pd(Box<pd::Pair>),
-}
-
-impl Route {
-    /// The workers of the attempt.
-    fn workers(&self) -> Vec<infera_core::ids::WorkerId> {
-        match self {
-            Route::Single { rank, .. } => vec![rank.worker.clone()],
-            Route::Pd(pair) => vec![
-                pair.prefill.rank.worker.clone(),
-                pair.decode.rank.worker.clone(),
-            ],
-        }
+impl Service {
+    /// Decides and forwards, failing over before the first response byte. See the module docs.
+    ///
+    /// # Errors
+    /// A decision that cannot be made, a PD pair that cannot be driven, or every attempt
+    /// failing before its first byte (429 when every one was refused for load, 504 when the
+    /// last timed out, else 502).
+    pub async fn forward(
+        &self,
+        req: RouteRequest,
+        direct: Option<DirectPick>,
+        path: &'static str,
+        body: Bytes,
+        stream: bool,
+    ) -> Result<Reply, RequestError> {
+        forward(self, req, direct, path, body, stream).await
     }
 }
 
-/// Decides, appends `RequestRouted` (both legs of a PD pair, each with its role) and applies
-/// it; returns the chosen worker(s).
-pub(super) fn decide(
-    st: &ServerState,
-    req: &mut RouteRequest,
-    direct: Option<&DirectPick>,
-) -> Result<Route, RouteError> {
-    let now = st.inner.clock.now_us();
-    let metrics = &st.inner.metrics;
-    let mut core = st.lock();
-    // Workers whose circuit breaker is open are excluded like failed ranks, unless that leaves
-    // no candidate (see `breaker`); an endpoint picker's choice is its own.
-    let own = req.exclude.len();
-    if direct.is_none() {
-        let fleet = core.kernel.fleet();
-        let blocked = st
-            .inner
-            .breaker
-            .blocked(|w| fleet.worker(w).is_some(), metrics);
-        req.exclude.extend(blocked_ranks(fleet, &blocked));
-    }
-    let mut routed = core.kernel.route(req, direct, now);
-    if req.exclude.len() > own {
-        req.exclude.truncate(own);
-        if let Err(RouteError::NoWorker { .. }) = &routed {
-            tracing::warn!(model = %req.model,
-                "every candidate's circuit breaker is open; routing as if none were");
-            routed = core.kernel.route(req, direct, now);
-        }
-    }
-    let routed = match routed {
-        Ok(r) => r,
-        Err(e) => {
-            metrics.decision(match &e {
-                RouteError::UnknownModel(_) => "unknown_model",
-                _ => "no_worker",
-            });
-            return Err(e);
-        }
-    };
-    let fleet = core.kernel.fleet();
-    let target = |leg: &RoutedLeg| {
-        fleet.worker(&leg.worker.worker).map(|w| pd::Leg {
-            rank: leg.worker.clone(),
-            url: w.url.trim_end_matches('/').to_owned(),
-            record: w.clone(),
-        })
-    };
-    let route = match routed.legs.as_slice() {
-        [p, d] if p.role == Role::Prefill && d.role == Role::Decode => {
-            match (target(p), target(d)) {
-                (Some(prefill), Some(decode)) => {
-                    Some(Route::Pd(Box::new(pd::Pair { prefill, decode })))
-                }
-                _ => None,
-            }
-        }
-        [leg, ..] => fleet.worker(&leg.worker.worker).map(|w| Route::Single {
-            rank: leg.worker.clone(),
-            url: w.url.trim_end_matches('/').to_owned(),
-            dp_rank: engine_dp_rank(&leg.worker, w),
-        }),
-        [] => None,
-    };
-    let Some(route) = route else {
-        metrics.decision("no_worker");
-        return Err(RouteError::NoWorker {
-            model: req.model.clone(),
-            role: "mixed",
-        });
-    };
-    metrics.decision("routed");
-    for leg in &routed.legs {
-        let worker = fleet.worker(&leg.worker.worker).map_or_else(
-            || leg.worker.worker.as_str().to_owned(),
-            |w| route_key(w, &leg.worker),
-        );
-        metrics.pick(
-            leg.role.as_str(),
-            worker,
-            leg.overlap_blocks,
-            routed.blocks.len(),
-        );
-    }
-    let applied = core.commit(vec![NewEvent::new(Event::RequestRouted(routed))]);
-    drop(core);
-    metrics.events_applied(applied as u64);
-    Ok(route)
-}
-
-/// Every rank of the registered workers in `workers`.
-fn blocked_ranks<'a>(
-    fleet: &'a infera_core::fleet::FleetState,
-    workers: &'a [infera_core::ids::WorkerId],
-) -> impl Iterator<Item = WorkerRank> + 'a {
-    workers
-        .iter()
-        .filter_map(|w| fleet.worker(w))
-        .flat_map(|r| {
-            (0..r.dp_size.max(1)).map(|i| WorkerRank::new(r.worker_id.clone(), r.dp_rank + i))
-        })
-}
-
-/// Decides one mixed worker for `req` (a migrating stream's next worker): its rank, URL and
-/// engine DP rank; `None` when the model is served by prefill/decode pairs (that decision is
-/// finished at once, as cancelled).
-pub(super) fn decide_single(
-    st: &ServerState,
-    req: &mut RouteRequest,
-) -> Result<Option<(WorkerRank, String, Option<u32>)>, RouteError> {
-    match decide(st, req, None)? {
-        Route::Single { rank, url, dp_rank } => Ok(Some((rank, url, dp_rank))),
-        Route::Pd(_) => {
-            drop(Attempt::new(st, req, true));
-            Ok(None)
-        }
-    }
-}
-
-/// Decides and forwards, failing over before the first response byte. See the module docs.
-pub(crate) async fn forward(
-    st: &ServerState,
+async fn forward(
+    st: &Service,
     mut req: RouteRequest,
     direct: Option<DirectPick>,
     path: &'static str,
     body: Bytes,
     stream: bool,
-) -> Result<Response, ApiError> {
+) -> Result<Reply, RequestError> {
     // `req.request_id` is the request's key (see `RequestId`); the engine and the logs see the
     // client's own id.
     let key = req.request_id.0.clone();
@@ -222,7 +91,7 @@ pub(crate) async fn forward(
     // The body sent to a single worker, when it asks for token ids (set per attempt).
     let mut asked_ids: Option<Bytes>;
     for attempt in 0..attempts {
-        req.request_id = attempt_id(st, &key);
+        req.request_id = st.attempt_id(&key);
         asked_ids = None;
         if attempt > 0 {
             inc(&st.inner.metrics.retries, 1);
@@ -230,7 +99,7 @@ pub(crate) async fn forward(
         let route = match decide(st, &mut req, direct.as_ref()) {
             Ok(x) => x,
             Err(RouteError::NoWorker { .. }) if last_error.is_some() => break,
-            Err(e) => return Err(route_error(&e)),
+            Err(e) => return Err(RequestError::of(&e)),
         };
         let judge = Judge::new(
             st,
@@ -354,7 +223,7 @@ pub(crate) async fn forward(
                     req.exclude.push(rank);
                 } else {
                     // The prefill's own error is the client's answer; the decode leg is gone.
-                    return Ok(relay(guard, response, false, None).await);
+                    return relay(guard, response, false, None).await;
                 }
             }
             Err(pd::LegError::Pd(e)) => {
@@ -366,7 +235,7 @@ pub(crate) async fn forward(
                 });
                 judge.release();
                 guard.finish(RequestStatus::WorkerError, Usage::default());
-                return Err(ApiError::new(e.status(), e.to_string()));
+                return Err(RequestError::of(&e));
             }
             Ok(resp) if resp.status.is_server_error() && !last_attempt => {
                 if !single {
@@ -408,21 +277,21 @@ pub(crate) async fn forward(
                             Migration::new(st, &req, path, &body, rank, &base_id, asked)
                         })
                         .flatten();
-                    return Ok(relay(guard, resp, stream, migration).await);
+                    return relay(guard, resp, stream, migration).await;
                 }
             },
         }
     }
     Err(match last_error {
         Some(e @ TransportError::Overloaded { .. }) => transport_error(e),
-        Some(e @ TransportError::Timeout(_)) => ApiError::new(
-            StatusCode::GATEWAY_TIMEOUT,
+        Some(e @ TransportError::Timeout(_)) => RequestError::new(
+            ErrorCode::GatewayTimeout,
             format!(
                 "no worker answered within its deadline after {attempts} attempt(s); last error: {e}"
             ),
         ),
-        other => ApiError::new(
-            StatusCode::BAD_GATEWAY,
+        other => RequestError::new(
+            ErrorCode::BadGateway,
             format!(
                 "no worker could serve the request after {attempts} attempt(s); last error: {}",
                 other.map(|e| e.to_string()).unwrap_or_default()
@@ -438,7 +307,7 @@ fn fails_over(e: &TransportError) -> bool {
 }
 
 /// The first non-empty chunk of `body` (`None` when it ended without one).
-pub(super) async fn first_chunk(body: &mut BodyStream) -> Option<Result<Bytes, TransportError>> {
+pub(crate) async fn first_chunk(body: &mut BodyStream) -> Option<Result<Bytes, TransportError>> {
     loop {
         match body.next().await? {
             Ok(chunk) if chunk.is_empty() => {}
@@ -448,11 +317,11 @@ pub(super) async fn first_chunk(body: &mut BodyStream) -> Option<Result<Bytes, T
 }
 
 /// The client's (already stamped) body as an object, for rewriting into PD legs.
-fn pd_body(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
+fn pd_body(body: &Bytes) -> Result<Map<String, Value>, RequestError> {
     match serde_json::from_slice(body) {
         Ok(Value::Object(m)) => Ok(m),
-        _ => Err(ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
+        _ => Err(RequestError::new(
+            ErrorCode::Internal,
             "the forwarded body is not a JSON object",
         )),
     }
@@ -468,22 +337,24 @@ fn failure_status(e: &TransportError) -> RequestStatus {
 }
 
 /// The client's answer to a transport failure before any byte.
-fn transport_error(e: TransportError) -> ApiError {
+fn transport_error(e: TransportError) -> RequestError {
     let retry_after = match &e {
         TransportError::Overloaded { retry_after_s, .. } => Some(*retry_after_s),
         _ => None,
     };
-    let mut err = ApiError::new(e.status(), e.to_string());
+    let mut err = RequestError::of(&e);
     err.retry_after_s = retry_after;
     err
 }
 
+/// The client's answer from a worker's response: read whole, or relayed as a stream (see
+/// [`ReplyBody::Stream`]); the attempt is finished at its end.
 async fn relay(
     mut guard: Attempt,
     resp: Inbound,
     stream: bool,
     migration: Option<Box<Migration>>,
-) -> Response {
+) -> Result<Reply, RequestError> {
     let Inbound {
         status: code,
         content_type,
@@ -493,10 +364,6 @@ async fn relay(
         .as_ref()
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
-    let mut out = Response::builder().status(code);
-    if let Some(ct) = content_type {
-        out = out.header(header::CONTENT_TYPE, ct);
-    }
     if !(stream || is_sse) {
         let mut bytes = Vec::new();
         while let Some(chunk) = body.next().await {
@@ -505,24 +372,26 @@ async fn relay(
                 Err(e) => {
                     guard.st.inner.metrics.transport_error(&e);
                     guard.finish(failure_status(&e), Usage::default());
-                    let err =
-                        ApiError::new(e.status(), format!("worker response failed midway: {e}"));
-                    return axum::response::IntoResponse::into_response(err);
+                    return Err(RequestError::new(
+                        e.code(),
+                        format!("worker response failed midway: {e}"),
+                    ));
                 }
             }
         }
         guard.first_byte();
         guard.finish(status_of(code), usage_of(&bytes));
-        return out
-            .body(Body::from(bytes))
-            .unwrap_or_else(|_| Response::new(Body::empty()));
+        return Ok(Reply {
+            status: code,
+            content_type,
+            body: ReplyBody::Full(Bytes::from(bytes)),
+        });
     }
     let status = status_of(code);
     let state = Some(StreamRelay {
         body,
         guard,
         status,
-        last_byte: b'\n',
         usage: Usage::default(),
         migration,
     });
@@ -540,8 +409,7 @@ async fn relay(
                     r.guard.first_byte();
                     r.guard.count_frames(&data);
                     r.scan_usage(&data);
-                    r.last_byte = data.last().copied().unwrap_or(b'\n');
-                    return Some((Ok::<Bytes, Infallible>(data), Some(r)));
+                    return Some((Ok(data), Some(r)));
                 }
                 None => {
                     r.guard.finish(r.status, r.usage);
@@ -556,31 +424,22 @@ async fn relay(
                         (r.guard, r.body, r.usage) = (guard, body, Usage::default());
                         continue;
                     }
-                    let code = e.status();
-                    let kind = if code == StatusCode::GATEWAY_TIMEOUT {
-                        "TimeoutError"
-                    } else {
-                        "BadGatewayError"
-                    };
-                    let err = json!({"error": {"message": format!("worker stream failed: {e}"),
-                        "type": kind, "code": code.as_u16()}});
-                    let sep = if r.last_byte == b'\n' { "" } else { "\n\n" };
-                    let tail = format!("{sep}data: {err}\n\ndata: [DONE]\n\n");
-                    return Some((Ok(Bytes::from(tail)), None));
+                    return Some((Err(e), None));
                 }
             }
         }
     });
-    out.header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(s))
-        .unwrap_or_else(|_| Response::new(Body::empty()))
+    Ok(Reply {
+        status: code,
+        content_type,
+        body: ReplyBody::Stream(s.boxed()),
+    })
 }
 
 struct StreamRelay {
     body: BodyStream,
     guard: Attempt,
     status: RequestStatus,
-    last_byte: u8,
     /// The usage of the stream's usage chunk (`stream_options.include_usage`), when seen whole
     /// within one frame.
     usage: Usage,

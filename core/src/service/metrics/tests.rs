@@ -2,7 +2,7 @@ use super::*;
 
 #[test]
 fn every_family_a_failure_path_feeds_renders_with_its_type_and_labels() {
-    let m = ServerMetrics::default();
+    let m = Metrics::default();
     m.pick("prefill", "w#dp1".into(), 3, 8);
     m.pd_bootstrap_failure("prefill_5xx");
     m.migration_failed("limit");

@@ -2,7 +2,7 @@
 
 use super::shape::*;
 use super::*;
-use crate::server::test_support::record;
+use crate::service::test_support::record;
 use serde_json::json;
 
 fn leg(id: &str, role: Role, meta: Value) -> Leg {
@@ -103,7 +103,10 @@ fn sglang_without_a_bootstrap_is_a_meta_error_naming_the_prefill() {
         e.to_string().contains("prefill worker 10.0.0.1:8000"),
         "{e}"
     );
-    assert_eq!(e.status(), axum::http::StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        e.code().http_status(),
+        http::StatusCode::INTERNAL_SERVER_ERROR
+    );
 }
 
 #[test]
@@ -160,7 +163,7 @@ fn nixl_decode_without_an_answered_handoff_is_a_502() {
     let s = shape(PdProtocol::VllmNixl, &pair, false);
     let handoff = s.handoff(br#"{"id": "x"}"#).unwrap();
     let e = s.decode_body(&base(json!({})), handoff).unwrap_err();
-    assert_eq!(e.status(), axum::http::StatusCode::BAD_GATEWAY);
+    assert_eq!(e.code().http_status(), http::StatusCode::BAD_GATEWAY);
     assert!(s.handoff(b"not json").is_err());
     assert!(s.handoff(br#"{"kv_transfer_params": 3}"#).is_err());
 }
@@ -408,8 +411,8 @@ fn mooncake_decode_names_the_chosen_prefill_ranks_engine_id() {
 #[derive(Debug)]
 struct Fake {
     sent: std::sync::Mutex<Vec<Outbound>>,
-    prefill_status: axum::http::StatusCode,
-    decode_status: axum::http::StatusCode,
+    prefill_status: http::StatusCode,
+    decode_status: http::StatusCode,
     aborts: tokio::sync::mpsc::Sender<Outbound>,
     events: Arc<std::sync::Mutex<Vec<String>>>,
 }
@@ -422,7 +425,7 @@ impl RequestTransport for Fake {
 
     async fn send(&self, req: Outbound) -> Result<Inbound, TransportError> {
         let worker = req.worker.as_str().to_owned();
-        let is_abort = req.path == super::super::pd_abort::ABORT_PATH;
+        let is_abort = req.path == super::abort::ABORT_PATH;
         self.events
             .lock()
             .unwrap()
@@ -432,7 +435,7 @@ impl RequestTransport for Fake {
             let _ = self.aborts.send(req).await;
         }
         let status = match (worker.as_str(), is_abort) {
-            (_, true) => axum::http::StatusCode::OK,
+            (_, true) => http::StatusCode::OK,
             ("10.0.0.1:8000", false) => self.prefill_status,
             _ => self.decode_status,
         };
@@ -448,8 +451,8 @@ impl RequestTransport for Fake {
 /// A [`Fake`] whose prefill (`10.0.0.1:8000`) answers `prefill_status` and whose decode
 /// answers `decode_status`.
 fn fake(
-    prefill_status: axum::http::StatusCode,
-    decode_status: axum::http::StatusCode,
+    prefill_status: http::StatusCode,
+    decode_status: http::StatusCode,
 ) -> (Arc<Fake>, tokio::sync::mpsc::Receiver<Outbound>) {
     let (tx, rx) = tokio::sync::mpsc::channel(8);
     let f = Fake {
@@ -488,11 +491,11 @@ async fn drive(
 #[tokio::test]
 async fn each_leg_is_pinned_to_its_dp_rank_and_a_serial_prefill_completes_before_decode() {
     let pair = dp(pair("vllm-nixl", json!({}), json!({})), (0, 4, 3), (2, 1));
-    let (f, _aborts) = fake(axum::http::StatusCode::OK, axum::http::StatusCode::OK);
+    let (f, _aborts) = fake(http::StatusCode::OK, http::StatusCode::OK);
     let (tx, rx) = tokio::sync::oneshot::channel();
     let shape = Shape::new(PdProtocol::VllmNixl, &pair, 7, false);
     let decode = drive(&f, shape, tx).await.unwrap();
-    assert_eq!(decode.status, axum::http::StatusCode::OK);
+    assert_eq!(decode.status, http::StatusCode::OK);
     rx.await.unwrap();
     let ranks: Vec<Option<u32>> = f.sent.lock().unwrap().iter().map(|o| o.dp_rank()).collect();
     assert_eq!(ranks, [Some(3), Some(1)], "prefill, then decode");
@@ -507,7 +510,7 @@ async fn each_leg_is_pinned_to_its_dp_rank_and_a_serial_prefill_completes_before
     );
     // Workers of one rank are not steered.
     let plain = pair_one();
-    let (f, _aborts) = fake(axum::http::StatusCode::OK, axum::http::StatusCode::OK);
+    let (f, _aborts) = fake(http::StatusCode::OK, http::StatusCode::OK);
     let (tx, _rx) = tokio::sync::oneshot::channel();
     drive(&f, Shape::new(PdProtocol::VllmNixl, &plain, 7, false), tx)
         .await
@@ -526,7 +529,7 @@ async fn a_concurrent_prefill_is_prefilled_when_its_answer_ends() {
         json!({"bootstrap_addr": "h:1"}),
         json!({}),
     );
-    let (f, aborts) = fake(axum::http::StatusCode::OK, axum::http::StatusCode::OK);
+    let (f, aborts) = fake(http::StatusCode::OK, http::StatusCode::OK);
     let (tx, rx) = tokio::sync::oneshot::channel();
     let shape = Shape::new(PdProtocol::SglangBootstrap, &pair, 7, false);
     let decode = drive(&f, shape, tx).await.unwrap();
@@ -547,10 +550,7 @@ async fn an_sglang_prefill_that_fails_aborts_the_decode_leg_it_left_running() {
         json!({"bootstrap_addr": "h:1"}),
         json!({}),
     );
-    let (f, mut aborts) = fake(
-        axum::http::StatusCode::SERVICE_UNAVAILABLE,
-        axum::http::StatusCode::OK,
-    );
+    let (f, mut aborts) = fake(http::StatusCode::SERVICE_UNAVAILABLE, http::StatusCode::OK);
     let (tx, rx) = tokio::sync::oneshot::channel();
     let shape = Shape::new(PdProtocol::SglangBootstrap, &pair, 7, false);
     let rid = sglang_rid(shape.room);
@@ -581,14 +581,11 @@ async fn an_sglang_decode_that_refuses_aborts_the_prefill_leg_still_running() {
         json!({"bootstrap_addr": "h:1"}),
         json!({}),
     );
-    let (f, mut aborts) = fake(
-        axum::http::StatusCode::OK,
-        axum::http::StatusCode::BAD_REQUEST,
-    );
+    let (f, mut aborts) = fake(http::StatusCode::OK, http::StatusCode::BAD_REQUEST);
     let (tx, _rx) = tokio::sync::oneshot::channel();
     let shape = Shape::new(PdProtocol::SglangBootstrap, &pair, 7, false);
     let decode = drive(&f, shape, tx).await.unwrap();
-    assert_eq!(decode.status, axum::http::StatusCode::BAD_REQUEST);
+    assert_eq!(decode.status, http::StatusCode::BAD_REQUEST);
     drop((decode, f));
     let mut aborted = Vec::new();
     while let Some(abort) = aborts.recv().await {

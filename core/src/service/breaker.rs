@@ -26,11 +26,11 @@
 //! Time is the server's [`Clock`], so tests drive cooldowns with a virtual one. Entries of
 //! workers no longer registered are dropped when the router next looks.
 
-use super::metrics::{ServerMetrics, inc};
-use axum::http::StatusCode;
-use infera_core::clock::{Clock, Micros, SystemClock};
-use infera_core::ids::{WorkerId, WorkerRank};
-use infera_core::ports::transport::TransportError;
+use super::metrics::{Metrics, inc};
+use crate::clock::{Clock, Micros, SystemClock};
+use crate::ids::{WorkerId, WorkerRank};
+use crate::ports::transport::TransportError;
+use http::StatusCode;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -152,7 +152,7 @@ impl Breaker {
     pub(crate) fn blocked(
         &self,
         registered: impl Fn(&WorkerId) -> bool,
-        metrics: &ServerMetrics,
+        metrics: &Metrics,
     ) -> Vec<WorkerId> {
         let mut st = self.lock();
         if st.entries.is_empty() {
@@ -195,7 +195,7 @@ impl Breaker {
     }
 
     /// Records an attempt's outcome on `worker` (before its first response byte).
-    pub(crate) fn record(&self, worker: &WorkerId, outcome: Outcome, metrics: &ServerMetrics) {
+    pub(crate) fn record(&self, worker: &WorkerId, outcome: Outcome, metrics: &Metrics) {
         let mut st = self.lock();
         if st.config.failure_threshold == 0 {
             return;
@@ -289,14 +289,14 @@ pub(crate) fn answer_outcome(status: StatusCode) -> Outcome {
 #[derive(Debug)]
 pub(crate) struct Judge<'a> {
     breaker: &'a Breaker,
-    metrics: &'a ServerMetrics,
+    metrics: &'a Metrics,
     /// The attempt's workers (both legs of a PD pair); none under `--router-mode direct`.
     workers: Vec<WorkerId>,
     done: bool,
 }
 
 impl<'a> Judge<'a> {
-    pub(crate) fn new(st: &'a super::ServerState, workers: Vec<WorkerId>) -> Self {
+    pub(crate) fn new(st: &'a super::Service, workers: Vec<WorkerId>) -> Self {
         for w in &workers {
             st.inner.breaker.picked(w);
         }
@@ -336,7 +336,7 @@ impl Drop for Judge<'_> {
     }
 }
 
-impl super::ServerState {
+impl super::Service {
     /// Sets the circuit breaker's settings (`--breaker-*`) and the clock its cooldowns run on;
     /// forgets every worker's failures. A server starts with [`BreakerConfig::default`].
     pub fn set_breaker(&self, config: BreakerConfig, clock: Arc<dyn Clock>) {
@@ -351,7 +351,7 @@ impl super::ServerState {
 }
 
 /// Sets the gauges of open and half-open breakers.
-fn gauges(st: &State, metrics: &ServerMetrics) {
+fn gauges(st: &State, metrics: &Metrics) {
     let count = |s| st.entries.values().filter(|e| e.state == s).count() as i64;
     metrics.breaker_open.set(count(BreakerState::Open));
     metrics.breaker_half_open.set(count(BreakerState::HalfOpen));
@@ -360,17 +360,17 @@ fn gauges(st: &State, metrics: &ServerMetrics) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use infera_core::clock::VirtualClock;
+    use crate::clock::VirtualClock;
 
     const S: Micros = 1_000_000;
 
-    fn setup() -> (Breaker, Arc<VirtualClock>, ServerMetrics) {
+    fn setup() -> (Breaker, Arc<VirtualClock>, Metrics) {
         let clock = Arc::new(VirtualClock::new(1_000 * S));
         let breaker = Breaker::new(BreakerConfig::default(), clock.clone());
-        (breaker, clock, ServerMetrics::default())
+        (breaker, clock, Metrics::default())
     }
 
-    fn blocked(b: &Breaker, m: &ServerMetrics) -> Vec<WorkerId> {
+    fn blocked(b: &Breaker, m: &Metrics) -> Vec<WorkerId> {
         b.blocked(|_| true, m)
     }
 
@@ -449,7 +449,7 @@ mod tests {
     #[test]
     fn threshold_zero_is_off_and_deregistered_workers_are_forgotten() {
         let clock = Arc::new(VirtualClock::new(0));
-        let m = ServerMetrics::default();
+        let m = Metrics::default();
         let off = Breaker::new(
             BreakerConfig {
                 failure_threshold: 0,

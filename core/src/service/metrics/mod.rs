@@ -1,5 +1,5 @@
 //! The server's Prometheus metrics: one `prometheus_client` registry per server, rendered in the
-//! Prometheus text format (0.0.4) by `GET /metrics` (see [`crate::metrics`]).
+//! Prometheus text format (0.0.4) by `GET /metrics` (see [`text`]).
 //!
 //! Two groups of families live in it:
 //! - **The Python Infera's** (its `infera/server/metrics.py`), with its names, types, labels and
@@ -11,18 +11,18 @@
 //! - **Ours**, beside them: decisions by outcome, retries, requests by status, event intake,
 //!   transport errors, KV-event gaps, PD pair errors, breaker totals, exact migrations; the
 //!   event taps, the durable log and the trace recorder register theirs through
-//!   [`super::ServerState::register_metrics`].
+//!   [`Service::register_metrics`].
 //!
 //! Label values are bounded: roles, outcomes, reasons and worker ids (the fleet is bounded),
 //! never model names or request ids. Gauges the fleet already knows (active workers, the
 //! policy's per-worker views, breaker states) are set from it at scrape time.
 
-use super::ServerState;
+use super::Service;
 use super::breaker::BreakerState;
-use infera_core::event::{Tier, WorkerRecord};
-use infera_core::ids::WorkerRank;
-use infera_core::kv_events::IngestStats;
-use infera_core::ports::transport::TransportError;
+use crate::event::{Tier, WorkerRecord};
+use crate::ids::WorkerRank;
+use crate::kv_events::IngestStats;
+use crate::ports::transport::TransportError;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -31,6 +31,7 @@ use prometheus_client::registry::Registry;
 use std::sync::{Mutex, PoisonError};
 
 mod sla;
+pub mod text;
 
 pub(crate) use sla::{SlaFamilies, SlaSample};
 
@@ -66,7 +67,7 @@ fn leg_histogram() -> Histogram {
 
 /// Every family of the server, and the registry that renders them.
 #[derive(Debug)]
-pub struct ServerMetrics {
+pub struct Metrics {
     registry: Mutex<Registry>,
     // The Python Infera's families.
     pub(crate) picks_by_worker: Family<WorkerPairLabel, Counter>,
@@ -133,9 +134,9 @@ pub(crate) fn inc(c: &Counter, by: u64) {
     c.inc_by(by);
 }
 
-impl Default for ServerMetrics {
+impl Default for Metrics {
     fn default() -> Self {
-        let m = ServerMetrics {
+        let m = Metrics {
             registry: Mutex::new(Registry::default()),
             picks_by_worker: Family::default(),
             pick_cache_hits: Family::new_with_constructor(block_histogram),
@@ -183,7 +184,7 @@ impl Default for ServerMetrics {
     }
 }
 
-impl ServerMetrics {
+impl Metrics {
     /// Puts every family in the registry (help texts end without a period: the encoder adds
     /// one; counter names without `_total`: the encoder adds it).
     fn register_all(&self) {
@@ -439,14 +440,14 @@ impl ServerMetrics {
     pub(crate) fn render(&self, fill: impl FnOnce(&Self)) -> String {
         let registry = self.registry.lock().unwrap_or_else(PoisonError::into_inner);
         fill(self);
-        crate::metrics::render(&registry)
+        text::render(&registry)
     }
 
-    pub(crate) fn events_applied(&self, n: u64) {
+    pub fn events_applied(&self, n: u64) {
         self.events_applied.inc_by(n);
     }
 
-    pub(crate) fn kv_ingested(&self, s: &IngestStats) {
+    pub fn kv_ingested(&self, s: &IngestStats) {
         self.kv_stored_blocks.inc_by(u64::from(s.stored_blocks));
         self.kv_removed_blocks.inc_by(u64::from(s.removed_blocks));
         self.kv_dropped_events.inc_by(u64::from(s.dropped()));
@@ -462,7 +463,7 @@ impl ServerMetrics {
     }
 
     /// A routing decision's outcome: `routed`, `unknown_model`, `no_worker`.
-    pub(crate) fn decision(&self, outcome: &'static str) {
+    pub fn decision(&self, outcome: &'static str) {
         self.decisions.get_or_create(&[("outcome", outcome)]).inc();
     }
 
@@ -478,6 +479,27 @@ impl ServerMetrics {
         self.pick_request_blocks
             .get_or_create(&role)
             .observe(blocks as f64);
+    }
+
+    /// The tokenizer (or chat template) failed on a request.
+    pub fn tokenizer_failed(&self) {
+        self.tokenizer_failures.inc();
+    }
+
+    /// A request's retention hint (`none` without one), as the Python Infera's
+    /// `cache_control_seen`.
+    pub fn retention_seen(&self, retention: &'static str) {
+        self.cache_control_seen
+            .get_or_create(&[("retention", retention)])
+            .inc();
+    }
+
+    /// A request routed without its prefix (`multimodal`), as the Python Infera's
+    /// `cache_locality_skipped`.
+    pub fn locality_skipped(&self, reason: &'static str) {
+        self.cache_locality_skipped
+            .get_or_create(&[("reason", reason)])
+            .inc();
     }
 
     /// A PD bootstrap failure, by the Python Infera's reason names.
@@ -529,15 +551,7 @@ impl ServerMetrics {
     }
 }
 
-impl ServerState {
-    /// Records the SLA planner's histograms (`--enable-sla-metrics`); off by default, so
-    /// ordinary requests pay nothing for them.
-    pub fn set_sla_metrics(&self, enabled: bool) {
-        self.inner
-            .sla_metrics
-            .store(enabled, std::sync::atomic::Ordering::Relaxed);
-    }
-
+impl Service {
     /// Lets a component (the durable log, the trace recorder) put its own families in the
     /// server's registry, rendered by `GET /metrics` from then on.
     pub fn register_metrics(&self, with: impl FnOnce(&mut Registry)) {
@@ -547,7 +561,7 @@ impl ServerState {
     /// The exposition, with the gauges the fleet knows set from it now: active workers per
     /// disaggregation mode (draining ones are not active), each worker's breaker state, and
     /// each rank's active blocks and cached (GPU) blocks as the router sees them.
-    pub(crate) fn render_metrics(&self) -> String {
+    pub fn render_metrics(&self) -> String {
         self.inner.metrics.render(|m| {
             self.with_fleet(|f| {
                 m.active_workers.clear();

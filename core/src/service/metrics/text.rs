@@ -1,4 +1,4 @@
-//! The Prometheus exposition every `GET /metrics` of this crate answers, the server's and each
+//! The Prometheus exposition every `GET /metrics` of Infera answers, the server's and each
 //! mock engine's: the text format 0.0.4 of one `prometheus_client` registry, with whole bucket
 //! bounds written as floats as the Python client writes them.
 
@@ -6,10 +6,10 @@ use prometheus_client::encoding::prometheus_text;
 use prometheus_client::registry::Registry;
 
 /// The `Content-Type` of `GET /metrics`.
-pub(crate) const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
+pub const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
 
 /// The text exposition of every family in `registry`.
-pub(crate) fn render(registry: &Registry) -> String {
+pub fn render(registry: &Registry) -> String {
     let mut out = String::with_capacity(8192);
     // Writing to a String cannot fail.
     let _ = prometheus_text::encode(&mut out, registry);

@@ -35,24 +35,24 @@
 
 mod frames;
 
-use super::ServerState;
-use super::attempt::{Attempt, attempt_id};
+use super::Service;
+use super::attempt::Attempt;
 use super::breaker::{Judge, Outcome, answer_outcome, breaker_outcome};
+use super::dispatch::first_chunk;
 use super::metrics::inc;
-use super::relay::first_chunk;
-use axum::body::Bytes;
+use crate::ids::WorkerRank;
+use crate::policy::{RouteError, RouteRequest};
+use crate::ports::transport::{BodyStream, Outbound};
+use bytes::Bytes;
 use frames::{CHAT_ONLY_FIELDS, data_lines, frame_end};
 use futures::StreamExt as _;
-use infera_core::ids::WorkerRank;
-use infera_core::policy::{RouteError, RouteRequest};
-use infera_core::ports::transport::{BodyStream, Outbound};
 use serde_json::{Map, Value, json};
 
 const COMPLETIONS: &str = "/v1/completions";
 
 /// One stream's migration state. See the module docs.
 pub(super) struct Migration {
-    st: ServerState,
+    st: Service,
     req: RouteRequest,
     path: &'static str,
     body: Map<String, Value>,
@@ -84,7 +84,7 @@ pub(super) struct Migration {
     incoming: Vec<u8>,
 }
 
-impl ServerState {
+impl Service {
     /// Sets `--migration-limit`: how many times one stream may move to another worker when its
     /// own fails mid-stream (0, the default, turns migration off).
     pub fn set_migration_limit(&self, limit: u32) {
@@ -104,7 +104,7 @@ impl ServerState {
 /// migration is on, the worker's engine reports ids on `path` and the client did not set the
 /// field itself; `None` to send `body` as it is.
 pub(super) fn asking_ids(
-    st: &ServerState,
+    st: &Service,
     rank: &WorkerRank,
     path: &str,
     body: &Bytes,
@@ -130,7 +130,7 @@ impl Migration {
     /// The migration state of a stream to `rank`, when `limit` > 0 and the request can move;
     /// `asked_ids`: the router added `return_token_ids` to what it sent ([`asking_ids`]).
     pub(super) fn new(
-        st: &ServerState,
+        st: &Service,
         req: &RouteRequest,
         path: &'static str,
         body: &Bytes,
@@ -302,8 +302,8 @@ impl Migration {
         let failed = self.current.clone();
         self.req.exclude.push(failed.clone());
         let key = self.req.request_id.request_key().to_owned();
-        self.req.request_id = attempt_id(&self.st, &key);
-        let (rank, url, dp_rank) = match super::relay::decide_single(&self.st, &mut self.req) {
+        self.req.request_id = self.st.attempt_id(&key);
+        let (rank, url, dp_rank) = match super::decide::decide_single(&self.st, &mut self.req) {
             Ok(Some(x)) => x,
             Ok(None) | Err(RouteError::NoWorker { .. }) => {
                 tracing::warn!(request_id = %self.client_id, "no other worker to migrate to");

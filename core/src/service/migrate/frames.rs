@@ -4,7 +4,7 @@
 //! `sglext.prompt_token_ids`), their removal before the client sees a chunk it did not ask ids
 //! for, and a completions chunk reshaped as the chat chunk a chat client reads.
 
-use infera_core::event::Engine;
+use crate::event::Engine;
 use serde_json::{Map, Value};
 
 /// Request fields a completions continuation cannot honour: a chat request carrying one keeps

@@ -28,12 +28,12 @@
 //! Mooncake's per-rank engine id); ATOM reports the rank that served its prefill itself.
 //!
 //! # Failures
-//! Everything here happens before the client's first byte. The relay ([`super::relay`]) retries
+//! Everything here happens before the client's first byte. The dispatcher (`super::dispatch`) retries
 //! a [`LegError`] on another pair when the failed leg's worker could not take the request (or
 //! answered 5xx), as it does for one leg. A concurrent dispatch drops the other leg as soon as
 //! one fails — for HTTP that closes its connection, which vLLM takes as an abort; SGLang also
 //! gets `POST /abort_request` for each leg left running, then and whenever the client goes away
-//! or the decode stream fails later ([`super::pd_abort`]) — and the client gets the decode
+//! or the decode stream fails later ([`abort`]) — and the client gets the decode
 //! leg's response only once the prefill leg has answered with a success status. The prefill's
 //! body is then drained in the background (a failure there is logged; the decode leg reports
 //! its own outcome). The prefill leg has completed (`RequestPrefilled`) when its whole answer
@@ -41,28 +41,28 @@
 //! protocol needs, is a 500 naming both workers; a prefill answer the decode leg cannot be
 //! built from is a 502.
 
-use super::pd_abort::{AbortGuard, LegTarget, PrefillMark};
-use axum::body::Bytes;
-use futures::StreamExt as _;
-use infera_core::error::{ErrorCode, ServiceError};
-use infera_core::event::{Role, WorkerRecord};
-use infera_core::ids::WorkerRank;
-use infera_core::pd::{PdProtocol, Registered};
-use infera_core::ports::transport::{
+use crate::error::{ErrorCode, ServiceError};
+use crate::event::{Role, WorkerRecord};
+use crate::ids::WorkerRank;
+use crate::pd::{PdProtocol, Registered};
+use crate::ports::transport::{
     Inbound, Outbound, RequestTransport, TransportError, engine_dp_rank,
 };
-use infera_core::rng::splitmix64;
+use crate::rng::splitmix64;
+use abort::{AbortGuard, LegTarget, PrefillMark};
+use bytes::Bytes;
+use futures::StreamExt as _;
 use serde_json::{Map, Value};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// One leg's worker.
 #[derive(Debug, Clone)]
-pub(crate) struct Leg {
-    pub(crate) rank: WorkerRank,
+pub struct Leg {
+    pub rank: WorkerRank,
     /// The worker's URL, without a trailing slash.
-    pub(crate) url: String,
-    pub(crate) record: WorkerRecord,
+    pub url: String,
+    pub record: WorkerRecord,
 }
 
 impl Leg {
@@ -75,9 +75,9 @@ impl Leg {
 
 /// The two workers of one decision.
 #[derive(Debug, Clone)]
-pub(crate) struct Pair {
-    pub(crate) prefill: Leg,
-    pub(crate) decode: Leg,
+pub struct Pair {
+    pub prefill: Leg,
+    pub decode: Leg,
 }
 
 /// Why a pair cannot be driven.
@@ -133,13 +133,6 @@ impl ServiceError for PdError {
     }
 }
 
-impl PdError {
-    /// The status the client gets (see [`ServiceError::code`]).
-    pub(crate) fn status(&self) -> axum::http::StatusCode {
-        self.code().http_status()
-    }
-}
-
 /// The protocol both workers registered.
 ///
 /// # Errors
@@ -180,6 +173,7 @@ pub(crate) fn new_room(seed: u64) -> u64 {
     splitmix64(&mut state) >> 1
 }
 
+mod abort;
 mod shape;
 #[cfg(test)]
 mod tests;
@@ -270,7 +264,7 @@ pub(crate) async fn send(
     };
     if shape.protocol.concurrent() {
         let decode_body = shape.decode_body(base, None)?;
-        // SGLang needs an explicit abort of a leg left running (see `pd_abort`); for the
+        // SGLang needs an explicit abort of a leg left running (see `abort`); for the
         // others, dropping a leg closes its connection, which the engine takes as an abort.
         let mut guard = (shape.protocol == PdProtocol::SglangBootstrap).then(|| {
             let target = |leg: &Leg| LegTarget {

@@ -1,10 +1,10 @@
 use super::*;
-use crate::server::test_support::{record, state};
-use infera_core::event::Engine;
-use infera_core::ids::RequestId;
+use crate::event::Engine;
+use crate::ids::RequestId;
+use crate::service::test_support::{record, state};
 
 fn migration(
-    st: &ServerState,
+    st: &Service,
     path: &'static str,
     body: Value,
     asked_ids: bool,

@@ -1,0 +1,67 @@
+//! The tokenizer port: a prompt as a request carried it (text, token ids, or a chat that a
+//! template renders) turned into the token ids an engine computes its KV cache over. The
+//! request service tokenizes through it before it hashes ([`Service::prepare`]); the server
+//! front's tokenizer and chat templates (`infera-adapters`) implement it, and decide what a
+//! prompt is, so the service needs no API's body shapes.
+//!
+//! # Renderings
+//! A chat is rendered by each engine with the chat-template defaults it merges in. Workers whose
+//! engine merges other defaults than the fleet's ([`Tokenize::renderings`]) get the prompt's ids
+//! rendered their way too, and are routed on those.
+//!
+//! [`Service::prepare`]: crate::service::Service::prepare
+
+use crate::error::{ErrorCode, ServiceError};
+use crate::ids::WorkerId;
+use async_trait::async_trait;
+
+/// Why a prompt could not be tokenized.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokenizeError {
+    /// The prompt is one the chat template refuses: the client's to fix (400).
+    #[error("{0}")]
+    Refused(String),
+    /// The tokenizer failed (500).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl ServiceError for TokenizeError {
+    fn code(&self) -> ErrorCode {
+        match self {
+            TokenizeError::Refused(_) => ErrorCode::BadRequest,
+            TokenizeError::Failed(_) => ErrorCode::Internal,
+        }
+    }
+}
+
+/// Workers that render a chat another way: how, and each one's KV block size.
+pub type Rendering<R> = (R, Vec<(WorkerId, u32)>);
+
+/// Tokenizes prompts the way the fleet's engines do. See the module docs.
+#[async_trait]
+pub trait Tokenize: Send + Sync {
+    /// A prompt as an edge parsed it.
+    type Prompt: Clone + Send + 'static;
+    /// How a chat is rendered (the template defaults an engine merges in).
+    type Rendering: Send + 'static;
+
+    /// Whether the prompt holds parts the router cannot hash (images, audio: an image's
+    /// placeholder tokens are the same whatever the image), so it is routed by load alone.
+    fn multimodal(&self, prompt: &Self::Prompt) -> bool;
+
+    /// The workers of `model` that render `prompt` another way than the default, grouped by
+    /// rendering; empty for a prompt that is not a chat.
+    fn renderings(&self, prompt: &Self::Prompt, model: &str) -> Vec<Rendering<Self::Rendering>>;
+
+    /// The prompt's token ids, rendered the default way (`None`) or as `rendering` says. Runs
+    /// off the async workers.
+    ///
+    /// # Errors
+    /// [`TokenizeError`].
+    async fn tokenize(
+        &self,
+        prompt: Self::Prompt,
+        rendering: Option<Self::Rendering>,
+    ) -> Result<Vec<u32>, TokenizeError>;
+}

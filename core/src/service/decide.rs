@@ -1,0 +1,174 @@
+//! The decision of one attempt: the router's pick among the workers whose circuit breaker is
+//! not open, committed as `RequestRouted` (both legs of a prefill/decode pair, each with its
+//! role, so both count as load), and the [`Route`] the dispatcher drives.
+
+use super::Service;
+use super::attempt::Attempt;
+use super::metrics::route_key;
+use super::pd;
+use crate::event::{Event, Role, RoutedLeg};
+use crate::ids::WorkerRank;
+use crate::log::NewEvent;
+use crate::policy::{DirectPick, RouteError, RouteRequest};
+use crate::ports::transport::engine_dp_rank;
+
+/// Where one attempt goes.
+#[derive(Debug)]
+pub enum Route {
+    /// One worker (a mixed model, or a direct pick of one worker): its rank, its URL without a
+    /// trailing slash, and the engine-side DP rank to pin the request to ([`engine_dp_rank`]).
+    /// Built from the fleet's record without copying it: this is every mixed request's path.
+    Single {
+        rank: WorkerRank,
+        url: String,
+        dp_rank: Option<u32>,
+    },
+    /// A prefill and a decode worker, driven by their PD protocol.
+    Pd(Box<pd::Pair>),
+}
+
+impl Route {
+    /// The workers of the attempt.
+    pub(super) fn workers(&self) -> Vec<crate::ids::WorkerId> {
+        match self {
+            Route::Single { rank, .. } => vec![rank.worker.clone()],
+            Route::Pd(pair) => vec![
+                pair.prefill.rank.worker.clone(),
+                pair.decode.rank.worker.clone(),
+            ],
+        }
+    }
+}
+
+impl Service {
+    /// Decides, appends `RequestRouted` (both legs of a PD pair, each with its role) and
+    /// applies it; returns the chosen worker(s). Workers whose circuit breaker is open are
+    /// avoided. The caller owns the decision's load from here: an [`Attempt`] for it.
+    ///
+    /// # Errors
+    /// The router's: no such model, no worker that can take it, a direct pick that is wrong.
+    pub fn decide(
+        &self,
+        req: &mut RouteRequest,
+        direct: Option<&DirectPick>,
+    ) -> Result<Route, RouteError> {
+        decide(self, req, direct)
+    }
+}
+
+pub(super) fn decide(
+    st: &Service,
+    req: &mut RouteRequest,
+    direct: Option<&DirectPick>,
+) -> Result<Route, RouteError> {
+    let now = st.inner.clock.now_us();
+    let metrics = &st.inner.metrics;
+    let mut core = st.lock();
+    // Workers whose circuit breaker is open are excluded like failed ranks, unless that leaves
+    // no candidate (see `breaker`); an endpoint picker's choice is its own.
+    let own = req.exclude.len();
+    if direct.is_none() {
+        let fleet = core.kernel.fleet();
+        let blocked = st
+            .inner
+            .breaker
+            .blocked(|w| fleet.worker(w).is_some(), metrics);
+        req.exclude.extend(blocked_ranks(fleet, &blocked));
+    }
+    let mut routed = core.kernel.route(req, direct, now);
+    if req.exclude.len() > own {
+        req.exclude.truncate(own);
+        if let Err(RouteError::NoWorker { .. }) = &routed {
+            tracing::warn!(model = %req.model,
+                "every candidate's circuit breaker is open; routing as if none were");
+            routed = core.kernel.route(req, direct, now);
+        }
+    }
+    let routed = match routed {
+        Ok(r) => r,
+        Err(e) => {
+            metrics.decision(match &e {
+                RouteError::UnknownModel(_) => "unknown_model",
+                _ => "no_worker",
+            });
+            return Err(e);
+        }
+    };
+    let fleet = core.kernel.fleet();
+    let target = |leg: &RoutedLeg| {
+        fleet.worker(&leg.worker.worker).map(|w| pd::Leg {
+            rank: leg.worker.clone(),
+            url: w.url.trim_end_matches('/').to_owned(),
+            record: w.clone(),
+        })
+    };
+    let route = match routed.legs.as_slice() {
+        [p, d] if p.role == Role::Prefill && d.role == Role::Decode => {
+            match (target(p), target(d)) {
+                (Some(prefill), Some(decode)) => {
+                    Some(Route::Pd(Box::new(pd::Pair { prefill, decode })))
+                }
+                _ => None,
+            }
+        }
+        [leg, ..] => fleet.worker(&leg.worker.worker).map(|w| Route::Single {
+            rank: leg.worker.clone(),
+            url: w.url.trim_end_matches('/').to_owned(),
+            dp_rank: engine_dp_rank(&leg.worker, w),
+        }),
+        [] => None,
+    };
+    let Some(route) = route else {
+        metrics.decision("no_worker");
+        return Err(RouteError::NoWorker {
+            model: req.model.clone(),
+            role: "mixed",
+        });
+    };
+    metrics.decision("routed");
+    for leg in &routed.legs {
+        let worker = fleet.worker(&leg.worker.worker).map_or_else(
+            || leg.worker.worker.as_str().to_owned(),
+            |w| route_key(w, &leg.worker),
+        );
+        metrics.pick(
+            leg.role.as_str(),
+            worker,
+            leg.overlap_blocks,
+            routed.blocks.len(),
+        );
+    }
+    let applied = core.commit(vec![NewEvent::new(Event::RequestRouted(routed))]);
+    drop(core);
+    metrics.events_applied(applied as u64);
+    Ok(route)
+}
+
+/// Every rank of the registered workers in `workers`.
+fn blocked_ranks<'a>(
+    fleet: &'a crate::fleet::FleetState,
+    workers: &'a [crate::ids::WorkerId],
+) -> impl Iterator<Item = WorkerRank> + 'a {
+    workers
+        .iter()
+        .filter_map(|w| fleet.worker(w))
+        .flat_map(|r| {
+            (0..r.dp_size.max(1)).map(|i| WorkerRank::new(r.worker_id.clone(), r.dp_rank + i))
+        })
+}
+
+/// Decides one mixed worker for `req` (a migrating stream's next worker): its rank, URL and
+/// engine DP rank; `None` when the model is served by prefill/decode pairs (that decision is
+/// finished at once, as cancelled).
+pub(crate) fn decide_single(
+    st: &Service,
+    req: &mut RouteRequest,
+) -> Result<Option<(WorkerRank, String, Option<u32>)>, RouteError> {
+    match decide(st, req, None)? {
+        Route::Single { rank, url, dp_rank } => Ok(Some((rank, url, dp_rank))),
+        Route::Pd(_) => {
+            drop(Attempt::new(st, req, true));
+            Ok(None)
+        }
+    }
+}
