@@ -9,7 +9,8 @@
 //! `decision/hash+route_8k_tokens_64_workers` measures hashing the prompt (chained XXH3 over 512
 //! blocks) plus `Router::decide` (overlap over 64 candidates, load, cost, choice);
 //! `…_resident` the same with `--router-resident-weight 1` after 2,048 finished conversations
-//! left their tips (32 per worker, the most kept).
+//! left their tips (32 per worker, the most kept); `…_balance` the same with
+//! `--router-balance-tokens 512`, counting the 2,304 picks the fleet remembers.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use infera_core::event::{
@@ -158,12 +159,14 @@ fn benches(c: &mut Criterion) {
     let requests: Vec<Vec<u32>> = (0..64u64)
         .map(|i| prompt(i % APPS, 100 * (i % WORKERS as u64) + i % 30))
         .collect();
-    for (name, resident_weight) in [
-        ("decision/hash+route_8k_tokens_64_workers", 0.0),
-        ("decision/hash+route_8k_tokens_64_workers_resident", 1.0),
+    for (name, resident_weight, balance_tokens) in [
+        ("decision/hash+route_8k_tokens_64_workers", 0.0, 0),
+        ("decision/hash+route_8k_tokens_64_workers_resident", 1.0, 0),
+        ("decision/hash+route_8k_tokens_64_workers_balance", 0.0, 512),
     ] {
         let mut router = Router::new(RouterConfig {
             resident_weight,
+            balance_tokens,
             ..RouterConfig::default()
         });
         let mut i = 0usize;

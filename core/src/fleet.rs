@@ -35,6 +35,12 @@
 //! A request routed to a rank retires the tips it continues there. Tips are soft state: a snapshot does not carry them, so a rebuild starts
 //! without them (they come back as requests finish) and [`PartialEq`] ignores them.
 //!
+//! # Recent picks
+//! The fleet also remembers where its last legs went (a number per routable rank, see
+//! [`recent`]); [`FleetState::recent_picks`] counts them per rank, leaving out the request's own
+//! conversation. The router charges a rank for its picks above the candidates' mean only with
+//! `--router-balance-tokens` above 0. Like tips, the window is soft state.
+//!
 //! # Draining
 //! A `WorkerDraining` marks a registered worker as shutting down: it stays listed
 //! ([`FleetState::workers`], [`FleetState::worker`]), keeps its index entries and the load of its
@@ -59,6 +65,7 @@ use crate::event::{
 use crate::ids::{BlockHash, RequestId, WorkerId, WorkerRank};
 use crate::index::{KvIndex, WorkerSlot};
 use crate::projection::Projection;
+use recent::{PromptEnd, RecentPicks};
 use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, VecDeque};
 
@@ -90,17 +97,8 @@ struct RankLoad {
 /// The last request of a conversation on a rank (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Tip {
-    blocks: u32,
-    last: BlockHash,
+    end: PromptEnd,
     at_us: Micros,
-}
-
-impl Tip {
-    /// Whether a prompt of `blocks` extends this one.
-    fn continued_by(&self, blocks: &[BlockHash]) -> bool {
-        let n = self.blocks as usize;
-        n > 0 && n <= blocks.len() && blocks[n - 1] == self.last
-    }
 }
 
 /// Tips kept per rank.
@@ -131,6 +129,9 @@ pub struct FleetState {
     candidates: FxHashMap<(String, Role), Vec<Candidate>>,
     inflight: FxHashMap<RequestId, InFlight>,
     picks: u64,
+    /// Routable ranks (the recent-pick window keeps a number of picks per rank).
+    ranks: usize,
+    recent: RecentPicks,
 }
 
 impl FleetState {
@@ -216,6 +217,7 @@ impl FleetState {
 
     fn rebuild_candidates(&mut self) {
         self.candidates.clear();
+        self.ranks = 0;
         let routable = self
             .workers
             .values()
@@ -233,6 +235,7 @@ impl FleetState {
                     };
                     let key = (w.model_name.clone(), role);
                     self.candidates.entry(key).or_default().push(c);
+                    self.ranks += 1;
                 }
             }
         }
@@ -298,11 +301,19 @@ impl FleetState {
             l.tips
                 .iter()
                 .filter(|t| {
-                    now_us.saturating_sub(t.at_us) <= RESIDENT_HORIZON_US && !t.continued_by(blocks)
+                    now_us.saturating_sub(t.at_us) <= RESIDENT_HORIZON_US
+                        && !t.end.continued_by(blocks)
                 })
-                .map(|t| u64::from(t.blocks.saturating_sub(overlap)))
+                .map(|t| u64::from(t.end.blocks().saturating_sub(overlap)))
                 .sum()
         })
+    }
+
+    /// Of the last legs routed ([`recent::PICKS_PER_RANK`] per routable rank), how many went to
+    /// each slot (indexed by slot), leaving out those of the conversation a prompt of `blocks`
+    /// continues: the balance term's count (see [`recent`]).
+    pub fn recent_picks(&self, blocks: &[BlockHash], out: &mut Vec<u32>) {
+        self.recent.count(blocks, out);
     }
 
     /// Blocks of the requests in flight on `rank`, summed over requests.
@@ -388,6 +399,9 @@ impl FleetState {
     /// them: their legs are stripped from the stored decisions, so that a dump (which re-applies the
     /// stored decisions) reproduces exactly this state.
     fn drop_ranks(&mut self, gone: impl Fn(&WorkerRank) -> bool) {
+        let index = &self.index;
+        self.recent
+            .forget(|slot| index.worker_of(slot).is_some_and(&gone));
         for (slot, l) in self.load.iter_mut().enumerate() {
             if self
                 .index
@@ -434,8 +448,9 @@ impl FleetState {
                 queued_tokens.push(0);
                 continue;
             };
+            self.recent.push(slot, &r.blocks, self.ranks);
             let load = self.load_mut(slot);
-            load.tips.retain(|t| !t.continued_by(&r.blocks));
+            load.tips.retain(|t| !t.end.continued_by(&r.blocks));
             for b in &r.blocks {
                 *load.active.entry(*b).or_default() += 1;
             }
@@ -503,15 +518,11 @@ impl FleetState {
             load.inflight_blocks = load
                 .inflight_blocks
                 .saturating_sub(f.routed.blocks.len() as u64);
-            if let Some(last) = f.routed.blocks.last() {
+            if let Some(end) = PromptEnd::of(&f.routed.blocks) {
                 if load.tips.len() >= MAX_TIPS {
                     load.tips.pop_front();
                 }
-                load.tips.push_back(Tip {
-                    blocks: u32::try_from(f.routed.blocks.len()).unwrap_or(u32::MAX),
-                    last: *last,
-                    at_us: now_us,
-                });
+                load.tips.push_back(Tip { end, at_us: now_us });
             }
         }
     }
@@ -612,5 +623,6 @@ impl PartialEq for FleetState {
     }
 }
 
+mod recent;
 #[cfg(test)]
 mod tests;

@@ -178,7 +178,7 @@ proptest! {
         let r = req("q".into(), blocks.clone());
         let cands = w.fleet.candidates("m", Role::Mixed).to_vec();
         let mut scratch = Default::default();
-        let weights = Weights { overlap: weight, resident: 1.0 };
+        let weights = Weights { overlap: weight, resident: 1.0, balance_tokens: 512.0 };
         let before = score_candidates(&w.fleet, &r, &cands, weights, 0, &mut scratch).expect("score");
         w.store(target, &blocks[..have + 1]);
         let after = score_candidates(&w.fleet, &r, &cands, weights, 0, &mut scratch).expect("score");

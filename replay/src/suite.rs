@@ -33,24 +33,41 @@ pub struct SuiteTrace {
     pub base: SimConfig,
 }
 
-/// The policies compared (label, policy, overlap weight, resident weight): round-robin, then
-/// KV-aware at the default weight and two higher ones, and with resident conversations counted.
-pub const POLICIES: [(&str, PolicyKind, f64, f64); 5] = [
-    ("round-robin", PolicyKind::RoundRobin, 1.0, 0.0),
-    (
-        "kv-aware, weight 1 (default)",
-        PolicyKind::KvAware,
-        1.0,
-        0.0,
-    ),
-    ("kv-aware, weight 4", PolicyKind::KvAware, 4.0, 0.0),
-    ("kv-aware, weight 16", PolicyKind::KvAware, 16.0, 0.0),
-    (
-        "kv-aware, weight 4, resident weight 1",
-        PolicyKind::KvAware,
-        4.0,
-        1.0,
-    ),
+/// One policy the suite compares: its label and the router settings it changes.
+#[derive(Debug, Clone, Copy)]
+pub struct Policy {
+    pub label: &'static str,
+    pub kind: PolicyKind,
+    pub overlap_weight: f64,
+    pub resident_weight: f64,
+    pub balance_tokens: u32,
+}
+
+const fn kv_aware(label: &'static str, overlap: f64, resident: f64, balance: u32) -> Policy {
+    Policy {
+        label,
+        kind: PolicyKind::KvAware,
+        overlap_weight: overlap,
+        resident_weight: resident,
+        balance_tokens: balance,
+    }
+}
+
+/// The policies compared: round-robin, then KV-aware at the default weight and two higher ones,
+/// with resident conversations counted, and with recent picks balanced.
+pub const POLICIES: [Policy; 6] = [
+    Policy {
+        label: "round-robin",
+        kind: PolicyKind::RoundRobin,
+        overlap_weight: 1.0,
+        resident_weight: 0.0,
+        balance_tokens: 0,
+    },
+    kv_aware("kv-aware, weight 1 (default)", 1.0, 0.0, 0),
+    kv_aware("kv-aware, weight 4", 4.0, 0.0, 0),
+    kv_aware("kv-aware, weight 16", 16.0, 0.0, 0),
+    kv_aware("kv-aware, weight 4, resident weight 1", 4.0, 1.0, 0),
+    kv_aware("kv-aware, weight 16, balance 512 tokens", 16.0, 0.0, 512),
 ];
 
 /// One line of the table.
@@ -124,10 +141,12 @@ pub fn run(traces: &[SuiteTrace]) -> Result<Vec<SuiteRow>, SimError> {
             let cfg = match job {
                 Job::Bound => pooled(&st.base),
                 Job::Policy(p) => {
+                    let policy = &POLICIES[*p];
                     let mut c = st.base.clone();
-                    c.router.policy = POLICIES[*p].1;
-                    c.router.overlap_weight = POLICIES[*p].2;
-                    c.router.resident_weight = POLICIES[*p].3;
+                    c.router.policy = policy.kind;
+                    c.router.overlap_weight = policy.overlap_weight;
+                    c.router.resident_weight = policy.resident_weight;
+                    c.router.balance_tokens = policy.balance_tokens;
                     c
                 }
                 Job::Tune(point) => point.config.clone(),
@@ -143,7 +162,7 @@ pub fn run(traces: &[SuiteTrace]) -> Result<Vec<SuiteRow>, SimError> {
         let s = result?;
         match job {
             Job::Bound => by_trace[t].bound = s.hit_rate,
-            Job::Policy(p) => by_trace[t].policies.push((POLICIES[p].0.to_owned(), s)),
+            Job::Policy(p) => by_trace[t].policies.push((POLICIES[p].label.to_owned(), s)),
             Job::Tune(point) => by_trace[t].grid.push((tune::flags(&point.values), s)),
         }
     }

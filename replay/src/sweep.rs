@@ -23,6 +23,7 @@ pub const SWEEPABLE: &[&str] = &[
     "kv-decode-overlap-weight",
     "router-temperature",
     "router-resident-weight",
+    "router-balance-tokens",
     "router-policy",
     "workers",
     "prefill-workers",
@@ -117,6 +118,7 @@ pub fn apply(cfg: &mut SimConfig, key: &str, value: &str) -> Result<(), SweepErr
         }
         "router-temperature" => cfg.router.temperature = num(key, value, false)?,
         "router-resident-weight" => cfg.router.resident_weight = num(key, value, false)?,
+        "router-balance-tokens" => cfg.router.balance_tokens = num(key, value, false)?,
         "router-policy" => {
             cfg.router.policy = match value {
                 "kv-aware" => PolicyKind::KvAware,

@@ -3,7 +3,8 @@
 //!
 //! The search is a [`crate::sweep`] grid: the caller's `--sweep` axes when given, otherwise
 //! [`default_axes`] (the KV-overlap weight, or the PD prefill weight on a PD fleet, against the
-//! router temperature and the resident-conversation weight). Every configuration is scored on three objectives ([`Objectives`]): hit
+//! resident-conversation weight and the balance charge in tokens; the router temperature is searched when
+//! asked for with `--sweep`: no trace of the routing suite preferred a temperature above 0). Every configuration is scored on three objectives ([`Objectives`]): hit
 //! rate (higher is better), TTFT p50 (lower) and balance, the busiest worker's share over the
 //! mean (lower). A configuration is on the [`front`] when no other is at least as good on all
 //! three and better on one. [`recommend`] picks, among the configurations whose busiest worker
@@ -24,13 +25,13 @@ pub const HIT_RATE_TIE: f64 = 0.002;
 
 /// Overlap weights searched by default.
 const WEIGHTS: &str = "0,0.5,1,2,4,8,16,32";
-/// Router temperatures searched by default.
-const TEMPERATURES: &str = "0,0.1,0.5";
 /// Resident-conversation weights searched by default.
 const RESIDENT_WEIGHTS: &str = "0,0.5,1";
+/// Balance charges (tokens to prefill per recent pick above the mean) searched by default.
+const BALANCE_TOKENS: &str = "0,256,512,1024";
 
-/// The default search: the weight the fleet's router uses against the temperature and the
-/// resident-conversation weight.
+/// The default search: the weight the fleet's router uses against the resident-conversation
+/// weight and the balance charge.
 pub fn default_axes(base: &SimConfig) -> Vec<SweepAxis> {
     let weight = if base.pd.is_some() {
         "kv-prefill-overlap-weight"
@@ -43,8 +44,8 @@ pub fn default_axes(base: &SimConfig) -> Vec<SweepAxis> {
     };
     vec![
         axis(weight, WEIGHTS),
-        axis("router-temperature", TEMPERATURES),
         axis("router-resident-weight", RESIDENT_WEIGHTS),
+        axis("router-balance-tokens", BALANCE_TOKENS),
     ]
 }
 
@@ -120,7 +121,7 @@ pub fn recommend(objs: &[Objectives]) -> Option<usize> {
         })
 }
 
-/// A grid point's values as command-line flags: `--kv-overlap-weight 4 --router-temperature 0`.
+/// A grid point's values as command-line flags: `--kv-overlap-weight 4 --router-balance-tokens 512`.
 pub fn flags(values: &[(String, String)]) -> String {
     values
         .iter()
@@ -243,8 +244,8 @@ mod tests {
     fn default_axes_follow_the_fleet() {
         let mixed = default_axes(&SimConfig::default());
         assert_eq!(mixed[0].key, "kv-overlap-weight");
-        assert_eq!(mixed[1].key, "router-temperature");
-        assert_eq!(mixed[2].key, "router-resident-weight");
+        assert_eq!(mixed[1].key, "router-resident-weight");
+        assert_eq!(mixed[2].key, "router-balance-tokens");
         let pd = default_axes(&SimConfig {
             pd: Some((1, 3)),
             ..SimConfig::default()

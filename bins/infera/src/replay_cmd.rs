@@ -92,6 +92,7 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
     cfg.router.decode_overlap_weight = a.kv_decode_overlap_weight;
     cfg.router.temperature = a.router_temperature;
     cfg.router.resident_weight = a.router_resident_weight;
+    cfg.router.balance_tokens = a.router_balance_tokens;
     cfg.router.seed = a.seed;
     cfg.workers = a.workers;
     cfg.pd = a.prefill_workers.zip(a.decode_workers);

@@ -70,6 +70,7 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         router: RouterConfig {
             temperature: config.router.temperature,
             resident_weight: config.router.resident_weight,
+            balance_tokens: config.router.balance_tokens,
             ..router_config(
                 config.router.policy,
                 config.router.kv_overlap_weight,

@@ -5,7 +5,8 @@
 //! - One user sending turns one after another with a long shared system prompt, on an otherwise
 //!   idle fleet: every turn after the first is a prefix-cache hit (the fleet charges no worker for
 //!   requests that have finished; with `--router-resident-weight`, only for what the other
-//!   conversations hold beyond the shared prompt).
+//!   conversations hold beyond the shared prompt; with `--router-balance-tokens`, less for its
+//!   recent picks than the prompt is worth).
 //! - A burst of identical prompts: it spreads, no worker takes more than half of it (each request
 //!   in flight loads its worker).
 //! - Concurrent requests that share one client `x-infera-request-id` each count in flight.
@@ -202,6 +203,14 @@ async fn sequential_shared_prefix_turns_hit_the_cache_over_http_and_zmq() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sequential_shared_prefix_turns_hit_the_cache_with_resident_load_counted() {
     sequential_turns_hit_the_cache(Transport::HttpZmq, &["--router-resident-weight", "1"]).await;
+}
+
+/// With recent picks charged 512 tokens each above the mean, the sixth turn finds its worker
+/// 3⅓ picks above the mean of three: about 1,700 tokens, less than the ~5,000-token prompt it
+/// holds. The turns stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequential_shared_prefix_turns_hit_the_cache_with_recent_picks_balanced() {
+    sequential_turns_hit_the_cache(Transport::HttpZmq, &["--router-balance-tokens", "512"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

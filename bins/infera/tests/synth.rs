@@ -91,7 +91,8 @@ fn tune_prints_the_front_with_flags_and_charts_it() {
         .expect("a recommended line");
     assert!(
         recommended.contains("--kv-overlap-weight ")
-            && recommended.contains("--router-temperature "),
+            && recommended.contains("--router-resident-weight ")
+            && recommended.contains("--router-balance-tokens "),
         "{recommended}"
     );
     let svg = std::fs::read_to_string(&chart).expect("chart written");
@@ -112,7 +113,7 @@ fn tune_prints_the_front_with_flags_and_charts_it() {
     ]);
     let custom = text(&custom.stdout);
     assert!(custom.contains("of 2 configurations"), "{custom}");
-    assert!(!custom.contains("--router-temperature"), "{custom}");
+    assert!(!custom.contains("--router-balance-tokens"), "{custom}");
 
     // Deterministic: the same search recommends the same flags.
     let again = infera(&[

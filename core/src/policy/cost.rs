@@ -15,7 +15,7 @@ pub struct Scored {
     /// Leading blocks the candidate holds or is computing (index + expected cache).
     pub overlap: u32,
     /// Blocks of its in-flight requests, summed over requests, plus the weighted blocks of the
-    /// other conversations resident on it.
+    /// other conversations resident on it, plus the charge for its recent picks above the mean.
     pub load: f64,
     pub prefill_blocks: f64,
     pub cost: f64,
@@ -26,6 +26,7 @@ pub struct Scored {
 pub struct Scratch {
     slots: Vec<WorkerSlot>,
     overlaps: Vec<u32>,
+    picks: Vec<u32>,
 }
 
 /// The weights of a decision's cost terms.
@@ -35,6 +36,9 @@ pub struct Weights {
     pub overlap: f64,
     /// Of the blocks of the other conversations resident on a candidate.
     pub resident: f64,
+    /// Tokens to prefill that each recent pick a candidate took above the candidates' mean
+    /// costs it (at the overlap weight).
+    pub balance_tokens: f64,
 }
 
 /// Scores every candidate for `req` at `now_us` with the given weights.
@@ -71,6 +75,18 @@ pub fn score_candidates(
             overlap_of[*i] = fleet.expected_overlap_at(cands[*i].slot, blocks, indexed);
         }
     }
+    let mean_picks = if weights.balance_tokens > 0.0 {
+        let own = cands
+            .first()
+            .and_then(|c| req.blocks_for(&c.rank.worker, c.block_size))
+            .unwrap_or(&[]);
+        fleet.recent_picks(own, &mut scratch.picks);
+        let picks = |c: &Candidate| scratch.picks.get(c.slot.index()).copied().unwrap_or(0);
+        let total: u32 = cands.iter().map(picks).sum();
+        f64::from(total) / cands.len().max(1) as f64
+    } else {
+        0.0
+    };
     for (c, overlap) in cands.iter().zip(overlap_of) {
         let blocks = req.blocks_for(&c.rank.worker, c.block_size).unwrap_or(&[]);
         let request_blocks = blocks.len() as f64;
@@ -81,6 +97,12 @@ pub fn score_candidates(
         if weights.resident > 0.0 {
             load +=
                 weights.resident * fleet.resident_blocks_at(c.slot, blocks, overlap, now_us) as f64;
+        }
+        if weights.balance_tokens > 0.0 {
+            let picks = scratch.picks.get(c.slot.index()).copied().unwrap_or(0);
+            let above = (f64::from(picks) - mean_picks).max(0.0);
+            let per_pick = weights.balance_tokens / f64::from(c.block_size.max(1));
+            load += weights.overlap * per_pick * above;
         }
         let cost = weights.overlap * prefill_blocks + load;
         out.push(Scored {

@@ -4,6 +4,7 @@
 //!   ```text
 //!   prefill_blocks(w) = request_blocks − overlap(w) + queued_prefill_blocks(w)
 //!   load(w)           = inflight_blocks(w) + resident_weight × resident_blocks(w)
+//!                       + weight × balance_tokens / block_size × above_mean_picks(w)
 //!   cost(w)           = weight × prefill_blocks(w) + load(w)
 //!   ```
 //!   `overlap(w)` is the prefix the engine announced, extended by the blocks of `w`'s requests in
@@ -16,6 +17,13 @@
 //!   agent's next turn may come seconds after its last answer, and a fleet that sees only what
 //!   is in flight stacks new sessions on the worker that happens to be idle in that moment. A
 //!   request is never charged for its own conversation's history, so sequential turns stay.
+//!   `above_mean_picks(w)` (`--router-balance-tokens`, default 0: off) is how many of the fleet's
+//!   recent picks ([`FleetState::recent_picks`]) went to `w` above the candidates' mean, the
+//!   request's own conversation left out: a worker holding a hot prefix would otherwise take
+//!   every request that shares it, idle again before each one arrives. Each such pick costs as
+//!   much as prefilling `balance_tokens` tokens, so another worker pays a hot prefix's prefill
+//!   once and shares its traffic when its holder is ahead by more picks than the prefix is long
+//!   in `balance_tokens`, while a conversation's long history still outweighs it.
 //!   `weight` is `--kv-overlap-weight`, or the prefill / decode weight for PD roles, scaled by the
 //!   request's retention hint (`long` ×2, `none` ×0.1). With `--router-temperature 0` the cheapest
 //!   candidate wins; ties go to the lower load, then to a seeded random choice (never list order).
@@ -77,6 +85,10 @@ pub struct RouterConfig {
     /// per block of their last prompts (0: not counted).
     #[serde(default)]
     pub resident_weight: f64,
+    /// `--router-balance-tokens`: the tokens to prefill that each recent pick a worker took
+    /// above the candidates' mean costs it (0: not counted).
+    #[serde(default)]
+    pub balance_tokens: u32,
 }
 
 impl Default for RouterConfig {
@@ -90,6 +102,7 @@ impl Default for RouterConfig {
             seed: 0,
             record_top: 4,
             resident_weight: 0.0,
+            balance_tokens: 0,
         }
     }
 }
@@ -399,6 +412,7 @@ impl Router {
                 let weights = Weights {
                     overlap: weight,
                     resident: self.config.resident_weight,
+                    balance_tokens: f64::from(self.config.balance_tokens),
                 };
                 let scored =
                     score_candidates(fleet, req, cands, weights, now_us, &mut self.scratch)?;

@@ -436,16 +436,20 @@ fn a_new_session_avoids_a_worker_where_another_one_is_resident() {
 
 /// Three workers and a router with `resident_weight`.
 fn three_workers(resident_weight: f64) -> (World, Router) {
+    three_workers_with(RouterConfig {
+        resident_weight,
+        ..RouterConfig::default()
+    })
+}
+
+/// Three workers and a router with `config`.
+fn three_workers_with(config: RouterConfig) -> (World, Router) {
     let w = World::new(&[
         ("a:1", Role::Mixed),
         ("b:1", Role::Mixed),
         ("c:1", Role::Mixed),
     ]);
-    let r = Router::new(RouterConfig {
-        resident_weight,
-        ..RouterConfig::default()
-    });
-    (w, r)
+    (w, Router::new(config))
 }
 
 /// Sends `prompts` one after another, `step_us` apart from `step_us` on, each once the
@@ -501,6 +505,68 @@ fn sequential_questions_under_one_system_prompt_stay_with_resident_load_on() {
         assert!(
             picks.iter().all(|p| *p == picks[0]),
             "weight {resident_weight}: questions moved: {picks:?}"
+        );
+    }
+}
+
+/// `n` different questions under one 64-token system prompt (16 blocks), sent one after
+/// another on three workers at overlap weight 16 and `balance_tokens`; the picks per worker.
+fn hot_prefix_picks(balance_tokens: u32, n: u32) -> Vec<usize> {
+    let (mut w, mut r) = three_workers_with(RouterConfig {
+        overlap_weight: 16.0,
+        balance_tokens,
+        ..RouterConfig::default()
+    });
+    let questions: Vec<Vec<u32>> = (0..n)
+        .map(|k| (0..64).chain((0..8).map(|i| 70_000 + 8 * k + i)).collect())
+        .collect();
+    let picks = one_after_another(&mut w, &mut r, &questions, 1_000_000);
+    ["a:1", "b:1", "c:1"]
+        .iter()
+        .map(|id| picks.iter().filter(|p| p.worker.as_str() == *id).count())
+        .collect()
+}
+
+#[test]
+fn a_hot_prefix_spreads_over_workers_with_balance_on() {
+    // Each question finishes before the next: in-flight load never moves them off the first
+    // holder of the system prompt.
+    let mut off = hot_prefix_picks(0, 30);
+    off.sort();
+    assert_eq!(off, vec![0, 0, 30]);
+    // Each pick above the mean costs 4 blocks (16 tokens at block size 4): once its holder is
+    // more than four picks ahead, another worker pays the 16-block prompt once.
+    for balance_tokens in [16, 32] {
+        let on = hot_prefix_picks(balance_tokens, 30);
+        assert!(
+            on.iter().all(|n| (5..=15).contains(n)),
+            "{balance_tokens} tokens: picks per worker {on:?}"
+        );
+    }
+}
+
+#[test]
+fn a_prefix_longer_than_the_imbalance_charged_stays_with_balance_on() {
+    // At 4 tokens (one block) per pick above the mean, the 16-block prompt moves only once
+    // its holder is 16 picks ahead of the mean: in ten questions it is at most 7 ahead.
+    let on = hot_prefix_picks(4, 10);
+    assert!(on.contains(&10), "picks per worker {on:?}");
+}
+
+#[test]
+fn sequential_turns_stay_on_their_worker_with_balance_on() {
+    // Each turn is a pick on the conversation's worker, but its own earlier turns never count
+    // against it, however high the charge.
+    for balance_tokens in [16, 512, 4096] {
+        let (mut w, mut r) = three_workers_with(RouterConfig {
+            balance_tokens,
+            ..RouterConfig::default()
+        });
+        let turns: Vec<Vec<u32>> = (1..=6u32).map(|k| session_prompt(1, 64 * k)).collect();
+        let picks = one_after_another(&mut w, &mut r, &turns, 5_000_000);
+        assert!(
+            picks.iter().all(|p| *p == picks[0]),
+            "{balance_tokens} tokens: turns moved: {picks:?}"
         );
     }
 }

@@ -52,6 +52,10 @@ pub struct ReplayArgs {
     /// `infera server` (Infera extension).
     #[arg(long, default_value_t = 0.0)]
     pub router_resident_weight: f64,
+    /// Tokens to prefill that each recent pick a worker took above the fleet's mean costs it,
+    /// as `infera server` (Infera extension).
+    #[arg(long, default_value_t = 0)]
+    pub router_balance_tokens: u32,
 
     /// Mixed (non-PD) workers in the simulated fleet.
     #[arg(long, default_value_t = 8)]
@@ -119,8 +123,8 @@ pub struct ReplayArgs {
     pub sweeps: Vec<String>,
     /// Search the router's tunables and print the Pareto front of hit rate, TTFT p50 and balance
     /// with the flags to use. Searches the --sweep axes when given [default: kv-overlap-weight
-    /// (the prefill weight on a PD fleet) 0..32 against router-temperature 0, 0.1, 0.5 and
-    /// router-resident-weight 0, 0.5, 1]; with
+    /// (the prefill weight on a PD fleet) 0..32 against router-resident-weight 0, 0.5, 1 and
+    /// router-balance-tokens 0, 256, 512, 1024]; with
     /// --plot, charts hit rate against balance with the recommended point marked.
     #[arg(long)]
     pub tune: bool,

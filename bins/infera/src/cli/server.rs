@@ -267,6 +267,15 @@ pub struct ServerArgs {
     #[arg(long, default_value = "0", value_name = "W", allow_negative_numbers = true, help_heading = EXTENSIONS)]
     pub router_resident_weight: f64,
 
+    /// Infera extension: each recent pick a worker took above the fleet's mean costs it as
+    /// much as prefilling this many tokens, times --kv-overlap-weight (the last 64 picks per
+    /// worker, a request's own conversation left out); 0 does not count them. Above 0, a hot
+    /// prefix shared by many requests spreads over a few workers instead of piling onto its
+    /// first holder, while a prefix longer than the charge stays (try 512 with
+    /// --kv-overlap-weight 16; `infera replay --tune` searches it).
+    #[arg(long, default_value = "0", value_name = "TOKENS", help_heading = EXTENSIONS)]
+    pub router_balance_tokens: u32,
+
     /// Infera extension: where router events are kept, so a restarted server keeps its KV
     /// index and replicas share load: memory, nats (JetStream on --nats-server),
     /// nats://HOST:PORT[?stream=NAME&max_age=7d&max_bytes=8GiB], sqlite:PATH or

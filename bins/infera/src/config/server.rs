@@ -152,6 +152,9 @@ pub struct RouterConfig {
     /// `--router-resident-weight`: load per block of the conversations resident on a worker.
     #[serde(default)]
     pub resident_weight: f64,
+    /// `--router-balance-tokens`: tokens to prefill per recent pick above the mean.
+    #[serde(default)]
+    pub balance_tokens: u32,
     /// Failovers before the first response byte.
     pub request_max_retries: u32,
     /// The retention of a request that asks for none.
@@ -289,6 +292,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
                 "--router-resident-weight",
                 args.router_resident_weight,
             )?,
+            balance_tokens: args.router_balance_tokens,
             request_max_retries: args.request_max_retries,
             default_retention: args.default_retention.into(),
             default_chat_template_kwargs: template_kwargs(

@@ -80,6 +80,11 @@ fn negative_weights_and_temperature_are_rejected() {
     let resident = parse(&["--router-resident-weight", "0.5"]).unwrap();
     assert_eq!(resident.router.resident_weight, 0.5);
     assert_eq!(parse(&[]).unwrap().router.resident_weight, 0.0);
+    let balance = parse(&["--router-balance-tokens", "1"]).unwrap();
+    assert_eq!(balance.router.balance_tokens, 1);
+    assert_eq!(parse(&[]).unwrap().router.balance_tokens, 0);
+    let negative = ["infera", "server", "--router-balance-tokens", "-1"];
+    assert!(Cli::try_parse_from(negative).is_err());
 }
 
 #[test]
