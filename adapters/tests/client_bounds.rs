@@ -17,6 +17,7 @@ use infera_core::event::{Engine, WorkerRecord};
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
 use infera_core::policy::{PolicyKind, RouterConfig};
+use infera_core::service::ServiceOptions;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,13 +38,15 @@ fn no_limits() -> ServeLimits {
 
 fn options(client: ClientOptions) -> ServerOptions {
     ServerOptions {
-        max_body_bytes: 4 << 20,
-        request_max_retries: 0,
-        router: RouterConfig {
-            policy: PolicyKind::KvAware,
-            ..RouterConfig::default()
+        service: ServiceOptions {
+            router: RouterConfig {
+                policy: PolicyKind::KvAware,
+                ..RouterConfig::default()
+            },
+            fleet: FleetConfig::default(),
+            request_max_retries: 0,
+            max_body_bytes: 4 << 20,
         },
-        fleet: FleetConfig::default(),
         chat_template: None,
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,

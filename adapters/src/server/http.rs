@@ -241,7 +241,7 @@ async fn pipeline(
     let (bytes, mut parse_charge) = super::body::read_limited(
         body,
         headers,
-        options.max_body_bytes,
+        options.service.max_body_bytes,
         Some(&options.client.parse_budget),
     )
     .await?;

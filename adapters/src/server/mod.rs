@@ -78,12 +78,11 @@ use infera_core::event::{
     Event, KvCacheCleared, Source, WorkerDeregistered, WorkerDraining, WorkerRecord,
     WorkerRegistered,
 };
-use infera_core::fleet::{FleetConfig, FleetState};
+use infera_core::fleet::FleetState;
 use infera_core::ids::{WorkerId, WorkerRank};
 use infera_core::kv_events::pipeline::KvSink;
 use infera_core::kv_events::{EngineBatch, IngestStats};
 use infera_core::log::NewEvent;
-use infera_core::policy::RouterConfig;
 use infera_core::ports::prefetch::KvPrefetch;
 use infera_core::ports::scaling::PoolScaler;
 use infera_core::ports::transport::RequestTransport;
@@ -97,14 +96,9 @@ use tokio::sync::mpsc;
 /// Everything the front needs besides the tokenizer.
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
-    /// Larger request bodies are answered 413 (`--max-body-bytes`).
-    pub max_body_bytes: usize,
-    /// Extra attempts on another worker before the first response byte (`--request-max-retries`).
-    pub request_max_retries: u32,
-    /// The routing policy and its weights.
-    pub router: RouterConfig,
-    /// Load accounting.
-    pub fleet: FleetConfig,
+    /// The request service's options: routing, retries, and the body bound (a larger request
+    /// body is answered 413, `--max-body-bytes`).
+    pub service: ServiceOptions,
     /// A chat template that overrides the tokenizer's (`--chat-template`).
     pub chat_template: Option<Arc<ChatTemplate>>,
     /// The template kwargs the workers' engines merge into every chat request before they
@@ -156,16 +150,7 @@ impl ServerState {
         transport: Arc<dyn RequestTransport>,
     ) -> Self {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let service = Service::new(
-            ServiceOptions {
-                router: options.router.clone(),
-                fleet: options.fleet,
-                request_max_retries: options.request_max_retries,
-                max_body_bytes: options.max_body_bytes,
-            },
-            transport,
-            clock,
-        );
+        let service = Service::new(options.service.clone(), transport, clock);
         let variants = variants::Variants::new(options.per_worker_template_kwargs);
         Self {
             inner: Arc::new(Inner {

@@ -86,7 +86,8 @@ async fn handle(st: &ServerState, headers: &HeaderMap, body: Body) -> Result<usi
     let options = &st.inner.options;
     let budget = &options.client.parse_budget;
     let (bytes, mut charge) =
-        super::body::read_limited(body, headers, options.max_body_bytes, Some(budget)).await?;
+        super::body::read_limited(body, headers, options.service.max_body_bytes, Some(budget))
+            .await?;
     super::body::charge_tree(budget, &mut charge, bytes.len())?;
     let json: Value = serde_json::from_slice(&bytes)
         .map_err(|e| bad(format!("request body is not valid JSON: {e}")))?;

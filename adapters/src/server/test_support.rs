@@ -7,6 +7,7 @@ use infera_core::event::{Engine, WorkerRecord};
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
 use infera_core::policy::RouterConfig;
+use infera_core::service::ServiceOptions;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -15,10 +16,12 @@ pub(crate) fn state() -> ServerState {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/deepseek-v4");
     let tokenizer = Tokenizer::from_path(&dir).expect("fixture tokenizer");
     let options = ServerOptions {
-        max_body_bytes: 1 << 16,
-        request_max_retries: 0,
-        router: RouterConfig::default(),
-        fleet: FleetConfig::default(),
+        service: ServiceOptions {
+            router: RouterConfig::default(),
+            fleet: FleetConfig::default(),
+            request_max_retries: 0,
+            max_body_bytes: 1 << 16,
+        },
         chat_template: None,
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,

@@ -12,6 +12,7 @@ use infera_core::fleet::FleetConfig;
 use infera_core::ids::{WorkerId, WorkerRank};
 use infera_core::kv_events::EngineBatch;
 use infera_core::policy::{PolicyKind, RouterConfig};
+use infera_core::service::ServiceOptions;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
@@ -138,14 +139,16 @@ pub fn record(addr: SocketAddr) -> WorkerRecord {
 
 pub fn options(policy: PolicyKind, max_retries: u32, direct: bool) -> ServerOptions {
     ServerOptions {
-        max_body_bytes: 64 << 10,
-        request_max_retries: max_retries,
-        router: RouterConfig {
-            policy,
-            overlap_weight: 10.0,
-            ..RouterConfig::default()
+        service: ServiceOptions {
+            router: RouterConfig {
+                policy,
+                overlap_weight: 10.0,
+                ..RouterConfig::default()
+            },
+            fleet: FleetConfig::default(),
+            request_max_retries: max_retries,
+            max_body_bytes: 64 << 10,
         },
-        fleet: FleetConfig::default(),
         chat_template: None,
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,

@@ -42,6 +42,7 @@ use infera_core::event::{Engine, WorkerRecord};
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
 use infera_core::policy::{PolicyKind, RouterConfig};
+use infera_core::service::ServiceOptions;
 use infera_replay::record::{Recorder, RecorderOptions};
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
@@ -195,13 +196,15 @@ fn fleet(
         .expect("runtime");
     let (front, workers) = rt.block_on(async {
         let options = ServerOptions {
-            max_body_bytes: 64 << 20,
-            request_max_retries: 1,
-            router: RouterConfig {
-                policy,
-                ..RouterConfig::default()
+            service: ServiceOptions {
+                router: RouterConfig {
+                    policy,
+                    ..RouterConfig::default()
+                },
+                fleet: FleetConfig::default(),
+                request_max_retries: 1,
+                max_body_bytes: 64 << 20,
             },
-            fleet: FleetConfig::default(),
             chat_template: None,
             template_defaults: Default::default(),
             per_worker_template_kwargs: true,

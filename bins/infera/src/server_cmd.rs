@@ -43,6 +43,7 @@ use infera_core::kv_events::pipeline;
 use infera_core::policy::{PolicyKind, RouterConfig};
 use infera_core::ports::discovery::{DiscoveryChange, DiscoveryStream};
 use infera_core::ports::kv_events::KvEventSource;
+use infera_core::service::ServiceOptions;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -65,20 +66,23 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         None => None,
     };
     let options = ServerOptions {
-        max_body_bytes: usize::try_from(config.http.max_body_bytes.bytes()).unwrap_or(usize::MAX),
-        request_max_retries: config.router.request_max_retries,
-        router: RouterConfig {
-            temperature: config.router.temperature,
-            resident_weight: config.router.resident_weight,
-            balance_tokens: config.router.balance_tokens,
-            ..router_config(
-                config.router.policy,
-                config.router.kv_overlap_weight,
-                config.router.kv_prefill_overlap_weight,
-                config.router.kv_decode_overlap_weight,
-            )
+        service: ServiceOptions {
+            router: RouterConfig {
+                temperature: config.router.temperature,
+                resident_weight: config.router.resident_weight,
+                balance_tokens: config.router.balance_tokens,
+                ..router_config(
+                    config.router.policy,
+                    config.router.kv_overlap_weight,
+                    config.router.kv_prefill_overlap_weight,
+                    config.router.kv_decode_overlap_weight,
+                )
+            },
+            fleet: FleetConfig::default(),
+            request_max_retries: config.router.request_max_retries,
+            max_body_bytes: usize::try_from(config.http.max_body_bytes.bytes())
+                .unwrap_or(usize::MAX),
         },
-        fleet: FleetConfig::default(),
         chat_template,
         template_defaults: Arc::new(
             serde_json::from_value(serde_json::Value::Object(

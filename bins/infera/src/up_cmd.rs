@@ -38,6 +38,7 @@ use infera_core::ids::WorkerId;
 use infera_core::kv_events::{encode_batch_vllm, pipeline};
 use infera_core::policy::{PolicyKind, RouterConfig};
 use infera_core::ports::kv_events::{KvFrame, KvItem, KvSubscription};
+use infera_core::service::ServiceOptions;
 use infera_kvd::{KvdError, KvdOptions, KvdServer, ShutdownHandle};
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -210,17 +211,19 @@ struct Worker {
 
 async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
     let options = ServerOptions {
-        max_body_bytes: 32 << 20,
-        request_max_retries: 1,
-        router: RouterConfig {
-            policy: match args.router_policy {
-                RouterPolicy::KvAware => PolicyKind::KvAware,
-                RouterPolicy::RoundRobin => PolicyKind::RoundRobin,
+        service: ServiceOptions {
+            router: RouterConfig {
+                policy: match args.router_policy {
+                    RouterPolicy::KvAware => PolicyKind::KvAware,
+                    RouterPolicy::RoundRobin => PolicyKind::RoundRobin,
+                },
+                overlap_weight: args.kv_overlap_weight,
+                ..RouterConfig::default()
             },
-            overlap_weight: args.kv_overlap_weight,
-            ..RouterConfig::default()
+            fleet: FleetConfig::default(),
+            request_max_retries: 1,
+            max_body_bytes: 32 << 20,
         },
-        fleet: FleetConfig::default(),
         chat_template: None,
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,

@@ -384,6 +384,7 @@ mod tests {
     use infera_adapters::tokenize::Tokenizer;
     use infera_core::event::{Engine, WorkerRecord};
     use infera_core::ids::{WorkerId, WorkerRank};
+    use infera_core::service::ServiceOptions;
 
     fn picker() -> Picker {
         let dir = concat!(
@@ -391,10 +392,12 @@ mod tests {
             "/../../fixtures/tokenizers/deepseek-v4"
         );
         let options = ServerOptions {
-            max_body_bytes: MAX_BODY,
-            request_max_retries: 0,
-            router: infera_core::policy::RouterConfig::default(),
-            fleet: infera_core::fleet::FleetConfig::default(),
+            service: ServiceOptions {
+                router: infera_core::policy::RouterConfig::default(),
+                fleet: infera_core::fleet::FleetConfig::default(),
+                request_max_retries: 0,
+                max_body_bytes: MAX_BODY,
+            },
             chat_template: None,
             template_defaults: Default::default(),
             per_worker_template_kwargs: true,

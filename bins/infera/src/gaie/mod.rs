@@ -33,6 +33,7 @@ use infera_adapters::server::{ClientOptions, ServerOptions, ServerState};
 use infera_adapters::tokenize::Tokenizer;
 use infera_core::event::Retention;
 use infera_core::fleet::FleetConfig;
+use infera_core::service::ServiceOptions;
 use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -50,15 +51,17 @@ const MAX_STREAMS: u32 = 4096;
 pub fn run(config: GaieConfig) -> anyhow::Result<()> {
     let tokenizer = server_cmd::load_tokenizer(&config.router.tokenizer_path)?;
     let options = ServerOptions {
-        max_body_bytes: ext_proc::MAX_BODY,
-        request_max_retries: 0,
-        router: server_cmd::router_config(
-            config.router.policy,
-            config.router.kv_overlap_weight,
-            config.router.kv_prefill_overlap_weight,
-            config.router.kv_decode_overlap_weight,
-        ),
-        fleet: FleetConfig::default(),
+        service: ServiceOptions {
+            router: server_cmd::router_config(
+                config.router.policy,
+                config.router.kv_overlap_weight,
+                config.router.kv_prefill_overlap_weight,
+                config.router.kv_decode_overlap_weight,
+            ),
+            fleet: FleetConfig::default(),
+            request_max_retries: 0,
+            max_body_bytes: ext_proc::MAX_BODY,
+        },
         chat_template: None,
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,
