@@ -416,7 +416,7 @@ async fn a_big_token_array_is_parsed_routed_and_forwarded_whole() {
         answer["usage"]["prompt_tokens"], n,
         "the engine got every id"
     );
-    assert_eq!(front.state.metrics().picks_total(), 1);
+    assert_eq!(front.state.service().metrics().picks_total(), 1);
     front.stop().await;
     let _ = stop_mock.send(());
     tokio::time::timeout(TIMEOUT, mock_task)

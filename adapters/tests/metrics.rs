@@ -331,7 +331,7 @@ async fn sla_metrics_record_streams_and_whole_answers_only_when_enabled() {
         );
     }
 
-    front.state.set_sla_metrics(true);
+    front.state.service().set_sla_metrics(true);
     let (status, answer) = post(front.addr, "/v1/chat/completions", &chat(false)).await;
     assert_eq!(status, 200, "{answer}");
     let prompt_tokens = answer["usage"]["prompt_tokens"].as_f64().expect("usage");

@@ -84,7 +84,10 @@ async fn completions_are_relayed_streaming_and_not() {
     assert!(events.len() >= 2, "{text}");
 
     // Every attempt finished: nothing is left in flight, and the echo header works.
-    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+    assert_eq!(
+        front.state.service().with_fleet(|f| f.inflight_requests()),
+        0
+    );
     let (status, health) = exchange(front.addr, "GET", "/health", Vec::new()).await;
     assert_eq!(status, 200);
     let health: Value = serde_json::from_str(&health).expect("json");
@@ -134,7 +137,7 @@ async fn repeated_prompt_goes_to_the_worker_holding_its_kv() {
         .expect("one mock stored the prompt");
     assert_eq!(fed.iter().filter(|n| **n > 0).count(), 1, "{fed:?}");
     let holder_rank = WorkerRank::new(mocks[holder].id(), 0);
-    let held = front.state.with_fleet(|f| {
+    let held = front.state.service().with_fleet(|f| {
         f.index()
             .blocks_of(&holder_rank, infera_core::event::Tier::Gpu)
     });
@@ -151,7 +154,7 @@ async fn repeated_prompt_goes_to_the_worker_holding_its_kv() {
             }
         }
     }
-    assert!(front.state.metrics().picks_total() >= 4);
+    assert!(front.state.service().metrics().picks_total() >= 4);
 
     front.stop().await;
     for m in mocks {
@@ -180,8 +183,11 @@ async fn a_refusing_worker_is_retried_on_another() {
         .await;
         assert_eq!(status, 200, "request {i}: {body}");
     }
-    assert!(front.state.metrics().retries_total() >= 1);
-    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+    assert!(front.state.service().metrics().retries_total() >= 1);
+    assert_eq!(
+        front.state.service().with_fleet(|f| f.inflight_requests()),
+        0
+    );
 
     // With only the dead worker left, the failure is an honest 502 after the retries.
     front.state.deregister_worker(mock.id(), "test".to_owned());
@@ -231,7 +237,7 @@ async fn bad_requests_get_honest_statuses() {
     let (status, body) = post(front.addr, "/v1/completions", &huge).await;
     assert_eq!((status, error_status(&body)), (413, 413), "{body}");
     // Nothing was routed for any of them.
-    assert_eq!(front.state.metrics().picks_total(), 0);
+    assert_eq!(front.state.service().metrics().picks_total(), 0);
 
     front.stop().await;
     mock.stop().await;
@@ -305,7 +311,7 @@ async fn a_5xx_before_the_first_byte_fails_over_and_a_broken_stream_ends_with_an
         .await;
         assert_eq!(status, 200, "{body}");
     }
-    assert_eq!(front.state.metrics().retries_total(), 1);
+    assert_eq!(front.state.service().metrics().retries_total(), 1);
     tokio::time::timeout(TIMEOUT, failing_task)
         .await
         .expect("scripted worker done")
@@ -338,7 +344,10 @@ async fn a_5xx_before_the_first_byte_fails_over_and_a_broken_stream_ends_with_an
         .expect("error event is JSON");
     assert!(err["error"]["message"].is_string(), "{err}");
     assert_eq!(events[2], "data: [DONE]");
-    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+    assert_eq!(
+        front.state.service().with_fleet(|f| f.inflight_requests()),
+        0
+    );
     tokio::time::timeout(TIMEOUT, broken_task)
         .await
         .expect("scripted worker done")
@@ -479,7 +488,10 @@ async fn anthropic_messages_are_served_through_the_same_pipeline() {
     .await;
     assert_eq!(status, 404);
     assert_eq!(body["error"]["type"], "not_found_error", "{body}");
-    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+    assert_eq!(
+        front.state.service().with_fleet(|f| f.inflight_requests()),
+        0
+    );
     front.stop().await;
     mock.stop().await;
 }
@@ -784,11 +796,13 @@ async fn a_pd_request_is_prefilled_when_the_prefill_answers_not_at_the_first_byt
     let queued = |id: &str| {
         front
             .state
+            .service()
             .with_fleet(|f| f.queued_prefill_tokens(&WorkerRank::new(id, 0)))
     };
     let inflight = |id: &str| {
         front
             .state
+            .service()
             .with_fleet(|f| f.inflight_on(&WorkerRank::new(id, 0)))
     };
     let body = json!({"model": MODEL, "prompt": long_prompt("held", 64), "max_tokens": 4,

@@ -211,6 +211,7 @@ async fn a_worker_that_never_answers_is_cancelled_at_the_first_byte_deadline_and
     let front = start_front(2, deadlines).await;
     front
         .state
+        .service()
         .set_breaker(breaker_off(), Arc::new(VirtualClock::new(0)));
     for w in [&hung, &head_only, &good] {
         front.state.register_worker(w.record());
@@ -224,9 +225,12 @@ async fn a_worker_that_never_answers_is_cancelled_at_the_first_byte_deadline_and
     assert!(hung.hits() >= 1 && head_only.hits() >= 1);
     hung.abandoned().await;
     head_only.abandoned().await;
-    assert!(front.state.metrics().retries_total() >= 2);
+    assert!(front.state.service().metrics().retries_total() >= 2);
     assert!(metric(&front, "infera_transport_timeouts_total").await >= 2);
-    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+    assert_eq!(
+        front.state.service().with_fleet(|f| f.inflight_requests()),
+        0
+    );
 
     // With only the silent workers left, the client gets an honest 504, streaming or not.
     front.state.deregister_worker(good.id(), "test".to_owned());
@@ -246,7 +250,10 @@ async fn a_worker_that_never_answers_is_cancelled_at_the_first_byte_deadline_and
     )
     .await;
     assert_eq!(status, 504, "{text}");
-    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+    assert_eq!(
+        front.state.service().with_fleet(|f| f.inflight_requests()),
+        0
+    );
     front.stop().await;
 }
 
@@ -279,8 +286,11 @@ async fn a_worker_that_goes_silent_mid_stream_ends_the_stream_with_an_error_even
     assert!(message.contains("--http-req-idle-timeout"), "{message}");
     assert_eq!(events[2], "data: [DONE]");
     silent.abandoned().await;
-    assert_eq!(front.state.metrics().retries_total(), 0);
-    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+    assert_eq!(front.state.service().metrics().retries_total(), 0);
+    assert_eq!(
+        front.state.service().with_fleet(|f| f.inflight_requests()),
+        0
+    );
     front.stop().await;
 }
 
@@ -292,6 +302,7 @@ async fn a_failing_worker_is_taken_out_of_routing_until_a_probe_succeeds() {
     let clock = Arc::new(VirtualClock::new(1_000_000));
     front
         .state
+        .service()
         .set_breaker(BreakerConfig::default(), clock.clone());
     front.state.register_worker(bad.record());
     front.state.register_worker(good.record());
@@ -310,8 +321,11 @@ async fn a_failing_worker_is_taken_out_of_routing_until_a_probe_succeeds() {
         complete_ok(&front).await;
     }
     assert_eq!(bad.hits(), 3);
-    assert_eq!(front.state.breaker_state(&bad.id()), BreakerState::Open);
-    assert_eq!(front.state.metrics().breaker_trips_total(), 1);
+    assert_eq!(
+        front.state.service().breaker_state(&bad.id()),
+        BreakerState::Open
+    );
+    assert_eq!(front.state.service().metrics().breaker_trips_total(), 1);
     assert_eq!(metric(&front, "infera_breaker_open_workers").await, 1);
     let (_, text) = get(front.addr, "/metrics").await;
     let id = bad.id();
@@ -336,12 +350,12 @@ async fn a_failing_worker_is_taken_out_of_routing_until_a_probe_succeeds() {
         .find(|w| w["record"]["worker_id"] == bad.id().as_str())
         .unwrap();
     assert_eq!(bad_entry["breaker"], "open", "{workers}");
-    let retries = front.state.metrics().retries_total();
+    let retries = front.state.service().metrics().retries_total();
     for _ in 0..6 {
         complete_ok(&front).await;
     }
     assert_eq!(bad.hits(), 3, "no traffic during the cooldown");
-    assert_eq!(front.state.metrics().retries_total(), retries);
+    assert_eq!(front.state.service().metrics().retries_total(), retries);
 
     // After the 5 s cooldown one probe goes through; it fails and doubles the cooldown.
     clock.advance(5_000_000);
@@ -352,8 +366,11 @@ async fn a_failing_worker_is_taken_out_of_routing_until_a_probe_succeeds() {
         complete_ok(&front).await;
     }
     assert_eq!(bad.hits(), 4, "one probe");
-    assert_eq!(front.state.breaker_state(&bad.id()), BreakerState::Open);
-    assert_eq!(front.state.metrics().breaker_trips_total(), 2);
+    assert_eq!(
+        front.state.service().breaker_state(&bad.id()),
+        BreakerState::Open
+    );
+    assert_eq!(front.state.service().metrics().breaker_trips_total(), 2);
     clock.advance(5_000_000);
     for _ in 0..4 {
         complete_ok(&front).await;
@@ -370,13 +387,19 @@ async fn a_failing_worker_is_taken_out_of_routing_until_a_probe_succeeds() {
         complete_ok(&front).await;
     }
     assert_eq!(bad.hits(), 5);
-    assert_eq!(front.state.breaker_state(&bad.id()), BreakerState::Closed);
+    assert_eq!(
+        front.state.service().breaker_state(&bad.id()),
+        BreakerState::Closed
+    );
     for _ in 0..4 {
         complete_ok(&front).await;
     }
     assert_eq!(bad.hits(), 7, "round robin again");
     assert_eq!(metric(&front, "infera_breaker_open_workers").await, 0);
-    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+    assert_eq!(
+        front.state.service().with_fleet(|f| f.inflight_requests()),
+        0
+    );
     front.stop().await;
 }
 
@@ -386,6 +409,7 @@ async fn a_worker_whose_breaker_is_open_is_still_tried_when_it_is_the_only_one()
     let front = start_front(0, HttpDeadlines::default()).await;
     front
         .state
+        .service()
         .set_breaker(BreakerConfig::default(), Arc::new(VirtualClock::new(0)));
     front.state.register_worker(bad.record());
     for i in 0..5 {
@@ -393,8 +417,11 @@ async fn a_worker_whose_breaker_is_open_is_still_tried_when_it_is_the_only_one()
         assert_eq!(status, 500, "the worker's own answer: {body}");
     }
     assert_eq!(bad.hits(), 5);
-    assert_eq!(front.state.breaker_state(&bad.id()), BreakerState::Open);
-    assert_eq!(front.state.metrics().breaker_trips_total(), 1);
+    assert_eq!(
+        front.state.service().breaker_state(&bad.id()),
+        BreakerState::Open
+    );
+    assert_eq!(front.state.service().metrics().breaker_trips_total(), 1);
     front.stop().await;
 }
 
@@ -512,7 +539,7 @@ async fn a_stream_whose_worker_dies_is_continued_on_another_worker_with_the_text
     let (bodies_tx, mut bodies) = mpsc::channel(4);
     let (healthy, healthy_task) = continuing_worker(bodies_tx).await;
     let front = start_front(1, HttpDeadlines::default()).await;
-    front.state.set_migration_limit(1);
+    front.state.service().set_migration_limit(1);
     front.state.register_worker(record_at(dying));
 
     let req = json!({"model": MODEL, "prompt": "Say:", "max_tokens": 8, "stream": true});
@@ -567,8 +594,11 @@ async fn a_stream_whose_worker_dies_is_continued_on_another_worker_with_the_text
     let sent = bodies.recv().await.expect("the continuation");
     assert_eq!(sent["prompt"], "Say:Hello,");
     assert_eq!(sent["max_tokens"], 6);
-    assert_eq!(front.state.metrics().migrations_total(), 1);
-    assert_eq!(front.state.with_fleet(|f| f.inflight_requests()), 0);
+    assert_eq!(front.state.service().metrics().migrations_total(), 1);
+    assert_eq!(
+        front.state.service().with_fleet(|f| f.inflight_requests()),
+        0
+    );
 
     // Without another worker (the healthy one gone, the dying one already failed this stream),
     // the stream ends with an error event, as without migration.
@@ -596,7 +626,7 @@ async fn a_stream_whose_worker_dies_is_continued_on_another_worker_with_the_text
     let rest = String::from_utf8_lossy(&rest);
     assert!(rest.contains("\"error\""), "{rest}");
     assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
-    assert_eq!(front.state.metrics().migrations_total(), 1);
+    assert_eq!(front.state.service().metrics().migrations_total(), 1);
     // The Python Infera's families say the same: one carried, one with no candidate.
     let (_, text) = get(front.addr, "/metrics").await;
     for line in [

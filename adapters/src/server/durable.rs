@@ -3,9 +3,10 @@
 //! The server always decides from its in-memory log and fleet (one short lock, no I/O). A
 //! durable log ([`EventLog`]: JetStream, SQLite, PostgreSQL) is attached by [`attach`]:
 //!
-//! - **Write-behind.** One task, fed by a tap ([`ServerState::tap`]), appends every event this
-//!   server commits — discovery changes, its KV subscribers' events, its requests — to the
-//!   durable log in commit order, one append per committed batch. Request events are stamped with
+//! - **Write-behind.** One task, fed by a tap
+//!   ([`Service::tap`](infera_core::service::Service::tap)), appends every event this server
+//!   commits — discovery changes, its KV subscribers' events, its requests — to the durable log
+//!   in commit order, one append per committed batch. Request events are stamped with
 //!   this replica's source, `router/<replica id>`. The request path never waits for it.
 //! - **Sharing.** A tail task follows the durable log from where it stood at attach time and
 //!   applies other replicas' `RequestRouted` / `RequestPrefilled` / `RequestFinished` to this
@@ -163,7 +164,8 @@ pub struct DurableLog {
 
 impl DurableLog {
     /// Stops following peers and waits until everything committed before
-    /// [`ServerState::close_taps`] is appended (or `grace` passes: the rest is lost).
+    /// [`Service::close_taps`](infera_core::service::Service::close_taps) is appended (or
+    /// `grace` passes: the rest is lost).
     pub async fn close(self, grace: Duration) {
         self.stop_tail.cancel();
         let _ = self.tail.await;
@@ -192,7 +194,7 @@ impl ServerState {
 /// The log cannot be read (its snapshot or tail).
 pub async fn attach(state: &ServerState, log: Arc<dyn EventLog>) -> Result<DurableLog, LogError> {
     let counters = Arc::new(Counters::default());
-    state.register_metrics(|r| counters.register(r));
+    state.service().register_metrics(|r| counters.register(r));
     let (restored, tip) = restore(log.as_ref()).await?;
     tracing::info!(
         workers = restored.len(),
@@ -204,7 +206,7 @@ pub async fn attach(state: &ServerState, log: Arc<dyn EventLog>) -> Result<Durab
         unverified: HashMap::new(),
         counters: Some(counters.clone()),
     };
-    let rx = state.tap("event-log", TAP_CAPACITY);
+    let rx = state.service().tap("event-log", TAP_CAPACITY);
     let writer = tokio::spawn(write_behind(
         state.clone(),
         log.clone(),
@@ -408,7 +410,7 @@ async fn write_behind(
         since_compaction += n;
         if since_compaction >= COMPACT_EVERY {
             since_compaction = 0;
-            let events = state.with_fleet(|f| f.dump());
+            let events = state.service().with_fleet(|f| f.dump());
             match log
                 .compact(Snapshot {
                     upto: range.last,
@@ -454,7 +456,9 @@ async fn follow_peers(
                         && is_request(&env.event)
                     {
                         counters.peer_events.inc();
-                        state.apply(vec![NewEvent::from_source(source.clone(), env.event)]);
+                        state
+                            .service()
+                            .apply(vec![NewEvent::from_source(source.clone(), env.event)]);
                     }
                 }
                 Some(Err(LogError::Compacted { upto })) => {

@@ -272,7 +272,7 @@ async fn pipeline(
         session_id,
     } = super::body::parse(bytes, shape, options.client.default_retention)?;
     let seen = retention.map_or("none", infera_core::event::Retention::as_str);
-    st.metrics().retention_seen(seen);
+    st.service().metrics().retention_seen(seen);
     let direct = if options.direct {
         direct_pick(headers)?
     } else {
@@ -382,7 +382,7 @@ pub(super) fn parse_chat(body: &Value) -> Result<Input, ApiError> {
 }
 
 async fn models(State(st): State<ServerState>) -> Response {
-    let data: Vec<Value> = st.with_fleet(|f| {
+    let data: Vec<Value> = st.service().with_fleet(|f| {
         f.models()
             .into_iter()
             .map(|m| json!({"id": m, "object": "model", "owned_by": "infera"}))
@@ -397,7 +397,7 @@ async fn health(State(st): State<ServerState>) -> Response {
 }
 
 async fn workers(State(st): State<ServerState>) -> Response {
-    let data: Vec<Value> = st.with_fleet(|f| {
+    let data: Vec<Value> = st.service().with_fleet(|f| {
         f.workers()
             .map(|w| {
                 let ranks: Vec<Value> = (w.dp_rank..w.dp_rank + w.dp_size.max(1))
@@ -417,7 +417,7 @@ async fn workers(State(st): State<ServerState>) -> Response {
                     "record": w,
                     "draining": draining.is_some(),
                     "drain_reason": draining,
-                    "breaker": st.breaker_state(&w.worker_id).as_str(),
+                    "breaker": st.service().breaker_state(&w.worker_id).as_str(),
                     "load": ranks,
                 })
             })

@@ -8,7 +8,7 @@
 //! # State
 //! [`ServerState`] holds the [`Service`] (which owns the kernel: fleet projection, router,
 //! in-memory log, and the taps on its committed stream), the tokenizer and the front's options.
-//! Discovery and the KV-event transport feed events through [`ServerState::apply`],
+//! Discovery and the KV-event transport feed events through [`Service::apply`],
 //! [`ServerState::register_worker`], [`ServerState::deregister_worker`] and
 //! [`ServerState::ingest_kv_batch`] (the KV-event pipeline's [`KvSink`]); this crate does not
 //! know those transports.
@@ -78,7 +78,6 @@ use infera_core::event::{
     Event, KvCacheCleared, Source, WorkerDeregistered, WorkerDraining, WorkerRecord,
     WorkerRegistered,
 };
-use infera_core::fleet::FleetState;
 use infera_core::ids::{WorkerId, WorkerRank};
 use infera_core::kv_events::pipeline::KvSink;
 use infera_core::kv_events::{EngineBatch, IngestStats};
@@ -87,11 +86,9 @@ use infera_core::ports::prefetch::KvPrefetch;
 use infera_core::ports::scaling::PoolScaler;
 use infera_core::ports::transport::RequestTransport;
 use infera_core::service::{Plane, Service, ServiceOptions};
-use prometheus_client::registry::Registry;
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 
 /// Everything the front needs besides the tokenizer.
 #[derive(Debug, Clone)]
@@ -175,12 +172,6 @@ impl ServerState {
         self.inner.service.lock()
     }
 
-    /// Appends `events` to the log and applies them to the fleet, in order. Returns how many
-    /// were applied.
-    pub fn apply(&self, events: Vec<NewEvent>) -> usize {
-        self.inner.service.apply(events)
-    }
-
     /// A worker appeared (or its record changed).
     pub fn register_worker(&self, record: WorkerRecord) {
         tracing::info!(worker = %record.worker_id.as_str(), url = %record.url,
@@ -196,7 +187,7 @@ impl ServerState {
             record,
         }))];
         events.extend(restored);
-        self.apply(events);
+        self.service().apply(events);
     }
 
     /// A worker left routing.
@@ -204,9 +195,10 @@ impl ServerState {
         tracing::info!(worker = %worker.as_str(), %reason, "worker deregistered");
         self.inner.service.transport().worker_left(&worker);
         self.inner.variants.forget(&worker);
-        self.apply(vec![NewEvent::new(Event::WorkerDeregistered(
-            WorkerDeregistered { worker, reason },
-        ))]);
+        self.service()
+            .apply(vec![NewEvent::new(Event::WorkerDeregistered(
+                WorkerDeregistered { worker, reason },
+            ))]);
     }
 
     /// A registered worker is shutting down: it stays listed in `/v1/workers` (with
@@ -214,10 +206,11 @@ impl ServerState {
     /// it registers again. Requests already decided for it still go there.
     pub fn drain_worker(&self, worker: WorkerId, reason: String) {
         tracing::info!(worker = %worker.as_str(), %reason, "worker draining");
-        self.apply(vec![NewEvent::new(Event::WorkerDraining(WorkerDraining {
-            worker,
-            reason,
-        }))]);
+        self.service()
+            .apply(vec![NewEvent::new(Event::WorkerDraining(WorkerDraining {
+                worker,
+                reason,
+            }))]);
     }
 
     /// The registered record of `worker`, if any.
@@ -228,11 +221,6 @@ impl ServerState {
     /// Number of registered workers.
     pub fn worker_count(&self) -> usize {
         self.lock().kernel.fleet().worker_count()
-    }
-
-    /// Runs `f` on the fleet under the lock (keep it short; for tests and status pages).
-    pub fn with_fleet<T>(&self, f: impl FnOnce(&FleetState) -> T) -> T {
-        self.inner.service.with_fleet(f)
     }
 
     /// Converts one engine batch of `rank` into core events (parents resolved through the
@@ -253,8 +241,8 @@ impl ServerState {
         }
         let done = core.ingest(rank, seq, batch)?;
         drop(core);
-        self.metrics().events_applied(done.applied as u64);
-        self.metrics().kv_ingested(&done.stats);
+        self.service().metrics().events_applied(done.applied as u64);
+        self.service().metrics().kv_ingested(&done.stats);
         if done.stats.dropped() > 0 {
             tracing::warn!(worker = %rank.worker.as_str(), dp_rank = rank.dp_rank,
                 dropped = done.stats.dropped(), stats = ?done.stats, "kv events dropped");
@@ -270,64 +258,13 @@ impl ServerState {
             dp_rank: rank.dp_rank,
             seq,
         };
-        self.apply(vec![NewEvent::from_source(
+        self.service().apply(vec![NewEvent::from_source(
             source,
             Event::KvCacheCleared(KvCacheCleared {
                 worker: rank.clone(),
                 tier: None,
             }),
         )]);
-    }
-
-    /// The name of the request transport (`http`, `nats`).
-    pub fn transport_name(&self) -> &'static str {
-        self.inner.service.transport().name()
-    }
-
-    /// The server's metrics.
-    pub fn metrics(&self) -> &ServerMetrics {
-        self.inner.service.metrics()
-    }
-
-    /// Sets the circuit breaker (see [`Service::set_breaker`]).
-    pub fn set_breaker(&self, config: BreakerConfig, clock: Arc<dyn Clock>) {
-        self.inner.service.set_breaker(config, clock);
-    }
-
-    /// The breaker state of `worker` (see [`Service::breaker_state`]).
-    pub fn breaker_state(&self, worker: &WorkerId) -> BreakerState {
-        self.inner.service.breaker_state(worker)
-    }
-
-    /// Sets `--migration-limit` (see [`Service::set_migration_limit`]).
-    pub fn set_migration_limit(&self, limit: u32) {
-        self.inner.service.set_migration_limit(limit);
-    }
-
-    /// Records the SLA planner's histograms (see [`Service::set_sla_metrics`]).
-    pub fn set_sla_metrics(&self, enabled: bool) {
-        self.inner.service.set_sla_metrics(enabled);
-    }
-
-    /// Opens a tap on the committed stream (see [`Service::tap`]).
-    pub fn tap(&self, name: &'static str, capacity: usize) -> mpsc::Receiver<EventBatch> {
-        self.inner.service.tap(name, capacity)
-    }
-
-    /// Opens the request-metadata tap (see [`Service::tap_request_meta`]).
-    pub fn tap_request_meta(&self, capacity: usize, tokens: bool) -> mpsc::Receiver<RequestMeta> {
-        self.inner.service.tap_request_meta(capacity, tokens)
-    }
-
-    /// Ends every tap's stream (see [`Service::close_taps`]).
-    pub fn close_taps(&self) {
-        self.inner.service.close_taps();
-    }
-
-    /// Lets a component put its own families in the server's registry (see
-    /// [`Service::register_metrics`]).
-    pub fn register_metrics(&self, with: impl FnOnce(&mut Registry)) {
-        self.inner.service.register_metrics(with);
     }
 
     /// The axum routes of the server API.
@@ -347,7 +284,7 @@ impl KvSink for ServerState {
     }
 
     fn gap(&self, _rank: &WorkerRank, _missing: &std::ops::RangeInclusive<u64>, replayed: bool) {
-        self.metrics().kv_gap(replayed);
+        self.service().metrics().kv_gap(replayed);
     }
 
     fn malformed(&self, worker: &WorkerId, reason: &str) {

@@ -136,7 +136,8 @@ mod tests {
 
     fn inflight(st: &crate::server::ServerState, id: &str) -> (usize, u64) {
         let rank = WorkerRank::new(WorkerId::new(id), 0);
-        st.with_fleet(|f| (f.inflight_on(&rank), f.queued_prefill_tokens(&rank)))
+        st.service()
+            .with_fleet(|f| (f.inflight_on(&rank), f.queued_prefill_tokens(&rank)))
     }
 
     #[tokio::test]

@@ -130,6 +130,7 @@ async fn handle(st: &ServerState, headers: &HeaderMap, body: Body) -> Result<usi
                 parse_chat(&json)?
             };
             let block_size = st
+                .service()
                 .with_fleet(|f| {
                     f.workers()
                         .find(|w| w.model_name == model)

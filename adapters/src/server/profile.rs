@@ -84,7 +84,7 @@ pub(crate) async fn profile(
         (Ok(w), Ok(m), Ok(r)) => (w, m, r),
         (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e.into_response(),
     };
-    let workers: Vec<WorkerRecord> = st.with_fleet(|f| {
+    let workers: Vec<WorkerRecord> = st.service().with_fleet(|f| {
         f.workers()
             .filter(|w| {
                 worker_id

@@ -85,7 +85,7 @@ impl ServerState {
         if !variants.enabled || variants.map().is_empty() {
             return Vec::new();
         }
-        let workers: Vec<(WorkerId, u32)> = self.with_fleet(|f| {
+        let workers: Vec<(WorkerId, u32)> = self.service().with_fleet(|f| {
             f.workers()
                 .filter(|w| w.model_name == model)
                 .map(|w| (w.worker_id.clone(), w.kv_block_size))

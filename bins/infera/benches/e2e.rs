@@ -98,7 +98,7 @@ fn tokenizer() -> Arc<Tokenizer> {
 /// Drains a tap of `state` into a trace recorder writing under `dir`, on a thread of its own,
 /// as `infera server --record-trace` does.
 fn record(state: &ServerState, dir: &std::path::Path) {
-    let mut rx = state.tap("trace", 1 << 16);
+    let mut rx = state.service().tap("trace", 1 << 16);
     let clock = infera_core::clock::SystemClock;
     // Segments of at most 2 s, so the Parquet writes fall inside every measurement (a server's
     // 60 s default would defer them past a bench run while costing the same per row).

@@ -1,7 +1,9 @@
 //! `infera server --record-trace DIR`: the server's committed events and each request's session
-//! (and prompt, with `--record-prompts`), through taps ([`ServerState::tap`],
-//! [`ServerState::tap_request_meta`]), into the trace recorder ([`infera_replay::record`]) on a thread of its
-//! own, so Parquet encoding and disk writes never run on the request path. The recorder's
+//! (and prompt, with `--record-prompts`), through the request service's taps
+//! ([`Service::tap`](infera_core::service::Service::tap),
+//! [`Service::tap_request_meta`](infera_core::service::Service::tap_request_meta)), into the
+//! trace recorder ([`infera_replay::record`]) on a thread of its own, so Parquet encoding and
+//! disk writes never run on the request path. The recorder's
 //! counters are exported on `/metrics` as `infera_trace_*`; events the tap could not queue are
 //! `infera_event_tap_dropped_events_total{tap="trace"}`.
 
@@ -112,9 +114,11 @@ impl Recording {
             u64::try_from(config.segment_age.0.as_micros()).unwrap_or(u64::MAX);
         let mut recorder = Recorder::new(opts, clock.now_us())?;
         let exported = Exported::default();
-        state.register_metrics(|r| exported.register(r));
-        let mut rx = state.tap("trace", TAP_CAPACITY);
-        let mut metas = state.tap_request_meta(TAP_CAPACITY, config.prompts);
+        state.service().register_metrics(|r| exported.register(r));
+        let mut rx = state.service().tap("trace", TAP_CAPACITY);
+        let mut metas = state
+            .service()
+            .tap_request_meta(TAP_CAPACITY, config.prompts);
         let dir = config.dir.clone();
         let thread = std::thread::Builder::new()
             .name("infera-recorder".into())

@@ -187,7 +187,7 @@ async fn serve_all(
     } = wiring::server_ports(&config).await?;
     let state = ServerState::with_transport(options, tokenizer, transport);
     state.set_profiling(config.enable_profiling);
-    state.set_sla_metrics(config.enable_sla_metrics);
+    state.service().set_sla_metrics(config.enable_sla_metrics);
     if let Some(scaling) = &config.scaling_api {
         state.set_scaler(wiring::scaler(scaling)?);
         tracing::info!(
@@ -196,7 +196,7 @@ async fn serve_all(
         );
     }
     let seconds = |s: f64| Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX);
-    state.set_breaker(
+    state.service().set_breaker(
         BreakerConfig {
             failure_threshold: config.worker_edge.breaker_failure_threshold,
             cooldown: seconds(config.worker_edge.breaker_cooldown_s),
@@ -204,7 +204,9 @@ async fn serve_all(
         },
         Arc::new(SystemClock),
     );
-    state.set_migration_limit(config.worker_edge.migration_limit);
+    state
+        .service()
+        .set_migration_limit(config.worker_edge.migration_limit);
     if let Some(path) = &config.kvd_socket_path {
         state.set_prefetch(Arc::new(crate::prewarm::KvdPrefetch::new(path.clone())));
         tracing::info!(socket = %path.display(), "POST /v1/cache/prewarm hints the KV-cache daemon");
@@ -234,7 +236,7 @@ async fn serve_all(
         tracing::error!(error = %e, "discovery task failed");
     }
     // Nothing commits anymore: let the taps' consumers write what they hold.
-    state.close_taps();
+    state.service().close_taps();
     if let Some(recording) = recording {
         let _ = tokio::task::spawn_blocking(move || recording.finish()).await;
     }
@@ -298,7 +300,7 @@ async fn run_discovery(
                 break;
             }
             Some(DiscoveryChange::Registered(record)) => {
-                let sends = state.transport_name();
+                let sends = state.service().transport().name();
                 let takes = match record.request_transport {
                     infera_core::event::RequestTransport::Http => "http",
                     infera_core::event::RequestTransport::Nats => "nats",

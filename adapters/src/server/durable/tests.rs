@@ -38,7 +38,8 @@ async fn logged(workers: &[&str]) -> Arc<dyn EventLog> {
 }
 
 fn blocks(st: &ServerState, id: &str) -> usize {
-    st.with_fleet(|f| f.index().blocks_of(&WorkerRank::new(id, 0), Tier::Gpu))
+    st.service()
+        .with_fleet(|f| f.index().blocks_of(&WorkerRank::new(id, 0), Tier::Gpu))
 }
 
 fn empty_batch() -> EngineBatch {
@@ -109,7 +110,7 @@ async fn a_returning_worker_keeps_its_index_only_if_its_events_continue() {
     st.deregister_worker(WorkerId::new("steady"), "gone".into());
     st.register_worker(record("steady"));
     assert_eq!(blocks(&st, "steady"), 0);
-    st.close_taps();
+    st.service().close_taps();
     durable.close(Duration::from_secs(5)).await;
 }
 
@@ -138,7 +139,7 @@ async fn commits_are_written_behind_and_peers_requests_are_applied() {
         retention: None,
         at_us: 1,
     });
-    a.apply(vec![NewEvent::new(routed)]);
+    a.service().apply(vec![NewEvent::new(routed)]);
     // B learns of A's request through the durable log.
     let mut seen = log.subscribe(1);
     let mut stamped = None;
@@ -151,7 +152,7 @@ async fn commits_are_written_behind_and_peers_requests_are_applied() {
     assert_eq!(stamped.map(|s| s.worker.0), Some(a.replica_id()));
     let rank = WorkerRank::new("w", 0);
     let applied = async {
-        while b.with_fleet(|f| f.inflight_on(&rank)) == 0 {
+        while b.service().with_fleet(|f| f.inflight_on(&rank)) == 0 {
             tokio::task::yield_now().await;
         }
     };
@@ -159,12 +160,12 @@ async fn commits_are_written_behind_and_peers_requests_are_applied() {
         .await
         .expect("B applies A's request");
     assert_eq!(
-        a.with_fleet(|f| f.inflight_on(&rank)),
+        a.service().with_fleet(|f| f.inflight_on(&rank)),
         1,
         "A applied it once"
     );
-    a.close_taps();
-    b.close_taps();
+    a.service().close_taps();
+    b.service().close_taps();
     da.close(Duration::from_secs(5)).await;
     db.close(Duration::from_secs(5)).await;
     // B never wrote A's request back: one RequestRouted in the log.

@@ -437,7 +437,7 @@ mod tests {
 
     fn inflight(picker: &Picker) -> usize {
         let rank = WorkerRank::new(WorkerId::new("10.0.0.1:30000"), 0);
-        picker.state.with_fleet(|f| f.inflight_on(&rank))
+        picker.state.service().with_fleet(|f| f.inflight_on(&rank))
     }
 
     /// Drives one stream's request phase: headers, then the body in two chunks.
