@@ -181,6 +181,14 @@ impl RemoteStore for LmStore {
         "lmcache"
     }
 
+    fn twin(&self) -> Option<std::sync::Arc<dyn RemoteStore>> {
+        Some(std::sync::Arc::new(Self::new(
+            self.host.clone(),
+            self.port,
+            self.max_value,
+        )))
+    }
+
     fn describe(&self) -> String {
         format!("lm://{}:{}", self.host, self.port)
     }

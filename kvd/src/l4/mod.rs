@@ -12,7 +12,10 @@
 //! - **Never block a SET.** [`LongStore::put`](crate::long::LongStore::put) queues the framed block (write-behind, see
 //!   `queue.rs`) and returns; reads of a queued key are answered from the queue. A queued
 //!   removal hides the store's value of its key until it lands, so a get returns the last
-//!   accepted value or nothing.
+//!   accepted value or nothing. The writer checksums and sends batches on a thread of its own
+//!   (a current-thread runtime, the store's twin client, a lower OS priority), so its work
+//!   never holds a core the daemon's SETs need; a store without a twin (Mooncake's sidecar
+//!   serves one call at a time) keeps it a task on the daemon's runtime.
 //! - **Deadlines and a breaker.** Every remote operation runs under `rpc_timeout`; after
 //!   `breaker_failures` consecutive failures the breaker opens: reads miss at once, puts are
 //!   dropped (and counted), and the writer probes the store every `retry_interval`, closing the
@@ -200,9 +203,10 @@ impl Inner {
         false
     }
 
-    /// One health probe of an open breaker; closes it on success.
-    async fn probe(&self) {
-        let answer = tokio::time::timeout(self.options.op_timeout, self.remote.health()).await;
+    /// One health probe of an open breaker through `remote` (the writer's client); closes it
+    /// on success.
+    async fn probe(&self, remote: &dyn RemoteStore) {
+        let answer = tokio::time::timeout(self.options.op_timeout, remote.health()).await;
         if matches!(answer, Ok(Ok(()))) {
             self.failures.store(0, Ordering::Relaxed);
             self.breaker.store(false, Ordering::Release);
@@ -226,10 +230,50 @@ impl Inner {
     }
 }
 
+/// How much lower than the daemon's the writer thread's OS priority is (its nice value): under
+/// contention SETs preempt it and it still gets about a tenth of a core, so L4 writes keep
+/// moving under a sustained load.
+const WRITER_NICE: i32 = 10;
+
+/// Starts the writer: on a thread of its own, with a current-thread runtime and the store's
+/// twin, at a lower OS priority, when the store has a twin ([`RemoteStore::twin`]); else as a
+/// task on the caller's runtime.
+fn start_writer(inner: &Arc<Inner>) {
+    let threaded = inner.remote.twin().and_then(|twin| {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|error| tracing::warn!(%error, "kvd L4 writer: no runtime of its own"))
+            .ok()?;
+        let writer = inner.clone();
+        std::thread::Builder::new()
+            .name("kvd-l4-writer".into())
+            .spawn(move || {
+                let tid = rustix::thread::gettid();
+                if let Err(error) = rustix::process::setpriority_process(Some(tid), WRITER_NICE) {
+                    tracing::debug!(%error, "kvd L4 writer keeps the daemon's priority");
+                }
+                runtime.block_on(queue::writer(writer, twin));
+            })
+            .map_err(|error| tracing::warn!(%error, "kvd L4 writer: no thread of its own"))
+            .ok()
+    });
+    if threaded.is_none() {
+        tokio::spawn(queue::writer(inner.clone(), inner.remote.clone()));
+    }
+}
+
 /// See the module docs.
 #[derive(Debug)]
 pub struct L4 {
     inner: Arc<Inner>,
+}
+
+/// The writer stops with its L4 (a writer thread would outlive the daemon's runtime).
+impl Drop for L4 {
+    fn drop(&mut self) {
+        self.inner.stop.cancel();
+    }
 }
 
 impl L4 {
@@ -290,7 +334,7 @@ impl L4 {
             up: watch::channel(down.is_none()).0,
             stop: CancellationToken::new(),
         });
-        tokio::spawn(queue::writer(inner.clone()));
+        start_writer(&inner);
         Ok(Self { inner })
     }
 

@@ -16,7 +16,7 @@
 //!   store's health every retry interval and closes it on success.
 
 use super::frame::{self, FrameInfo};
-use super::{Inner, name};
+use super::{Inner, RemoteStore, name};
 use crate::proto::Namespace;
 use bytes::Bytes;
 use rustc_hash::FxHashMap;
@@ -161,15 +161,16 @@ impl Queue {
     }
 }
 
-/// The writer task: runs until `inner.stop` is cancelled.
-pub async fn writer(inner: Arc<Inner>) {
+/// The writer task: runs until `inner.stop` is cancelled, writing through `remote` (the
+/// store's twin on a writer thread, see [`super::RemoteStore::twin`]).
+pub async fn writer(inner: Arc<Inner>, remote: Arc<dyn RemoteStore>) {
     loop {
         if inner.breaker.load(Ordering::Acquire) {
             tokio::select! {
                 () = inner.stop.cancelled() => return,
                 () = tokio::time::sleep(inner.options.retry_interval) => {}
             }
-            inner.probe().await;
+            inner.probe(remote.as_ref()).await;
             continue;
         }
         let batch = inner
@@ -188,7 +189,7 @@ pub async fn writer(inner: Arc<Inner>) {
             }
             continue;
         }
-        let ok = write(&inner, &batch).await;
+        let ok = write(&inner, remote.as_ref(), &batch).await;
         {
             let mut q = inner.lock();
             if ok {
@@ -202,7 +203,7 @@ pub async fn writer(inner: Arc<Inner>) {
 }
 
 /// Sends one batch (puts, then removals); whether the store acknowledged all of it.
-async fn write(inner: &Inner, batch: &[(u128, u64, Op)]) -> bool {
+async fn write(inner: &Inner, remote: &dyn RemoteStore, batch: &[(u128, u64, Op)]) -> bool {
     let mut puts = Vec::new();
     let mut removes = Vec::new();
     for (hash, _, op) in batch {
@@ -220,10 +221,10 @@ async fn write(inner: &Inner, batch: &[(u128, u64, Op)]) -> bool {
     if !puts.is_empty() {
         // Spread over the store's write streams: the batch's keys are distinct, so their order
         // does not matter.
-        let per = puts.len().div_ceil(inner.remote.write_streams().max(1));
+        let per = puts.len().div_ceil(remote.write_streams().max(1));
         let sends = puts
             .chunks(per)
-            .map(|chunk| timeout(deadline, inner.remote.put_batch(chunk)));
+            .map(|chunk| timeout(deadline, remote.put_batch(chunk)));
         let mut ok = true;
         for result in futures::future::join_all(sends).await {
             ok &= inner.outcome("put", result);
@@ -237,7 +238,7 @@ async fn write(inner: &Inner, batch: &[(u128, u64, Op)]) -> bool {
             .fetch_add(puts.len() as u64, Ordering::Relaxed);
     }
     if !removes.is_empty() {
-        let result = timeout(deadline, inner.remote.remove_batch(&removes)).await;
+        let result = timeout(deadline, remote.remove_batch(&removes)).await;
         if !inner.outcome("remove", result) {
             return false;
         }

@@ -93,6 +93,12 @@ impl RemoteStore for RedisStore {
         1
     }
 
+    fn twin(&self) -> Option<std::sync::Arc<dyn RemoteStore>> {
+        Some(std::sync::Arc::new(Self {
+            pool: self.pool.twin(),
+        }))
+    }
+
     fn describe(&self) -> String {
         let ep = self.pool.endpoint();
         format!("redis://{}:{}", ep.host, ep.port)

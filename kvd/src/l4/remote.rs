@@ -37,6 +37,15 @@ pub trait RemoteStore: Send + Sync + std::fmt::Debug {
         self.streams()
     }
 
+    /// Another client of the same store, with connections of its own, for the L4's writer
+    /// thread (a runtime of its own at a lower OS priority, so that checksumming and sending
+    /// blocks never takes a core from the daemon's SETs). Its connections must never serve the
+    /// daemon's runtime. `None` (the default: a store that serves one call at a time) keeps the
+    /// writer a task on the daemon's runtime, sharing this client.
+    fn twin(&self) -> Option<std::sync::Arc<dyn RemoteStore>> {
+        None
+    }
+
     /// Whether the store answers at all (a cheap round trip).
     async fn health(&self) -> Result<(), RemoteError>;
 

@@ -203,6 +203,11 @@ impl Pool {
         &self.endpoint
     }
 
+    /// Another pool to the same endpoint, with no connection yet.
+    pub fn twin(&self) -> Self {
+        Self::new(self.endpoint.clone(), self.max_bulk)
+    }
+
     /// An idle connection, or a new one.
     pub async fn take(&self) -> Result<Conn, RemoteError> {
         let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
