@@ -15,25 +15,15 @@ use bytes::Bytes;
 use common::Daemon;
 use infera_core::event::Retention;
 use infera_kvd::l4::resp::{Arg, Endpoint, Pool, Reply};
-use infera_kvd::l4::{L4Config, RemoteStore, name};
+use infera_kvd::l4::{RemoteStore, name};
 use infera_kvd::store::key_hash;
 use infera_kvd::{LongBackendConfig, Namespace, SetItem};
 use l4_outage::{Outage, block, key};
-use redis_server::RedisServer;
+use redis_server::{RedisServer, l4_config};
 use std::sync::Arc;
 use std::time::Duration;
 
 const WITHIN: Duration = Duration::from_secs(30);
-
-fn config(port: u16) -> L4Config {
-    let url = format!("redis://127.0.0.1:{port}");
-    let env = move |k: &str| match k {
-        "INFERA_L4_REMOTE_URL" => Some(url.clone()),
-        "INFERA_L4_RPC_TIMEOUT_S" => Some("5".to_owned()),
-        _ => None,
-    };
-    L4Config::from_lmcache(None, &env).unwrap()
-}
 
 /// `GET`s of the two LMCache keys of a block, straight from Redis.
 async fn raw(port: u16, stored: &str) -> (Option<Bytes>, Option<Bytes>) {
@@ -66,7 +56,7 @@ async fn raw(port: u16, stored: &str) -> (Option<Bytes>, Option<Bytes>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_written_in_the_lmcache_layout_read_back_byte_exact_through_a_fresh_daemon() {
     let redis = RedisServer::start();
-    let l4 = config(redis.port);
+    let l4 = l4_config(redis.port);
     let ns = Namespace::new("llama", "fp8");
     let values: Vec<Bytes> = (0..6).map(|i| block(i, 200_000 + i * 4099)).collect();
 
@@ -121,7 +111,7 @@ async fn blocks_written_in_the_lmcache_layout_read_back_byte_exact_through_a_fre
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_store_costs_no_client_error_and_the_breaker_closes_when_it_is_back() {
     let mut redis = RedisServer::start();
-    let cfg = config(redis.port);
+    let cfg = l4_config(redis.port);
     let mut options = cfg.options();
     options.retry_interval = Duration::from_millis(50);
     let down = l4_outage::a_killed_store_costs_no_client_error(&mut redis, options, WITHIN).await;
@@ -133,7 +123,7 @@ async fn a_killed_store_costs_no_client_error_and_the_breaker_closes_when_it_is_
 
 impl Outage for RedisServer {
     fn client(&self) -> Arc<dyn RemoteStore> {
-        config(self.port).store()
+        l4_config(self.port).store()
     }
     fn kill(&mut self) {
         RedisServer::kill(self);

@@ -12,10 +12,10 @@ mod redis_server;
 use bytes::Bytes;
 use infera_core::event::Retention;
 use infera_kvd::Namespace;
-use infera_kvd::l4::{L4, L4Config};
+use infera_kvd::l4::L4;
 use infera_kvd::long::{LongBlock, LongStore, WritePermit};
 use infera_kvd::store::key_hash;
-use redis_server::RedisServer;
+use redis_server::{RedisServer, l4_config};
 use std::time::{Duration, Instant};
 
 /// The nice value of each of this process's `kvd-l4-writer` threads.
@@ -36,20 +36,10 @@ fn writer_threads() -> Vec<i32> {
         .collect()
 }
 
-fn config(port: u16) -> L4Config {
-    let url = format!("redis://127.0.0.1:{port}");
-    let env = move |k: &str| match k {
-        "INFERA_L4_REMOTE_URL" => Some(url.clone()),
-        "INFERA_L4_RPC_TIMEOUT_S" => Some("5".to_owned()),
-        _ => None,
-    };
-    L4Config::from_lmcache(None, &env).unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_writer_is_a_thread_of_lower_priority_that_ends_with_its_l4() {
     let redis = RedisServer::start();
-    let cfg = config(redis.port);
+    let cfg = l4_config(redis.port);
     assert!(writer_threads().is_empty());
     let l4 = L4::open(cfg.store(), cfg.options(), true).await.unwrap();
     let own_nice = std::fs::read_to_string("/proc/thread-self/stat").unwrap();

@@ -4,6 +4,7 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
+use infera_kvd::l4::L4Config;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -14,6 +15,17 @@ const READY_WITHIN: Duration = Duration::from_secs(20);
 pub struct RedisServer {
     child: Option<Child>,
     pub port: u16,
+}
+
+/// An L4 of LMCache's Redis layout on the server at `port`, 5 s per remote operation.
+pub fn l4_config(port: u16) -> L4Config {
+    let url = format!("redis://127.0.0.1:{port}");
+    let env = move |k: &str| match k {
+        "INFERA_L4_REMOTE_URL" => Some(url.clone()),
+        "INFERA_L4_RPC_TIMEOUT_S" => Some("5".to_owned()),
+        _ => None,
+    };
+    L4Config::from_lmcache(None, &env).unwrap()
 }
 
 /// A port nothing listens on right now.
