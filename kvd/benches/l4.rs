@@ -35,6 +35,10 @@ use std::sync::Arc;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
+/// The allocator `infera kvd` runs with (the SET studies measure the daemon's SET path).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Blocks per round.
 const N: usize = 16;
 
@@ -207,11 +211,13 @@ fn main() {
     let cfg = config(redis.port);
     let down = config(redis_server::free_port()).store();
     set_study::run(&rt, &cfg.options(), &|| cfg.store(), down);
+    let slow = set_socket::delayed(&rt, redis.port, std::time::Duration::from_millis(50));
     set_socket::run(
         &rt,
         vec![
             ("no L4", None),
             ("L4 healthy", Some(config(redis.port))),
+            ("L4 slow (50 ms)", Some(config(slow))),
             ("L4 down", Some(config(redis_server::free_port()))),
         ],
     );

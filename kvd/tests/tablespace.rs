@@ -231,7 +231,8 @@ async fn a_stale_index_never_returns_the_new_tenant_of_its_slot() {
 
     // `a` leaves and `b` takes its slot (best fit reuses the exact hole)...
     let ts = open(&c).await;
-    assert!(ts.remove(key_hash(&ns(), b"a")));
+    assert!(ts.class_of(key_hash(&ns(), b"a"), 0).is_some());
+    ts.remove(key_hash(&ns(), b"a"));
     put(&ts, block("b", value(2, 50_000), Retention::Long))
         .await
         .unwrap();

@@ -1,6 +1,7 @@
 //! The L2 SET latency as a client sees it: one client SETs 64 KiB `long` blocks over kvd's
-//! socket, the daemon serving with no L4, with an L4 that is healthy, or with one that is down
-//! (its address answers nothing), the cases alternating over rounds; a case starts once the
+//! socket, the daemon serving with no L4, with an L4 that is healthy, slow (behind
+//! [`delayed`], a proxy that holds every byte 50 ms each way) or down (its address answers
+//! nothing), the cases alternating over rounds; a case starts once the
 //! previous one's L4 writes have landed. The in-process study
 //! (`set_study.rs`) isolates the SET path's own cost; this is the latency an engine waits for.
 //! Target: p99 within 10 % of no L4.
@@ -12,6 +13,8 @@ use infera_kvd::l4::L4Config;
 use infera_kvd::long::LongBackendConfig;
 use infera_kvd::{KvdClient, KvdOptions, KvdServer, Namespace, SetItem};
 use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 
 /// SETs per case and round.
 const SETS: usize = 4000;
@@ -87,5 +90,48 @@ async fn drained(client: &mut KvdClient) {
             "L4 still has {queued} bytes queued"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A loopback proxy to `target` on `rt` that delivers every byte `delay` after it arrived, in
+/// both directions (latency, not a throughput limit); returns its port.
+pub fn delayed(rt: &tokio::runtime::Runtime, target: u16, delay: Duration) -> u16 {
+    rt.block_on(async {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(("127.0.0.1", target)).await else {
+                    continue;
+                };
+                let (client_rx, client_tx) = client.into_split();
+                let (server_rx, server_tx) = server.into_split();
+                tokio::spawn(relay(client_rx, server_tx, delay));
+                tokio::spawn(relay(server_rx, client_tx, delay));
+            }
+        });
+        port
+    })
+}
+
+async fn relay(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    delay: Duration,
+) {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<(Instant, Vec<u8>)>(1024);
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 256 << 10];
+        while let Ok(n @ 1..) = from.read(&mut buf).await {
+            if tx.send((Instant::now(), buf[..n].to_vec())).await.is_err() {
+                return;
+            }
+        }
+    });
+    while let Some((at, chunk)) = rx.recv().await {
+        tokio::time::sleep_until((at + delay).into()).await;
+        if to.write_all(&chunk).await.is_err() {
+            return;
+        }
     }
 }

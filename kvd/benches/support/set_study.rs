@@ -135,6 +135,13 @@ impl RemoteStore for Slow {
     fn streams(&self) -> usize {
         self.0.streams()
     }
+    fn write_streams(&self) -> usize {
+        self.0.write_streams()
+    }
+    fn twin(&self) -> Option<Arc<dyn RemoteStore>> {
+        let twin: Arc<dyn RemoteStore> = Arc::new(Slow(self.0.twin()?));
+        Some(twin)
+    }
     async fn health(&self) -> Result<(), RemoteError> {
         tokio::time::sleep(Duration::from_millis(50)).await;
         self.0.health().await

@@ -3,7 +3,7 @@
 
 use super::frame::{self, FrameInfo};
 use super::queue::{Op, Pending};
-use super::{L4, MAX_CUTOFFS, name};
+use super::{INBOX_OPS, L4, MAX_CUTOFFS, name};
 use crate::long::{LongBlock, LongHit, LongRejected, LongStore, Put, WritePermit};
 use crate::proto::Namespace;
 use crate::stats::LongStats;
@@ -55,53 +55,62 @@ impl LongStore for L4 {
         if !matches!(block.class, Retention::Short | Retention::Long) {
             return Err(LongRejected::ClassNotStored);
         }
-        let seq = self.next_seq(block.hash, now);
-        let info = FrameInfo {
-            class: block.class,
-            expires_at: block.expires_at,
-            writer: inner.writer_id,
-            seq,
-            written_at: now,
-        };
         let len = frame::framed_len(&block.ns, &block.key, block.value.len())
             .map(|l| l as u64)
             .filter(|l| *l <= inner.options.max_value_bytes);
-        let mut q = inner.lock();
-        let Some(len) = len else {
-            self.queue_removal(&mut q, block.hash, seq);
-            return Err(LongRejected::TooLarge);
+        let hash = block.hash;
+        let mut inbox = inner.inbox();
+        // Taken under the inbox's lock, so the inbox holds operations in sequence order.
+        let seq = self.next_seq(&inbox, hash, now);
+        let result = match len {
+            None => {
+                inbox.push(hash, seq, Op::Remove);
+                Err(LongRejected::TooLarge)
+            }
+            Some(len)
+                if inner.breaker.load(Ordering::Acquire)
+                    || inner.queued_bytes.load(Ordering::Acquire) + inbox.bytes + len
+                        > inner.options.queue_bytes =>
+            {
+                inner.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                inbox.push(hash, seq, Op::Remove);
+                Ok(())
+            }
+            Some(len) => {
+                let info = FrameInfo {
+                    class: block.class,
+                    expires_at: block.expires_at,
+                    writer: inner.writer_id,
+                    seq,
+                    written_at: now,
+                };
+                let pending = Pending {
+                    ns: block.ns,
+                    key: block.key,
+                    value: block.value,
+                    info,
+                    len,
+                };
+                inbox.push(hash, seq, Op::Put(Box::new(pending)));
+                Ok(())
+            }
         };
-        if inner.breaker.load(Ordering::Acquire)
-            || !q.fits(block.hash, len, inner.options.queue_bytes)
-        {
-            inner.counters.dropped.fetch_add(1, Ordering::Relaxed);
-            self.queue_removal(&mut q, block.hash, seq);
-        } else {
-            let pending = Pending {
-                ns: block.ns,
-                key: block.key,
-                value: block.value,
-                info,
-                len,
-            };
-            q.insert(block.hash, seq, Op::Put(Box::new(pending)));
-        }
-        drop(q);
-        inner.wake.notify_one();
-        Ok(Put {
+        let full = inbox.ops.len() >= INBOX_OPS;
+        drop(inbox);
+        inner.pushed(full);
+        result.map(|()| Put {
             generation: seq,
             durable: None,
         })
     }
 
-    fn remove(&self, hash: u128) -> bool {
-        let seq = self.next_seq(hash, 0);
-        let mut q = self.inner.lock();
-        let had = matches!(q.ops.get(&hash), Some((_, Op::Put(_))));
-        self.queue_removal(&mut q, hash, seq);
-        drop(q);
-        self.inner.wake.notify_one();
-        had
+    fn remove(&self, hash: u128) {
+        let mut inbox = self.inner.inbox();
+        let seq = self.next_seq(&inbox, hash, 0);
+        inbox.push(hash, seq, Op::Remove);
+        let full = inbox.ops.len() >= INBOX_OPS;
+        drop(inbox);
+        self.inner.pushed(full);
     }
 
     async fn get(&self, ns: &Namespace, key: &[u8], hash: u128, now: u64) -> Option<LongHit> {
@@ -155,7 +164,15 @@ impl LongStore for L4 {
 
     fn clear(&self, ns: &Namespace) -> u64 {
         let inner = &self.inner;
-        let seq = inner.seq.fetch_add(1, Ordering::AcqRel) + 1;
+        let mut q = inner.lock();
+        // Every operation sequenced before the clear is absorbed before it is applied.
+        let seq = {
+            let mut inbox = inner.inbox();
+            let seq = inner.seq.fetch_add(1, Ordering::AcqRel) + 1;
+            inner.take(&mut q, &mut inbox);
+            seq
+        };
+        inner.absorb(&mut q);
         let cutoff = (seq, inner.clock.load(Ordering::Relaxed));
         {
             let mut c = inner.cutoffs.lock().unwrap_or_else(|p| p.into_inner());
@@ -166,8 +183,9 @@ impl LongStore for L4 {
                 c.by_ns.insert(ns.clone(), cutoff);
             }
         }
-        let cleared = inner.lock().clear_namespace(ns, seq);
-        inner.wake.notify_one();
+        let cleared = q.clear_namespace(ns, seq);
+        drop(q);
+        inner.pushed(false);
         cleared
     }
 

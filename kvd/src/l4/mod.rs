@@ -9,8 +9,10 @@
 //!   checksum, the full key) and checked on read; a foreign, torn or colliding value is a miss,
 //!   counted in `l4_rejected_total`. Store names are `<prefix>@kvd@<32 hex digits of the key
 //!   hash>`: NUL-free, ASCII, within `lm://`'s 150 bytes and Mooncake's limits.
-//! - **Never block a SET.** [`LongStore::put`](crate::long::LongStore::put) queues the framed block (write-behind, see
-//!   `queue.rs`) and returns; reads of a queued key are answered from the queue. A queued
+//! - **Never block a SET.** [`LongStore::put`](crate::long::LongStore::put) pushes the block
+//!   onto an inbox (a lock held for a push, a few plain stores, no map) and returns; the writer
+//!   and every read absorb the inbox into the write-behind queue (see `queue.rs`), and reads
+//!   of a queued key are answered from the queue. A queued
 //!   removal hides the store's value of its key until it lands, so a get returns the last
 //!   accepted value or nothing. The writer checksums and sends batches on a thread of its own
 //!   (a current-thread runtime, the store's twin client, a lower OS priority), so its work
@@ -53,17 +55,21 @@ use crate::stats::L4Stats;
 use bytes::Bytes;
 use frame::FrameInfo;
 use futures::StreamExt;
-use queue::{Op, Queue};
+use queue::{Inbox, Op, Queue};
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-/// Buckets of the "last write" table used by [`LongStore::is_current`].
-const RECENT_BUCKETS: usize = 1 << 16;
+/// Buckets of the "last write" table used by [`LongStore::is_current`]: small enough to stay
+/// in a core's cache (every `long` SET writes one); a collision only costs a promotion.
+const RECENT_BUCKETS: usize = 1 << 12;
 /// Namespaces with their own clear cutoff; more fold into one cutoff for everything.
 const MAX_CUTOFFS: usize = 1024;
+/// Operations the inbox holds before the SET that finds it full absorbs it into the queue.
+const INBOX_OPS: usize = 4096;
 
 /// How an [`L4`] behaves.
 #[derive(Debug, Clone, PartialEq)]
@@ -147,22 +153,94 @@ struct Inner {
     seq: AtomicU64,
     clock: AtomicU64,
     recent: Box<[AtomicU64]>,
+    /// Taken before `inbox` where both are held.
     queue: Mutex<Queue>,
+    inbox: Mutex<Inbox>,
+    /// The queue's bytes as of its last unlock (read by puts, which do not take its lock).
+    queued_bytes: AtomicU64,
     cutoffs: Mutex<Cutoffs>,
     breaker: AtomicBool,
     failures: AtomicU32,
     reads_off: AtomicBool,
     counters: Counters,
     wake: Notify,
+    /// Set by the writer while it waits for `wake`: a put wakes it only then.
+    parked: AtomicBool,
     landed: watch::Sender<u64>,
     /// Mirrors the breaker: `true` while closed.
     up: watch::Sender<bool>,
     stop: CancellationToken,
 }
 
+/// The queue, locked and current (the inbox absorbed); publishes its bytes when unlocked.
+struct Locked<'a> {
+    queue: MutexGuard<'a, Queue>,
+    published: &'a AtomicU64,
+}
+
+impl Deref for Locked<'_> {
+    type Target = Queue;
+    fn deref(&self) -> &Queue {
+        &self.queue
+    }
+}
+
+impl DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Queue {
+        &mut self.queue
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        self.published.store(self.queue.bytes, Ordering::Release);
+    }
+}
+
 impl Inner {
-    fn lock(&self) -> MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    /// Locks the queue and absorbs the inbox into it.
+    fn lock(&self) -> Locked<'_> {
+        let mut locked = Locked {
+            queue: self.queue.lock().unwrap_or_else(|p| p.into_inner()),
+            published: &self.queued_bytes,
+        };
+        self.take(&mut locked, &mut self.inbox());
+        self.absorb(&mut locked);
+        locked
+    }
+
+    /// Takes the inbox's operations into `queue` (locked; absorb them next).
+    fn take(&self, queue: &mut Queue, inbox: &mut Inbox) {
+        // Counted at once: puts check the queue's bytes without its lock.
+        let bytes = queue.take(inbox);
+        self.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    /// Absorbs what `take` took (see `Queue::absorb`); past the removal bound, L4 reads are
+    /// switched off for the rest of the run rather than risk an old value.
+    fn absorb(&self, queue: &mut Queue) {
+        if queue.absorb(self.options.max_removals) && !self.reads_off.swap(true, Ordering::AcqRel) {
+            tracing::error!(
+                "kvd L4: more than {} removals queued (the store has been down for long); \
+                 L4 reads are off until restart so that no stale block is served",
+                self.options.max_removals
+            );
+        }
+    }
+
+    fn inbox(&self) -> MutexGuard<'_, Inbox> {
+        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// After a push to `inbox` (now unlocked, `full` if it reached its bound): absorbs a full
+    /// inbox, and wakes the writer if it waits.
+    fn pushed(&self, full: bool) {
+        if full {
+            drop(self.lock());
+        }
+        if self.parked.load(Ordering::SeqCst) && self.parked.swap(false, Ordering::SeqCst) {
+            self.wake.notify_one();
+        }
     }
 
     fn bucket(&self, hash: u128) -> &AtomicU64 {
@@ -246,6 +324,7 @@ fn start_writer(inner: &Arc<Inner>) {
             .map_err(|error| tracing::warn!(%error, "kvd L4 writer: no runtime of its own"))
             .ok()?;
         let writer = inner.clone();
+        let (started, start) = std::sync::mpsc::sync_channel(1);
         std::thread::Builder::new()
             .name("kvd-l4-writer".into())
             .spawn(move || {
@@ -253,10 +332,13 @@ fn start_writer(inner: &Arc<Inner>) {
                 if let Err(error) = rustix::process::setpriority_process(Some(tid), WRITER_NICE) {
                     tracing::debug!(%error, "kvd L4 writer keeps the daemon's priority");
                 }
+                let _ = started.send(());
                 runtime.block_on(queue::writer(writer, twin));
             })
             .map_err(|error| tracing::warn!(%error, "kvd L4 writer: no thread of its own"))
-            .ok()
+            .ok()?;
+        // The thread runs at its priority once `open` returns.
+        start.recv().ok()
     });
     if threaded.is_none() {
         tokio::spawn(queue::writer(inner.clone(), inner.remote.clone()));
@@ -324,12 +406,15 @@ impl L4 {
             ),
             recent: (0..RECENT_BUCKETS).map(|_| AtomicU64::new(0)).collect(),
             queue: Mutex::new(Queue::default()),
+            inbox: Mutex::new(Inbox::default()),
+            queued_bytes: AtomicU64::new(0),
             cutoffs: Mutex::new(Cutoffs::default()),
             breaker: AtomicBool::new(down.is_some()),
             failures: AtomicU32::new(0),
             reads_off: AtomicBool::new(false),
             counters: Counters::default(),
             wake: Notify::new(),
+            parked: AtomicBool::new(false),
             landed: watch::channel(0).0,
             up: watch::channel(down.is_none()).0,
             stop: CancellationToken::new(),
@@ -348,26 +433,18 @@ impl L4 {
         self.inner.up.subscribe()
     }
 
-    fn next_seq(&self, hash: u128, now: u64) -> u64 {
-        let seq = self.inner.seq.fetch_add(1, Ordering::AcqRel) + 1;
-        self.inner.bucket(hash).fetch_max(seq, Ordering::AcqRel);
-        self.inner.clock.fetch_max(now, Ordering::Relaxed);
-        seq
-    }
-
-    /// Queues a removal of `hash` (see `queue.rs` for the bound).
-    fn queue_removal(&self, q: &mut Queue, hash: u128, seq: u64) {
-        if q.removes >= self.inner.options.max_removals && !q.ops.contains_key(&hash) {
-            if !self.inner.reads_off.swap(true, Ordering::AcqRel) {
-                tracing::error!(
-                    "kvd L4: more than {} removals queued (the store has been down for long); \
-                     L4 reads are off until restart so that no stale block is served",
-                    self.inner.options.max_removals
-                );
-            }
-            return;
+    /// The next sequence number, for a write of `hash` at `now`. Taken only under the inbox's
+    /// lock (`_held`), so plain loads and stores keep sequence numbers (and each bucket's
+    /// latest) in order without a locked instruction.
+    fn next_seq(&self, _held: &Inbox, hash: u128, now: u64) -> u64 {
+        let inner = &self.inner;
+        let seq = inner.seq.load(Ordering::Relaxed) + 1;
+        inner.seq.store(seq, Ordering::Release);
+        inner.bucket(hash).store(seq, Ordering::Release);
+        if inner.clock.load(Ordering::Relaxed) < now {
+            inner.clock.fetch_max(now, Ordering::Relaxed);
         }
-        q.insert(hash, seq, Op::Remove);
+        seq
     }
 
     /// Reads blocks (one remote batch per `batch_items`); see [`LongStore::get_many`].

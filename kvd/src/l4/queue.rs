@@ -1,5 +1,9 @@
 //! The write-behind queue and its writer task.
 //!
+//! - A SET never touches the queue: [`Inbox`] takes its operation (under a lock of its own,
+//!   held for a push) and whoever next locks the queue (the writer, a read, a clear) absorbs
+//!   the inbox first, in sequence order, so the queue is current whenever it is looked at. A
+//!   full inbox is absorbed by the SET that finds it full.
 //! - The queue holds at most one operation per key hash (a newer one replaces the older, which
 //!   then never reaches the store): a put (the framed block, also answered to reads until it
 //!   lands) or a removal. An operation stays queued while it is in flight and leaves only when
@@ -23,6 +27,7 @@ use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 use tokio::time::timeout;
 
 /// A queued put: the block and what its frame will say (framed, checksum included, by the
@@ -44,10 +49,28 @@ pub enum Op {
     Remove,
 }
 
+/// Operations not yet in the queue (under `Inner::inbox`), in the order their sequence
+/// numbers were taken.
+#[derive(Debug, Default)]
+pub struct Inbox {
+    pub ops: Vec<(u128, u64, Op)>,
+    /// Bytes of the puts in `ops`.
+    pub bytes: u64,
+}
+
+impl Inbox {
+    pub fn push(&mut self, hash: u128, seq: u64, op: Op) {
+        self.bytes += size(&op).0;
+        self.ops.push((hash, seq, op));
+    }
+}
+
 /// The queue's state (under `Inner::queue`).
 #[derive(Debug, Default)]
 pub struct Queue {
     pub ops: FxHashMap<u128, (u64, Op)>,
+    /// Taken from the inbox, not yet absorbed (empty but for its allocation between locks).
+    arrived: Vec<(u128, u64, Op)>,
     order: VecDeque<u128>,
     pub bytes: u64,
     pub removes: usize,
@@ -61,14 +84,36 @@ fn size(op: &Op) -> (u64, usize) {
 }
 
 impl Queue {
-    /// Whether a put of `len` bytes for `hash` fits in `limit` bytes.
-    pub fn fits(&self, hash: u128, len: u64, limit: u64) -> bool {
-        let old = self.ops.get(&hash).map_or(0, |(_, op)| size(op).0);
-        self.bytes - old + len <= limit
+    /// Moves `inbox`'s operations to [`Queue::absorb`]'s hands (an exchange of buffers, so the
+    /// inbox's lock is held for no longer than a push); returns their bytes.
+    pub fn take(&mut self, inbox: &mut Inbox) -> u64 {
+        debug_assert!(self.arrived.is_empty());
+        std::mem::swap(&mut self.arrived, &mut inbox.ops);
+        std::mem::take(&mut inbox.bytes)
+    }
+
+    /// Queues the operations taken from the inbox, each replacing an older one of its key. A
+    /// removal past `max_removals` (of a key with nothing queued) is not queued; returns
+    /// whether that happened.
+    pub fn absorb(&mut self, max_removals: usize) -> bool {
+        let mut overflow = false;
+        let mut arrived = std::mem::take(&mut self.arrived);
+        for (hash, seq, op) in arrived.drain(..) {
+            match self.ops.get(&hash) {
+                // Replaced before it was queued (by a clear's removal).
+                Some((at, _)) if *at > seq => {}
+                None if matches!(op, Op::Remove) && self.removes >= max_removals => {
+                    overflow = true;
+                }
+                _ => self.insert(hash, seq, op),
+            }
+        }
+        self.arrived = arrived;
+        overflow
     }
 
     /// Queues `op` for `hash` at `seq`, replacing any older one.
-    pub fn insert(&mut self, hash: u128, seq: u64, op: Op) {
+    fn insert(&mut self, hash: u128, seq: u64, op: Op) {
         let (bytes, removes) = size(&op);
         self.bytes += bytes;
         self.removes += removes;
@@ -161,16 +206,25 @@ impl Queue {
     }
 }
 
+/// How often the writer absorbs the inbox while the breaker is open.
+const ABSORB_TICK: Duration = Duration::from_millis(1);
+
 /// The writer task: runs until `inner.stop` is cancelled, writing through `remote` (the
 /// store's twin on a writer thread, see [`super::RemoteStore::twin`]).
 pub async fn writer(inner: Arc<Inner>, remote: Arc<dyn RemoteStore>) {
+    let mut probed = tokio::time::Instant::now();
     loop {
         if inner.breaker.load(Ordering::Acquire) {
+            // The dropped puts' removals keep arriving: absorbed here, not by the SETs.
             tokio::select! {
                 () = inner.stop.cancelled() => return,
-                () = tokio::time::sleep(inner.options.retry_interval) => {}
+                () = tokio::time::sleep(ABSORB_TICK) => {}
             }
-            inner.probe(remote.as_ref()).await;
+            drop(inner.lock());
+            if probed.elapsed() >= inner.options.retry_interval {
+                inner.probe(remote.as_ref()).await;
+                probed = tokio::time::Instant::now();
+            }
             continue;
         }
         let batch = inner
@@ -180,13 +234,16 @@ pub async fn writer(inner: Arc<Inner>, remote: Arc<dyn RemoteStore>) {
             let wake = inner.wake.notified();
             tokio::pin!(wake);
             wake.as_mut().enable();
+            inner.parked.store(true, Ordering::SeqCst);
             if !inner.lock().is_empty() && !inner.breaker.load(Ordering::Acquire) {
+                inner.parked.store(false, Ordering::SeqCst);
                 continue;
             }
             tokio::select! {
                 () = inner.stop.cancelled() => return,
                 () = wake => {}
             }
+            inner.parked.store(false, Ordering::SeqCst);
             continue;
         }
         let ok = write(&inner, remote.as_ref(), &batch).await;
@@ -248,4 +305,78 @@ async fn write(inner: &Inner, remote: &dyn RemoteStore, batch: &[(u128, u64, Op)
             .fetch_add(removes.len() as u64, Ordering::Relaxed);
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use infera_core::event::Retention;
+
+    fn put(ns: &str, len: u64) -> Op {
+        Op::Put(Box::new(Pending {
+            ns: Namespace::new(ns, ""),
+            key: Bytes::from_static(b"k"),
+            value: Bytes::new(),
+            info: FrameInfo {
+                class: Retention::Long,
+                expires_at: None,
+                writer: 1,
+                seq: 0,
+                written_at: 0,
+            },
+            len,
+        }))
+    }
+
+    fn absorb(q: &mut Queue, ops: Vec<(u128, u64, Op)>, max_removals: usize) -> bool {
+        let mut inbox = Inbox::default();
+        let bytes: u64 = ops.iter().map(|(_, _, op)| size(op).0).sum();
+        for (hash, seq, op) in ops {
+            inbox.push(hash, seq, op);
+        }
+        assert_eq!(q.take(&mut inbox), bytes);
+        assert!(inbox.ops.is_empty() && inbox.bytes == 0);
+        q.absorb(max_removals)
+    }
+
+    #[test]
+    fn a_later_operation_replaces_an_earlier_one_of_its_key_and_bytes_follow() {
+        let mut q = Queue::default();
+        assert!(!absorb(
+            &mut q,
+            vec![(1, 1, put("m", 10)), (2, 2, put("m", 5))],
+            8
+        ));
+        assert_eq!((q.ops.len(), q.bytes, q.removes), (2, 15, 0));
+        assert!(!absorb(&mut q, vec![(1, 3, Op::Remove)], 8));
+        assert_eq!((q.ops.len(), q.bytes, q.removes), (2, 5, 1));
+        assert!(matches!(q.ops[&1], (3, Op::Remove)));
+    }
+
+    #[test]
+    fn a_put_sequenced_before_a_clear_does_not_undo_it() {
+        let mut q = Queue::default();
+        absorb(&mut q, vec![(1, 1, put("m", 10))], 8);
+        // The clear (sequence 3) turns the queued put into a removal; a put of the same key
+        // taken at sequence 2, absorbed only now, is older and must not replace it.
+        assert_eq!(q.clear_namespace(&Namespace::new("m", ""), 3), 1);
+        absorb(&mut q, vec![(1, 2, put("m", 10))], 8);
+        assert!(matches!(q.ops[&1], (3, Op::Remove)));
+        assert_eq!((q.bytes, q.removes), (0, 1));
+    }
+
+    #[test]
+    fn removals_past_the_bound_are_refused_and_reported() {
+        let mut q = Queue::default();
+        assert!(!absorb(
+            &mut q,
+            vec![(1, 1, Op::Remove), (2, 2, put("m", 4))],
+            1
+        ));
+        // A removal of a key already queued still replaces it; a new key's is refused.
+        assert!(!absorb(&mut q, vec![(2, 3, Op::Remove)], 2));
+        assert!(absorb(&mut q, vec![(3, 4, Op::Remove)], 2));
+        assert_eq!((q.ops.len(), q.removes, q.bytes), (2, 2, 0));
+        assert!(!q.ops.contains_key(&3));
+    }
 }

@@ -224,8 +224,8 @@ pub trait LongStore: Send + Sync + std::fmt::Debug {
         spill: bool,
     ) -> Result<Put, LongRejected>;
 
-    /// Removes the entry for `hash`; false when there was none.
-    fn remove(&self, hash: u128) -> bool;
+    /// Removes the entry for `hash`.
+    fn remove(&self, hash: u128);
 
     /// Reads the block of `(ns, key)`; `None` on a miss, an expired entry, or a slot that fails
     /// its checks (which also drops the entry). I/O errors are counted and logged, and read as

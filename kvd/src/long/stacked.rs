@@ -123,10 +123,10 @@ impl LongStore for Stacked {
         self.l3.put(block, permit, now, spill)
     }
 
-    fn remove(&self, hash: u128) -> bool {
+    fn remove(&self, hash: u128) {
         let _stripe = self.stripe(hash);
-        let l4 = self.l4.remove(hash);
-        self.l3.remove(hash) || l4
+        self.l4.remove(hash);
+        self.l3.remove(hash);
     }
 
     async fn get(&self, ns: &Namespace, key: &[u8], hash: u128, now: u64) -> Option<LongHit> {

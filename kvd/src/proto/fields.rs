@@ -115,8 +115,8 @@ impl<'a> Fields<'a> {
 
     pub(super) fn ns(&self) -> Result<Namespace, RequestError> {
         Ok(Namespace {
-            model: self.string("model", "")?,
-            compat_key: self.string("compat_key", "")?,
+            model: self.string("model", "")?.into(),
+            compat_key: self.string("compat_key", "")?.into(),
         })
     }
 

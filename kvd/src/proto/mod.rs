@@ -78,18 +78,21 @@ pub(crate) const ZERO_COPY_PART: usize = 8 << 10;
 /// Deepest msgpack nesting accepted in a request (metadata maps included).
 pub(crate) const MAX_DEPTH: usize = 32;
 
-/// The namespace of a key: `(model, compat_key)`.
+use std::sync::Arc;
+
+/// The namespace of a key: `(model, compat_key)`; shared, so every block of a namespace
+/// refers to one copy of it and cloning it allocates nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Namespace {
     /// The model name.
-    pub model: String,
+    pub model: Arc<str>,
     /// Anything else that makes blocks incompatible (quantization, layout, ...).
-    pub compat_key: String,
+    pub compat_key: Arc<str>,
 }
 
 impl Namespace {
     /// A namespace from its two parts.
-    pub fn new(model: impl Into<String>, compat_key: impl Into<String>) -> Self {
+    pub fn new(model: impl Into<Arc<str>>, compat_key: impl Into<Arc<str>>) -> Self {
         Self {
             model: model.into(),
             compat_key: compat_key.into(),

@@ -236,7 +236,9 @@ impl Store {
     /// Admits one write; with a durable backend, also what to await before acknowledging it.
     fn admit(&self, st: &mut L2State, w: Write<'_>, now: u64) -> (SetAck, Option<Durable>) {
         let hash = key_hash(w.ns, w.key);
+        // (`long` is the highest class: nothing outranks a `long` write.)
         if let Some(long) = &self.long
+            && w.class < Retention::Long
             && st.class_of(hash, w.ns, w.key, now).is_none()
             && long.class_of(hash, now).is_some_and(|c| w.class < c)
         {

@@ -494,8 +494,8 @@ impl LongStore for Tablespace {
         })
     }
 
-    fn remove(&self, hash: u128) -> bool {
-        self.shard(hash).remove(hash)
+    fn remove(&self, hash: u128) {
+        self.shard(hash).remove(hash);
     }
 
     async fn get(&self, ns: &Namespace, key: &[u8], hash: u128, now: u64) -> Option<LongHit> {
