@@ -243,7 +243,8 @@ async fn open(remote: &Arc<Faulty>) -> (Store, Arc<L4>) {
 async fn settle(remote: &Faulty, l4: &L4) {
     *remote.fault.lock().unwrap() = Fault::None;
     for _ in 0..100 {
-        if l4.flush().await.is_ok() {
+        // Bounded: a write the writer lost track of would leave the flush waiting forever.
+        if let Ok(Ok(())) = tokio::time::timeout(Duration::from_secs(10), l4.flush()).await {
             return;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

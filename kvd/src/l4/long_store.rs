@@ -35,6 +35,10 @@ impl LongStore for L4 {
         false
     }
 
+    fn permits_wait(&self) -> bool {
+        false
+    }
+
     async fn write_permits(&self, sizes: &[u64]) -> Vec<WritePermit> {
         // Never waits: a put that does not fit in the queue is dropped instead.
         sizes.iter().map(|_| WritePermit::unbounded()).collect()

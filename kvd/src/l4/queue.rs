@@ -15,11 +15,13 @@
 //!   not answer for it). Removals are small and bounded in number; past the bound L4 reads are
 //!   switched off for the rest of the run (an error is logged) rather than risk an old value.
 //! - The writer sends batches (bounded in items and bytes; a batch's puts spread over the
-//!   store's write streams) under a deadline each; a failed batch goes back to the queue.
+//!   store's write streams) under a deadline each, framing (checksumming) the next batch
+//!   while one is on the wire; a failed batch (and the one framed behind it) goes back to the
+//!   front of the queue.
 //!   Consecutive failures open the circuit breaker; while it is open the writer probes the
 //!   store's health every retry interval and closes it on success.
 
-use super::frame::{self, FrameInfo};
+use super::frame::{self, FrameInfo, Framed};
 use super::{Inner, RemoteStore, name};
 use crate::proto::Namespace;
 use bytes::Bytes;
@@ -213,8 +215,12 @@ const ABSORB_TICK: Duration = Duration::from_millis(1);
 /// store's twin on a writer thread, see [`super::RemoteStore::twin`]).
 pub async fn writer(inner: Arc<Inner>, remote: Arc<dyn RemoteStore>) {
     let mut probed = tokio::time::Instant::now();
+    let mut ready: Option<Prepared> = None;
     loop {
         if inner.breaker.load(Ordering::Acquire) {
+            if let Some(ready) = ready.take() {
+                inner.lock().failed(&ready.ops);
+            }
             // The dropped puts' removals keep arriving: absorbed here, not by the SETs.
             tokio::select! {
                 () = inner.stop.cancelled() => return,
@@ -227,43 +233,78 @@ pub async fn writer(inner: Arc<Inner>, remote: Arc<dyn RemoteStore>) {
             }
             continue;
         }
-        let batch = inner
-            .lock()
-            .batch(inner.options.batch_items, inner.options.batch_bytes);
-        if batch.is_empty() {
-            let wake = inner.wake.notified();
-            tokio::pin!(wake);
-            wake.as_mut().enable();
-            inner.parked.store(true, Ordering::SeqCst);
-            if !inner.lock().is_empty() && !inner.breaker.load(Ordering::Acquire) {
-                inner.parked.store(false, Ordering::SeqCst);
-                continue;
-            }
-            tokio::select! {
-                () = inner.stop.cancelled() => return,
-                () = wake => {}
-            }
-            inner.parked.store(false, Ordering::SeqCst);
-            continue;
-        }
-        let ok = write(&inner, remote.as_ref(), &batch).await;
+        let current = match ready.take() {
+            Some(current) => current,
+            None => match take(&inner) {
+                ops if !ops.is_empty() => prepare(&inner, ops),
+                _ => {
+                    if !park(&inner).await {
+                        return;
+                    }
+                    continue;
+                }
+            },
+        };
+        // The next batch is framed (its checksums taken) while this one is on the wire.
+        let next = take(&inner);
+        let (ok, next) = futures::join!(send(&inner, remote.as_ref(), &current), async {
+            (!next.is_empty()).then(|| prepare(&inner, next))
+        });
         {
             let mut q = inner.lock();
             if ok {
-                q.landed(&batch);
+                q.landed(&current.ops);
+                ready = next;
             } else {
-                q.failed(&batch);
+                // Both go back to the front of the line, in their order.
+                if let Some(next) = next {
+                    q.failed(&next.ops);
+                }
+                q.failed(&current.ops);
             }
         }
         inner.landed.send_modify(|n| *n += 1);
     }
 }
 
-/// Sends one batch (puts, then removals); whether the store acknowledged all of it.
-async fn write(inner: &Inner, remote: &dyn RemoteStore, batch: &[(u128, u64, Op)]) -> bool {
+/// Waits, parked, until a put wakes the writer, unless there is work already; false once the
+/// writer is to stop.
+async fn park(inner: &Inner) -> bool {
+    let wake = inner.wake.notified();
+    tokio::pin!(wake);
+    wake.as_mut().enable();
+    inner.parked.store(true, Ordering::SeqCst);
+    let go_on = if inner.lock().is_empty() || inner.breaker.load(Ordering::Acquire) {
+        tokio::select! {
+            () = inner.stop.cancelled() => false,
+            () = wake => true,
+        }
+    } else {
+        true
+    };
+    inner.parked.store(false, Ordering::SeqCst);
+    go_on
+}
+
+/// A batch taken from the queue (its operations stay queued until it lands), framed.
+struct Prepared {
+    ops: Vec<(u128, u64, Op)>,
+    puts: Vec<(String, Framed)>,
+    removes: Vec<String>,
+}
+
+/// The next batch (cloned from the queue; empty when nothing is queued).
+fn take(inner: &Inner) -> Vec<(u128, u64, Op)> {
+    inner
+        .lock()
+        .batch(inner.options.batch_items, inner.options.batch_bytes)
+}
+
+/// Names and frames (checksums) a batch's operations.
+fn prepare(inner: &Inner, ops: Vec<(u128, u64, Op)>) -> Prepared {
     let mut puts = Vec::new();
     let mut removes = Vec::new();
-    for (hash, _, op) in batch {
+    for (hash, _, op) in &ops {
         let n = name(&inner.options.prefix, *hash);
         match op {
             Op::Put(p) => {
@@ -274,6 +315,12 @@ async fn write(inner: &Inner, remote: &dyn RemoteStore, batch: &[(u128, u64, Op)
             Op::Remove => removes.push(n),
         }
     }
+    Prepared { ops, puts, removes }
+}
+
+/// Sends one batch (puts, then removals); whether the store acknowledged all of it.
+async fn send(inner: &Inner, remote: &dyn RemoteStore, batch: &Prepared) -> bool {
+    let Prepared { puts, removes, .. } = batch;
     let deadline = inner.options.op_timeout;
     if !puts.is_empty() {
         // Spread over the store's write streams: the batch's keys are distinct, so their order
@@ -295,7 +342,7 @@ async fn write(inner: &Inner, remote: &dyn RemoteStore, batch: &[(u128, u64, Op)
             .fetch_add(puts.len() as u64, Ordering::Relaxed);
     }
     if !removes.is_empty() {
-        let result = timeout(deadline, remote.remove_batch(&removes)).await;
+        let result = timeout(deadline, remote.remove_batch(removes)).await;
         if !inner.outcome("remove", result) {
             return false;
         }

@@ -208,6 +208,12 @@ pub trait LongStore: Send + Sync + std::fmt::Debug {
     /// each written and released independently of the caller). Empty only for empty `sizes`.
     async fn write_permits(&self, sizes: &[u64]) -> Vec<WritePermit>;
 
+    /// Whether writers wait for [`LongStore::write_permits`]: false for a backend that never
+    /// makes them wait (its queue drops what does not fit), whose writers then take none.
+    fn permits_wait(&self) -> bool {
+        true
+    }
+
     /// Room to queue `bytes` now, or `None` (spills are dropped rather than waited for).
     fn try_write_permit(&self, bytes: u64) -> Option<WritePermit>;
 

@@ -146,13 +146,16 @@ impl Store {
                 && item.retention == Retention::Long
                 && expiry(item.ttl_seconds, now).is_ok()
         };
+        // A backend that never makes a writer wait hands out no permits.
+        let waits = self.long.as_ref().is_some_and(|long| long.permits_wait());
+        let permitted = |item: &SetItem| waits && through(item);
         let mut acks = Vec::with_capacity(items.len());
         let mut durable = Vec::new();
         let mut rest = items;
         while !rest.is_empty() {
             let sizes: Vec<u64> = rest
                 .iter()
-                .filter(|item| through(item))
+                .filter(|item| permitted(item))
                 .map(|item| item.value.len() as u64)
                 .collect();
             let mut permits = match &self.long {
@@ -165,7 +168,7 @@ impl Store {
             let round = rest
                 .iter()
                 .position(|item| {
-                    if !through(item) {
+                    if !permitted(item) {
                         return false;
                     }
                     if granted == 0 {
@@ -192,7 +195,11 @@ impl Store {
                     acks.push(SetAck::accepted());
                     continue;
                 };
-                let permit = if through(item) { permits.next() } else { None };
+                let permit = if permitted(item) {
+                    permits.next()
+                } else {
+                    None
+                };
                 let (ack, landing) = self.admit(
                     &mut st,
                     Write {
