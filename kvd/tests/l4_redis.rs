@@ -1,7 +1,8 @@
 //! The L4 against a real `redis-server` started by the test on a free loopback port: blocks
 //! written in LMCache's layout (value key + metadata key) read back byte-exact through a fresh
-//! daemon, by prefetch hints and by gets; and a store killed mid-run costs no client error, shows in the counters, and once
-//! restarted the breaker closes and writes land again.
+//! daemon, by prefetch hints and by gets; a store killed mid-run costs no client error, shows
+//! in the counters, and once restarted the breaker closes and writes land again; an idle
+//! writer finds a put with no wake (a SET does not make one).
 
 #![allow(clippy::unwrap_used)]
 
@@ -15,13 +16,14 @@ use bytes::Bytes;
 use common::Daemon;
 use infera_core::event::Retention;
 use infera_kvd::l4::resp::{Arg, Endpoint, Pool, Reply};
-use infera_kvd::l4::{RemoteStore, name};
+use infera_kvd::l4::{L4, RemoteStore, name};
+use infera_kvd::long::{LongBlock, LongStore, WritePermit};
 use infera_kvd::store::key_hash;
 use infera_kvd::{LongBackendConfig, Namespace, SetItem};
 use l4_outage::{Outage, block, key};
 use redis_server::{RedisServer, l4_config};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const WITHIN: Duration = Duration::from_secs(30);
 
@@ -130,5 +132,39 @@ impl Outage for RedisServer {
     }
     fn restart(&mut self) {
         *self = RedisServer::start_on(self.port);
+    }
+}
+
+/// A SET does not wake the writer (a wake is a system call on the SET's path): an idle writer
+/// finds a put at its next tick, with no flush to prompt it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_writer_finds_a_put_without_being_woken() {
+    let redis = RedisServer::start();
+    let cfg = l4_config(redis.port);
+    let l4 = L4::open(cfg.store(), cfg.options(), true).await.unwrap();
+    let ns = Namespace::new("m", "");
+    for (i, tag) in ["first", "second"].into_iter().enumerate() {
+        let key = Bytes::from(format!("idle-{tag}"));
+        let block = LongBlock {
+            hash: key_hash(&ns, &key),
+            ns: ns.clone(),
+            key,
+            value: Bytes::from(vec![i as u8; 4096]),
+            metadata: None,
+            class: Retention::Long,
+            expires_at: None,
+        };
+        // The queue is empty (the first time the writer never had work, the second time its
+        // one put landed and left), so the writer is idle when the put arrives.
+        l4.put(block, WritePermit::unbounded(), 1, false).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let stats = l4.l4_stats();
+            if stats.puts_total == i as u64 + 1 && stats.queued_ops == 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the {tag} put never landed");
+            tokio::task::yield_now().await;
+        }
     }
 }

@@ -189,7 +189,7 @@ impl LongStore for L4 {
         }
         let cleared = q.clear_namespace(ns, seq);
         drop(q);
-        inner.pushed(false);
+        inner.wake.notify_one();
         cleared
     }
 
@@ -207,6 +207,8 @@ impl LongStore for L4 {
     async fn flush(&self) -> io::Result<()> {
         let inner = &self.inner;
         let mut landed = inner.landed.subscribe();
+        // Not before its idle tick otherwise.
+        inner.wake.notify_one();
         loop {
             if inner.lock().is_empty() {
                 return Ok(());

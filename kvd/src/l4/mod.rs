@@ -10,7 +10,8 @@
 //!   counted in `l4_rejected_total`. Store names are `<prefix>@kvd@<32 hex digits of the key
 //!   hash>`: NUL-free, ASCII, within `lm://`'s 150 bytes and Mooncake's limits.
 //! - **Never block a SET.** [`LongStore::put`](crate::long::LongStore::put) pushes the block
-//!   onto an inbox (a lock held for a push, a few plain stores, no map) and returns; the writer
+//!   onto an inbox (a lock held for a push, a few plain stores, no map, no wake: an idle writer
+//!   looks at the inbox every 1 to 8 ms) and returns; the writer
 //!   and every read absorb the inbox into the write-behind queue (see `queue.rs`), and reads
 //!   of a queued key are answered from the queue. A queued
 //!   removal hides the store's value of its key until it lands, so a get returns the last
@@ -163,9 +164,9 @@ struct Inner {
     failures: AtomicU32,
     reads_off: AtomicBool,
     counters: Counters,
+    /// Wakes an idle writer before its tick (a full inbox, a flush, a clear, the breaker
+    /// closing).
     wake: Notify,
-    /// Set by the writer while it waits for `wake`: a put wakes it only then.
-    parked: AtomicBool,
     landed: watch::Sender<u64>,
     /// Mirrors the breaker: `true` while closed.
     up: watch::Sender<bool>,
@@ -232,13 +233,12 @@ impl Inner {
         self.inbox.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// After a push to `inbox` (now unlocked, `full` if it reached its bound): absorbs a full
-    /// inbox, and wakes the writer if it waits.
+    /// After a push to `inbox` (now unlocked, `full` if it reached its bound): a full inbox is
+    /// absorbed and the writer woken. Otherwise the writer finds the push at its next tick: a
+    /// wake is a system call, which a SET does not pay.
     fn pushed(&self, full: bool) {
         if full {
             drop(self.lock());
-        }
-        if self.parked.load(Ordering::SeqCst) && self.parked.swap(false, Ordering::SeqCst) {
             self.wake.notify_one();
         }
     }
@@ -414,7 +414,6 @@ impl L4 {
             reads_off: AtomicBool::new(false),
             counters: Counters::default(),
             wake: Notify::new(),
-            parked: AtomicBool::new(false),
             landed: watch::channel(0).0,
             up: watch::channel(down.is_none()).0,
             stop: CancellationToken::new(),
