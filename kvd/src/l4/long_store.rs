@@ -3,7 +3,7 @@
 
 use super::frame::{self, FrameInfo};
 use super::queue::{Op, Pending};
-use super::{INBOX_OPS, L4, MAX_CUTOFFS, name};
+use super::{L4, MAX_CUTOFFS, name};
 use crate::long::{LongBlock, LongHit, LongRejected, LongStore, Put, WritePermit};
 use crate::proto::Namespace;
 use crate::stats::LongStats;
@@ -62,23 +62,15 @@ impl LongStore for L4 {
         let len = frame::framed_len(&block.ns, &block.key, block.value.len())
             .map(|l| l as u64)
             .filter(|l| *l <= inner.options.max_value_bytes);
-        let hash = block.hash;
-        let mut inbox = inner.inbox();
-        // Taken under the inbox's lock, so the inbox holds operations in sequence order.
-        let seq = self.next_seq(&inbox, hash, now);
-        let result = match len {
-            None => {
-                inbox.push(hash, seq, Op::Remove);
-                Err(LongRejected::TooLarge)
-            }
+        self.push(block.hash, now, |inbox, seq| match len {
+            None => (Op::Remove, Err(LongRejected::TooLarge)),
             Some(len)
                 if inner.breaker.load(Ordering::Acquire)
                     || inner.queued_bytes.load(Ordering::Acquire) + inbox.bytes + len
                         > inner.options.queue_bytes =>
             {
                 inner.counters.dropped.fetch_add(1, Ordering::Relaxed);
-                inbox.push(hash, seq, Op::Remove);
-                Ok(())
+                (Op::Remove, Ok(seq))
             }
             Some(len) => {
                 let info = FrameInfo {
@@ -95,26 +87,17 @@ impl LongStore for L4 {
                     info,
                     len,
                 };
-                inbox.push(hash, seq, Op::Put(Box::new(pending)));
-                Ok(())
+                (Op::Put(Box::new(pending)), Ok(seq))
             }
-        };
-        let full = inbox.ops.len() >= INBOX_OPS;
-        drop(inbox);
-        inner.pushed(full);
-        result.map(|()| Put {
-            generation: seq,
+        })
+        .map(|generation| Put {
+            generation,
             durable: None,
         })
     }
 
     fn remove(&self, hash: u128) {
-        let mut inbox = self.inner.inbox();
-        let seq = self.next_seq(&inbox, hash, 0);
-        inbox.push(hash, seq, Op::Remove);
-        let full = inbox.ops.len() >= INBOX_OPS;
-        drop(inbox);
-        self.inner.pushed(full);
+        self.push(hash, 0, |_, _| (Op::Remove, ()));
     }
 
     async fn get(&self, ns: &Namespace, key: &[u8], hash: u128, now: u64) -> Option<LongHit> {

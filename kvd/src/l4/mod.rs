@@ -446,6 +446,20 @@ impl L4 {
         seq
     }
 
+    /// Pushes the operation `make` chooses (seeing the inbox and the operation's sequence
+    /// number) for `hash` at `now` onto the inbox; returns what `make` returned with it.
+    fn push<R>(&self, hash: u128, now: u64, make: impl FnOnce(&Inbox, u64) -> (Op, R)) -> R {
+        let mut inbox = self.inner.inbox();
+        // Taken under the inbox's lock, so the inbox holds operations in sequence order.
+        let seq = self.next_seq(&inbox, hash, now);
+        let (op, out) = make(&inbox, seq);
+        inbox.push(hash, seq, op);
+        let full = inbox.ops.len() >= INBOX_OPS;
+        drop(inbox);
+        self.inner.pushed(full);
+        out
+    }
+
     /// Reads blocks (one remote batch per `batch_items`); see [`LongStore::get_many`].
     async fn read(&self, ns: &Namespace, reqs: &[(Bytes, u128)], now: u64) -> Vec<Option<LongHit>> {
         let inner = &self.inner;
