@@ -116,7 +116,8 @@ pub fn percentiles(times: &mut [Duration]) -> (Duration, Duration) {
 /// its p50s and p99s, and its p99 against the baseline's of the same round: the median of
 /// those ratios and their range (a round's conditions touch every case of it alike).
 pub fn report(title: &str, rows: Vec<(&str, Vec<Duration>, Vec<Duration>)>) {
-    let median = |mut v: Vec<f64>| {
+    // The median, the lowest and the highest.
+    let spread = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         (v[v.len() / 2], v[0], v[v.len() - 1])
     };
@@ -130,12 +131,12 @@ pub fn report(title: &str, rows: Vec<(&str, Vec<Duration>, Vec<Duration>)>) {
             .iter()
             .zip(base.iter())
             .map(|(p, b)| (p / b - 1.0) * 100.0);
-        let (ratio, low, high) = median(ratios.collect());
+        let (ratio, low, high) = spread(ratios.collect());
         println!(
             "  {name:<18} p50 {:>8.1} µs   p99 {:>8.1} µs   p99 vs no L4 {ratio:>+6.1} % \
              (rounds {low:+.1}..{high:+.1} %)",
-            median(micros(&p50s)).0,
-            median(p99s).0,
+            spread(micros(&p50s)).0,
+            spread(p99s).0,
         );
     }
 }

@@ -233,16 +233,6 @@ impl Inner {
         self.inbox.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// After a push to `inbox` (now unlocked, `full` if it reached its bound): a full inbox is
-    /// absorbed and the writer woken. Otherwise the writer finds the push at its next tick: a
-    /// wake is a system call, which a SET does not pay.
-    fn pushed(&self, full: bool) {
-        if full {
-            drop(self.lock());
-            self.wake.notify_one();
-        }
-    }
-
     fn bucket(&self, hash: u128) -> &AtomicU64 {
         &self.recent[(hash as usize) & (RECENT_BUCKETS - 1)]
     }
@@ -447,7 +437,9 @@ impl L4 {
     }
 
     /// Pushes the operation `make` chooses (seeing the inbox and the operation's sequence
-    /// number) for `hash` at `now` onto the inbox; returns what `make` returned with it.
+    /// number) for `hash` at `now` onto the inbox; returns what `make` returned with it. A
+    /// full inbox is absorbed here and the writer woken; otherwise the writer finds the push
+    /// at its next tick (a wake is a system call, which a SET does not pay).
     fn push<R>(&self, hash: u128, now: u64, make: impl FnOnce(&Inbox, u64) -> (Op, R)) -> R {
         let mut inbox = self.inner.inbox();
         // Taken under the inbox's lock, so the inbox holds operations in sequence order.
@@ -456,7 +448,10 @@ impl L4 {
         inbox.push(hash, seq, op);
         let full = inbox.ops.len() >= INBOX_OPS;
         drop(inbox);
-        self.inner.pushed(full);
+        if full {
+            drop(self.inner.lock());
+            self.inner.wake.notify_one();
+        }
         out
     }
 

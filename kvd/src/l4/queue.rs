@@ -213,7 +213,7 @@ impl Queue {
 /// How often the writer absorbs the inbox while the breaker is open.
 const ABSORB_TICK: Duration = Duration::from_millis(1);
 /// How long an idle writer first waits before it looks at the inbox again (SETs do not wake
-/// it, see `Inner::pushed`); each idle look doubles it, up to [`IDLE_TICK_MAX`], and work
+/// it, see `L4::push`); each idle look doubles it, up to [`IDLE_TICK_MAX`], and work
 /// found resets it. A block waits at most this long before its write starts.
 const IDLE_TICK: Duration = Duration::from_millis(1);
 const IDLE_TICK_MAX: Duration = Duration::from_millis(8);
