@@ -63,14 +63,14 @@ impl LongStore for L4 {
             .map(|l| l as u64)
             .filter(|l| *l <= inner.options.max_value_bytes);
         self.push(block.hash, now, |inbox, seq| match len {
-            None => (Op::Remove, Err(LongRejected::TooLarge)),
+            None => (None, Err(LongRejected::TooLarge)),
             Some(len)
                 if inner.breaker.load(Ordering::Acquire)
                     || inner.queued_bytes.load(Ordering::Acquire) + inbox.bytes + len
                         > inner.options.queue_bytes =>
             {
                 inner.counters.dropped.fetch_add(1, Ordering::Relaxed);
-                (Op::Remove, Ok(seq))
+                (None, Ok(seq))
             }
             Some(len) => {
                 let info = FrameInfo {
@@ -87,7 +87,7 @@ impl LongStore for L4 {
                     info,
                     len,
                 };
-                (Op::Put(Box::new(pending)), Ok(seq))
+                (Some(pending), Ok(seq))
             }
         })
         .map(|generation| Put {
@@ -97,7 +97,7 @@ impl LongStore for L4 {
     }
 
     fn remove(&self, hash: u128) {
-        self.push(hash, 0, |_, _| (Op::Remove, ()));
+        self.push(hash, 0, |_, _| (None, ()));
     }
 
     async fn get(&self, ns: &Namespace, key: &[u8], hash: u128, now: u64) -> Option<LongHit> {

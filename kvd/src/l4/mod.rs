@@ -56,7 +56,7 @@ use crate::stats::L4Stats;
 use bytes::Bytes;
 use frame::FrameInfo;
 use futures::StreamExt;
-use queue::{Inbox, Op, Queue};
+use queue::{Inbox, Op, Pending, Queue};
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -440,13 +440,18 @@ impl L4 {
     /// number) for `hash` at `now` onto the inbox; returns what `make` returned with it. A
     /// full inbox is absorbed here and the writer woken; otherwise the writer finds the push
     /// at its next tick (a wake is a system call, which a SET does not pay).
-    fn push<R>(&self, hash: u128, now: u64, make: impl FnOnce(&Inbox, u64) -> (Op, R)) -> R {
+    fn push<R>(
+        &self,
+        hash: u128,
+        now: u64,
+        make: impl FnOnce(&Inbox, u64) -> (Option<Pending>, R),
+    ) -> R {
         let mut inbox = self.inner.inbox();
-        // Taken under the inbox's lock, so the inbox holds operations in sequence order.
+        // Taken under the inbox's lock (see `next_seq`).
         let seq = self.next_seq(&inbox, hash, now);
         let (op, out) = make(&inbox, seq);
         inbox.push(hash, seq, op);
-        let full = inbox.ops.len() >= INBOX_OPS;
+        let full = inbox.len() >= INBOX_OPS;
         drop(inbox);
         if full {
             drop(self.inner.lock());

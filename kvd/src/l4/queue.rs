@@ -2,7 +2,7 @@
 //!
 //! - A SET never touches the queue: [`Inbox`] takes its operation (under a lock of its own,
 //!   held for a push) and whoever next locks the queue (the writer, a read, a clear) absorbs
-//!   the inbox first, in sequence order, so the queue is current whenever it is looked at. A
+//!   the inbox first (boxing its puts), so the queue is current whenever it is looked at. A
 //!   full inbox is absorbed by the SET that finds it full. A SET does not wake the writer (a
 //!   wake is a system call: 8 µs per SET when the writer idles between SETs); an idle writer
 //!   looks at the inbox on a tick of its own, 1 ms doubling to 8 ms while it stays idle.
@@ -53,19 +53,33 @@ pub enum Op {
     Remove,
 }
 
-/// Operations not yet in the queue (under `Inner::inbox`), in the order their sequence
-/// numbers were taken.
+/// Operations not yet in the queue (under `Inner::inbox`): puts with their block inline (boxed
+/// by whoever absorbs them, so a SET allocates nothing) and removals (small, so a dropped put
+/// writes no more than it needs), each with its sequence number. Absorbing them in any order
+/// gives the same queue: of a key's operations the one with the highest sequence number wins.
 #[derive(Debug, Default)]
 pub struct Inbox {
-    pub ops: Vec<(u128, u64, Op)>,
-    /// Bytes of the puts in `ops`.
+    pub puts: Vec<(u128, u64, Pending)>,
+    pub removes: Vec<(u128, u64)>,
+    /// Bytes of `puts`.
     pub bytes: u64,
 }
 
 impl Inbox {
-    pub fn push(&mut self, hash: u128, seq: u64, op: Op) {
-        self.bytes += size(&op).0;
-        self.ops.push((hash, seq, op));
+    /// Pushes a put (`Some`) or a removal of `hash`.
+    pub fn push(&mut self, hash: u128, seq: u64, put: Option<Pending>) {
+        match put {
+            Some(p) => {
+                self.bytes += p.len;
+                self.puts.push((hash, seq, p));
+            }
+            None => self.removes.push((hash, seq)),
+        }
+    }
+
+    /// Operations held.
+    pub fn len(&self) -> usize {
+        self.puts.len() + self.removes.len()
     }
 }
 
@@ -73,8 +87,8 @@ impl Inbox {
 #[derive(Debug, Default)]
 pub struct Queue {
     pub ops: FxHashMap<u128, (u64, Op)>,
-    /// Taken from the inbox, not yet absorbed (empty but for its allocation between locks).
-    arrived: Vec<(u128, u64, Op)>,
+    /// Taken from the inbox, not yet absorbed (empty but for its allocations between locks).
+    arrived: Inbox,
     order: VecDeque<u128>,
     pub bytes: u64,
     pub removes: usize,
@@ -91,8 +105,9 @@ impl Queue {
     /// Moves `inbox`'s operations to [`Queue::absorb`]'s hands (an exchange of buffers, so the
     /// inbox's lock is held for no longer than a push); returns their bytes.
     pub fn take(&mut self, inbox: &mut Inbox) -> u64 {
-        debug_assert!(self.arrived.is_empty());
-        std::mem::swap(&mut self.arrived, &mut inbox.ops);
+        debug_assert!(self.arrived.len() == 0);
+        std::mem::swap(&mut self.arrived.puts, &mut inbox.puts);
+        std::mem::swap(&mut self.arrived.removes, &mut inbox.removes);
         std::mem::take(&mut inbox.bytes)
     }
 
@@ -102,18 +117,30 @@ impl Queue {
     pub fn absorb(&mut self, max_removals: usize) -> bool {
         let mut overflow = false;
         let mut arrived = std::mem::take(&mut self.arrived);
-        for (hash, seq, op) in arrived.drain(..) {
-            match self.ops.get(&hash) {
-                // Replaced before it was queued (by a clear's removal).
-                Some((at, _)) if *at > seq => {}
-                None if matches!(op, Op::Remove) && self.removes >= max_removals => {
-                    overflow = true;
-                }
-                _ => self.insert(hash, seq, op),
+        arrived.bytes = 0;
+        for (hash, seq, put) in arrived.puts.drain(..) {
+            if self.newer(hash, seq) {
+                self.insert(hash, seq, Op::Put(Box::new(put)));
+            }
+        }
+        for (hash, seq) in arrived.removes.drain(..) {
+            if !self.newer(hash, seq) {
+                continue;
+            }
+            if self.removes >= max_removals && !self.ops.contains_key(&hash) {
+                overflow = true;
+            } else {
+                self.insert(hash, seq, Op::Remove);
             }
         }
         self.arrived = arrived;
         overflow
+    }
+
+    /// Whether an operation of `hash` at `seq` is newer than the one queued, if any (one
+    /// queued later, by a clear's removal, is not replaced).
+    fn newer(&self, hash: u128, seq: u64) -> bool {
+        self.ops.get(&hash).is_none_or(|(at, _)| *at < seq)
     }
 
     /// Queues `op` for `hash` at `seq`, replacing any older one.
@@ -361,8 +388,8 @@ mod tests {
     use super::*;
     use infera_core::event::Retention;
 
-    fn put(ns: &str, len: u64) -> Op {
-        Op::Put(Box::new(Pending {
+    fn put(ns: &str, len: u64) -> Option<Pending> {
+        Some(Pending {
             ns: Namespace::new(ns, ""),
             key: Bytes::from_static(b"k"),
             value: Bytes::new(),
@@ -374,17 +401,17 @@ mod tests {
                 written_at: 0,
             },
             len,
-        }))
+        })
     }
 
-    fn absorb(q: &mut Queue, ops: Vec<(u128, u64, Op)>, max_removals: usize) -> bool {
+    fn absorb(q: &mut Queue, ops: Vec<(u128, u64, Option<Pending>)>, max_removals: usize) -> bool {
         let mut inbox = Inbox::default();
-        let bytes: u64 = ops.iter().map(|(_, _, op)| size(op).0).sum();
+        let bytes: u64 = ops.iter().flat_map(|(_, _, p)| p).map(|p| p.len).sum();
         for (hash, seq, op) in ops {
             inbox.push(hash, seq, op);
         }
         assert_eq!(q.take(&mut inbox), bytes);
-        assert!(inbox.ops.is_empty() && inbox.bytes == 0);
+        assert!(inbox.len() == 0 && inbox.bytes == 0);
         q.absorb(max_removals)
     }
 
@@ -397,7 +424,7 @@ mod tests {
             8
         ));
         assert_eq!((q.ops.len(), q.bytes, q.removes), (2, 15, 0));
-        assert!(!absorb(&mut q, vec![(1, 3, Op::Remove)], 8));
+        assert!(!absorb(&mut q, vec![(1, 3, None)], 8));
         assert_eq!((q.ops.len(), q.bytes, q.removes), (2, 5, 1));
         assert!(matches!(q.ops[&1], (3, Op::Remove)));
     }
@@ -417,14 +444,10 @@ mod tests {
     #[test]
     fn removals_past_the_bound_are_refused_and_reported() {
         let mut q = Queue::default();
-        assert!(!absorb(
-            &mut q,
-            vec![(1, 1, Op::Remove), (2, 2, put("m", 4))],
-            1
-        ));
+        assert!(!absorb(&mut q, vec![(1, 1, None), (2, 2, put("m", 4))], 1));
         // A removal of a key already queued still replaces it; a new key's is refused.
-        assert!(!absorb(&mut q, vec![(2, 3, Op::Remove)], 2));
-        assert!(absorb(&mut q, vec![(3, 4, Op::Remove)], 2));
+        assert!(!absorb(&mut q, vec![(2, 3, None)], 2));
+        assert!(absorb(&mut q, vec![(3, 4, None)], 2));
         assert_eq!((q.ops.len(), q.removes, q.bytes), (2, 2, 0));
         assert!(!q.ops.contains_key(&3));
     }
