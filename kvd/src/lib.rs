@@ -14,8 +14,9 @@
 //!   `set_reserve`/`set_commit`).
 //! - [`long`]: the long-term backend trait, its resolver (`--long-backend`) and
 //!   [`long::Stacked`] (L3 with an L4 behind it).
-//! - [`l4`]: the L4 tier over a remote store shared by a fleet — LMCache's Redis/Valkey layout
-//!   and `lm://` server protocol, framed values, write-behind, deadlines and a breaker.
+//! - [`l4`]: the L4 tier over a remote store shared by a fleet — LMCache's Redis/Valkey layout,
+//!   `lm://` server protocol and `s3://` buckets, a Mooncake Store; framed values,
+//!   write-behind, deadlines and a breaker.
 //! - [`tablespace`]: the L3 implementation — container files, journal, checkpoints, crash-safe
 //!   recovery, O_DIRECT or buffered I/O through io_uring (or `pread`/`pwrite`).
 //! - [`stats`]: counters and their Prometheus text; [`client`]: the async client.

@@ -203,9 +203,9 @@ fn l4_flag_mistakes_are_refused_on_one_line() {
     );
     assert_refused(
         &["kvd", "--long-backend", "lmcache"],
-        &[("INFERA_L4_REMOTE_URL", "s3://bucket/kv")],
+        &[("INFERA_L4_REMOTE_URL", "s3://host/bucket/kv")],
         "--lmcache-config",
-        "s3:// is not supported",
+        "expected s3://HOST[:PORT] or s3://HOST[:PORT]/BUCKET",
     );
     assert_refused(
         &[

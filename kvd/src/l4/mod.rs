@@ -2,8 +2,8 @@
 //! behind the L3 tablespace (`--l4-backend lmcache|mooncake`, see [`crate::long::Stacked`]).
 //! [`L4`] implements [`LongStore`](crate::long::LongStore) over any [`RemoteStore`]: LMCache's
 //! Redis/Valkey layout ([`redis`], through the small RESP client [`resp`]), LMCache's `lm://`
-//! server protocol ([`lm`]), or a Mooncake Store cluster ([`mooncake`], through a sidecar
-//! running the store's own client).
+//! server protocol ([`lm`]), an S3 bucket ([`s3`], LMCache's `s3://`), or a Mooncake Store
+//! cluster ([`mooncake`], through a sidecar running the store's own client).
 //!
 //! - **Never wrong bytes.** Every value is framed ([`frame`]: magic, version, length,
 //!   checksum, the full key) and checked on read; a foreign, torn or colliding value is a miss,
@@ -46,6 +46,8 @@ mod queue;
 pub mod redis;
 pub mod remote;
 pub mod resp;
+#[cfg(feature = "s3")]
+pub mod s3;
 
 pub use config::{L4Config, RemoteUrl};
 pub use remote::{RemoteError, RemoteStore};

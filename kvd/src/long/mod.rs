@@ -3,7 +3,8 @@
 //! [`LongBackendConfig`] (`--long-backend tablespace|mooncake|lmcache`, `--l4-backend`).
 //!
 //! Implementations: the tablespace (L3, [`crate::tablespace`]); the L4 over a remote store
-//! ([`crate::l4::L4`]: LMCache's Redis layout or `lm://` server, or a Mooncake Store); and
+//! ([`crate::l4::L4`]: LMCache's Redis layout, `lm://` server or S3 bucket, or a Mooncake
+//! Store); and
 //! [`Stacked`], L3 with an L4 behind it (L2 → L3 → L4).
 //!
 //! # Contract

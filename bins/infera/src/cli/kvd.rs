@@ -151,7 +151,9 @@ pub struct KvdArgs {
     pub l4_backend: Option<L4Backend>,
 
     /// LMCache remote-store settings: a flat YAML file with remote_url (required:
-    /// redis://host:port, valkey://… or lm://host:port), prefix (infera), connector_extra,
+    /// redis://host:port, valkey://…, lm://host:port or s3://HOST[:PORT][/BUCKET]), prefix
+    /// (infera), connector_extra (for s3://: s3_region, disable_tls, aws_access_key_id,
+    /// aws_secret_access_key, s3_max_inflight_reqs; else the AWS_* variables),
     /// max_value_bytes (64 MiB) and rpc_timeout_s (30); ${VAR} is expanded, and each key is
     /// overridden by INFERA_L4_<KEY> (e.g. INFERA_L4_REMOTE_URL), which may replace the file.
     #[arg(long, value_name = "PATH", help_heading = L4)]

@@ -46,7 +46,8 @@ pub enum LongBackend {
     Tablespace,
     /// L4: a Mooncake Store cluster (`--mooncake-config`), instead of L3.
     Mooncake,
-    /// L4: an LMCache remote store (Redis/Valkey layout or `lm://` server), instead of L3.
+    /// L4: an LMCache remote store (Redis/Valkey layout, `lm://` server or S3 bucket), instead
+    /// of L3.
     Lmcache,
 }
 
@@ -54,7 +55,7 @@ pub enum LongBackend {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum L4Backend {
-    /// An LMCache remote store (Redis/Valkey layout or `lm://` server).
+    /// An LMCache remote store (Redis/Valkey layout, `lm://` server or S3 bucket).
     Lmcache,
     /// A Mooncake Store cluster.
     Mooncake,
