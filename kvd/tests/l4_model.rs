@@ -20,6 +20,7 @@ use infera_kvd::store::{Store, key_hash};
 use infera_kvd::{Namespace, SetItem};
 use proptest::prelude::*;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -40,6 +41,8 @@ enum Fault {
 struct Faulty {
     data: Mutex<HashMap<String, Bytes>>,
     fault: Mutex<Fault>,
+    /// Health checks asked for.
+    probes: AtomicU64,
 }
 
 impl Faulty {
@@ -67,6 +70,7 @@ impl RemoteStore for Faulty {
     }
 
     async fn health(&self) -> Result<(), RemoteError> {
+        self.probes.fetch_add(1, Ordering::Relaxed);
         match self.fault() {
             Fault::Error => Err(Self::error()),
             Fault::Timeout => {
@@ -382,6 +386,7 @@ async fn run(ops: Vec<Op>) -> Result<Run, TestCaseError> {
     let remote = Arc::new(Faulty {
         data: Mutex::new(HashMap::new()),
         fault: Mutex::new(Fault::None),
+        probes: AtomicU64::new(0),
     });
     let (store, l4) = open(&remote).await;
     let mut run = Run {
@@ -437,5 +442,31 @@ fn a_long_run_exercises_every_path() {
         assert!(s.timeouts_total > 0 && s.errors_total > 0, "{s:?}");
         assert!(s.puts_total > 50 && s.removes_total > 5, "{s:?}");
         assert!(s.breaker_opens_total > 0 && s.reconnects_total > 0, "{s:?}");
+    });
+}
+
+/// A store that stays down is probed less and less often (a probe may start a process: a new
+/// Mooncake sidecar), and still found within the longest wait once it answers again.
+#[test]
+fn an_open_breaker_backs_off_and_still_finds_the_store_back() {
+    runtime().block_on(async {
+        let remote = Arc::new(Faulty {
+            data: Mutex::new(HashMap::new()),
+            fault: Mutex::new(Fault::Error),
+            probes: AtomicU64::new(0),
+        });
+        let l4 = L4::open(remote.clone(), options(), false).await.unwrap();
+        assert!(!l4.is_up(), "down at start");
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        // The check at start, then waits of 0.2 s doubling up to 30 s: about 11 in 120 s,
+        // where one every 0.2 s would be 600.
+        let probes = remote.probes.load(Ordering::Relaxed);
+        assert!((8..=14).contains(&probes), "{probes} probes");
+        *remote.fault.lock().unwrap() = Fault::None;
+        let mut up = l4.watch_up();
+        tokio::time::timeout(Duration::from_secs(31), up.wait_for(|u| *u))
+            .await
+            .expect("the breaker closes within the longest wait")
+            .unwrap();
     });
 }

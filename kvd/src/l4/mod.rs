@@ -21,7 +21,8 @@
 //!   serves one call at a time) keeps it a task on the daemon's runtime.
 //! - **Deadlines and a breaker.** Every remote operation runs under `rpc_timeout`; after
 //!   `breaker_failures` consecutive failures the breaker opens: reads miss at once, puts are
-//!   dropped (and counted), and the writer probes the store every `retry_interval`, closing the
+//!   dropped (and counted), and the writer probes the store after `retry_interval` (the wait
+//!   doubling after each failed probe, up to 30 s: a probe may start a process), closing the
 //!   breaker when it answers. A store down at start is a warning (the breaker starts open)
 //!   unless the daemon was told the L4 is required.
 //! - **What the index knows.** The store is shared, so kvd keeps no index of it: `class_of`
@@ -93,7 +94,8 @@ pub struct L4Options {
     pub batch_bytes: u64,
     /// Consecutive failures that open the breaker.
     pub breaker_failures: u32,
-    /// How often an open breaker probes the store.
+    /// How long an open breaker waits before it probes the store (doubling after each failed
+    /// probe, up to 30 s).
     pub retry_interval: Duration,
 }
 
@@ -274,10 +276,11 @@ impl Inner {
     }
 
     /// One health probe of an open breaker through `remote` (the writer's client); closes it
-    /// on success.
-    async fn probe(&self, remote: &dyn RemoteStore) {
+    /// on success, and says whether it did.
+    async fn probe(&self, remote: &dyn RemoteStore) -> bool {
         let answer = tokio::time::timeout(self.options.op_timeout, remote.health()).await;
-        if matches!(answer, Ok(Ok(()))) {
+        let answered = matches!(answer, Ok(Ok(())));
+        if answered {
             self.failures.store(0, Ordering::Relaxed);
             self.breaker.store(false, Ordering::Release);
             self.up.send_replace(true);
@@ -285,6 +288,7 @@ impl Inner {
             tracing::info!(store = %self.remote.describe(), "kvd L4 store answers again; breaker closed");
             self.wake.notify_one();
         }
+        answered
     }
 
     fn hidden(&self, ns: &Namespace, info: &FrameInfo) -> bool {

@@ -21,7 +21,8 @@
 //!   while one is on the wire; a failed batch (and the one framed behind it) goes back to the
 //!   front of the queue.
 //!   Consecutive failures open the circuit breaker; while it is open the writer probes the
-//!   store's health every retry interval and closes it on success.
+//!   store's health, first after the retry interval, then at a wait that doubles after each
+//!   failed probe (up to 30 s), and closes it on success.
 
 use super::frame::{self, FrameInfo, Framed};
 use super::{Inner, RemoteStore, name};
@@ -237,6 +238,10 @@ impl Queue {
     }
 }
 
+/// The longest wait between two probes of a store that stays down (the wait starts at the
+/// retry interval and doubles after each failed probe): a probe can cost the daemon's host
+/// real work (Mooncake's is a new sidecar process).
+const RETRY_MAX: Duration = Duration::from_secs(30);
 /// How often the writer absorbs the inbox while the breaker is open.
 const ABSORB_TICK: Duration = Duration::from_millis(1);
 /// How long an idle writer first waits before it looks at the inbox again (SETs do not wake
@@ -249,6 +254,7 @@ const IDLE_TICK_MAX: Duration = Duration::from_millis(8);
 /// store's twin on a writer thread, see [`super::RemoteStore::twin`]).
 pub async fn writer(inner: Arc<Inner>, remote: Arc<dyn RemoteStore>) {
     let mut probed = tokio::time::Instant::now();
+    let mut wait = inner.options.retry_interval;
     let mut ready: Option<Prepared> = None;
     let mut idle = IDLE_TICK;
     loop {
@@ -262,8 +268,13 @@ pub async fn writer(inner: Arc<Inner>, remote: Arc<dyn RemoteStore>) {
                 () = tokio::time::sleep(ABSORB_TICK) => {}
             }
             drop(inner.lock());
-            if probed.elapsed() >= inner.options.retry_interval {
-                inner.probe(remote.as_ref()).await;
+            if probed.elapsed() >= wait {
+                let retry = inner.options.retry_interval;
+                wait = if inner.probe(remote.as_ref()).await {
+                    retry
+                } else {
+                    (wait * 2).min(retry.max(RETRY_MAX))
+                };
                 probed = tokio::time::Instant::now();
             }
             continue;
