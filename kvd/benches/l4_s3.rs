@@ -1,0 +1,134 @@
+//! L4 against an S3-compatible server on loopback (moto's standalone server, started here as
+//! the tests do), side by side with the standard S3 client, boto3.
+//!
+//! - kvd: 16 blocks of 1 MiB and of 4 MiB per round through kvd's L4 (framing, checksum, the
+//!   write-behind queue, SigV4-signed PUTs on kept-alive connections): a put round is 16 puts
+//!   then a flush, a get round one batched read of the 16.
+//! - boto3, in one Python process against the same bucket: the same 16 objects put and read
+//!   concurrently (16 threads, boto3's pool of as many connections), each value a `bytes`.
+//! - Printed: median throughput of 15 rounds each, and kvd against boto3. Both share the
+//!   server, a Python process whose own cost bounds either client, so the ratio says whether
+//!   kvd's client adds a cost of its own, not what S3 itself would give.
+//!
+//! Run: `cargo bench -p infera-kvd --bench l4_s3` (needs `moto[server]` for `python3`, as the
+//! tests do).
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "support/rounds.rs"]
+mod rounds;
+#[path = "../tests/support/s3.rs"]
+mod s3_server;
+
+use bytes::Bytes;
+use infera_kvd::Namespace;
+use infera_kvd::l4::L4;
+use infera_kvd::long::LongStore;
+use s3_server::{BUCKET, S3Server, l4_config};
+use std::time::Instant;
+
+/// The allocator `infera kvd` runs with.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Blocks per round, and rounds.
+const N: usize = 16;
+const ROUNDS: usize = 15;
+
+/// boto3's side: prints `{"<size>": {"put": bytes per second, "get": ...}}`.
+const BOTO3: &str = r#"
+import json, statistics, sys, time
+from concurrent.futures import ThreadPoolExecutor
+import boto3, botocore.config
+cfg = json.loads(sys.argv[1])
+n, rounds, out = cfg["n"], cfg["rounds"], {}
+s3 = boto3.client("s3", endpoint_url=cfg["endpoint"], region_name="us-east-1",
+    aws_access_key_id="testing", aws_secret_access_key="testing",
+    config=botocore.config.Config(max_pool_connections=n))
+pool = ThreadPoolExecutor(n)
+for size in cfg["sizes"]:
+    keys = [f"boto3-{size}-{i}" for i in range(n)]
+    values = [bytes([i]) * size for i in range(n)]
+    puts, gets = [], []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        list(pool.map(lambda kv: s3.put_object(Bucket=cfg["bucket"], Key=kv[0], Body=kv[1]), zip(keys, values)))
+        puts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        got = list(pool.map(lambda k: s3.get_object(Bucket=cfg["bucket"], Key=k)["Body"].read(), keys))
+        gets.append(time.perf_counter() - t)
+        assert all(len(g) == size for g in got)
+    out[str(size)] = {"put": n * size / statistics.median(puts), "get": n * size / statistics.median(gets)}
+print(json.dumps(out))
+"#;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let server = S3Server::start();
+    let sizes = [1usize << 20, 4 << 20];
+    let boto3 = std::process::Command::new(
+        std::env::var("INFERA_PYTHON").unwrap_or_else(|_| "python3".into()),
+    )
+    .arg("-c")
+    .arg(BOTO3)
+    .arg(
+        serde_json::json!({
+            "endpoint": format!("http://127.0.0.1:{}", server.port),
+            "bucket": BUCKET, "n": N, "rounds": ROUNDS, "sizes": sizes,
+        })
+        .to_string(),
+    )
+    .output()
+    .unwrap();
+    assert!(
+        boto3.status.success(),
+        "boto3's run failed:\n{}",
+        String::from_utf8_lossy(&boto3.stderr)
+    );
+    let boto3: serde_json::Value = serde_json::from_slice(&boto3.stdout).unwrap();
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = l4_config(server.port, BUCKET);
+    let l4 = rt.block_on(async { L4::open(cfg.store(), cfg.options(), true).await.unwrap() });
+    let ns = Namespace::new("bench", "");
+    println!("| block | client | put MB/s | get MB/s |");
+    println!("|---|---|---:|---:|");
+    for size in sizes {
+        let keys = rounds::keys(&ns, &format!("{size}-"), N);
+        let blocks: Vec<Bytes> = (0..N).map(|i| Bytes::from(vec![i as u8; size])).collect();
+        let (mut puts, mut gets) = (Vec::new(), Vec::new());
+        for _ in 0..ROUNDS {
+            let start = Instant::now();
+            rt.block_on(rounds::put_round(&l4, &ns, &keys, &blocks));
+            puts.push(start.elapsed().as_secs_f64());
+            let start = Instant::now();
+            let hits = rt.block_on(l4.get_many(&ns, &keys, 1));
+            gets.push(start.elapsed().as_secs_f64());
+            assert!(hits.iter().all(Option::is_some), "every block reads back");
+        }
+        let bytes = (N * size) as f64;
+        let (put, get) = (bytes / median(puts), bytes / median(gets));
+        let way = |name: &str| boto3[size.to_string()][name].as_f64().unwrap();
+        let label = format!("{} MiB", size >> 20);
+        println!("| {label} | kvd L4 | {:.0} | {:.0} |", put / 1e6, get / 1e6);
+        println!(
+            "| {label} | boto3, 16 threads | {:.0} | {:.0} |",
+            way("put") / 1e6,
+            way("get") / 1e6
+        );
+        println!(
+            "| {label} | kvd / boto3 | {:.0} % | {:.0} % |",
+            100.0 * put / way("put"),
+            100.0 * get / way("get")
+        );
+    }
+    rt.block_on(l4.close()).unwrap();
+}
