@@ -65,7 +65,10 @@ impl Store {
             return (false, "oversize_commit".to_owned());
         }
         let permit = match &self.long {
-            Some(long) if class == Retention::Long => long.write_permits(&[length]).await.pop(),
+            // As in `set_many`: a backend that never makes a writer wait hands out no permits.
+            Some(long) if class == Retention::Long && long.permits_wait() => {
+                long.write_permits(&[length]).await.pop()
+            }
             _ => None,
         };
         let version = arena.publish(lease.slot, length);
