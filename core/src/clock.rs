@@ -57,6 +57,21 @@ impl Clock for VirtualClock {
     }
 }
 
+/// The proleptic Gregorian date `(year, month, day)` of `days` since 1970-01-01 (Howard
+/// Hinnant's `civil_from_days`): what timestamps written as text (RFC 3339, SigV4 dates, hour
+/// buckets) are made of.
+pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(month <= 2), month, day)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,6 +85,15 @@ mod tests {
         assert_eq!(c.now_us(), 15);
         c.set(100);
         assert_eq!(c.now_us(), 100);
+    }
+
+    #[test]
+    fn civil_dates_of_known_days() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(-1), (1969, 12, 31));
+        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+        assert_eq!(civil_from_days(11_017), (2000, 3, 1));
+        assert_eq!(civil_from_days(19_677), (2023, 11, 16));
     }
 
     #[test]

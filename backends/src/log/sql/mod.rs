@@ -336,16 +336,7 @@ fn utc_hour(ts_us: u64) -> String {
     let secs = ts_us / 1_000_000;
     let days = (secs / 86_400) as i64;
     let hour = (secs % 86_400) / 3600;
-    // Days since 1970-01-01 to a civil date (proleptic Gregorian), era-based.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (year, month, day) = infera_core::clock::civil_from_days(days);
     format!("{year:04}-{month:02}-{day:02} {hour:02}:00")
 }
 
