@@ -220,8 +220,8 @@ impl<'a> Settings<'a> {
         Ok(Self { top, extra, env })
     }
 
-    /// Completes an `s3://` store's settings: its `connector_extra` keys (`INFERA_L4_<KEY>`
-    /// winning; empty counts as unset) and the AWS variables; `timeout` bounds a connection.
+    /// Completes an `s3://` store's settings: its `connector_extra` keys (see
+    /// [`Settings::lookup`]) and the AWS variables; `timeout` bounds a connection.
     #[cfg_attr(
         not(feature = "s3"),
         allow(unused_variables, clippy::unused_self, clippy::unnecessary_wraps)
@@ -229,15 +229,7 @@ impl<'a> Settings<'a> {
     fn settle(&self, remote: RemoteUrl, timeout: Duration) -> Result<RemoteUrl, String> {
         #[cfg(feature = "s3")]
         if let RemoteUrl::S3(mut s3) = remote {
-            let extra = |key: &str| {
-                self.env(&format!("INFERA_L4_{}", key.to_ascii_uppercase()))
-                    .or_else(|| {
-                        self.extra
-                            .iter()
-                            .find(|(k, v)| k == key && !v.is_empty())
-                            .map(|(_, v)| v.clone())
-                    })
-            };
+            let extra = |key: &str| self.lookup(&self.extra, key);
             s3.settle(&extra, &|k| self.env(k), timeout)?;
             return Ok(RemoteUrl::S3(s3));
         }
@@ -251,9 +243,15 @@ impl<'a> Settings<'a> {
 
     /// `key`'s value: `INFERA_L4_<KEY>`, else the file's (empty counts as unset).
     pub(super) fn get(&self, key: &str) -> Option<String> {
+        self.lookup(&self.top, key)
+    }
+
+    /// `key` in `pairs` (the file's top level or its `connector_extra`), `INFERA_L4_<KEY>`
+    /// winning; empty counts as unset.
+    fn lookup(&self, pairs: &[(String, String)], key: &str) -> Option<String> {
         self.env(&format!("INFERA_L4_{}", key.to_ascii_uppercase()))
             .or_else(|| {
-                self.top
+                pairs
                     .iter()
                     .find(|(k, v)| k == key && !v.is_empty())
                     .map(|(_, v)| v.clone())
