@@ -29,6 +29,8 @@ mod mooncake;
 mod rounds;
 #[path = "support/set_study.rs"]
 mod set_study;
+#[path = "support/timed.rs"]
+mod timed;
 
 use bytes::Bytes;
 use infera_kvd::Namespace;
@@ -77,11 +79,6 @@ for size in cfg["sizes"]:
 print(json.dumps(out))
 "#;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
     let cluster = Cluster::start();
     let sizes = [1usize << 20, 4 << 20];
@@ -125,16 +122,7 @@ fn main() {
     for size in sizes {
         let keys = rounds::keys(&ns, &format!("{size}-"), N);
         let blocks: Vec<Bytes> = (0..N).map(|i| Bytes::from(vec![i as u8; size])).collect();
-        let (mut puts, mut gets) = (Vec::new(), Vec::new());
-        for _ in 0..ROUNDS {
-            let start = Instant::now();
-            rt.block_on(rounds::put_round(&l4, &ns, &keys, &blocks));
-            puts.push(start.elapsed().as_secs_f64());
-            let start = Instant::now();
-            let hits = rt.block_on(l4.get_many(&ns, &keys, 1));
-            gets.push(start.elapsed().as_secs_f64());
-            assert!(hits.iter().all(Option::is_some), "every block reads back");
-        }
+        let (kvd_put, kvd_get) = timed::throughput(&rt, &l4, &ns, &keys, &blocks, ROUNDS);
         let names: Vec<String> = keys.iter().map(|(_, h)| name(&prefix, *h)).collect();
         let mut client_gets = Vec::new();
         for _ in 0..ROUNDS {
@@ -145,7 +133,6 @@ fn main() {
         }
         let bytes = (N * size) as f64;
         let mb = |bps: f64| bps / 1e6;
-        let (kvd_put, kvd_get) = (bytes / median(puts), bytes / median(gets));
         let way = |name: &str| binding[size.to_string()][name].as_f64().unwrap();
         let label = format!("{} MiB", size >> 20);
         for (name, put, get) in [
@@ -153,7 +140,7 @@ fn main() {
             (
                 "kvd's store client alone",
                 None,
-                bytes / median(client_gets),
+                bytes / timed::median(client_gets),
             ),
             (
                 "binding, bytes",

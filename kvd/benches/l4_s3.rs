@@ -19,13 +19,14 @@
 mod rounds;
 #[path = "../tests/support/s3.rs"]
 mod s3_server;
+#[path = "support/timed.rs"]
+mod timed;
 
 use bytes::Bytes;
 use infera_kvd::Namespace;
 use infera_kvd::l4::L4;
 use infera_kvd::long::LongStore;
 use s3_server::{BUCKET, S3Server, l4_config};
-use std::time::Instant;
 
 /// The allocator `infera kvd` runs with.
 #[global_allocator]
@@ -61,11 +62,6 @@ for size in cfg["sizes"]:
     out[str(size)] = {"put": n * size / statistics.median(puts), "get": n * size / statistics.median(gets)}
 print(json.dumps(out))
 "#;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn main() {
     let server = S3Server::start();
@@ -104,18 +100,7 @@ fn main() {
     for size in sizes {
         let keys = rounds::keys(&ns, &format!("{size}-"), N);
         let blocks: Vec<Bytes> = (0..N).map(|i| Bytes::from(vec![i as u8; size])).collect();
-        let (mut puts, mut gets) = (Vec::new(), Vec::new());
-        for _ in 0..ROUNDS {
-            let start = Instant::now();
-            rt.block_on(rounds::put_round(&l4, &ns, &keys, &blocks));
-            puts.push(start.elapsed().as_secs_f64());
-            let start = Instant::now();
-            let hits = rt.block_on(l4.get_many(&ns, &keys, 1));
-            gets.push(start.elapsed().as_secs_f64());
-            assert!(hits.iter().all(Option::is_some), "every block reads back");
-        }
-        let bytes = (N * size) as f64;
-        let (put, get) = (bytes / median(puts), bytes / median(gets));
+        let (put, get) = timed::throughput(&rt, &l4, &ns, &keys, &blocks, ROUNDS);
         let way = |name: &str| boto3[size.to_string()][name].as_f64().unwrap();
         let label = format!("{} MiB", size >> 20);
         println!("| {label} | kvd L4 | {:.0} | {:.0} |", put / 1e6, get / 1e6);

@@ -1,5 +1,5 @@
-//! The L4 throughput benches' rounds (`l4`, `l4_mooncake`): the blocks' keys, and a put round
-//! (one put per block through the write-behind queue, then a flush).
+//! The L4 throughput benches' rounds (`l4`, `l4_mooncake`, `l4_s3`): the blocks' keys, and a
+//! put round (one put per block through the write-behind queue, then a flush).
 
 use bytes::Bytes;
 use infera_core::event::Retention;
