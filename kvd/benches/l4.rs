@@ -15,6 +15,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/own_core.rs"]
+mod own_core;
 #[path = "../tests/support/redis.rs"]
 mod redis_server;
 #[path = "support/rounds.rs"]

@@ -25,6 +25,8 @@
 
 #[path = "../tests/support/mooncake.rs"]
 mod mooncake;
+#[path = "support/own_core.rs"]
+mod own_core;
 #[path = "support/rounds.rs"]
 mod rounds;
 #[path = "support/set_study.rs"]

@@ -3,7 +3,10 @@
 //! operation) or down, the cases alternating over rounds in balanced orders (see [`order`]).
 //! Two loads: back to back (the writer always has work) and paced, one SET per 200 µs
 //! (320 MB/s: the writer keeps up and goes idle between SETs, as in a daemon that is not
-//! saturated). Target: p99 within 10 % of no L4 (a SET never waits on L4).
+//! saturated). Each load runs twice: with the SETs on a worker of the runtime the L4 writer
+//! runs on, as in the daemon, and with the SETs on a CPU of their own (`support/own_core.rs`),
+//! as on a host with cores to spare, which leaves the SET's own L4 work. Target: p99 within
+//! 10 % of no L4 (a SET never waits on L4).
 
 use bytes::Bytes;
 use infera_core::event::Retention;
@@ -14,6 +17,8 @@ use infera_kvd::store::Store;
 use infera_kvd::{Namespace, SetItem};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use crate::own_core::OwnCore;
 
 /// SETs per case and round, back to back and paced.
 const SETS: usize = 8000;
@@ -59,18 +64,56 @@ pub fn run(
         out
     });
     let loads = [
-        ("back to back", SETS, Duration::ZERO),
-        ("one per 200 µs", PACED_SETS, PACE),
+        ("back to back", SETS, Duration::ZERO, false),
+        ("one per 200 µs", PACED_SETS, PACE, false),
+        (
+            "back to back, SETs on a CPU of their own",
+            SETS,
+            Duration::ZERO,
+            true,
+        ),
+        (
+            "one per 200 µs, SETs on a CPU of their own",
+            PACED_SETS,
+            PACE,
+            true,
+        ),
     ];
-    for (load, sets, pace) in loads {
+    for (load, sets, pace, own) in loads {
+        // Held over the load's rounds.
+        let core = if own {
+            let Some(core) = OwnCore::reserve() else {
+                println!("\n{load}: not run, this machine gives the bench one CPU");
+                continue;
+            };
+            Some(core)
+        } else {
+            None
+        };
         let mut samples = vec![(Vec::new(), Vec::new()); longs.len()];
         for round in 0..ROUNDS {
             for at in order(round, longs.len()) {
                 let long = &longs[at].1;
                 let (p50s, p99s) = &mut samples[at];
-                // On a runtime worker thread, as the daemon serves a connection's SETs.
-                let task = rt.spawn(set_latency(long.clone(), round, sets, pace));
-                let (p50, p99) = rt.block_on(task).unwrap();
+                let run = set_latency(long.clone(), round, sets, pace);
+                let (p50, p99) = match &core {
+                    // On a runtime worker thread, as the daemon serves a connection's SETs.
+                    None => rt.block_on(rt.spawn(run)).unwrap(),
+                    // On the reserved CPU (a SET never awaits the L4 writer, which stays on
+                    // the runtime, off that CPU).
+                    Some(core) => std::thread::scope(|s| {
+                        s.spawn(move || {
+                            core.enter();
+                            tokio::runtime::Builder::new_current_thread()
+                                .enable_all()
+                                .build()
+                                .unwrap()
+                                .block_on(run)
+                        })
+                        .join()
+                        .unwrap()
+                    }),
+                };
                 p50s.push(p50);
                 p99s.push(p99);
                 // The next case starts once this one's L4 has written what it queued, so its

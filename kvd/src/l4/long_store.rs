@@ -69,7 +69,7 @@ impl LongStore for L4 {
                     || inner.queued_bytes.load(Ordering::Acquire) + inbox.bytes + len
                         > inner.options.queue_bytes =>
             {
-                inner.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                inbox.dropped += 1;
                 (None, Ok(seq))
             }
             Some(len) => {

@@ -131,7 +131,6 @@ pub fn name(prefix: &str, hash: u128) -> String {
 #[derive(Debug, Default)]
 struct Counters {
     puts: AtomicU64,
-    dropped: AtomicU64,
     removes: AtomicU64,
     gets: AtomicU64,
     hits: AtomicU64,
@@ -450,12 +449,12 @@ impl L4 {
         &self,
         hash: u128,
         now: u64,
-        make: impl FnOnce(&Inbox, u64) -> (Option<Pending>, R),
+        make: impl FnOnce(&mut Inbox, u64) -> (Option<Pending>, R),
     ) -> R {
         let mut inbox = self.inner.inbox();
         // Taken under the inbox's lock (see `next_seq`).
         let seq = self.next_seq(&inbox, hash, now);
-        let (op, out) = make(&inbox, seq);
+        let (op, out) = make(&mut inbox, seq);
         inbox.push(hash, seq, op);
         let full = inbox.len() >= INBOX_OPS;
         drop(inbox);
@@ -589,7 +588,7 @@ impl L4 {
             queued_bytes: q.bytes,
             queued_ops: q.ops.len() as u64,
             puts_total: get(&c.puts),
-            dropped_total: get(&c.dropped),
+            dropped_total: q.dropped,
             removes_total: get(&c.removes),
             gets_total: get(&c.gets),
             hits_total: get(&c.hits),

@@ -64,6 +64,9 @@ pub struct Inbox {
     pub removes: Vec<(u128, u64)>,
     /// Bytes of `puts`.
     pub bytes: u64,
+    /// Puts dropped (counted here, under the inbox's lock, rather than with a locked
+    /// instruction of their own).
+    pub dropped: u64,
 }
 
 impl Inbox {
@@ -93,6 +96,8 @@ pub struct Queue {
     order: VecDeque<u128>,
     pub bytes: u64,
     pub removes: usize,
+    /// Puts dropped since start (see [`Inbox::dropped`]).
+    pub dropped: u64,
 }
 
 fn size(op: &Op) -> (u64, usize) {
@@ -109,6 +114,7 @@ impl Queue {
         debug_assert!(self.arrived.len() == 0);
         std::mem::swap(&mut self.arrived.puts, &mut inbox.puts);
         std::mem::swap(&mut self.arrived.removes, &mut inbox.removes);
+        self.dropped += std::mem::take(&mut inbox.dropped);
         std::mem::take(&mut inbox.bytes)
     }
 
