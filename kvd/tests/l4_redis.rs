@@ -7,19 +7,20 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[path = "support/l4_daemon.rs"]
+mod l4_daemon;
 #[path = "support/l4_outage.rs"]
 mod l4_outage;
 #[path = "support/redis.rs"]
 mod redis_server;
 
 use bytes::Bytes;
-use common::Daemon;
 use infera_core::event::Retention;
 use infera_kvd::l4::resp::{Arg, Endpoint, Pool, Reply};
 use infera_kvd::l4::{L4, RemoteStore, name};
 use infera_kvd::long::{LongBlock, LongStore, WritePermit};
 use infera_kvd::store::key_hash;
-use infera_kvd::{LongBackendConfig, Namespace, SetItem};
+use infera_kvd::Namespace;
 use l4_outage::{Outage, block, key};
 use redis_server::{RedisServer, l4_config};
 use std::sync::Arc;
@@ -62,14 +63,7 @@ async fn blocks_written_in_the_lmcache_layout_read_back_byte_exact_through_a_fre
     let ns = Namespace::new("llama", "fp8");
     let values: Vec<Bytes> = (0..6).map(|i| block(i, 200_000 + i * 4099)).collect();
 
-    let daemon = Daemon::start(|o, _| o.long = Some(LongBackendConfig::L4(l4.clone()))).await;
-    let mut client = daemon.client().await;
-    for (i, v) in values.iter().enumerate() {
-        let item = SetItem::new(key(i), v.clone()).retention(Retention::Long);
-        assert!(client.set(&ns, item).await.unwrap().accepted);
-    }
-    // Shutdown drains the write-behind queue.
-    daemon.stop().await;
+    l4_daemon::write_through_a_daemon(&l4, &ns, &values).await;
 
     for (i, v) in values.iter().enumerate() {
         let stored = name(&l4.prefix, key_hash(&ns, &key(i)));
@@ -86,17 +80,7 @@ async fn blocks_written_in_the_lmcache_layout_read_back_byte_exact_through_a_fre
         assert!(value.len() > v.len() && value.ends_with(v), "framed block");
     }
 
-    let mut fresh = Daemon::start(|o, _| o.long = Some(LongBackendConfig::L4(l4.clone()))).await;
-    let mut client = fresh.client().await;
-    // A prefetch hint (what the server's /v1/cache/prewarm sends) reaches L4 blocks: the first
-    // three are promoted into L2.
-    let seen = *fresh.prefetches.borrow_and_update();
-    let hinted: Vec<Bytes> = (0..3).map(|i| Bytes::from(key(i))).collect();
-    client.prefetch_hint(&ns, hinted, 5000).await.unwrap();
-    fresh.prefetches.wait_for(|n| *n > seen).await.unwrap();
-    let stats = client.stats(true).await.unwrap().extended.unwrap();
-    assert_eq!(stats.prefetch_promoted_total, 3, "{stats:?}");
-    assert_eq!(stats.class_entries[Retention::Long as usize], 3);
+    let (fresh, mut client) = l4_daemon::a_fresh_daemon_prefetching_three(&l4, &ns).await;
     for (i, v) in values.iter().enumerate() {
         let hit = client.get(&ns, &key(i)).await.unwrap().expect("an L4 hit");
         assert_eq!(&hit.value, v, "byte-exact");

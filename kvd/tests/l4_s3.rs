@@ -9,18 +9,18 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[path = "support/l4_daemon.rs"]
+mod l4_daemon;
 #[path = "support/l4_outage.rs"]
 mod l4_outage;
 #[path = "support/s3.rs"]
 mod s3_server;
 
 use bytes::Bytes;
-use common::Daemon;
-use infera_core::event::Retention;
 use infera_kvd::l4::frame::Framed;
 use infera_kvd::l4::{L4, RemoteStore, name};
 use infera_kvd::store::key_hash;
-use infera_kvd::{LongBackendConfig, Namespace, SetItem};
+use infera_kvd::Namespace;
 use l4_outage::{Outage, block, key};
 use s3_server::{BUCKET, S3Server, l4_config, l4_config_tls};
 use std::sync::Arc;
@@ -35,14 +35,7 @@ async fn blocks_stored_as_objects_read_back_byte_exact_through_a_fresh_daemon() 
     let ns = Namespace::new("llama", "fp8");
     let values: Vec<Bytes> = (0..6).map(|i| block(i, 200_000 + i * 4099)).collect();
 
-    let daemon = Daemon::start(|o, _| o.long = Some(LongBackendConfig::L4(l4.clone()))).await;
-    let mut client = daemon.client().await;
-    for (i, v) in values.iter().enumerate() {
-        let item = SetItem::new(key(i), v.clone()).retention(Retention::Long);
-        assert!(client.set(&ns, item).await.unwrap().accepted);
-    }
-    // Shutdown drains the write-behind queue.
-    daemon.stop().await;
+    l4_daemon::write_through_a_daemon(&l4, &ns, &values).await;
 
     let names: Vec<String> = (0..values.len())
         .map(|i| name(&l4.prefix, key_hash(&ns, &key(i))))
@@ -65,15 +58,7 @@ async fn blocks_stored_as_objects_read_back_byte_exact_through_a_fresh_daemon() 
         .await
         .unwrap();
 
-    let mut fresh = Daemon::start(|o, _| o.long = Some(LongBackendConfig::L4(l4.clone()))).await;
-    let mut client = fresh.client().await;
-    // A prefetch hint (what the server's /v1/cache/prewarm sends) reaches L4 blocks.
-    let seen = *fresh.prefetches.borrow_and_update();
-    let hinted: Vec<Bytes> = (0..3).map(|i| Bytes::from(key(i))).collect();
-    client.prefetch_hint(&ns, hinted, 5000).await.unwrap();
-    fresh.prefetches.wait_for(|n| *n > seen).await.unwrap();
-    let stats = client.stats(true).await.unwrap().extended.unwrap();
-    assert_eq!(stats.prefetch_promoted_total, 3, "{stats:?}");
+    let (fresh, mut client) = l4_daemon::a_fresh_daemon_prefetching_three(&l4, &ns).await;
     for (i, v) in values.iter().enumerate().take(5) {
         let hit = client.get(&ns, &key(i)).await.unwrap().expect("an L4 hit");
         assert_eq!(&hit.value, v, "byte-exact");
