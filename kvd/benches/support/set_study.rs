@@ -1,7 +1,8 @@
 //! The L2 SET latency study shared by the L4 benches: p50/p99 of SETs of 64 KiB `long` blocks
 //! into the tiered store with no L4, and with an L4 that is healthy, slow (50 ms per remote
-//! operation) or down, the cases alternating over rounds in balanced orders (see [`order`]).
-//! Two loads: back to back (the writer always has work) and paced, one SET per 200 µs
+//! operation) or down, the cases interleaved SET by SET (see [`set_round`]), so that whatever
+//! the machine does at a moment touches every case alike and each case's p99 is compared with
+//! the baseline's under the same conditions. Two loads: back to back (the writer always has work) and paced, one SET per 200 µs
 //! (320 MB/s: the writer keeps up and goes idle between SETs, as in a daemon that is not
 //! saturated). Each load runs twice: with the SETs on a worker of the runtime the L4 writer
 //! runs on, as in the daemon, and with the SETs on a CPU of their own (`support/own_core.rs`),
@@ -25,10 +26,9 @@ const SETS: usize = 8000;
 const PACED_SETS: usize = 2000;
 /// The paced load's interval between SET starts.
 const PACE: Duration = Duration::from_micros(200);
-/// Rounds: the cases alternate within each round, so a drift of the machine's load touches all
-/// of them alike; each case's figure is the median over rounds.
+/// Rounds, each with fresh L2s; each case's figure is the median over rounds.
 const ROUNDS: usize = 7;
-/// How long a case's L4 may take to write what it queued (the slow store sends a batch per
+/// How long an L4 may take to write what a round queued (the slow store sends a batch per
 /// 50 ms).
 const DRAIN: Duration = Duration::from_secs(120);
 
@@ -92,41 +92,43 @@ pub fn run(
         };
         let mut samples = vec![(Vec::new(), Vec::new()); longs.len()];
         for round in 0..ROUNDS {
-            for at in order(round, longs.len()) {
-                let long = &longs[at].1;
-                let (p50s, p99s) = &mut samples[at];
-                let run = set_latency(long.clone(), round, sets, pace);
-                let (p50, p99) = match &core {
-                    // On a runtime worker thread, as the daemon serves a connection's SETs.
-                    None => rt.block_on(rt.spawn(run)).unwrap(),
-                    // On the reserved CPU (a SET never awaits the L4 writer, which stays on
-                    // the runtime, off that CPU).
-                    Some(core) => std::thread::scope(|s| {
-                        s.spawn(move || {
-                            core.enter();
-                            tokio::runtime::Builder::new_current_thread()
-                                .enable_all()
-                                .build()
-                                .unwrap()
-                                .block_on(run)
-                        })
-                        .join()
-                        .unwrap()
-                    }),
-                };
+            let run = set_round(
+                longs.iter().map(|(_, long)| long.clone()).collect(),
+                round,
+                sets,
+                pace,
+            );
+            let figures = match &core {
+                // On a runtime worker thread, as the daemon serves a connection's SETs.
+                None => rt.block_on(rt.spawn(run)).unwrap(),
+                // On the reserved CPU (a SET never awaits the L4 writer, which stays on the
+                // runtime, off that CPU).
+                Some(core) => std::thread::scope(|s| {
+                    s.spawn(move || {
+                        core.enter();
+                        tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                            .unwrap()
+                            .block_on(run)
+                    })
+                    .join()
+                    .unwrap()
+                }),
+            };
+            for ((p50s, p99s), (p50, p99)) in samples.iter_mut().zip(figures) {
                 p50s.push(p50);
                 p99s.push(p99);
-                // The next case starts once this one's L4 has written what it queued, so its
-                // writer does not compete with another case's SETs (one that is down keeps
-                // its removals queued and answers at once).
-                if let Some(long) = long {
-                    let flushed =
-                        rt.block_on(async { tokio::time::timeout(DRAIN, long.flush()).await });
-                    assert!(
-                        flushed.is_ok(),
-                        "the L4 queue did not drain within {DRAIN:?}"
-                    );
-                }
+            }
+            // The next round starts with every L4's queue written (one that is down keeps its
+            // removals queued and answers at once).
+            for long in longs.iter().filter_map(|(_, long)| long.as_ref()) {
+                let flushed =
+                    rt.block_on(async { tokio::time::timeout(DRAIN, long.flush()).await });
+                assert!(
+                    flushed.is_ok(),
+                    "the L4 queue did not drain within {DRAIN:?}"
+                );
             }
         }
         let rows = longs
@@ -149,22 +151,6 @@ pub fn run(
             }
         }
     });
-}
-
-/// The order of the `n` cases in `round`: the rows of a Williams square (the first row 0, 1,
-/// n-1, 2, n-2, ..., each next row one more, mod n), in which each case runs right after each
-/// other case equally often when `n` is even. A case that ran after the slow store's drain
-/// (seconds of it) paid for it, about +100 % on its p99 here; with one fixed order that was
-/// always the same case (the case after the slow one).
-fn order(round: usize, n: usize) -> Vec<usize> {
-    (0..n)
-        .map(|j| match j {
-            0 => 0,
-            j if j % 2 == 1 => j.div_ceil(2),
-            j => n - j / 2,
-        })
-        .map(|first| (first + round) % n)
-        .collect()
 }
 
 /// The p50 and p99 of `times` (sorted here).
@@ -202,37 +188,54 @@ pub fn report(title: &str, rows: Vec<(&str, Vec<Duration>, Vec<Duration>)>) {
     }
 }
 
-/// p50 and p99 of `sets` SETs of 64 KiB `long` blocks into a fresh 1 GiB L2 with `long`
-/// behind it, one starting every `pace` at most (spinning between them: a sleep's wake-up
-/// would be measured with the next SET).
-async fn set_latency(
-    long: Option<Arc<dyn LongStore>>,
+/// One round: `sets` SETs of 64 KiB `long` blocks into each of as many fresh 1 GiB L2s as
+/// `longs`, one with each `long` behind it, interleaved SET by SET in an order shuffled per
+/// cycle (no case always right after the same other one), one SET starting every `pace` at
+/// most (spinning between them: a sleep's wake-up would be measured with the next SET). The
+/// p50 and p99 of each case.
+async fn set_round(
+    longs: Vec<Option<Arc<dyn LongStore>>>,
     round: usize,
     sets: usize,
     pace: Duration,
-) -> (Duration, Duration) {
-    let ns = Namespace::new("bench", "");
-    let value = Bytes::from(vec![7u8; 64 << 10]);
-    // Untimed first, the same for every case: a quarter as many SETs into a scratch L2 with no
-    // L4, so that the memory an earlier case freed is faulted back in before the timing starts.
-    let scratch = Store::new(1 << 30, None, None);
-    for i in 0..sets / 4 {
-        let item = SetItem::new(format!("w{round}-{i}"), value.clone()).retention(Retention::Long);
-        scratch.set(&ns, &item, 1).await;
-    }
-    drop(scratch);
-    let store = Store::new(1 << 30, None, long);
-    let mut times = Vec::with_capacity(sets);
+) -> Vec<(Duration, Duration)> {
+    let stores: Vec<Store> = longs
+        .into_iter()
+        .map(|long| Store::new(1 << 30, None, long))
+        .collect();
+    let mut times = vec![Vec::with_capacity(sets); stores.len()];
+    let mut cycle: Vec<usize> = (0..stores.len()).collect();
+    // SplitMix64, seeded per round.
+    let mut state = round as u64;
+    let mut random = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
     for i in 0..sets {
-        let item = SetItem::new(format!("s{round}-{i}"), value.clone()).retention(Retention::Long);
-        let t = Instant::now();
-        assert!(store.set(&ns, &item, 1).await.accepted);
-        times.push(t.elapsed());
-        while t.elapsed() < pace {
-            std::hint::spin_loop();
+        for j in (1..cycle.len()).rev() {
+            cycle.swap(j, (random() % (j as u64 + 1)) as usize);
+        }
+        for &at in &cycle {
+            // Each SET's namespace and block of its own, the block a slice of its buffer: as
+            // the daemon's decoder hands them over, a namespace parsed per frame and a value
+            // sliced from its frame. With one namespace or buffer behind every SET, the SETs
+            // taking them and the L4 writer dropping each block it wrote would contend on
+            // their reference counts, which no daemon does.
+            let ns = Namespace::new("bench", "");
+            let value = Bytes::from(vec![7u8; 64 << 10]).slice(..);
+            let item = SetItem::new(format!("s{round}-{i}"), value).retention(Retention::Long);
+            let t = Instant::now();
+            assert!(stores[at].set(&ns, &item, 1).await.accepted);
+            times[at].push(t.elapsed());
+            while t.elapsed() < pace {
+                std::hint::spin_loop();
+            }
         }
     }
-    percentiles(&mut times)
+    times.iter_mut().map(|t| percentiles(t)).collect()
 }
 
 /// A store that answers like `inner`, 50 ms late.
