@@ -16,11 +16,11 @@ mod redis_server;
 
 use bytes::Bytes;
 use infera_core::event::Retention;
+use infera_kvd::Namespace;
 use infera_kvd::l4::resp::{Arg, Endpoint, Pool, Reply};
 use infera_kvd::l4::{L4, RemoteStore, name};
 use infera_kvd::long::{LongBlock, LongStore, WritePermit};
 use infera_kvd::store::key_hash;
-use infera_kvd::Namespace;
 use l4_outage::{Outage, block, key};
 use redis_server::{RedisServer, l4_config};
 use std::sync::Arc;

@@ -17,10 +17,10 @@ mod l4_outage;
 mod s3_server;
 
 use bytes::Bytes;
+use infera_kvd::Namespace;
 use infera_kvd::l4::frame::Framed;
 use infera_kvd::l4::{L4, RemoteStore, name};
 use infera_kvd::store::key_hash;
-use infera_kvd::Namespace;
 use l4_outage::{Outage, block, key};
 use s3_server::{BUCKET, S3Server, l4_config, l4_config_tls};
 use std::sync::Arc;

@@ -1,12 +1,12 @@
 //! The L2 SET latency as a client sees it: one client SETs 64 KiB `long` blocks over kvd's
-//! socket, the daemon serving with no L4, with an L4 that is healthy, slow (behind
-//! [`delayed`], a proxy that holds every byte 50 ms each way) or down (its address answers
-//! nothing), the cases alternating over rounds; a case starts once the
-//! previous one's L4 writes have landed. The in-process study
-//! (`set_study.rs`) isolates the SET path's own cost; this is the latency an engine waits for.
-//! Target: p99 within 10 % of no L4.
+//! socket to four daemons side by side, one with no L4 and one each with an L4 that is
+//! healthy, slow (behind [`delayed`], a proxy that holds every byte 50 ms each way) or down
+//! (its address answers nothing), the SETs interleaved among them as in the in-process study
+//! (`set_study.rs`, which isolates the SET path's own cost); a round starts once every L4 has
+//! written what the last one queued. This is the latency an engine waits for. Target: p99
+//! within 10 % of no L4.
 
-use super::set_study::{percentiles, report};
+use super::set_study::{Cycles, percentiles, report};
 use bytes::Bytes;
 use infera_core::event::Retention;
 use infera_kvd::l4::L4Config;
@@ -44,20 +44,23 @@ pub fn run(rt: &tokio::runtime::Runtime, cases: Vec<(&str, Option<L4Config>)>) {
     let ns = Namespace::new("bench", "");
     let value = Bytes::from(vec![7u8; 64 << 10]);
     for round in 0..ROUNDS {
-        for (_, client, p50s, p99s) in &mut daemons {
-            let mut times = Vec::with_capacity(SETS);
-            client_rt.block_on(async {
-                for i in 0..SETS {
+        let mut times = vec![Vec::with_capacity(SETS); daemons.len()];
+        client_rt.block_on(async {
+            let mut cycles = Cycles::new(daemons.len(), round);
+            for i in 0..SETS {
+                for &at in cycles.next() {
                     let item = SetItem::new(format!("s{round}-{i}"), value.clone())
                         .retention(Retention::Long);
                     let t = Instant::now();
-                    assert!(client.set(&ns, item).await.unwrap().accepted);
-                    times.push(t.elapsed());
+                    assert!(daemons[at].1.set(&ns, item).await.unwrap().accepted);
+                    times[at].push(t.elapsed());
                 }
-            });
-            // The next case starts once this daemon's L4 has written what it queued, so its
-            // writer does not compete with another case's SETs.
-            client_rt.block_on(drained(client));
+            }
+            for (_, client, _, _) in &mut daemons {
+                drained(client).await;
+            }
+        });
+        for ((_, _, p50s, p99s), mut times) in daemons.iter_mut().zip(times) {
             let (p50, p99) = percentiles(&mut times);
             p50s.push(p50);
             p99s.push(p99);

@@ -204,21 +204,9 @@ async fn set_round(
         .map(|long| Store::new(1 << 30, None, long))
         .collect();
     let mut times = vec![Vec::with_capacity(sets); stores.len()];
-    let mut cycle: Vec<usize> = (0..stores.len()).collect();
-    // SplitMix64, seeded per round.
-    let mut state = round as u64;
-    let mut random = move || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
+    let mut cycles = Cycles::new(stores.len(), round);
     for i in 0..sets {
-        for j in (1..cycle.len()).rev() {
-            cycle.swap(j, (random() % (j as u64 + 1)) as usize);
-        }
-        for &at in &cycle {
+        for &at in cycles.next() {
             // Each SET's namespace and block of its own, the block a slice of its buffer: as
             // the daemon's decoder hands them over, a namespace parsed per frame and a value
             // sliced from its frame. With one namespace or buffer behind every SET, the SETs
@@ -236,6 +224,36 @@ async fn set_round(
         }
     }
     times.iter_mut().map(|t| percentiles(t)).collect()
+}
+
+/// The cases' order in each cycle of an interleaved round: shuffled anew per cycle
+/// (Fisher-Yates over SplitMix64, seeded by the round), so that no case always runs right after
+/// the same other one.
+pub struct Cycles {
+    order: Vec<usize>,
+    state: u64,
+}
+
+impl Cycles {
+    pub fn new(cases: usize, round: usize) -> Self {
+        Self {
+            order: (0..cases).collect(),
+            state: round as u64,
+        }
+    }
+
+    /// The next cycle's order.
+    pub fn next(&mut self) -> &[usize] {
+        for j in (1..self.order.len()).rev() {
+            self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            self.order.swap(j, (z % (j as u64 + 1)) as usize);
+        }
+        &self.order
+    }
 }
 
 /// A store that answers like `inner`, 50 ms late.
