@@ -13,8 +13,10 @@ use super::HarnessError;
 use std::net::TcpListener;
 use std::sync::Mutex;
 
-/// Single ports start here, below Linux's default ephemeral range (32768..=60999), when the
-/// machine's range leaves [`MIN_SPAN`] ports there.
+/// Linux's default ephemeral range, `low..=high`, where the machine's cannot be read.
+const DEFAULT_EPHEMERAL: (u16, u16) = (32_768, 60_999);
+/// Single ports start here, below [`DEFAULT_EPHEMERAL`], when the machine's ephemeral range
+/// leaves [`MIN_SPAN`] ports there.
 const SINGLE_FROM: u16 = 24_000;
 /// The fewest single ports worth a range.
 const MIN_SPAN: u16 = 4_000;
@@ -42,17 +44,22 @@ pub fn free_port_triple() -> Result<u16, HarnessError> {
 /// it, else (a range covering nearly every port) Linux's default gap, where each port is still
 /// checked free and the servers retry a port taken before they bind it.
 fn single_range() -> (u16, u16) {
-    let (low, high) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|text| parse_range(&text))
-        .unwrap_or((32_768, 60_999));
+    let (low, high) = ephemeral();
     if low >= SINGLE_FROM + MIN_SPAN {
         (SINGLE_FROM, low)
     } else if high < u16::MAX - MIN_SPAN {
         (high + 1, u16::MAX)
     } else {
-        (SINGLE_FROM, 32_768)
+        (SINGLE_FROM, DEFAULT_EPHEMERAL.0)
     }
+}
+
+/// The machine's ephemeral range, `low..=high` (`net.ipv4.ip_local_port_range`).
+fn ephemeral() -> (u16, u16) {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|text| parse_range(&text))
+        .unwrap_or(DEFAULT_EPHEMERAL)
 }
 
 /// `ip_local_port_range`'s two numbers, low and high.
@@ -121,10 +128,7 @@ mod tests {
         assert_eq!(parse_range("60999 32768"), None);
         assert_eq!(parse_range("garbage"), None);
         let (from, to) = single_range();
-        let (low, high) = parse_range(
-            &std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap(),
-        )
-        .unwrap();
+        let (low, high) = ephemeral();
         assert!(to - from >= MIN_SPAN, "{from}..{to}");
         if low >= SINGLE_FROM + MIN_SPAN || high < u16::MAX - MIN_SPAN {
             assert!(

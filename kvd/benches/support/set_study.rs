@@ -2,9 +2,9 @@
 //! into the tiered store with no L4, and with an L4 that is healthy, slow (50 ms per remote
 //! operation) or down, the cases interleaved SET by SET (see [`set_round`]), so that whatever
 //! the machine does at a moment touches every case alike and each case's p99 is compared with
-//! the baseline's under the same conditions. Two loads: back to back (the writer always has work) and paced, one SET per 200 µs
-//! (320 MB/s: the writer keeps up and goes idle between SETs, as in a daemon that is not
-//! saturated). Each load runs twice: with the SETs on a worker of the runtime the L4 writer
+//! the baseline's under the same conditions. Two loads: back to back (the writer always has
+//! work) and paced, one SET per 200 µs (320 MB/s: the writer keeps up and goes idle between
+//! SETs, as in a daemon that is not saturated). Each load runs twice: with the SETs on a worker of the runtime the L4 writer
 //! runs on, as in the daemon, and with the SETs on a CPU of their own (`support/own_core.rs`),
 //! as on a host with cores to spare, which leaves the SET's own L4 work. Target: p99 within
 //! 10 % of no L4 (a SET never waits on L4).
