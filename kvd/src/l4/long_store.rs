@@ -61,13 +61,12 @@ impl LongStore for L4 {
         }
         let len = frame::framed_len(&block.ns, &block.key, block.value.len())
             .map(|l| l as u64)
-            .filter(|l| *l <= inner.options.max_value_bytes);
+            .filter(|l| *l <= inner.front.max_value_bytes);
         self.push(block.hash, now, |inbox, seq| match len {
             None => (None, Err(LongRejected::TooLarge)),
             Some(len)
-                if inner.breaker.load(Ordering::Acquire)
-                    || inner.queued_bytes.load(Ordering::Acquire) + inbox.bytes + len
-                        > inner.options.queue_bytes =>
+                if inner.breaker_open()
+                    || inbox.queued + inbox.bytes + len > inner.front.queue_bytes =>
             {
                 inbox.dropped += 1;
                 (None, Ok(seq))
@@ -76,7 +75,9 @@ impl LongStore for L4 {
                 let info = FrameInfo {
                     class: block.class,
                     expires_at: block.expires_at,
-                    writer: inner.writer_id,
+                    // Stamped when framed (`queue::prepare`): the writer id is not on
+                    // the SET's cache lines.
+                    writer: 0,
                     seq,
                     written_at: now,
                 };
@@ -128,10 +129,7 @@ impl LongStore for L4 {
                 }
             }
         }
-        if ask.is_empty()
-            || inner.breaker.load(Ordering::Acquire)
-            || inner.reads_off.load(Ordering::Acquire)
-        {
+        if ask.is_empty() || inner.breaker_open() || inner.reads_off.load(Ordering::Acquire) {
             return out;
         }
         let names: Vec<String> = ask
@@ -155,12 +153,12 @@ impl LongStore for L4 {
         // Every operation sequenced before the clear is absorbed before it is applied.
         let seq = {
             let mut inbox = inner.inbox();
-            let seq = inner.seq.fetch_add(1, Ordering::AcqRel) + 1;
-            inner.take(&mut q, &mut inbox);
+            let seq = inner.front.seq.fetch_add(1, Ordering::AcqRel) + 1;
+            q.take(&mut inbox);
             seq
         };
         inner.absorb(&mut q);
-        let cutoff = (seq, inner.clock.load(Ordering::Relaxed));
+        let cutoff = (seq, inner.front.clock.load(Ordering::Relaxed));
         {
             let mut c = inner.cutoffs.lock().unwrap_or_else(|p| p.into_inner());
             if (ns.model.is_empty() && ns.compat_key.is_empty()) || c.by_ns.len() >= MAX_CUTOFFS {
@@ -196,7 +194,7 @@ impl LongStore for L4 {
             if inner.lock().is_empty() {
                 return Ok(());
             }
-            if inner.breaker.load(Ordering::Acquire) {
+            if inner.breaker_open() {
                 return Err(io::Error::other(format!(
                     "the L4 store {} is down; {} operations not written",
                     inner.remote.describe(),

@@ -60,7 +60,6 @@ use bytes::Bytes;
 use frame::FrameInfo;
 use futures::StreamExt;
 use queue::{Inbox, Op, Pending, Queue};
-use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -148,22 +147,37 @@ struct Cutoffs {
     by_ns: rustc_hash::FxHashMap<Namespace, (u64, u64)>,
 }
 
+/// Everything a SET reads or writes ([`L4::push`]) but its key's bucket of `recent`, on two
+/// cache lines of their own: the writer's counters and queue, written on every batch, never
+/// share a line with them (each such write moves the line to the writer's core, and the next
+/// SET waits for it back), and a SET fetches two lines, not one per field spread over `Inner`.
+/// Each further line a SET touches shows at its p99: in the SET study, SETs that also asked
+/// the store for its name (a field of `Inner`, then a call) ran 20 to 30 points above SETs
+/// that did not.
+#[derive(Debug)]
+#[repr(align(128))]
+struct Front {
+    /// Taken after `Inner::queue` where both are held.
+    inbox: Mutex<Inbox>,
+    seq: AtomicU64,
+    clock: AtomicU64,
+    /// Per bucket of key hashes, the sequence number of its latest write.
+    recent: Box<[AtomicU64; RECENT_BUCKETS]>,
+    /// `L4Options::max_value_bytes` and `queue_bytes`.
+    max_value_bytes: u64,
+    queue_bytes: u64,
+    breaker: AtomicBool,
+}
+
 /// State shared with the writer task.
 #[derive(Debug)]
 struct Inner {
+    front: Front,
     remote: Arc<dyn RemoteStore>,
     options: L4Options,
     writer_id: u64,
-    seq: AtomicU64,
-    clock: AtomicU64,
-    recent: Box<[AtomicU64]>,
-    /// Taken before `inbox` where both are held.
     queue: Mutex<Queue>,
-    inbox: Mutex<Inbox>,
-    /// The queue's bytes as of its last unlock (read by puts, which do not take its lock).
-    queued_bytes: AtomicU64,
     cutoffs: Mutex<Cutoffs>,
-    breaker: AtomicBool,
     failures: AtomicU32,
     reads_off: AtomicBool,
     counters: Counters,
@@ -176,48 +190,13 @@ struct Inner {
     stop: CancellationToken,
 }
 
-/// The queue, locked and current (the inbox absorbed); publishes its bytes when unlocked.
-struct Locked<'a> {
-    queue: MutexGuard<'a, Queue>,
-    published: &'a AtomicU64,
-}
-
-impl Deref for Locked<'_> {
-    type Target = Queue;
-    fn deref(&self) -> &Queue {
-        &self.queue
-    }
-}
-
-impl DerefMut for Locked<'_> {
-    fn deref_mut(&mut self) -> &mut Queue {
-        &mut self.queue
-    }
-}
-
-impl Drop for Locked<'_> {
-    fn drop(&mut self) {
-        self.published.store(self.queue.bytes, Ordering::Release);
-    }
-}
-
 impl Inner {
     /// Locks the queue and absorbs the inbox into it.
-    fn lock(&self) -> Locked<'_> {
-        let mut locked = Locked {
-            queue: self.queue.lock().unwrap_or_else(|p| p.into_inner()),
-            published: &self.queued_bytes,
-        };
-        self.take(&mut locked, &mut self.inbox());
-        self.absorb(&mut locked);
-        locked
-    }
-
-    /// Takes the inbox's operations into `queue` (locked; absorb them next).
-    fn take(&self, queue: &mut Queue, inbox: &mut Inbox) {
-        // Counted at once: puts check the queue's bytes without its lock.
-        let bytes = queue.take(inbox);
-        self.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        let mut queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        queue.take(&mut self.inbox());
+        self.absorb(&mut queue);
+        queue
     }
 
     /// Absorbs what `take` took (see `Queue::absorb`); past the removal bound, L4 reads are
@@ -233,11 +212,23 @@ impl Inner {
     }
 
     fn inbox(&self) -> MutexGuard<'_, Inbox> {
-        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+        self.front.inbox.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn bucket(&self, hash: u128) -> &AtomicU64 {
-        &self.recent[(hash as usize) & (RECENT_BUCKETS - 1)]
+        &self.front.recent[(hash as usize) & (RECENT_BUCKETS - 1)]
+    }
+
+    fn breaker_open(&self) -> bool {
+        self.front.breaker.load(Ordering::Acquire)
+    }
+
+    /// Moves the daemon's clock on to `now` (written only when it moves, so the SETs' line
+    /// stays in their core's cache).
+    fn advance_clock(&self, now: u64) {
+        if self.front.clock.load(Ordering::Relaxed) < now {
+            self.front.clock.fetch_max(now, Ordering::Relaxed);
+        }
     }
 
     /// Counts a remote operation's outcome and trips the breaker; whether it succeeded.
@@ -261,7 +252,9 @@ impl Inner {
             }
         };
         let failures = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
-        if failures >= self.options.breaker_failures && !self.breaker.swap(true, Ordering::AcqRel) {
+        if failures >= self.options.breaker_failures
+            && !self.front.breaker.swap(true, Ordering::AcqRel)
+        {
             self.counters.breaker_opens.fetch_add(1, Ordering::Relaxed);
             self.up.send_replace(false);
             tracing::warn!(
@@ -281,7 +274,7 @@ impl Inner {
         let answered = matches!(answer, Ok(Ok(())));
         if answered {
             self.failures.store(0, Ordering::Relaxed);
-            self.breaker.store(false, Ordering::Release);
+            self.front.breaker.store(false, Ordering::Release);
             self.up.send_replace(true);
             self.counters.reconnects.fetch_add(1, Ordering::Relaxed);
             tracing::info!(store = %self.remote.describe(), "kvd L4 store answers again; breaker closed");
@@ -388,23 +381,26 @@ impl L4 {
             h.finish()
         };
         let inner = Arc::new(Inner {
+            front: Front {
+                inbox: Mutex::new(Inbox::default()),
+                seq: AtomicU64::new(0),
+                // The daemon's clock is wall-clock milliseconds; start from the wall clock so
+                // a clear before any other operation still hides earlier runs' blocks.
+                clock: AtomicU64::new(
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64),
+                ),
+                recent: Box::new([const { AtomicU64::new(0) }; RECENT_BUCKETS]),
+                max_value_bytes: options.max_value_bytes,
+                queue_bytes: options.queue_bytes,
+                breaker: AtomicBool::new(down.is_some()),
+            },
             remote,
             options,
             writer_id,
-            seq: AtomicU64::new(0),
-            // The daemon's clock is wall-clock milliseconds; start from the wall clock so a
-            // clear before any other operation still hides earlier runs' blocks.
-            clock: AtomicU64::new(
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as u64),
-            ),
-            recent: (0..RECENT_BUCKETS).map(|_| AtomicU64::new(0)).collect(),
             queue: Mutex::new(Queue::default()),
-            inbox: Mutex::new(Inbox::default()),
-            queued_bytes: AtomicU64::new(0),
             cutoffs: Mutex::new(Cutoffs::default()),
-            breaker: AtomicBool::new(down.is_some()),
             failures: AtomicU32::new(0),
             reads_off: AtomicBool::new(false),
             counters: Counters::default(),
@@ -419,7 +415,7 @@ impl L4 {
 
     /// Whether the breaker is closed (the store answered last time).
     pub fn is_up(&self) -> bool {
-        !self.inner.breaker.load(Ordering::Acquire)
+        !self.inner.breaker_open()
     }
 
     /// The breaker's state as it changes: `true` while closed.
@@ -432,12 +428,10 @@ impl L4 {
     /// latest) in order without a locked instruction.
     fn next_seq(&self, _held: &Inbox, hash: u128, now: u64) -> u64 {
         let inner = &self.inner;
-        let seq = inner.seq.load(Ordering::Relaxed) + 1;
-        inner.seq.store(seq, Ordering::Release);
+        let seq = inner.front.seq.load(Ordering::Relaxed) + 1;
+        inner.front.seq.store(seq, Ordering::Release);
         inner.bucket(hash).store(seq, Ordering::Release);
-        if inner.clock.load(Ordering::Relaxed) < now {
-            inner.clock.fetch_max(now, Ordering::Relaxed);
-        }
+        inner.advance_clock(now);
         seq
     }
 
@@ -468,8 +462,8 @@ impl L4 {
     /// Reads blocks (one remote batch per `batch_items`); see [`LongStore::get_many`].
     async fn read(&self, ns: &Namespace, reqs: &[(Bytes, u128)], now: u64) -> Vec<Option<LongHit>> {
         let inner = &self.inner;
-        let start = inner.seq.load(Ordering::Acquire);
-        inner.clock.fetch_max(now, Ordering::Relaxed);
+        let start = inner.front.seq.load(Ordering::Acquire);
+        inner.advance_clock(now);
         let mut out: Vec<Option<LongHit>> = vec![None; reqs.len()];
         let mut remote = Vec::new();
         {
@@ -492,7 +486,7 @@ impl L4 {
                 }
             }
         }
-        let off = inner.breaker.load(Ordering::Acquire) || inner.reads_off.load(Ordering::Acquire);
+        let off = inner.breaker_open() || inner.reads_off.load(Ordering::Acquire);
         if !off && !remote.is_empty() {
             // Spread over the store's streams (at most `batch_items` blocks each), so large
             // blocks overlap on the wire.

@@ -67,6 +67,9 @@ pub struct Inbox {
     /// Puts dropped (counted here, under the inbox's lock, rather than with a locked
     /// instruction of their own).
     pub dropped: u64,
+    /// The queue's bytes as of the last [`Queue::take`] (what puts check the queue's bound
+    /// against without its lock; the queue only shrinks until the next take).
+    pub queued: u64,
 }
 
 impl Inbox {
@@ -109,13 +112,14 @@ fn size(op: &Op) -> (u64, usize) {
 
 impl Queue {
     /// Moves `inbox`'s operations to [`Queue::absorb`]'s hands (an exchange of buffers, so the
-    /// inbox's lock is held for no longer than a push); returns their bytes.
-    pub fn take(&mut self, inbox: &mut Inbox) -> u64 {
+    /// inbox's lock is held for no longer than a push), counting their bytes as queued.
+    pub fn take(&mut self, inbox: &mut Inbox) {
         debug_assert!(self.arrived.len() == 0);
         std::mem::swap(&mut self.arrived.puts, &mut inbox.puts);
         std::mem::swap(&mut self.arrived.removes, &mut inbox.removes);
         self.dropped += std::mem::take(&mut inbox.dropped);
-        std::mem::take(&mut inbox.bytes)
+        // Absorbing them may replace older operations, never add more.
+        inbox.queued = self.bytes + std::mem::take(&mut inbox.bytes);
     }
 
     /// Queues the operations taken from the inbox, each replacing an older one of its key. A
@@ -264,7 +268,7 @@ pub async fn writer(inner: Arc<Inner>, remote: Arc<dyn RemoteStore>) {
     let mut ready: Option<Prepared> = None;
     let mut idle = IDLE_TICK;
     loop {
-        if inner.breaker.load(Ordering::Acquire) {
+        if inner.breaker_open() {
             if let Some(ready) = ready.take() {
                 inner.lock().failed(&ready.ops);
             }
@@ -354,7 +358,11 @@ fn prepare(inner: &Inner, ops: Vec<(u128, u64, Op)>) -> Prepared {
         let n = name(&inner.options.prefix, *hash);
         match op {
             Op::Put(p) => {
-                if let Some(framed) = frame::encode(&p.ns, &p.key, &p.value, p.info) {
+                let info = FrameInfo {
+                    writer: inner.writer_id,
+                    ..p.info
+                };
+                if let Some(framed) = frame::encode(&p.ns, &p.key, &p.value, info) {
                     puts.push((n, framed));
                 }
             }
@@ -427,8 +435,10 @@ mod tests {
         for (hash, seq, op) in ops {
             inbox.push(hash, seq, op);
         }
-        assert_eq!(q.take(&mut inbox), bytes);
+        let before = q.bytes;
+        q.take(&mut inbox);
         assert!(inbox.len() == 0 && inbox.bytes == 0);
+        assert_eq!(inbox.queued, before + bytes);
         q.absorb(max_removals)
     }
 

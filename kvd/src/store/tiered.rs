@@ -71,6 +71,10 @@ pub struct Store {
     l2: Mutex<L2State>,
     arena: Option<Arc<Arena>>,
     long: Option<Arc<dyn LongStore>>,
+    /// Whether `long` makes writers wait for permits ([`LongStore::permits_wait`], asked once:
+    /// a SET that calls into the backend only to learn it has nothing to wait for pays for
+    /// it at p99).
+    waits: bool,
     hints: AtomicU64,
     promoted: AtomicU64,
     dropped: AtomicU64,
@@ -85,6 +89,7 @@ impl Store {
     ) -> Self {
         let spills = long.is_some();
         Self {
+            waits: long.as_ref().is_some_and(|long| long.permits_wait()),
             l2: Mutex::new(L2State::new(max_bytes, arena.clone(), spills)),
             arena,
             long,
@@ -147,8 +152,7 @@ impl Store {
                 && expiry(item.ttl_seconds, now).is_ok()
         };
         // A backend that never makes a writer wait hands out no permits.
-        let waits = self.long.as_ref().is_some_and(|long| long.permits_wait());
-        let permitted = |item: &SetItem| waits && through(item);
+        let permitted = |item: &SetItem| self.waits && through(item);
         let mut acks = Vec::with_capacity(items.len());
         let mut durable = Vec::new();
         let mut rest = items;

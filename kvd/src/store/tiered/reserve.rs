@@ -66,7 +66,7 @@ impl Store {
         }
         let permit = match &self.long {
             // As in `set_many`: a backend that never makes a writer wait hands out no permits.
-            Some(long) if class == Retention::Long && long.permits_wait() => {
+            Some(long) if class == Retention::Long && self.waits => {
                 long.write_permits(&[length]).await.pop()
             }
             _ => None,
