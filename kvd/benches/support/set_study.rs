@@ -2,13 +2,13 @@
 //! into the tiered store with no L4, and with an L4 that is healthy, slow (50 ms per remote
 //! operation) or down, the cases interleaved SET by SET (see [`set_round`]), so that whatever
 //! the machine does at a moment touches every case alike and each case's p99 is compared with
-//! the baseline's under the same conditions. Two loads: back to back (the writer always has
-//! work) and paced, one SET per 200 µs (320 MB/s: the writer keeps up and goes idle between
-//! SETs, as in a daemon that is not saturated). Each load runs twice: with the SETs on a worker of the runtime the L4 writer
-//! runs on, as in the daemon, and with the SETs on a CPU of their own (`support/own_core.rs`),
-//! as on a host with cores to spare, which leaves the SET's own L4 work. Target: p99 within
-//! 10 % of no L4 (a SET never waits on L4).
-
+//! the baseline's under the same conditions. A second store with no L4 runs among them (the
+//! A/A row): its ratio to the baseline is the study's own noise. Two loads: back to back (the
+//! writer always has work) and paced, one SET per 200 µs (320 MB/s: the writer keeps up and
+//! goes idle between SETs, as in a daemon that is not saturated). Each load runs twice: with
+//! the SETs on a worker of the runtime the L4 writer runs on, as in the daemon, and with the
+//! SETs on a CPU of their own (`support/own_core.rs`), as on a host with cores to spare, which
+//! leaves the SET's own L4 work. Target: p99 within 10 % of no L4 (a SET never waits on L4).
 use bytes::Bytes;
 use infera_core::event::Retention;
 use infera_kvd::l4::frame::Framed;
@@ -48,6 +48,9 @@ pub fn run(
             Some(Arc::new(Slow(healthy())) as Arc<dyn RemoteStore>),
         ),
         ("L4 down", Some(down)),
+        // The baseline's twin, interleaved like the others: its ratio is the study's own
+        // noise, against which the L4 cases' are read.
+        ("no L4 (A/A)", None),
     ];
     let longs: Vec<(&str, Option<Arc<dyn LongStore>>)> = rt.block_on(async {
         let mut out = Vec::new();
