@@ -33,6 +33,7 @@
 use crate::report::percentile;
 use crate::sim::{RequestOutcome, SimResult};
 use crate::trace::TraceRequest;
+use infera_core::rng::splitmix64;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 
@@ -49,12 +50,10 @@ pub const WORDS: [&str; 32] = [
     " an", " they", " which", " one", " you", " were", " all", " we",
 ];
 
-/// SplitMix64: a fast, well-mixed 64-bit step.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+/// One SplitMix64 step from `z`: a fast, well-mixed 64-bit function.
+fn mix(z: u64) -> u64 {
+    let mut state = z;
+    splitmix64(&mut state)
 }
 
 /// Salts that keep hash-seeded and index-seeded sequences apart.

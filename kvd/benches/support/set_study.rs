@@ -9,8 +9,10 @@
 //! the SETs on a worker of the runtime the L4 writer runs on, as in the daemon, and with the
 //! SETs on a CPU of their own (`support/own_core.rs`), as on a host with cores to spare, which
 //! leaves the SET's own L4 work. Target: p99 within 10 % of no L4 (a SET never waits on L4).
+
 use bytes::Bytes;
 use infera_core::event::Retention;
+use infera_core::rng::Rng;
 use infera_kvd::l4::frame::Framed;
 use infera_kvd::l4::{L4, L4Options, RemoteError, RemoteStore};
 use infera_kvd::long::LongStore;
@@ -230,30 +232,26 @@ async fn set_round(
 }
 
 /// The cases' order in each cycle of an interleaved round: shuffled anew per cycle
-/// (Fisher-Yates over SplitMix64, seeded by the round), so that no case always runs right after
-/// the same other one.
+/// (Fisher-Yates over the project's seeded [`Rng`], seeded by the round), so that no case
+/// always runs right after the same other one.
 pub struct Cycles {
     order: Vec<usize>,
-    state: u64,
+    rng: Rng,
 }
 
 impl Cycles {
     pub fn new(cases: usize, round: usize) -> Self {
         Self {
             order: (0..cases).collect(),
-            state: round as u64,
+            rng: Rng::new(round as u64),
         }
     }
 
     /// The next cycle's order.
     pub fn next(&mut self) -> &[usize] {
         for j in (1..self.order.len()).rev() {
-            self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            self.order.swap(j, (z % (j as u64 + 1)) as usize);
+            let k = self.rng.below(j as u64 + 1) as usize;
+            self.order.swap(j, k);
         }
         &self.order
     }
