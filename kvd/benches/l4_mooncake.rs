@@ -15,7 +15,8 @@
 //!   its framing checks and bookkeeping.
 //! - Then the L2 SET latency study (`support/set_study.rs`) with a Mooncake L4 healthy, slow
 //!   and down (a cluster killed).
-//! - Printed: median throughput of 15 rounds each, and kvd against the binding's fastest way
+//! - The rounds alternate (`support/side.rs`): the binding's, kvd's, kvd's client alone.
+//!   Printed: median throughput of 15 rounds each, and kvd against the binding's fastest way
 //!   for owned values (bytes objects, or zero-copy with the copies). Target: kvd ≥ 80 %.
 //!
 //! Run: `cargo bench -p infera-kvd --bench l4_mooncake` (needs the `mooncake` package for
@@ -31,6 +32,8 @@ mod own_core;
 mod rounds;
 #[path = "support/set_study.rs"]
 mod set_study;
+#[path = "support/side.rs"]
+mod side;
 #[path = "support/timed.rs"]
 mod timed;
 
@@ -39,6 +42,8 @@ use infera_kvd::Namespace;
 use infera_kvd::l4::{L4, name};
 use infera_kvd::long::LongStore;
 use mooncake::{Cluster, free_port};
+use side::Side;
+use std::collections::HashMap;
 use std::time::Instant;
 
 /// The allocator `infera kvd` runs with: a get's values land in memory it hands out.
@@ -49,63 +54,53 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const N: usize = 16;
 const ROUNDS: usize = 15;
 
-/// The binding's side: prints `{"<size>": {"<way>": bytes per second}}`.
+/// The binding's side (`support/side.rs`): `play(size)` times one round of each way.
 const BINDING: &str = r#"
-import ctypes, json, mmap, statistics, sys, time
+import ctypes, json, mmap, sys, time
 from mooncake.store import MooncakeDistributedStore
 cfg = json.loads(sys.argv[1])
 s = MooncakeDistributedStore()
 assert s.setup(cfg["local"], cfg["metadata"], 0, 64 << 20, "tcp", "", cfg["master"]) == 0
-n, rounds, out = cfg["n"], cfg["rounds"], {}
-for size in cfg["sizes"]:
+n, sets = cfg["n"], {}
+
+def prepare(size):
     keys = [f"binding-{size}-{i}" for i in range(n)]
     values = [bytes([i]) * size for i in range(n)]
     buf = mmap.mmap(-1, n * size)
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     assert s.register_buffer(base, n * size) == 0
-    ptrs, sizes = [base + i * size for i in range(n)], [size] * n
-    view = memoryview(buf)
-    times = {w: [] for w in ("upsert_batch", "get_batch", "batch_upsert_from", "batch_get_into", "copy_upsert_from", "get_into_copy")}
-    for _ in range(rounds):
-        t = time.perf_counter(); assert s.upsert_batch(keys, values) == 0; times["upsert_batch"].append(time.perf_counter() - t)
-        t = time.perf_counter(); got = s.get_batch(keys); times["get_batch"].append(time.perf_counter() - t)
-        assert all(len(g) == size for g in got)
-        t = time.perf_counter(); assert all(r == 0 for r in s.batch_upsert_from(keys, ptrs, sizes)); times["batch_upsert_from"].append(time.perf_counter() - t)
-        t = time.perf_counter(); assert all(r == size for r in s.batch_get_into(keys, ptrs, sizes)); times["batch_get_into"].append(time.perf_counter() - t)
-        t = time.perf_counter()
-        for i, v in enumerate(values): view[i * size:(i + 1) * size] = v
-        assert all(r == 0 for r in s.batch_upsert_from(keys, ptrs, sizes)); times["copy_upsert_from"].append(time.perf_counter() - t)
-        t = time.perf_counter(); assert all(r == size for r in s.batch_get_into(keys, ptrs, sizes))
-        got = [bytes(view[i * size:(i + 1) * size]) for i in range(n)]; times["get_into_copy"].append(time.perf_counter() - t)
-    out[str(size)] = {way: n * size / statistics.median(ts) for way, ts in times.items()}
-print(json.dumps(out))
+    return keys, values, buf, [base + i * size for i in range(n)], [size] * n
+
+def play(size):
+    if size not in sets:
+        sets[size] = prepare(size)
+    keys, values, buf, ptrs, sizes = sets[size]
+    view, times = memoryview(buf), {}
+    t = time.perf_counter(); assert s.upsert_batch(keys, values) == 0; times["upsert_batch"] = time.perf_counter() - t
+    t = time.perf_counter(); got = s.get_batch(keys); times["get_batch"] = time.perf_counter() - t
+    assert all(len(g) == size for g in got)
+    t = time.perf_counter(); assert all(r == 0 for r in s.batch_upsert_from(keys, ptrs, sizes)); times["batch_upsert_from"] = time.perf_counter() - t
+    t = time.perf_counter(); assert all(r == size for r in s.batch_get_into(keys, ptrs, sizes)); times["batch_get_into"] = time.perf_counter() - t
+    t = time.perf_counter()
+    for i, v in enumerate(values): view[i * size:(i + 1) * size] = v
+    assert all(r == 0 for r in s.batch_upsert_from(keys, ptrs, sizes)); times["copy_upsert_from"] = time.perf_counter() - t
+    t = time.perf_counter(); assert all(r == size for r in s.batch_get_into(keys, ptrs, sizes))
+    got = [bytes(view[i * size:(i + 1) * size]) for i in range(n)]; times["get_into_copy"] = time.perf_counter() - t
+    return times
 "#;
 
 fn main() {
     let cluster = Cluster::start();
     let sizes = [1usize << 20, 4 << 20];
-    let binding = std::process::Command::new(
-        std::env::var("INFERA_PYTHON").unwrap_or_else(|_| "python3".into()),
-    )
-    .arg("-c")
-    .arg(BINDING)
-    .arg(
-        serde_json::json!({
+    let mut binding = Side::start(
+        BINDING,
+        &serde_json::json!({
             "local": format!("127.0.0.1:{}", free_port()),
             "metadata": cluster.metadata_url(),
             "master": format!("127.0.0.1:{}", cluster.rpc_port),
-            "n": N, "rounds": ROUNDS, "sizes": sizes,
-        })
-        .to_string(),
-    )
-    .output()
-    .unwrap();
-    assert!(
-        binding.status.success(),
-        "the binding's run failed:\n{}",
-        String::from_utf8_lossy(&binding.stderr)
+            "n": N,
+        }),
     );
-    let binding: serde_json::Value = serde_json::from_slice(&binding.stdout).unwrap();
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -124,10 +119,18 @@ fn main() {
     for size in sizes {
         let keys = rounds::keys(&ns, &format!("{size}-"), N);
         let blocks: Vec<Bytes> = (0..N).map(|i| Bytes::from(vec![i as u8; size])).collect();
-        let (kvd_put, kvd_get) = timed::throughput(&rt, &l4, &ns, &keys, &blocks, ROUNDS);
         let names: Vec<String> = keys.iter().map(|(_, h)| name(&prefix, *h)).collect();
-        let mut client_gets = Vec::new();
+        // Round by round: the binding's, kvd's, then kvd's store client alone reading what
+        // kvd wrote.
+        let (mut kvd_puts, mut kvd_gets, mut client_gets) = (Vec::new(), Vec::new(), Vec::new());
+        let mut theirs: HashMap<String, Vec<f64>> = HashMap::new();
         for _ in 0..ROUNDS {
+            for (way, secs) in binding.round(size) {
+                theirs.entry(way).or_default().push(secs);
+            }
+            let (put, get) = timed::round(&rt, &l4, &ns, &keys, &blocks);
+            kvd_puts.push(put);
+            kvd_gets.push(get);
             let start = Instant::now();
             let got = rt.block_on(client.get_batch(&names)).unwrap();
             client_gets.push(start.elapsed().as_secs_f64());
@@ -135,7 +138,11 @@ fn main() {
         }
         let bytes = (N * size) as f64;
         let mb = |bps: f64| bps / 1e6;
-        let way = |name: &str| binding[size.to_string()][name].as_f64().unwrap();
+        let way = |name: &str| bytes / timed::median(theirs[name].clone());
+        let (kvd_put, kvd_get) = (
+            bytes / timed::median(kvd_puts),
+            bytes / timed::median(kvd_gets),
+        );
         let label = format!("{} MiB", size >> 20);
         for (name, put, get) in [
             ("kvd L4", Some(kvd_put), kvd_get),

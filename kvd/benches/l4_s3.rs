@@ -6,7 +6,8 @@
 //!   then a flush, a get round one batched read of the 16.
 //! - boto3, in one Python process against the same bucket: the same 16 objects put and read
 //!   concurrently (16 threads, boto3's pool of as many connections), each value a `bytes`.
-//! - Printed: median throughput of 15 rounds each, and kvd against boto3. Both share the
+//! - The rounds alternate (`support/side.rs`): boto3's, then kvd's. Printed: median
+//!   throughput of 15 rounds each, and kvd against boto3. Both share the
 //!   server, a Python process whose own cost bounds either client, so the ratio says whether
 //!   kvd's client adds a cost of its own, not what S3 itself would give.
 //!
@@ -19,6 +20,8 @@
 mod rounds;
 #[path = "../tests/support/s3.rs"]
 mod s3_server;
+#[path = "support/side.rs"]
+mod side;
 #[path = "support/timed.rs"]
 mod timed;
 
@@ -27,6 +30,8 @@ use infera_kvd::Namespace;
 use infera_kvd::l4::L4;
 use infera_kvd::long::LongStore;
 use s3_server::{BUCKET, S3Server, l4_config};
+use side::Side;
+use std::collections::HashMap;
 
 /// The allocator `infera kvd` runs with.
 #[global_allocator]
@@ -36,57 +41,41 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const N: usize = 16;
 const ROUNDS: usize = 15;
 
-/// boto3's side: prints `{"<size>": {"put": bytes per second, "get": ...}}`.
+/// boto3's side (`support/side.rs`): `play(size)` times one round of puts and one of gets.
 const BOTO3: &str = r#"
-import json, statistics, sys, time
+import json, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import boto3, botocore.config
 cfg = json.loads(sys.argv[1])
-n, rounds, out = cfg["n"], cfg["rounds"], {}
+n = cfg["n"]
 s3 = boto3.client("s3", endpoint_url=cfg["endpoint"], region_name="us-east-1",
     aws_access_key_id="testing", aws_secret_access_key="testing",
     config=botocore.config.Config(max_pool_connections=n))
 pool = ThreadPoolExecutor(n)
-for size in cfg["sizes"]:
+
+def play(size):
     keys = [f"boto3-{size}-{i}" for i in range(n)]
     values = [bytes([i]) * size for i in range(n)]
-    puts, gets = [], []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        list(pool.map(lambda kv: s3.put_object(Bucket=cfg["bucket"], Key=kv[0], Body=kv[1]), zip(keys, values)))
-        puts.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        got = list(pool.map(lambda k: s3.get_object(Bucket=cfg["bucket"], Key=k)["Body"].read(), keys))
-        gets.append(time.perf_counter() - t)
-        assert all(len(g) == size for g in got)
-    out[str(size)] = {"put": n * size / statistics.median(puts), "get": n * size / statistics.median(gets)}
-print(json.dumps(out))
+    t = time.perf_counter()
+    list(pool.map(lambda kv: s3.put_object(Bucket=cfg["bucket"], Key=kv[0], Body=kv[1]), zip(keys, values)))
+    put = time.perf_counter() - t
+    t = time.perf_counter()
+    got = list(pool.map(lambda k: s3.get_object(Bucket=cfg["bucket"], Key=k)["Body"].read(), keys))
+    get = time.perf_counter() - t
+    assert all(len(g) == size for g in got)
+    return {"put": put, "get": get}
 "#;
 
 fn main() {
     let server = S3Server::start();
     let sizes = [1usize << 20, 4 << 20];
-    let boto3 = std::process::Command::new(
-        std::env::var("INFERA_PYTHON").unwrap_or_else(|_| "python3".into()),
-    )
-    .arg("-c")
-    .arg(BOTO3)
-    .arg(
-        serde_json::json!({
+    let mut boto3 = Side::start(
+        BOTO3,
+        &serde_json::json!({
             "endpoint": format!("http://127.0.0.1:{}", server.port),
-            "bucket": BUCKET, "n": N, "rounds": ROUNDS, "sizes": sizes,
-        })
-        .to_string(),
-    )
-    .output()
-    .unwrap();
-    assert!(
-        boto3.status.success(),
-        "boto3's run failed:\n{}",
-        String::from_utf8_lossy(&boto3.stderr)
+            "bucket": BUCKET, "n": N,
+        }),
     );
-    let boto3: serde_json::Value = serde_json::from_slice(&boto3.stdout).unwrap();
-
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -100,8 +89,19 @@ fn main() {
     for size in sizes {
         let keys = rounds::keys(&ns, &format!("{size}-"), N);
         let blocks: Vec<Bytes> = (0..N).map(|i| Bytes::from(vec![i as u8; size])).collect();
-        let (put, get) = timed::throughput(&rt, &l4, &ns, &keys, &blocks, ROUNDS);
-        let way = |name: &str| boto3[size.to_string()][name].as_f64().unwrap();
+        // Round by round: boto3's, then kvd's.
+        let (mut kvd, mut theirs) = ((Vec::new(), Vec::new()), HashMap::<String, Vec<f64>>::new());
+        for _ in 0..ROUNDS {
+            for (way, secs) in boto3.round(size) {
+                theirs.entry(way).or_default().push(secs);
+            }
+            let (put, get) = timed::round(&rt, &l4, &ns, &keys, &blocks);
+            kvd.0.push(put);
+            kvd.1.push(get);
+        }
+        let bytes = (N * size) as f64;
+        let (put, get) = (bytes / timed::median(kvd.0), bytes / timed::median(kvd.1));
+        let way = |name: &str| bytes / timed::median(theirs[name].clone());
         let label = format!("{} MiB", size >> 20);
         println!("| {label} | kvd L4 | {:.0} | {:.0} |", put / 1e6, get / 1e6);
         println!(
