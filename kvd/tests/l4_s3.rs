@@ -52,6 +52,7 @@ async fn blocks_stored_as_objects_read_back_byte_exact_through_a_fresh_daemon() 
     let foreign = Framed {
         head: Bytes::new(),
         body: Bytes::from(vec![9u8; stored[5].as_ref().unwrap().len()]),
+        seal: false,
     };
     l4.store()
         .put_batch(&[(names[5].clone(), foreign)])

@@ -46,11 +46,14 @@ pub struct FrameInfo {
 }
 
 /// A framed value in two parts (header + key blob, and the value itself), so a large value is
-/// never copied to be framed.
+/// never copied to be framed. To a store, a value like any other (its two parts joined).
 #[derive(Debug, Clone)]
 pub struct Framed {
     pub head: Bytes,
     pub body: Bytes,
+    /// The checksum is left to the store, which copies the frame out with [`write_sealed`]
+    /// (see [`encode_unsealed`]); false for a value to store as it is.
+    pub seal: bool,
 }
 
 impl Framed {
@@ -77,8 +80,12 @@ fn key_blob(ns: &Namespace, key: &[u8]) -> Option<Vec<u8>> {
     Some(blob)
 }
 
+fn hasher() -> XxHash3_64 {
+    XxHash3_64::with_seed(0x4c34_6b76_6466_726d)
+}
+
 fn checksum(head: &[u8], blob: &[u8], body: &[u8]) -> u64 {
-    let mut h = XxHash3_64::with_seed(0x4c34_6b76_6466_726d);
+    let mut h = hasher();
     h.write(&head[..56]);
     h.write(blob);
     h.write(body);
@@ -95,6 +102,51 @@ pub fn framed_len(ns: &Namespace, key: &[u8], value: usize) -> Option<usize> {
 
 /// Frames `value` for `(ns, key)`; `None` when a namespace part is longer than 64 KiB.
 pub fn encode(ns: &Namespace, key: &[u8], value: &Bytes, info: FrameInfo) -> Option<Framed> {
+    encode_with(ns, key, value, info, true)
+}
+
+/// [`encode`] without the checksum (its eight bytes zero, [`Framed::seal`] set), for a store
+/// that copies the frame out with [`write_sealed`], which takes it during the copy.
+pub fn encode_unsealed(
+    ns: &Namespace,
+    key: &[u8],
+    value: &Bytes,
+    info: FrameInfo,
+) -> Option<Framed> {
+    encode_with(ns, key, value, info, false)
+}
+
+/// The bytes of a value copied and checksummed at a time by [`write_sealed`]: small enough to
+/// be checksummed from the core's cache right after its copy.
+const SEAL_PIECE: usize = 128 << 10;
+
+/// Copies `framed` out through `write(offset in the frame, bytes)`, checksumming each piece of
+/// the value right after its copy (from cache, not memory) and writing the checksum last: one
+/// pass over the value where [`encode`] and a copy make two. The bytes written are those of
+/// [`encode`]'s frame.
+pub fn write_sealed(framed: &Framed, mut write: impl FnMut(usize, &[u8])) {
+    let (fields, blob) = (&framed.head[..56], &framed.head[HEADER_BYTES..]);
+    let mut h = hasher();
+    write(0, fields);
+    h.write(fields);
+    write(HEADER_BYTES, blob);
+    h.write(blob);
+    let mut at = framed.head.len();
+    for piece in framed.body.chunks(SEAL_PIECE) {
+        write(at, piece);
+        h.write(piece);
+        at += piece.len();
+    }
+    write(56, &h.finish().to_le_bytes());
+}
+
+fn encode_with(
+    ns: &Namespace,
+    key: &[u8],
+    value: &Bytes,
+    info: FrameInfo,
+    sealed: bool,
+) -> Option<Framed> {
     let blob = key_blob(ns, key)?;
     let mut head = BytesMut::with_capacity(HEADER_BYTES + blob.len());
     head.put_slice(MAGIC);
@@ -108,12 +160,16 @@ pub fn encode(ns: &Namespace, key: &[u8], value: &Bytes, info: FrameInfo) -> Opt
     head.put_u64_le(info.written_at);
     head.put_u32_le(u32::try_from(blob.len()).ok()?);
     head.put_u32_le(0);
-    let sum = checksum(&head, &blob, value);
-    head.put_u64_le(sum);
+    head.put_u64_le(if sealed {
+        checksum(&head, &blob, value)
+    } else {
+        0
+    });
     head.put_slice(&blob);
     Some(Framed {
         head: head.freeze(),
         body: value.clone(),
+        seal: !sealed,
     })
 }
 
@@ -212,6 +268,27 @@ mod tests {
         assert_eq!(decode(&stored, &ns, b"j"), Err(Reject::Colliding));
         let other = Namespace::new("m", "");
         assert_eq!(decode(&stored, &other, b"k"), Err(Reject::Colliding));
+    }
+
+    #[test]
+    fn a_frame_sealed_while_copied_is_the_encoded_frame() {
+        let ns = Namespace::new("m", "fp8");
+        // Over two pieces and a part, so the checksum runs across pieces.
+        let value = Bytes::from(
+            (0..2 * SEAL_PIECE + 77)
+                .map(|i| i as u8)
+                .collect::<Vec<_>>(),
+        );
+        let sealed = joined(&encode(&ns, b"k", &value, info()).unwrap());
+        let unsealed = encode_unsealed(&ns, b"k", &value, info()).unwrap();
+        assert!(unsealed.seal);
+        assert_ne!(joined(&unsealed), sealed, "the checksum is left out");
+        let mut out = vec![0xAAu8; unsealed.len()];
+        write_sealed(&unsealed, |at, bytes| {
+            out[at..at + bytes.len()].copy_from_slice(bytes);
+        });
+        assert_eq!(out, sealed);
+        assert!(decode(&sealed, &ns, b"k").is_ok());
     }
 
     #[test]

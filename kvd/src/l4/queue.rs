@@ -362,7 +362,12 @@ fn prepare(inner: &Inner, ops: Vec<(u128, u64, Op)>) -> Prepared {
                     writer: inner.writer_id,
                     ..p.info
                 };
-                if let Some(framed) = frame::encode(&p.ns, &p.key, &p.value, info) {
+                let encode = if inner.remote.seals() {
+                    frame::encode_unsealed
+                } else {
+                    frame::encode
+                };
+                if let Some(framed) = encode(&p.ns, &p.key, &p.value, info) {
                     puts.push((n, framed));
                 }
             }

@@ -46,6 +46,14 @@ pub trait RemoteStore: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// Whether [`RemoteStore::put_batch`] copies out a frame to seal ([`Framed::seal`]) with
+    /// [`super::frame::write_sealed`], which takes its checksum during the copy: the L4's
+    /// writer then leaves the checksum to the store (one pass over each value instead of two).
+    /// By default false: frames come sealed.
+    fn seals(&self) -> bool {
+        false
+    }
+
     /// Whether the store answers at all (a cheap round trip).
     async fn health(&self) -> Result<(), RemoteError>;
 

@@ -7,7 +7,8 @@
 //! daemon free of its threads, allocator and GIL:
 //! - **Values never cross a pipe.** kvd maps a memfd (the staging area: two L4 batches, and
 //!   at least two largest values), which the sidecar maps through `/proc/<kvd>/fd` and registers with
-//!   the store. A put writes the batch's frames there and the sidecar calls
+//!   the store. A put writes the batch's frames there (each checksummed as it is
+//!   copied) and the sidecar calls
 //!   `batch_upsert_from` on them. A get first asks the values' sizes (the store's replica
 //!   descriptors), places them in the area and has the store write them there
 //!   (`batch_get_into`), chunk by chunk, alternating between its two halves so that the
@@ -26,7 +27,7 @@ mod config;
 
 pub use config::{ALLOW_TCP_FALLBACK, MooncakeConfig};
 
-use super::frame::Framed;
+use super::frame::{self, Framed};
 use super::remote::{RemoteError, RemoteStore};
 use crate::sys::shm::SharedMap;
 use bytes::Bytes;
@@ -41,8 +42,10 @@ const SIDECAR: &str = include_str!("sidecar.py");
 /// The smallest staging area: two L4 batches of the default size (a memfd's pages are taken
 /// only as they are written).
 const MIN_STAGING: usize = 64 << 20;
-/// The bytes of one pipelined put or get command at most (see [`plan`]).
-const CHUNK: u64 = 8 << 20;
+/// The bytes of one pipelined put or get command at most (see [`plan`]). Each command is a
+/// call of the store's client; 16 MiB moved 16 blocks of 1 MiB faster than 8 (gets from 88–90
+/// to 121–123 % of the binding's, puts alike) and a small first command slower (puts 61 %).
+const CHUNK: u64 = 16 << 20;
 /// The values of one command at most (a reply of 16 bytes each stays well within a pipe's
 /// buffer, so a command sent ahead never waits on an unread reply).
 const CHUNK_ITEMS: usize = 1024;
@@ -348,8 +351,13 @@ impl RemoteStore for MooncakeStore {
         all_ok("health_check", &results)
     }
 
-    /// Stages the frames chunk by chunk ([`plan`]) while the sidecar writes the previous chunk
-    /// to the store (`batch_upsert_from`).
+    /// Frames to seal are sealed as they are staged ([`frame::write_sealed`]).
+    fn seals(&self) -> bool {
+        true
+    }
+
+    /// Stages the frames chunk by chunk ([`plan`]), each checksummed as it is copied, while
+    /// the sidecar writes the previous chunk to the store (`batch_upsert_from`).
     async fn put_batch(&self, values: &[(String, Framed)]) -> Result<(), RemoteError> {
         let half = (self.staging_bytes / 2) as u64;
         let (chunks, too_large) = plan(
@@ -373,9 +381,13 @@ impl RemoteStore for MooncakeStore {
             &commands,
             |shm, k| {
                 for &(i, at, _) in &chunks[k] {
-                    let framed = &values[i].1;
-                    shm.write(at as usize, &framed.head);
-                    shm.write(at as usize + framed.head.len(), &framed.body);
+                    let (framed, at) = (&values[i].1, at as usize);
+                    if framed.seal {
+                        frame::write_sealed(framed, |off, bytes| shm.write(at + off, bytes));
+                    } else {
+                        shm.write(at, &framed.head);
+                        shm.write(at + framed.head.len(), &framed.body);
+                    }
                 }
             },
             |_, _, results| {
@@ -459,9 +471,9 @@ mod tests {
         const MIB: u64 = 1 << 20;
         let half = 32 * MIB;
         let lens = [
-            (0, 3 * MIB),
-            (2, 3 * MIB),
-            (3, 3 * MIB),
+            (0, 6 * MIB),
+            (2, 6 * MIB),
+            (3, 6 * MIB),
             (4, 20 * MIB),
             (5, 40 * MIB),
             (6, 1),
@@ -470,12 +482,12 @@ mod tests {
         assert_eq!(
             chunks,
             vec![
-                vec![(0, 0, 3 * MIB), (2, 3 * MIB, 3 * MIB)],
-                vec![(3, half, 3 * MIB)],
+                vec![(0, 0, 6 * MIB), (2, 6 * MIB, 6 * MIB)],
+                vec![(3, half, 6 * MIB)],
                 vec![(4, 0, 20 * MIB)],
                 vec![(6, half, 1)],
             ],
-            "8 MiB chunks in alternate halves; a larger value alone"
+            "16 MiB chunks in alternate halves; a larger value alone"
         );
         assert_eq!(too_large, vec![5]);
         for chunk in &chunks {
