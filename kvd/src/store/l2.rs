@@ -60,7 +60,8 @@ pub(crate) struct Entry {
     pub class: Retention,
     pub expires_at: Option<u64>,
     pub charge: u64,
-    /// L3 holds exactly this value (written through, or promoted from there).
+    /// A promoted `short` value the backend still holds: not spilled back when evicted
+    /// (written-through values are `long`, which is never spilled).
     pub on_disk: bool,
 }
 
@@ -310,13 +311,6 @@ impl L2State {
             .get(&hash)
             .filter(|e| !e.expired(now) && e.is(ns, key))
             .map(|e| e.class)
-    }
-
-    /// Marks the live entry for the key as held by L3 too.
-    pub fn mark_on_disk(&mut self, hash: KeyHash) {
-        if let Some(e) = self.entries.get_mut(&hash) {
-            e.on_disk = true;
-        }
     }
 
     /// Writes a heap item; see the module docs for when it is refused.

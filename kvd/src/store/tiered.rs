@@ -293,10 +293,7 @@ impl Store {
                 };
                 let permit = w.permit.unwrap_or_else(WritePermit::unbounded);
                 match long.put(block, permit, now, false) {
-                    Ok(put) => {
-                        st.mark_on_disk(hash);
-                        durable = put.durable;
-                    }
+                    Ok(put) => durable = put.durable,
                     // Held in RAM only: not what a durable acknowledgement promises.
                     Err(rejected) if long.durable_writes() => {
                         tracing::debug!(%rejected, "kvd durable long write refused by L3");
