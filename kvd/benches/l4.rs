@@ -1,13 +1,15 @@
 //! L4 against a real `redis-server` on loopback (started here, as the tests do).
 //!
-//! - `l4_put` / `l4_get`: 1 MiB and 4 MiB blocks through kvd's L4 (framing, checksum, the
+//! - `l4_frame` (criterion): framing and checking a 4 MiB block.
+//! - Put and get throughput: 1 MiB and 4 MiB blocks through kvd's L4 (framing, checksum, the
 //!   write-behind queue, LMCache's two-key layout; a put round is N puts then a flush, a get
-//!   round one batched read of N blocks), next to `redis_pipelined`: the same blocks with a
-//!   plain pipelined RESP client written here (what `redis-benchmark -P` does), which returns
-//!   the values it read as kvd does (a reader that dropped each value at once would reuse one
-//!   hot buffer, 1.6× faster on the 2-core build VM, that no caller could keep). Target: kvd
-//!   ≥ 80 % of the plain client.
-//! - After the criterion groups, the L2 SET latency studies with this Redis store: in process
+//!   round one batched read of N blocks), beside a plain pipelined RESP client written here
+//!   (what `redis-benchmark -P` does), which returns the values it read as kvd does (a reader
+//!   that dropped each value at once would reuse one hot buffer, 1.6× faster on the 2-core
+//!   build VM, that no caller could keep). Their rounds alternate; medians of 15 rounds. kvd
+//!   plays two rounds in a row, the first with its writer idle since its last round (shown
+//!   too). Target: kvd ≥ 80 % of the plain client.
+//! - Then the L2 SET latency studies with this Redis store: in process
 //!   (`support/set_study.rs`: the SET path's own cost) and over kvd's socket
 //!   (`support/set_socket.rs`: what a client waits for).
 //!
@@ -25,15 +27,17 @@ mod rounds;
 mod set_socket;
 #[path = "support/set_study.rs"]
 mod set_study;
+#[path = "support/timed.rs"]
+mod timed;
 
 use bytes::Bytes;
-use criterion::{BenchmarkId, Criterion, Throughput};
+use criterion::{Criterion, Throughput};
 use infera_core::event::Retention;
 use infera_kvd::Namespace;
 use infera_kvd::l4::{L4, L4Config};
 use infera_kvd::long::LongStore;
 use redis_server::RedisServer;
-use std::sync::Arc;
+use std::time::Instant;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
@@ -128,48 +132,77 @@ impl Plain {
     }
 }
 
-fn throughput(c: &mut Criterion, rt: &tokio::runtime::Runtime, port: u16) {
+/// Rounds per block size, each client's alternating.
+const ROUNDS: usize = 15;
+
+/// kvd's L4 beside the plain client, round by round (the plain client's put and get, two of
+/// kvd's put rounds and gets, kvd's RESP client alone reading what kvd wrote), so whatever the
+/// machine does at a moment touches both alike; prints the medians and kvd against the plain
+/// client. kvd's first round of each starts with its writer idle (parked since the last
+/// round); the target is read on the second, as under a steady load.
+fn throughput(rt: &tokio::runtime::Runtime, port: u16) {
     let ns = Namespace::new("bench", "");
     let cfg = config(port);
-    let l4 =
-        rt.block_on(async { Arc::new(L4::open(cfg.store(), cfg.options(), true).await.unwrap()) });
+    let l4 = rt.block_on(async { L4::open(cfg.store(), cfg.options(), true).await.unwrap() });
+    let remote = cfg.store();
     let mut plain = rt.block_on(Plain::connect(port));
+    let secs = |start: Instant| start.elapsed().as_secs_f64();
+    println!("| block | way | put MB/s | get MB/s |");
+    println!("|---|---|---:|---:|");
     for size in [1usize << 20, 4 << 20] {
         let blocks: Vec<Bytes> = (0..N).map(|i| block(i, size)).collect();
-        let keys = rounds::keys(&ns, "", N);
-        let label = format!("{}MiB", size >> 20);
-        let mut put = c.benchmark_group("l4_put");
-        put.throughput(Throughput::Bytes((N * size) as u64));
-        put.bench_function(BenchmarkId::new("kvd", &label), |b| {
-            b.iter(|| rt.block_on(rounds::put_round(&l4, &ns, &keys, &blocks)));
-        });
-        put.bench_function(BenchmarkId::new("redis_pipelined", &label), |b| {
-            b.iter(|| rt.block_on(plain.set_all(&blocks)));
-        });
-        put.finish();
-        // The blocks are in the store even when a filter skipped the put group.
-        rt.block_on(rounds::put_round(&l4, &ns, &keys, &blocks));
-        rt.block_on(plain.set_all(&blocks));
-        let mut get = c.benchmark_group("l4_get");
-        get.throughput(Throughput::Bytes((N * size) as u64));
-        get.bench_function(BenchmarkId::new("kvd", &label), |b| {
-            b.iter(|| {
-                let hits = rt.block_on(l4.get_many(&ns, &keys, 1));
-                assert!(hits.iter().all(Option::is_some));
-            });
-        });
-        let remote = cfg.store();
+        let keys = rounds::keys(&ns, &format!("{size}-"), N);
         let names: Vec<String> = keys
             .iter()
             .map(|(_, h)| infera_kvd::l4::name(&cfg.prefix, *h))
             .collect();
-        get.bench_function(BenchmarkId::new("kvd_resp_client", &label), |b| {
-            b.iter(|| rt.block_on(remote.get_batch(&names)).unwrap());
-        });
-        get.bench_function(BenchmarkId::new("redis_pipelined", &label), |b| {
-            b.iter(|| rt.block_on(plain.get_all(N)));
-        });
-        get.finish();
+        let (mut kvd, mut idle) = ((vec![], vec![]), (vec![], vec![]));
+        let (mut theirs, mut resp) = ((vec![], vec![]), vec![]);
+        for _ in 0..ROUNDS {
+            let start = Instant::now();
+            rt.block_on(plain.set_all(&blocks));
+            theirs.0.push(secs(start));
+            let start = Instant::now();
+            let got = rt.block_on(plain.get_all(N));
+            theirs.1.push(secs(start));
+            assert!(got.iter().all(|v| v.len() == size));
+            // After the plain client's rounds kvd's writer has been idle (it looks at its
+            // inbox every 8 ms at most); the next round finds it busy, as under a steady load.
+            let (put, get) = timed::round(rt, &l4, &ns, &keys, &blocks);
+            idle.0.push(put);
+            idle.1.push(get);
+            let (put, get) = timed::round(rt, &l4, &ns, &keys, &blocks);
+            kvd.0.push(put);
+            kvd.1.push(get);
+            let start = Instant::now();
+            let got = rt.block_on(remote.get_batch(&names)).unwrap();
+            resp.push(secs(start));
+            assert!(got.iter().all(Option::is_some));
+        }
+        let mb = |v: Vec<f64>| (N * size) as f64 / timed::median(v) / 1e6;
+        let label = format!("{} MiB", size >> 20);
+        let (kvd_put, kvd_get) = (mb(kvd.0), mb(kvd.1));
+        let (plain_put, plain_get) = (mb(theirs.0), mb(theirs.1));
+        let (idle_put, idle_get) = (mb(idle.0), mb(idle.1));
+        println!("| {label} | kvd L4 | {kvd_put:.0} | {kvd_get:.0} |");
+        println!(
+            "| {label} | kvd L4, its writer idle before the round | {idle_put:.0} | {idle_get:.0} |"
+        );
+        println!(
+            "| {label} | kvd's RESP client alone | — | {:.0} |",
+            mb(resp)
+        );
+        println!("| {label} | plain pipelined client | {plain_put:.0} | {plain_get:.0} |");
+        println!(
+            "| {label} | kvd / the plain client | {:.0} % | {:.0} % |",
+            100.0 * kvd_put / plain_put,
+            100.0 * kvd_get / plain_get
+        );
+        println!(
+            "| {label} | kvd, its writer idle before, / the plain client | {:.0} % | {:.0} % |",
+            100.0 * idle_put / plain_put,
+            100.0 * idle_get / plain_get
+        );
     }
     rt.block_on(l4.close()).unwrap();
 }
@@ -208,8 +241,8 @@ fn main() {
         .unwrap();
     let mut c = Criterion::default().configure_from_args();
     framing(&mut c);
-    throughput(&mut c, &rt, redis.port);
     c.final_summary();
+    throughput(&rt, redis.port);
     let cfg = config(redis.port);
     let down = config(redis_server::free_port()).store();
     set_study::run(&rt, &cfg.options(), &|| cfg.store(), down);

@@ -1,4 +1,4 @@
-//! Timed L4 rounds for the benches that set kvd beside a store's own client (`l4_mooncake`,
+//! Timed L4 rounds for the benches that set kvd beside a store's own client (`l4`, `l4_mooncake`,
 //! `l4_s3`).
 
 use crate::rounds;
