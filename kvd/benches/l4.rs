@@ -37,7 +37,7 @@ use infera_kvd::Namespace;
 use infera_kvd::l4::{L4, L4Config};
 use infera_kvd::long::LongStore;
 use redis_server::RedisServer;
-use std::time::Instant;
+use timed::Times;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
@@ -146,7 +146,6 @@ fn throughput(rt: &tokio::runtime::Runtime, port: u16) {
     let l4 = rt.block_on(async { L4::open(cfg.store(), cfg.options(), true).await.unwrap() });
     let remote = cfg.store();
     let mut plain = rt.block_on(Plain::connect(port));
-    let secs = |start: Instant| start.elapsed().as_secs_f64();
     println!("| block | way | put MB/s | get MB/s |");
     println!("|---|---|---:|---:|");
     for size in [1usize << 20, 4 << 20] {
@@ -156,41 +155,32 @@ fn throughput(rt: &tokio::runtime::Runtime, port: u16) {
             .iter()
             .map(|(_, h)| infera_kvd::l4::name(&cfg.prefix, *h))
             .collect();
-        let (mut kvd, mut idle) = ((vec![], vec![]), (vec![], vec![]));
-        let (mut theirs, mut resp) = ((vec![], vec![]), vec![]);
+        let mut times = Times::default();
         for _ in 0..ROUNDS {
-            let start = Instant::now();
-            rt.block_on(plain.set_all(&blocks));
-            theirs.0.push(secs(start));
-            let start = Instant::now();
-            let got = rt.block_on(plain.get_all(N));
-            theirs.1.push(secs(start));
+            times.time("plain put", || rt.block_on(plain.set_all(&blocks)));
+            let got = times.time("plain get", || rt.block_on(plain.get_all(N)));
             assert!(got.iter().all(|v| v.len() == size));
             // After the plain client's rounds kvd's writer has been idle (it looks at its
             // inbox every 8 ms at most); the next round finds it busy, as under a steady load.
-            let (put, get) = timed::round(rt, &l4, &ns, &keys, &blocks);
-            idle.0.push(put);
-            idle.1.push(get);
-            let (put, get) = timed::round(rt, &l4, &ns, &keys, &blocks);
-            kvd.0.push(put);
-            kvd.1.push(get);
-            let start = Instant::now();
-            let got = rt.block_on(remote.get_batch(&names)).unwrap();
-            resp.push(secs(start));
+            timed::round(rt, &l4, &ns, &keys, &blocks, &mut times, "idle");
+            timed::round(rt, &l4, &ns, &keys, &blocks, &mut times, "kvd");
+            let got = times.time("resp get", || {
+                rt.block_on(remote.get_batch(&names)).unwrap()
+            });
             assert!(got.iter().all(Option::is_some));
         }
-        let mb = |v: Vec<f64>| (N * size) as f64 / timed::median(v) / 1e6;
+        let mb = |way: &str| times.rate(way, (N * size) as f64) / 1e6;
         let label = format!("{} MiB", size >> 20);
-        let (kvd_put, kvd_get) = (mb(kvd.0), mb(kvd.1));
-        let (plain_put, plain_get) = (mb(theirs.0), mb(theirs.1));
-        let (idle_put, idle_get) = (mb(idle.0), mb(idle.1));
+        let (kvd_put, kvd_get) = (mb("kvd put"), mb("kvd get"));
+        let (plain_put, plain_get) = (mb("plain put"), mb("plain get"));
+        let (idle_put, idle_get) = (mb("idle put"), mb("idle get"));
         println!("| {label} | kvd L4 | {kvd_put:.0} | {kvd_get:.0} |");
         println!(
             "| {label} | kvd L4, its writer idle before the round | {idle_put:.0} | {idle_get:.0} |"
         );
         println!(
             "| {label} | kvd's RESP client alone | — | {:.0} |",
-            mb(resp)
+            mb("resp get")
         );
         println!("| {label} | plain pipelined client | {plain_put:.0} | {plain_get:.0} |");
         println!(

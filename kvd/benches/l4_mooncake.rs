@@ -43,8 +43,7 @@ use infera_kvd::l4::{L4, name};
 use infera_kvd::long::LongStore;
 use mooncake::{Cluster, free_port};
 use side::Side;
-use std::collections::HashMap;
-use std::time::Instant;
+use timed::Times;
 
 /// The allocator `infera kvd` runs with: a get's values land in memory it hands out.
 #[global_allocator]
@@ -122,35 +121,23 @@ fn main() {
         let names: Vec<String> = keys.iter().map(|(_, h)| name(&prefix, *h)).collect();
         // Round by round: the binding's, kvd's, then kvd's store client alone reading what
         // kvd wrote.
-        let (mut kvd_puts, mut kvd_gets, mut client_gets) = (Vec::new(), Vec::new(), Vec::new());
-        let mut theirs: HashMap<String, Vec<f64>> = HashMap::new();
+        let mut times = Times::default();
         for _ in 0..ROUNDS {
-            for (way, secs) in binding.round(size) {
-                theirs.entry(way).or_default().push(secs);
-            }
-            let (put, get) = timed::round(&rt, &l4, &ns, &keys, &blocks);
-            kvd_puts.push(put);
-            kvd_gets.push(get);
-            let start = Instant::now();
-            let got = rt.block_on(client.get_batch(&names)).unwrap();
-            client_gets.push(start.elapsed().as_secs_f64());
+            binding.round(size, &mut times);
+            timed::round(&rt, &l4, &ns, &keys, &blocks, &mut times, "kvd");
+            let got = times.time("client get", || {
+                rt.block_on(client.get_batch(&names)).unwrap()
+            });
             assert!(got.iter().all(Option::is_some), "every value reads back");
         }
         let bytes = (N * size) as f64;
         let mb = |bps: f64| bps / 1e6;
-        let way = |name: &str| bytes / timed::median(theirs[name].clone());
-        let (kvd_put, kvd_get) = (
-            bytes / timed::median(kvd_puts),
-            bytes / timed::median(kvd_gets),
-        );
+        let way = |name: &str| times.rate(name, bytes);
+        let (kvd_put, kvd_get) = (way("kvd put"), way("kvd get"));
         let label = format!("{} MiB", size >> 20);
         for (name, put, get) in [
             ("kvd L4", Some(kvd_put), kvd_get),
-            (
-                "kvd's store client alone",
-                None,
-                bytes / timed::median(client_gets),
-            ),
+            ("kvd's store client alone", None, way("client get")),
             (
                 "binding, bytes",
                 Some(way("upsert_batch")),

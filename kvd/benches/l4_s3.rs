@@ -31,7 +31,7 @@ use infera_kvd::l4::L4;
 use infera_kvd::long::LongStore;
 use s3_server::{BUCKET, S3Server, l4_config};
 use side::Side;
-use std::collections::HashMap;
+use timed::Times;
 
 /// The allocator `infera kvd` runs with.
 #[global_allocator]
@@ -90,18 +90,14 @@ fn main() {
         let keys = rounds::keys(&ns, &format!("{size}-"), N);
         let blocks: Vec<Bytes> = (0..N).map(|i| Bytes::from(vec![i as u8; size])).collect();
         // Round by round: boto3's, then kvd's.
-        let (mut kvd, mut theirs) = ((Vec::new(), Vec::new()), HashMap::<String, Vec<f64>>::new());
+        let mut times = Times::default();
         for _ in 0..ROUNDS {
-            for (way, secs) in boto3.round(size) {
-                theirs.entry(way).or_default().push(secs);
-            }
-            let (put, get) = timed::round(&rt, &l4, &ns, &keys, &blocks);
-            kvd.0.push(put);
-            kvd.1.push(get);
+            boto3.round(size, &mut times);
+            timed::round(&rt, &l4, &ns, &keys, &blocks, &mut times, "kvd");
         }
         let bytes = (N * size) as f64;
-        let (put, get) = (bytes / timed::median(kvd.0), bytes / timed::median(kvd.1));
-        let way = |name: &str| bytes / timed::median(theirs[name].clone());
+        let way = |name: &str| times.rate(name, bytes);
+        let (put, get) = (way("kvd put"), way("kvd get"));
         let label = format!("{} MiB", size >> 20);
         println!("| {label} | kvd L4 | {:.0} | {:.0} |", put / 1e6, get / 1e6);
         println!(

@@ -6,6 +6,7 @@
 //! The script defines `play(size)`, one round of blocks of `size` bytes, returning the seconds
 //! each of its ways took; its configuration is `sys.argv[1]` (JSON).
 
+use crate::timed::Times;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -45,8 +46,8 @@ impl Side {
         }
     }
 
-    /// One round of `size`-byte blocks: seconds per way.
-    pub fn round(&mut self, size: usize) -> HashMap<String, f64> {
+    /// One round of `size`-byte blocks, each way's seconds added to `times`.
+    pub fn round(&mut self, size: usize, times: &mut Times) {
         writeln!(self.stdin, "{size}").unwrap();
         let mut line = String::new();
         self.stdout.read_line(&mut line).unwrap();
@@ -54,7 +55,10 @@ impl Side {
             !line.is_empty(),
             "the store's client stopped (its error is above)"
         );
-        serde_json::from_str(&line).unwrap()
+        let round: HashMap<String, f64> = serde_json::from_str(&line).unwrap();
+        for (way, secs) in round {
+            times.push(&way, secs);
+        }
     }
 }
 

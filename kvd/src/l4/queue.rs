@@ -354,6 +354,11 @@ fn take(inner: &Inner) -> Vec<(u128, u64, Op)> {
 fn prepare(inner: &Inner, ops: Vec<(u128, u64, Op)>) -> Prepared {
     let mut puts = Vec::new();
     let mut removes = Vec::new();
+    let encode = if inner.remote.seals() {
+        frame::encode_unsealed
+    } else {
+        frame::encode
+    };
     for (hash, _, op) in &ops {
         let n = name(&inner.options.prefix, *hash);
         match op {
@@ -361,11 +366,6 @@ fn prepare(inner: &Inner, ops: Vec<(u128, u64, Op)>) -> Prepared {
                 let info = FrameInfo {
                     writer: inner.writer_id,
                     ..p.info
-                };
-                let encode = if inner.remote.seals() {
-                    frame::encode_unsealed
-                } else {
-                    frame::encode
                 };
                 if let Some(framed) = encode(&p.ns, &p.key, &p.value, info) {
                     puts.push((n, framed));
