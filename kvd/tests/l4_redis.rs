@@ -17,6 +17,7 @@ mod redis_server;
 use bytes::Bytes;
 use infera_core::event::Retention;
 use infera_kvd::Namespace;
+use infera_kvd::l4::frame::SealAhead;
 use infera_kvd::l4::resp::{Arg, Endpoint, Pool, Reply};
 use infera_kvd::l4::{L4, RemoteStore, name};
 use infera_kvd::long::{LongBlock, LongStore, WritePermit};
@@ -41,12 +42,18 @@ async fn raw(port: u16, stored: &str) -> (Option<Bytes>, Option<Bytes>) {
     let mut conn = pool.take().await.unwrap();
     let meta = format!("{stored}metadata");
     let value = format!("{stored}kv_bytes");
-    conn.send(&[Arg::Plain(b"GET"), Arg::Plain(meta.as_bytes())])
-        .await
-        .unwrap();
-    conn.send(&[Arg::Plain(b"GET"), Arg::Plain(value.as_bytes())])
-        .await
-        .unwrap();
+    conn.send(
+        &[Arg::Plain(b"GET"), Arg::Plain(meta.as_bytes())],
+        &mut SealAhead::default(),
+    )
+    .await
+    .unwrap();
+    conn.send(
+        &[Arg::Plain(b"GET"), Arg::Plain(value.as_bytes())],
+        &mut SealAhead::default(),
+    )
+    .await
+    .unwrap();
     conn.flush().await.unwrap();
     let (Reply::Bulk(meta), Reply::Bulk(value)) =
         (conn.read().await.unwrap(), conn.read().await.unwrap())

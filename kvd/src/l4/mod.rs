@@ -15,7 +15,7 @@
 //!   and every read absorb the inbox into the write-behind queue (see `queue.rs`), and reads
 //!   of a queued key are answered from the queue. A queued
 //!   removal hides the store's value of its key until it lands, so a get returns the last
-//!   accepted value or nothing. The writer checksums and sends batches on a thread of its own
+//!   accepted value or nothing. The writer frames and sends batches on a thread of its own
 //!   (a current-thread runtime, the store's twin client, a lower OS priority), so its work
 //!   never holds a core the daemon's SETs need; a store without a twin (Mooncake's sidecar
 //!   serves one call at a time) keeps it a task on the daemon's runtime.
@@ -303,10 +303,12 @@ const WRITER_NICE: i32 = 10;
 
 /// Starts the writer: on a thread of its own, with a current-thread runtime and the store's
 /// twin, at a lower OS priority, when the store has a twin ([`RemoteStore::twin`]); else as a
-/// task on the caller's runtime.
+/// task on the caller's runtime. The runtime's blocking threads (checksums taken ahead,
+/// [`frame::SealAhead`]) are started by the writer thread and inherit its priority.
 fn start_writer(inner: &Arc<Inner>) {
     let threaded = inner.remote.twin().and_then(|twin| {
         let runtime = tokio::runtime::Builder::new_current_thread()
+            .thread_name("kvd-l4-writer")
             .enable_all()
             .build()
             .map_err(|error| tracing::warn!(%error, "kvd L4 writer: no runtime of its own"))

@@ -17,9 +17,10 @@
 //!   not answer for it). Removals are small and bounded in number; past the bound L4 reads are
 //!   switched off for the rest of the run (an error is logged) rather than risk an old value.
 //! - The writer sends batches (bounded in items and bytes; a batch's puts spread over the
-//!   store's write streams) under a deadline each, framing (checksumming) the next batch
-//!   while one is on the wire; a failed batch (and the one framed behind it) goes back to the
-//!   front of the queue.
+//!   store's write streams) under a deadline each, framing the next batch (its checksums
+//!   too, unless the store takes them as it writes, see `RemoteStore::seals`) while one is on
+//!   the wire; a failed batch (and the one framed behind it) goes back to the front of the
+//!   queue.
 //!   Consecutive failures open the circuit breaker; while it is open the writer probes the
 //!   store's health, first after the retry interval, then at a wait that doubles after each
 //!   failed probe (up to 30 s), and closes it on success.

@@ -8,7 +8,7 @@
 //! kvd writes its framed blocks as LMCache `BINARY` objects (format 4) of dtype `uint8` (6),
 //! shape `[length, 0, 0, 0]`.
 
-use super::frame::Framed;
+use super::frame::{Framed, SealAhead};
 use super::remote::{RemoteError, RemoteStore};
 use super::resp::{Arg, Endpoint, Pool, Reply};
 use bytes::Bytes;
@@ -47,12 +47,17 @@ impl RedisStore {
         }
     }
 
-    /// Sends `commands` in one pipeline and reads one reply each.
+    /// Sends `commands` in one pipeline and reads one reply each; framed values to seal are
+    /// sealed as they go out ([`SealAhead`]).
     async fn pipeline(&self, commands: &[Vec<Arg<'_>>]) -> Result<Vec<Reply>, RemoteError> {
+        let mut seals = SealAhead::start(commands.iter().flatten().filter_map(|arg| match arg {
+            Arg::Framed(f) => Some(*f),
+            Arg::Plain(_) => None,
+        }));
         let mut conn = self.pool.take().await?;
         let result = async {
             for command in commands {
-                conn.send(command).await?;
+                conn.send(command, &mut seals).await?;
             }
             conn.flush().await?;
             let mut replies = Vec::with_capacity(commands.len());
@@ -91,6 +96,12 @@ impl RemoteStore for RedisStore {
     /// copying large replies out of the sockets is the client's work, and it overlaps.
     fn write_streams(&self) -> usize {
         1
+    }
+
+    /// Each frame's checksum is taken ahead of its send, on a helper thread ([`SealAhead`]),
+    /// rather than all of a batch's before its first byte goes out.
+    fn seals(&self) -> bool {
+        true
     }
 
     fn twin(&self) -> Option<std::sync::Arc<dyn RemoteStore>> {

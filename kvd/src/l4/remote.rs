@@ -46,10 +46,12 @@ pub trait RemoteStore: Send + Sync + std::fmt::Debug {
         None
     }
 
-    /// Whether [`RemoteStore::put_batch`] copies out a frame to seal ([`Framed::seal`]) with
-    /// [`super::frame::write_sealed`], which takes its checksum during the copy: the L4's
-    /// writer then leaves the checksum to the store (one pass over each value instead of two).
-    /// By default false: frames come sealed.
+    /// Whether [`RemoteStore::put_batch`] seals the frames to seal ([`Framed::seal`]) itself:
+    /// while it copies them out ([`super::frame::write_sealed`], one pass over each value
+    /// instead of two), or ahead of sending them one after the other
+    /// ([`super::frame::SealAhead`], so the first byte goes out before the last checksum is
+    /// taken). The L4's writer then leaves the checksums to the store. By default false:
+    /// frames come sealed.
     fn seals(&self) -> bool {
         false
     }
