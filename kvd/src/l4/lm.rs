@@ -11,7 +11,7 @@
 //!
 //! The protocol has no delete: a removal is a `PUT` of an empty value, which kvd reads as a miss.
 
-use super::frame::Framed;
+use super::frame::{Framed, SealAhead};
 use super::remote::{RemoteError, RemoteStore};
 use bytes::{Bytes, BytesMut};
 use std::sync::Mutex;
@@ -154,13 +154,18 @@ impl LmStore {
         .await
     }
 
-    async fn put_parts(&self, items: &[(&str, &[u8], &[u8])]) -> Result<(), RemoteError> {
+    /// PUTs each name's frame (`None`: an empty value), then asks HEALTH, whose answer comes
+    /// after every PUT's; frames to seal are sealed as they go out ([`SealAhead`]).
+    async fn put_parts(&self, items: &[(&str, Option<&Framed>)]) -> Result<(), RemoteError> {
+        let mut seals = SealAhead::start(items.iter().filter_map(|(_, f)| *f));
         self.with(async |(r, w): &mut Stream| {
-            for (name, head, body) in items {
-                w.write_all(&request(PUT, name, head.len() + body.len())?)
-                    .await?;
-                w.write_all(head).await?;
-                w.write_all(body).await?;
+            for (name, framed) in items {
+                let len = framed.map_or(0, Framed::len);
+                w.write_all(&request(PUT, name, len)?).await?;
+                if let Some(f) = framed {
+                    w.write_all(&seals.head(f).await).await?;
+                    w.write_all(&f.body).await?;
+                }
             }
             w.write_all(&request(HEALTH, "", 0)?).await?;
             w.flush().await?;
@@ -200,11 +205,14 @@ impl RemoteStore for LmStore {
         }
     }
 
+    /// Each frame's checksum is taken ahead of its send ([`SealAhead`]), as for Redis.
+    fn seals(&self) -> bool {
+        true
+    }
+
     async fn put_batch(&self, items: &[(String, Framed)]) -> Result<(), RemoteError> {
-        let parts: Vec<(&str, &[u8], &[u8])> = items
-            .iter()
-            .map(|(n, f)| (n.as_str(), &f.head[..], &f.body[..]))
-            .collect();
+        let parts: Vec<(&str, Option<&Framed>)> =
+            items.iter().map(|(n, f)| (n.as_str(), Some(f))).collect();
         self.put_parts(&parts).await
     }
 
@@ -250,10 +258,8 @@ impl RemoteStore for LmStore {
     }
 
     async fn remove_batch(&self, names: &[String]) -> Result<(), RemoteError> {
-        let parts: Vec<(&str, &[u8], &[u8])> = names
-            .iter()
-            .map(|n| (n.as_str(), &[][..], &[][..]))
-            .collect();
+        let parts: Vec<(&str, Option<&Framed>)> =
+            names.iter().map(|n| (n.as_str(), None)).collect();
         self.put_parts(&parts).await
     }
 }
