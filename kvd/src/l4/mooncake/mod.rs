@@ -8,7 +8,7 @@
 //! - **Values never cross a pipe.** kvd maps a memfd (the staging area: two L4 batches, and
 //!   at least two largest values), which the sidecar maps through `/proc/<kvd>/fd` and registers with
 //!   the store. A put writes the batch's frames there (each checksummed as it is
-//!   copied; a large chunk of them by two threads) and the sidecar calls
+//!   copied; a large chunk by two threads, as are the copies out) and the sidecar calls
 //!   `batch_upsert_from` on them. A get first asks the values' sizes (the store's replica
 //!   descriptors), places them in the area and has the store write them there
 //!   (`batch_get_into`), chunk by chunk, alternating between its two halves so that the
@@ -309,51 +309,70 @@ fn plan(lens: impl IntoIterator<Item = (usize, u64)>, half: u64) -> (Vec<Chunk>,
     (chunks, too_large)
 }
 
-/// A chunk of at least this many bytes is staged by two threads (see [`stage`]).
-const STAGE_SPLIT: u64 = 2 << 20;
+/// A chunk of at least this many bytes is copied in or out of the staging area by two threads
+/// (see [`in_two`]).
+const SPLIT_BYTES: u64 = 2 << 20;
 
-/// Copies a put chunk's frames (`(index in values, offset, length)`) into the staging area,
-/// sealing those to seal as they go ([`frame::write_sealed`]). A chunk of [`STAGE_SPLIT`] bytes
-/// or more is split in two at half its bytes, the second half staged by a scoped thread
-/// meanwhile: the store waits for the whole first chunk to be staged (15 frames of 1 MiB took
-/// 2.5 ms, against 6 ms for the store's put of them), and its side is idle while it is. Two
-/// threads took 1 MiB puts from 81–84 % to 94–95 % of the binding's (same runs, the two ways'
-/// rounds in alternating order).
-fn stage(shm: &SharedMap, chunk: &[(usize, u64, u64)], values: &[(String, Framed)]) {
-    let copy = |part: &[(usize, u64, u64)]| {
-        for &(i, at, _) in part {
-            let (framed, at) = (&values[i].1, at as usize);
-            if framed.seal {
-                frame::write_sealed(framed, |off, bytes| shm.write(at + off, bytes));
-            } else {
-                shm.write(at, &framed.head);
-                shm.write(at + framed.head.len(), &framed.body);
-            }
-        }
-    };
-    let bytes: u64 = chunk.iter().map(|&(_, _, len)| len).sum();
-    if bytes < STAGE_SPLIT || chunk.len() < 2 {
-        return copy(chunk);
+/// Runs `work` over a chunk's values (`(index, offset, length)`, and whatever else `I`
+/// carries): when they hold [`SPLIT_BYTES`] or more, split in two at half their bytes, the
+/// second part on a scoped thread meanwhile. Returns the outputs in order. The copies into and
+/// out of the staging area are what the store's side waits for (staging 15 frames of 1 MiB
+/// took 2.5 ms, against 6 ms for the store's put of them), and that side is idle while they
+/// run: two threads took 1 MiB puts from 81–84 % to 94–95 % of the binding's (same runs, the
+/// two ways' rounds in alternating order).
+fn in_two<I: Sync, T: Send>(
+    items: &[I],
+    len: impl Fn(&I) -> u64,
+    work: impl Fn(&[I]) -> T + Sync,
+) -> Vec<T> {
+    let bytes: u64 = items.iter().map(&len).sum();
+    if bytes < SPLIT_BYTES || items.len() < 2 {
+        return vec![work(items)];
     }
     let mut before = 0;
-    let split = chunk
+    let split = items
         .iter()
-        .position(|&(_, _, len)| {
-            before += len;
+        .position(|item| {
+            before += len(item);
             before * 2 >= bytes
         })
-        .map_or(chunk.len(), |p| (p + 1).min(chunk.len() - 1));
-    let (mine, theirs) = chunk.split_at(split);
+        .map_or(items.len(), |p| (p + 1).min(items.len() - 1));
+    let (mine, theirs) = items.split_at(split);
     std::thread::scope(|scope| {
         let helper = std::thread::Builder::new()
-            .name("kvd-l4-stage".into())
-            .spawn_scoped(scope, || copy(theirs));
-        copy(mine);
-        if helper.is_err() {
-            // No thread to be had: staged here after all.
-            copy(theirs);
-        }
-    });
+            .name("kvd-l4-copy".into())
+            .spawn_scoped(scope, || work(theirs));
+        let first = work(mine);
+        // No thread to be had: the second part runs here after all. A panic in the helper
+        // is the scope's.
+        let second = match helper {
+            Ok(helper) => helper
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p)),
+            Err(_) => work(theirs),
+        };
+        vec![first, second]
+    })
+}
+
+/// Copies a put chunk's frames into the staging area ([`in_two`]), sealing those to seal as
+/// they go ([`frame::write_sealed`]).
+fn stage(shm: &SharedMap, chunk: &[(usize, u64, u64)], values: &[(String, Framed)]) {
+    in_two(
+        chunk,
+        |&(_, _, len)| len,
+        |part| {
+            for &(i, at, _) in part {
+                let (framed, at) = (&values[i].1, at as usize);
+                if framed.seal {
+                    frame::write_sealed(framed, |off, bytes| shm.write(at + off, bytes));
+                } else {
+                    shm.write(at, &framed.head);
+                    shm.write(at + framed.head.len(), &framed.body);
+                }
+            }
+        },
+    );
 }
 
 /// A plan's chunks as the sidecar's commands, each value named by `name`.
@@ -460,17 +479,35 @@ impl RemoteStore for MooncakeStore {
             &commands,
             |_, _| {},
             |shm, k, results| {
-                for (&(i, offset, len), (result, at)) in chunks[k].iter().zip(results) {
-                    out[i] = match result {
-                        n if u64::try_from(n) == Ok(len) && at == offset => {
-                            Some(Bytes::copy_from_slice(shm.slice(at as usize, len as usize)))
-                        }
-                        MISSING => None,
-                        code => {
-                            tracing::debug!(code, "kvd L4: a Mooncake get failed; a miss");
-                            None
-                        }
-                    };
+                let got: Vec<_> = chunks[k].iter().zip(results).collect();
+                let parts = in_two(
+                    &got,
+                    |item: &(&(usize, u64, u64), (i64, u64))| item.0.2,
+                    |part| {
+                        part.iter()
+                            .map(|&(&(i, offset, len), (result, at))| {
+                                let value = match result {
+                                    n if u64::try_from(n) == Ok(len) && at == offset => {
+                                        Some(Bytes::copy_from_slice(
+                                            shm.slice(at as usize, len as usize),
+                                        ))
+                                    }
+                                    MISSING => None,
+                                    code => {
+                                        tracing::debug!(
+                                            code,
+                                            "kvd L4: a Mooncake get failed; a miss"
+                                        );
+                                        None
+                                    }
+                                };
+                                (i, value)
+                            })
+                            .collect::<Vec<_>>()
+                    },
+                );
+                for (i, value) in parts.into_iter().flatten() {
+                    out[i] = value;
                 }
             },
         )
@@ -494,7 +531,7 @@ impl RemoteStore for MooncakeStore {
 
 #[cfg(test)]
 mod tests {
-    use super::{CHUNK, MISSING, STAGE_SPLIT, plan, stage};
+    use super::{CHUNK, MISSING, SPLIT_BYTES, plan, stage};
     use crate::l4::frame::{self, FrameInfo, Framed};
     use crate::proto::Namespace;
     use crate::sys::shm::SharedMap;
@@ -515,7 +552,7 @@ mod tests {
         };
         let values: Vec<(String, Framed)> = (0..5u8)
             .map(|i| {
-                let value = Bytes::from(vec![i; (STAGE_SPLIT / 3) as usize + usize::from(i)]);
+                let value = Bytes::from(vec![i; (SPLIT_BYTES / 3) as usize + usize::from(i)]);
                 let key = [i];
                 let framed = if i == 3 {
                     frame::encode(&ns, &key, &value, info).unwrap()
@@ -532,7 +569,7 @@ mod tests {
                 .map(|(i, (_, f))| (i, f.len() as u64)),
             CHUNK,
         );
-        assert_eq!(chunks.len(), 1, "one chunk over STAGE_SPLIT bytes");
+        assert_eq!(chunks.len(), 1, "one chunk over SPLIT_BYTES");
         let shm = SharedMap::create("kvd-test-stage", (2 * CHUNK) as usize).unwrap();
         stage(&shm, &chunks[0], &values);
         for &(i, at, len) in &chunks[0] {
