@@ -375,6 +375,47 @@ fn stage(shm: &SharedMap, chunk: &[(usize, u64, u64)], values: &[(String, Framed
     );
 }
 
+/// Copies a get chunk's values out of the staging area ([`in_two`]), given the sidecar's
+/// `(result, offset)` of each: `(index, value)`, `None` for a value the store did not write
+/// where and as long as asked (missing, or failed: a miss).
+fn copy_out(
+    shm: &SharedMap,
+    chunk: &[(usize, u64, u64)],
+    results: Vec<(i64, u64)>,
+) -> Vec<(usize, Option<Bytes>)> {
+    let got: Vec<_> = chunk.iter().zip(results).collect();
+    let parts = in_two(
+        &got,
+        |&(&(_, _, len), _)| len,
+        |part| {
+            part.iter()
+                .map(|&(&(i, offset, len), (result, at))| {
+                    let value = match result {
+                        n if u64::try_from(n) == Ok(len) && at == offset => {
+                            Some(Bytes::copy_from_slice(shm.slice(at as usize, len as usize)))
+                        }
+                        MISSING => None,
+                        code => {
+                            tracing::debug!(code, "kvd L4: a Mooncake get failed; a miss");
+                            None
+                        }
+                    };
+                    (i, value)
+                })
+                .collect::<Vec<_>>()
+        },
+    );
+    parts.into_iter().flatten().collect()
+}
+
+/// Each value's index and frame length, as [`plan`] takes them.
+fn frame_lens(values: &[(String, Framed)]) -> impl Iterator<Item = (usize, u64)> + '_ {
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, (_, f))| (i, f.len() as u64))
+}
+
 /// A plan's chunks as the sidecar's commands, each value named by `name`.
 fn commands_of<'a>(
     chunks: &[Chunk],
@@ -426,13 +467,7 @@ impl RemoteStore for MooncakeStore {
     /// the sidecar writes the previous chunk to the store (`batch_upsert_from`).
     async fn put_batch(&self, values: &[(String, Framed)]) -> Result<(), RemoteError> {
         let half = (self.staging_bytes / 2) as u64;
-        let (chunks, too_large) = plan(
-            values
-                .iter()
-                .enumerate()
-                .map(|(i, (_, f))| (i, f.len() as u64)),
-            half,
-        );
+        let (chunks, too_large) = plan(frame_lens(values), half);
         if let Some(&i) = too_large.first() {
             // Never queued: the L4 refuses values over its maximum, and half the area holds one.
             return Err(RemoteError::Protocol(format!(
@@ -479,34 +514,7 @@ impl RemoteStore for MooncakeStore {
             &commands,
             |_, _| {},
             |shm, k, results| {
-                let got: Vec<_> = chunks[k].iter().zip(results).collect();
-                let parts = in_two(
-                    &got,
-                    |item: &(&(usize, u64, u64), (i64, u64))| item.0.2,
-                    |part| {
-                        part.iter()
-                            .map(|&(&(i, offset, len), (result, at))| {
-                                let value = match result {
-                                    n if u64::try_from(n) == Ok(len) && at == offset => {
-                                        Some(Bytes::copy_from_slice(
-                                            shm.slice(at as usize, len as usize),
-                                        ))
-                                    }
-                                    MISSING => None,
-                                    code => {
-                                        tracing::debug!(
-                                            code,
-                                            "kvd L4: a Mooncake get failed; a miss"
-                                        );
-                                        None
-                                    }
-                                };
-                                (i, value)
-                            })
-                            .collect::<Vec<_>>()
-                    },
-                );
-                for (i, value) in parts.into_iter().flatten() {
+                for (i, value) in copy_out(shm, &chunks[k], results) {
                     out[i] = value;
                 }
             },
@@ -531,7 +539,7 @@ impl RemoteStore for MooncakeStore {
 
 #[cfg(test)]
 mod tests {
-    use super::{CHUNK, MISSING, SPLIT_BYTES, plan, stage};
+    use super::{CHUNK, MISSING, SPLIT_BYTES, frame_lens, plan, stage};
     use crate::l4::frame::{self, FrameInfo, Framed};
     use crate::proto::Namespace;
     use crate::sys::shm::SharedMap;
@@ -562,13 +570,7 @@ mod tests {
                 (format!("n{i}"), framed)
             })
             .collect();
-        let (chunks, _) = plan(
-            values
-                .iter()
-                .enumerate()
-                .map(|(i, (_, f))| (i, f.len() as u64)),
-            CHUNK,
-        );
+        let (chunks, _) = plan(frame_lens(&values), CHUNK);
         assert_eq!(chunks.len(), 1, "one chunk over SPLIT_BYTES");
         let shm = SharedMap::create("kvd-test-stage", (2 * CHUNK) as usize).unwrap();
         stage(&shm, &chunks[0], &values);
