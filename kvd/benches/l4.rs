@@ -2,13 +2,16 @@
 //!
 //! - `l4_frame` (criterion): framing and checking a 4 MiB block.
 //! - Put and get throughput: 1 MiB and 4 MiB blocks through kvd's L4 (framing, checksum, the
-//!   write-behind queue, LMCache's two-key layout; a put round is N puts then a flush, a get
-//!   round one batched read of N blocks), beside a plain pipelined RESP client written here
+//!   write-behind queue, LMCache's two-key layout; a put round is 64 MiB of puts then a
+//!   flush, a get round one batched read of them: rounds long enough to measure throughput,
+//!   not the hand-over to kvd's writer and back, 0.1 to 0.5 ms a round), beside a plain pipelined RESP client written here
 //!   (what `redis-benchmark -P` does), which returns the values it read as kvd does (a reader
 //!   that dropped each value at once would reuse one hot buffer, 1.6× faster on the 2-core
 //!   build VM, that no caller could keep). Their rounds alternate; medians of 15 rounds. kvd
 //!   plays two rounds in a row, the first with its writer idle since its last round (shown
-//!   too). Target: kvd ≥ 80 % of the plain client.
+//!   too). Target: kvd ≥ 80 % of the plain client. The table runs twice: with every process
+//!   sharing the machine's CPUs, then with `redis-server` on a CPU of its own and the clients
+//!   on the others (`support/server_core.rs`), as on a host whose store runs elsewhere.
 //! - Then the L2 SET latency studies with this Redis store: in process
 //!   (`support/set_study.rs`: the SET path's own cost) and over kvd's socket
 //!   (`support/set_socket.rs`: what a client waits for).
@@ -23,6 +26,8 @@ mod own_core;
 mod redis_server;
 #[path = "support/rounds.rs"]
 mod rounds;
+#[path = "support/server_core.rs"]
+mod server_core;
 #[path = "support/set_socket.rs"]
 mod set_socket;
 #[path = "support/set_study.rs"]
@@ -45,8 +50,8 @@ use tokio::net::TcpStream;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// Blocks per round.
-const N: usize = 16;
+/// Bytes per round (64 blocks of 1 MiB, 16 of 4 MiB).
+const ROUND_BYTES: usize = 64 << 20;
 
 fn config(port: u16) -> L4Config {
     let url = format!("redis://127.0.0.1:{port}");
@@ -140,17 +145,19 @@ const ROUNDS: usize = 15;
 /// machine does at a moment touches both alike; prints the medians and kvd against the plain
 /// client. kvd's first round of each starts with its writer idle (parked since the last
 /// round); the target is read on the second, as under a steady load.
-fn throughput(rt: &tokio::runtime::Runtime, port: u16) {
+fn throughput(rt: &tokio::runtime::Runtime, port: u16, cpus: &str) {
     let ns = Namespace::new("bench", "");
     let cfg = config(port);
     let l4 = rt.block_on(async { L4::open(cfg.store(), cfg.options(), true).await.unwrap() });
     let remote = cfg.store();
     let mut plain = rt.block_on(Plain::connect(port));
+    println!("\nL4 throughput, {cpus}:\n");
     println!("| block | way | put MB/s | get MB/s |");
     println!("|---|---|---:|---:|");
     for size in [1usize << 20, 4 << 20] {
-        let blocks: Vec<Bytes> = (0..N).map(|i| block(i, size)).collect();
-        let keys = rounds::keys(&ns, &format!("{size}-"), N);
+        let n = ROUND_BYTES / size;
+        let blocks: Vec<Bytes> = (0..n).map(|i| block(i, size)).collect();
+        let keys = rounds::keys(&ns, &format!("{size}-"), n);
         let names: Vec<String> = keys
             .iter()
             .map(|(_, h)| infera_kvd::l4::name(&cfg.prefix, *h))
@@ -158,7 +165,7 @@ fn throughput(rt: &tokio::runtime::Runtime, port: u16) {
         let mut times = Times::default();
         for _ in 0..ROUNDS {
             times.time("plain put", || rt.block_on(plain.set_all(&blocks)));
-            let got = times.time("plain get", || rt.block_on(plain.get_all(N)));
+            let got = times.time("plain get", || rt.block_on(plain.get_all(n)));
             assert!(got.iter().all(|v| v.len() == size));
             // After the plain client's rounds kvd's writer has been idle (it looks at its
             // inbox every 8 ms at most); the next round finds it busy, as under a steady load.
@@ -169,7 +176,7 @@ fn throughput(rt: &tokio::runtime::Runtime, port: u16) {
             });
             assert!(got.iter().all(Option::is_some));
         }
-        let mb = |way: &str| times.rate(way, (N * size) as f64) / 1e6;
+        let mb = |way: &str| times.rate(way, ROUND_BYTES as f64) / 1e6;
         let label = format!("{} MiB", size >> 20);
         let (kvd_put, kvd_get) = (mb("kvd put"), mb("kvd get"));
         let (plain_put, plain_get) = (mb("plain put"), mb("plain get"));
@@ -232,7 +239,19 @@ fn main() {
     let mut c = Criterion::default().configure_from_args();
     framing(&mut c);
     c.final_summary();
-    throughput(&rt, redis.port);
+    throughput(
+        &rt,
+        redis.port,
+        "the clients and redis-server sharing every CPU",
+    );
+    match server_core::ServerCore::reserve() {
+        Some(_split) => throughput(
+            &rt,
+            redis.port,
+            "redis-server on the last CPU, the clients (kvd's writer too) on the others",
+        ),
+        None => println!("\nL4 throughput, redis-server on a CPU of its own: not run (one CPU)"),
+    }
     let cfg = config(redis.port);
     let down = config(redis_server::free_port()).store();
     set_study::run(&rt, &cfg.options(), &|| cfg.store(), down);

@@ -47,11 +47,17 @@ impl Drop for OwnCore {
 
 /// Sets `cpus` on every thread of this process and of its descendants; whether `/proc` listed
 /// them.
-fn pin_family(cpus: &CpuSet) -> bool {
+pub fn pin_family(cpus: &CpuSet) -> bool {
     let Ok(family) = descendants(std::process::id()) else {
         return false;
     };
-    for pid in family {
+    pin(&family, cpus);
+    true
+}
+
+/// Sets `cpus` on every thread of the processes `pids`.
+pub fn pin(pids: &[u32], cpus: &CpuSet) {
+    for &pid in pids {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
             continue; // gone meanwhile
         };
@@ -63,11 +69,10 @@ fn pin_family(cpus: &CpuSet) -> bool {
             let _ = sched_setaffinity(Pid::from_raw(tid), cpus);
         }
     }
-    true
 }
 
 /// `root` and every process below it, from the parent ids in `/proc/<pid>/stat`.
-fn descendants(root: u32) -> std::io::Result<Vec<u32>> {
+pub fn descendants(root: u32) -> std::io::Result<Vec<u32>> {
     let mut parents = Vec::new();
     for entry in std::fs::read_dir("/proc")?.flatten() {
         let Some(pid) = entry

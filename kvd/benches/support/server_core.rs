@@ -1,0 +1,42 @@
+//! The store server on a CPU of its own for the L4 throughput table (`l4`), beside the shared
+//! run: see [`ServerCore`].
+
+use crate::own_core::{descendants, pin, pin_family};
+use rustix::thread::{CpuSet, sched_getaffinity};
+
+/// The store server on a CPU of its own: every process the bench started (the server) on the
+/// last CPU, the bench's own threads (the clients, kvd's writer) on the others, as on a host
+/// whose store runs elsewhere. Both clients then have the same CPUs, which the server does not
+/// share; on a shared 2-core machine, the scheduler otherwise decides which client's threads
+/// share a core with the server.
+pub struct ServerCore {
+    all: CpuSet,
+}
+
+impl ServerCore {
+    /// Splits the CPUs; `None` with a single CPU (or without `/proc`).
+    pub fn reserve() -> Option<Self> {
+        let all = sched_getaffinity(None).ok()?;
+        let cpus: Vec<usize> = (0..CpuSet::MAX_CPU).filter(|&c| all.is_set(c)).collect();
+        let (&last, rest) = cpus.split_last()?;
+        if rest.is_empty() {
+            return None;
+        }
+        let (mut server, mut clients) = (CpuSet::new(), CpuSet::new());
+        server.set(last);
+        for &c in rest {
+            clients.set(c);
+        }
+        let family = descendants(std::process::id()).ok()?;
+        let (bench, servers) = family.split_first()?;
+        pin(&[*bench], &clients);
+        pin(servers, &server);
+        Some(Self { all })
+    }
+}
+
+impl Drop for ServerCore {
+    fn drop(&mut self) {
+        pin_family(&self.all);
+    }
+}
