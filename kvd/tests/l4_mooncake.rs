@@ -105,6 +105,7 @@ async fn batches_larger_than_the_staging_area_are_split_both_ways() {
                 Framed {
                     head: Bytes::from_static(b"h"),
                     body,
+                    tail: Bytes::new(),
                     seal: false,
                 },
             )
@@ -146,6 +147,7 @@ async fn a_foreign_or_torn_value_under_a_blocks_name_is_a_counted_miss() {
         Framed {
             head: Bytes::new(),
             body: block(0, 4096),
+            tail: Bytes::new(),
             seal: false,
         },
     )])
@@ -174,6 +176,7 @@ async fn a_foreign_or_torn_value_under_a_blocks_name_is_a_counted_miss() {
         Framed {
             head: Bytes::new(),
             body: whole.slice(..whole.len() - 100),
+            tail: Bytes::new(),
             seal: false,
         },
     )])

@@ -11,7 +11,7 @@
 //!
 //! The protocol has no delete: a removal is a `PUT` of an empty value, which kvd reads as a miss.
 
-use super::frame::{Framed, SealAhead};
+use super::frame::{self, Framed};
 use super::remote::{RemoteError, RemoteStore};
 use bytes::{Bytes, BytesMut};
 use std::sync::Mutex;
@@ -155,16 +155,14 @@ impl LmStore {
     }
 
     /// PUTs each name's frame (`None`: an empty value), then asks HEALTH, whose answer comes
-    /// after every PUT's; frames to seal are sealed as they go out ([`SealAhead`]).
+    /// after every PUT's; frames to seal are sealed as they go out ([`frame::write_to`]).
     async fn put_parts(&self, items: &[(&str, Option<&Framed>)]) -> Result<(), RemoteError> {
-        let mut seals = SealAhead::start(items.iter().filter_map(|(_, f)| *f));
         self.with(async |(r, w): &mut Stream| {
             for (name, framed) in items {
                 let len = framed.map_or(0, Framed::len);
                 w.write_all(&request(PUT, name, len)?).await?;
                 if let Some(f) = framed {
-                    w.write_all(&seals.head(f).await).await?;
-                    w.write_all(&f.body).await?;
+                    frame::write_to(f, w).await?;
                 }
             }
             w.write_all(&request(HEALTH, "", 0)?).await?;
@@ -205,7 +203,7 @@ impl RemoteStore for LmStore {
         }
     }
 
-    /// Each frame's checksum is taken ahead of its send ([`SealAhead`]), as for Redis.
+    /// Each frame's checksum is taken as it goes out ([`frame::write_to`]), as for Redis.
     fn seals(&self) -> bool {
         true
     }

@@ -303,8 +303,8 @@ const WRITER_NICE: i32 = 10;
 
 /// Starts the writer: on a thread of its own, with a current-thread runtime and the store's
 /// twin, at a lower OS priority, when the store has a twin ([`RemoteStore::twin`]); else as a
-/// task on the caller's runtime. The runtime's blocking threads (checksums taken ahead,
-/// [`frame::SealAhead`]) are started by the writer thread and inherit its priority.
+/// task on the caller's runtime. Threads the writer starts (a Mooncake chunk's second copier)
+/// inherit its priority.
 fn start_writer(inner: &Arc<Inner>) {
     let threaded = inner.remote.twin().and_then(|twin| {
         let runtime = tokio::runtime::Builder::new_current_thread()

@@ -8,7 +8,7 @@
 //! kvd writes its framed blocks as LMCache `BINARY` objects (format 4) of dtype `uint8` (6),
 //! shape `[length, 0, 0, 0]`.
 
-use super::frame::{Framed, SealAhead};
+use super::frame::Framed;
 use super::remote::{RemoteError, RemoteStore};
 use super::resp::{Arg, Endpoint, Pool, Reply};
 use bytes::Bytes;
@@ -48,16 +48,12 @@ impl RedisStore {
     }
 
     /// Sends `commands` in one pipeline and reads one reply each; framed values to seal are
-    /// sealed as they go out ([`SealAhead`]).
+    /// sealed as they go out ([`super::frame::write_to`]).
     async fn pipeline(&self, commands: &[Vec<Arg<'_>>]) -> Result<Vec<Reply>, RemoteError> {
-        let mut seals = SealAhead::start(commands.iter().flatten().filter_map(|arg| match arg {
-            Arg::Framed(f) => Some(*f),
-            Arg::Plain(_) => None,
-        }));
         let mut conn = self.pool.take().await?;
         let result = async {
             for command in commands {
-                conn.send(command, &mut seals).await?;
+                conn.send(command).await?;
             }
             conn.flush().await?;
             let mut replies = Vec::with_capacity(commands.len());
@@ -98,8 +94,8 @@ impl RemoteStore for RedisStore {
         1
     }
 
-    /// Each frame's checksum is taken ahead of its send, on a helper thread ([`SealAhead`]),
-    /// rather than all of a batch's before its first byte goes out.
+    /// Each frame's checksum is taken as it goes out, piece by piece right before each piece
+    /// is written ([`super::frame::write_to`]): one pass over the value from memory.
     fn seals(&self) -> bool {
         true
     }

@@ -46,12 +46,11 @@ pub trait RemoteStore: Send + Sync + std::fmt::Debug {
         None
     }
 
-    /// Whether [`RemoteStore::put_batch`] seals the frames to seal ([`Framed::seal`]) itself:
-    /// while it copies them out ([`super::frame::write_sealed`], one pass over each value
-    /// instead of two), or ahead of sending them one after the other
-    /// ([`super::frame::SealAhead`], so the first byte goes out before the last checksum is
-    /// taken). The L4's writer then leaves the checksums to the store. By default false:
-    /// frames come sealed.
+    /// Whether [`RemoteStore::put_batch`] seals the frames to seal ([`Framed::seal`]) itself,
+    /// as it copies them out or writes them to a socket ([`super::frame::copy_to`],
+    /// [`super::frame::write_to`]: one pass over each value instead of two, each piece
+    /// checksummed from cache right before its copy). The L4's writer then leaves the
+    /// trailers to the store. By default false: frames come sealed.
     fn seals(&self) -> bool {
         false
     }

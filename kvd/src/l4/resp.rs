@@ -2,7 +2,7 @@
 //! bounded in size. Deadlines belong to the caller: a future dropped mid-command drops its
 //! connection with it (a connection goes back to the pool only after a whole pipeline).
 
-use super::frame::{Framed, SealAhead};
+use super::frame::{self, Framed};
 use super::remote::RemoteError;
 use bytes::Bytes;
 use std::sync::Mutex;
@@ -80,7 +80,7 @@ impl Conn {
     }
 
     async fn expect_ok(&mut self, args: &[Arg<'_>]) -> Result<(), RemoteError> {
-        self.send(args, &mut SealAhead::default()).await?;
+        self.send(args).await?;
         self.writer.flush().await?;
         match self.read().await? {
             Reply::Status(_) => Ok(()),
@@ -88,13 +88,9 @@ impl Conn {
         }
     }
 
-    /// Queues one command (flushed by [`Conn::flush`]); a framed value to seal takes its
-    /// header from `seals`.
-    pub async fn send(
-        &mut self,
-        args: &[Arg<'_>],
-        seals: &mut SealAhead,
-    ) -> Result<(), RemoteError> {
+    /// Queues one command (flushed by [`Conn::flush`]); a framed value to seal is sealed as it
+    /// goes out ([`frame::write_to`]).
+    pub async fn send(&mut self, args: &[Arg<'_>]) -> Result<(), RemoteError> {
         let w = &mut self.writer;
         w.write_all(format!("*{}\r\n", args.len()).as_bytes())
             .await?;
@@ -106,8 +102,7 @@ impl Conn {
                 }
                 Arg::Framed(f) => {
                     w.write_all(format!("${}\r\n", f.len()).as_bytes()).await?;
-                    w.write_all(&seals.head(f).await).await?;
-                    w.write_all(&f.body).await?;
+                    frame::write_to(f, w).await?;
                 }
             }
             w.write_all(b"\r\n").await?;
@@ -263,11 +258,7 @@ mod tests {
     async fn get(reply: &[u8], max_bulk: usize) -> Result<Reply, RemoteError> {
         let ep = store_answering(reply.to_vec()).await;
         let mut conn = Conn::open(&ep, max_bulk).await?;
-        conn.send(
-            &[Arg::Plain(b"GET"), Arg::Plain(b"k")],
-            &mut SealAhead::default(),
-        )
-        .await?;
+        conn.send(&[Arg::Plain(b"GET"), Arg::Plain(b"k")]).await?;
         conn.flush().await?;
         conn.read().await
     }

@@ -356,7 +356,7 @@ fn in_two<I: Sync, T: Send>(
 }
 
 /// Copies a put chunk's frames into the staging area ([`in_two`]), sealing those to seal as
-/// they go ([`frame::write_sealed`]).
+/// they go ([`frame::copy_to`]).
 fn stage(shm: &SharedMap, chunk: &[(usize, u64, u64)], values: &[(String, Framed)]) {
     in_two(
         chunk,
@@ -364,12 +364,7 @@ fn stage(shm: &SharedMap, chunk: &[(usize, u64, u64)], values: &[(String, Framed
         |part| {
             for &(i, at, _) in part {
                 let (framed, at) = (&values[i].1, at as usize);
-                if framed.seal {
-                    frame::write_sealed(framed, |off, bytes| shm.write(at + off, bytes));
-                } else {
-                    shm.write(at, &framed.head);
-                    shm.write(at + framed.head.len(), &framed.body);
-                }
+                frame::copy_to(framed, |off, bytes| shm.write(at + off, bytes));
             }
         },
     );
@@ -458,7 +453,7 @@ impl RemoteStore for MooncakeStore {
         all_ok("health_check", &results)
     }
 
-    /// Frames to seal are sealed as they are staged ([`frame::write_sealed`]).
+    /// Frames to seal are sealed as they are staged ([`frame::copy_to`]).
     fn seals(&self) -> bool {
         true
     }

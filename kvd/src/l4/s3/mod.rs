@@ -191,11 +191,11 @@ impl S3Config {
     }
 }
 
-/// A request body of up to two parts (a frame's head and body), its length known up front
+/// A request body of up to three parts (a frame's head, body and trailer), its length known up front
 /// (S3 wants a `Content-Length`, never a chunked upload).
 #[derive(Debug, Default)]
 struct Payload {
-    parts: [Bytes; 2],
+    parts: [Bytes; 3],
     at: usize,
 }
 
@@ -219,11 +219,11 @@ impl Body for Payload {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.parts[self.at.min(2)..].iter().all(Bytes::is_empty)
+        self.parts[self.at.min(3)..].iter().all(Bytes::is_empty)
     }
 
     fn size_hint(&self) -> SizeHint {
-        let left: usize = self.parts[self.at.min(2)..].iter().map(Bytes::len).sum();
+        let left: usize = self.parts[self.at.min(3)..].iter().map(Bytes::len).sum();
         SizeHint::with_exact(left as u64)
     }
 }
@@ -407,7 +407,11 @@ impl RemoteStore for S3Store {
     async fn put_batch(&self, items: &[(String, Framed)]) -> Result<(), RemoteError> {
         let puts = items.iter().map(|(name, framed)| async move {
             let body = Payload {
-                parts: [framed.head.clone(), framed.body.clone()],
+                parts: [
+                    framed.head.clone(),
+                    framed.body.clone(),
+                    framed.tail.clone(),
+                ],
                 at: 0,
             };
             let (status, answer) = self.call(Method::PUT, Some(name), body, ERROR_BODY).await?;
