@@ -18,17 +18,8 @@ impl OwnCore {
     /// Reserves the last CPU this process may run on; `None` with a single CPU (or without
     /// `/proc`).
     pub fn reserve() -> Option<Self> {
-        let all = sched_getaffinity(None).ok()?;
-        let cpus: Vec<usize> = (0..CpuSet::MAX_CPU).filter(|&c| all.is_set(c)).collect();
-        let (&cpu, rest) = cpus.split_last()?;
-        if rest.is_empty() {
-            return None;
-        }
-        let mut others = CpuSet::new();
-        for &c in rest {
-            others.set(c);
-        }
-        pin_family(&others).then_some(Self { cpu, all })
+        let Split { all, last, others } = Split::of_this_process()?;
+        pin_family(&others).then_some(Self { cpu: last, all })
     }
 
     /// Pins the calling thread to the reserved CPU.
@@ -42,6 +33,30 @@ impl OwnCore {
 impl Drop for OwnCore {
     fn drop(&mut self) {
         pin_family(&self.all);
+    }
+}
+
+/// This process's CPUs split into its last one and the others.
+pub struct Split {
+    pub all: CpuSet,
+    pub last: usize,
+    pub others: CpuSet,
+}
+
+impl Split {
+    /// `None` with a single CPU (or when the process's CPUs cannot be read).
+    pub fn of_this_process() -> Option<Self> {
+        let all = sched_getaffinity(None).ok()?;
+        let cpus: Vec<usize> = (0..CpuSet::MAX_CPU).filter(|&c| all.is_set(c)).collect();
+        let (&last, rest) = cpus.split_last()?;
+        if rest.is_empty() {
+            return None;
+        }
+        let mut others = CpuSet::new();
+        for &c in rest {
+            others.set(c);
+        }
+        Some(Self { all, last, others })
     }
 }
 

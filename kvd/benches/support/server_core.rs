@@ -1,8 +1,8 @@
 //! The store server on a CPU of its own for the L4 throughput table (`l4`), beside the shared
 //! run: see [`ServerCore`].
 
-use crate::own_core::{descendants, pin, pin_family};
-use rustix::thread::{CpuSet, sched_getaffinity};
+use crate::own_core::{Split, descendants, pin, pin_family};
+use rustix::thread::CpuSet;
 
 /// The store server on a CPU of its own: every process the bench started (the server) on the
 /// last CPU, the bench's own threads (the clients, kvd's writer) on the others, as on a host
@@ -16,20 +16,12 @@ pub struct ServerCore {
 impl ServerCore {
     /// Splits the CPUs; `None` with a single CPU (or without `/proc`).
     pub fn reserve() -> Option<Self> {
-        let all = sched_getaffinity(None).ok()?;
-        let cpus: Vec<usize> = (0..CpuSet::MAX_CPU).filter(|&c| all.is_set(c)).collect();
-        let (&last, rest) = cpus.split_last()?;
-        if rest.is_empty() {
-            return None;
-        }
-        let (mut server, mut clients) = (CpuSet::new(), CpuSet::new());
+        let Split { all, last, others } = Split::of_this_process()?;
+        let mut server = CpuSet::new();
         server.set(last);
-        for &c in rest {
-            clients.set(c);
-        }
         let family = descendants(std::process::id()).ok()?;
         let (bench, servers) = family.split_first()?;
-        pin(&[*bench], &clients);
+        pin(&[*bench], &others);
         pin(servers, &server);
         Some(Self { all })
     }
