@@ -4,12 +4,12 @@
 //! - Put and get throughput: 1 MiB and 4 MiB blocks through kvd's L4 (framing, checksum, the
 //!   write-behind queue, LMCache's two-key layout; a put round is 64 MiB of puts then a
 //!   flush, a get round one batched read of them: rounds long enough to measure throughput,
-//!   not the hand-over to kvd's writer and back, 0.1 to 0.5 ms a round), beside a plain pipelined RESP client written here
-//!   (what `redis-benchmark -P` does), which returns the values it read as kvd does (a reader
-//!   that dropped each value at once would reuse one hot buffer, 1.6× faster on the 2-core
-//!   build VM, that no caller could keep). Their rounds alternate; medians of 15 rounds. kvd
-//!   plays two rounds in a row, the first with its writer idle since its last round (shown
-//!   too). Target: kvd ≥ 80 % of the plain client. The table runs twice: with every process
+//!   not the hand-over to kvd's writer and back, 0.1 to 0.5 ms a round), beside a plain
+//!   pipelined RESP client written here (what `redis-benchmark -P` does), which returns the
+//!   values it read as kvd does (a reader that dropped each value at once would reuse one hot
+//!   buffer, 1.6× faster on the 2-core build VM, that no caller could keep). Their rounds
+//!   alternate; medians of 15 rounds. kvd plays two rounds in a row, the first with its
+//!   writer idle since its last round (shown too). Target: kvd ≥ 80 % of the plain client. The table runs twice: with every process
 //!   sharing the machine's CPUs, then with `redis-server` on a CPU of its own and the clients
 //!   on the others (`support/server_core.rs`), as on a host whose store runs elsewhere.
 //! - Then the L2 SET latency studies with this Redis store: in process

@@ -191,8 +191,8 @@ impl S3Config {
     }
 }
 
-/// A request body of up to three parts (a frame's head, body and trailer), its length known up front
-/// (S3 wants a `Content-Length`, never a chunked upload).
+/// A request body of up to three parts (a frame's head, body and trailer), its length known up
+/// front (S3 wants a `Content-Length`, never a chunked upload).
 #[derive(Debug, Default)]
 struct Payload {
     parts: [Bytes; 3],
@@ -219,11 +219,16 @@ impl Body for Payload {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.parts[self.at.min(3)..].iter().all(Bytes::is_empty)
+        self.parts[self.at.min(self.parts.len())..]
+            .iter()
+            .all(Bytes::is_empty)
     }
 
     fn size_hint(&self) -> SizeHint {
-        let left: usize = self.parts[self.at.min(3)..].iter().map(Bytes::len).sum();
+        let left: usize = self.parts[self.at.min(self.parts.len())..]
+            .iter()
+            .map(Bytes::len)
+            .sum();
         SizeHint::with_exact(left as u64)
     }
 }
