@@ -13,8 +13,11 @@
 //!   could keep).
 //! - kvd's store client alone (its own sidecar) reading the same values: the L4's get less
 //!   its framing checks and bookkeeping.
-//! - Then the L2 SET latency study (`support/set_study.rs`) with a Mooncake L4 healthy, slow
-//!   and down (a cluster killed).
+//! - Then the L2 SET latency studies with a Mooncake L4 healthy, slow and down (a cluster
+//!   killed): in process (`support/set_study.rs`: the SET path's own cost, the slow store a
+//!   wrapper answering 50 ms late) and over kvd's socket (`support/set_socket.rs`: what a
+//!   client waits for, the slow store's master behind a proxy holding every byte 50 ms each
+//!   way, so that every put and get waits on its calls to the master).
 //! - The rounds alternate (`support/side.rs`): the binding's, kvd's, kvd's client alone.
 //!   Printed: median throughput of 15 rounds each, and kvd against the binding's fastest way
 //!   for owned values (bytes objects, or zero-copy with the copies). Target: kvd ≥ 80 %.
@@ -30,6 +33,8 @@ mod mooncake;
 mod own_core;
 #[path = "support/rounds.rs"]
 mod rounds;
+#[path = "support/set_socket.rs"]
+mod set_socket;
 #[path = "support/set_study.rs"]
 mod set_study;
 #[path = "support/side.rs"]
@@ -182,5 +187,18 @@ fn main() {
         &options,
         &|| cluster.config("study", free_port()).store(),
         down,
+    );
+    let slow = set_socket::delayed(&rt, cluster.rpc_port, std::time::Duration::from_millis(50));
+    set_socket::run(
+        &rt,
+        vec![
+            ("no L4", None),
+            ("L4 healthy", Some(cluster.config("socket", free_port()))),
+            (
+                "L4 slow (50 ms)",
+                Some(cluster.config_through("socket-slow", free_port(), slow)),
+            ),
+            ("L4 down", Some(gone.config("socket-down", free_port()))),
+        ],
     );
 }

@@ -122,10 +122,16 @@ impl Cluster {
     /// kvd's settings for this cluster: a client giving no memory of its own (so what it
     /// writes outlives it), named `127.0.0.1:<local_port>`, with `cluster_id`.
     pub fn config(&self, cluster_id: &str, local_port: u16) -> L4Config {
+        self.config_through(cluster_id, local_port, self.rpc_port)
+    }
+
+    /// [`Cluster::config`] with the master reached at `master_port` on loopback (a proxy to
+    /// it).
+    pub fn config_through(&self, cluster_id: &str, local_port: u16, master_port: u16) -> L4Config {
         let vars = [
             (
                 "INFERA_L4_MASTER_ADDRESS",
-                format!("127.0.0.1:{}", self.rpc_port),
+                format!("127.0.0.1:{master_port}"),
             ),
             ("INFERA_L4_CLUSTER_ID", cluster_id.to_owned()),
             ("INFERA_L4_METADATA_SERVER", self.metadata_url()),
