@@ -9,9 +9,10 @@
 //!   values it read as kvd does (a reader that dropped each value at once would reuse one hot
 //!   buffer, 1.6× faster on the 2-core build VM, that no caller could keep). Their rounds
 //!   alternate; medians of 15 rounds. kvd plays two rounds in a row, the first with its
-//!   writer idle since its last round (shown too). Target: kvd ≥ 80 % of the plain client. The table runs twice: with every process
-//!   sharing the machine's CPUs, then with `redis-server` on a CPU of its own and the clients
-//!   on the others (`support/server_core.rs`), as on a host whose store runs elsewhere.
+//!   writer idle since its last round (shown too). Target: kvd ≥ 80 % of the plain client.
+//!   The table runs twice: with every process sharing the machine's CPUs, then with
+//!   `redis-server` on a CPU of its own and the clients on the others
+//!   (`support/server_core.rs`), as on a host whose store runs elsewhere.
 //! - Then the L2 SET latency studies with this Redis store: in process
 //!   (`support/set_study.rs`: the SET path's own cost) and over kvd's socket
 //!   (`support/set_socket.rs`: what a client waits for).

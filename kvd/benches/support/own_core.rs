@@ -86,7 +86,7 @@ pub fn pin(pids: &[u32], cpus: &CpuSet) {
     }
 }
 
-/// `root` and every process below it, from the parent ids in `/proc/<pid>/stat`.
+/// `root` (first) and every process below it, from the parent ids in `/proc/<pid>/stat`.
 pub fn descendants(root: u32) -> std::io::Result<Vec<u32>> {
     let mut parents = Vec::new();
     for entry in std::fs::read_dir("/proc")?.flatten() {

@@ -317,7 +317,7 @@ pub fn decode(stored: &Bytes, ns: &Namespace, key: &[u8]) -> Result<(Bytes, Fram
     Ok((stored.slice(blob_end..value_end), info))
 }
 
-/// The frame as one buffer, as a store holds it (for stores that take one value, and tests).
+/// The frame as one buffer, as a store holds it (for tests and benches).
 pub fn joined(framed: &Framed) -> Bytes {
     let mut out = vec![0u8; framed.len()];
     copy_to(framed, |at, bytes| {

@@ -218,17 +218,13 @@ impl Body for Payload {
         Poll::Ready(None)
     }
 
+    /// The parts sent are taken out (left empty), so what is left is every part's bytes.
     fn is_end_stream(&self) -> bool {
-        self.parts[self.at.min(self.parts.len())..]
-            .iter()
-            .all(Bytes::is_empty)
+        self.parts.iter().all(Bytes::is_empty)
     }
 
     fn size_hint(&self) -> SizeHint {
-        let left: usize = self.parts[self.at.min(self.parts.len())..]
-            .iter()
-            .map(Bytes::len)
-            .sum();
+        let left: usize = self.parts.iter().map(Bytes::len).sum();
         SizeHint::with_exact(left as u64)
     }
 }
