@@ -4,7 +4,9 @@
 //! (its address answers nothing), the SETs interleaved among them as in the in-process study
 //! (`set_study.rs`, which isolates the SET path's own cost); a round starts once every L4 has
 //! written what the last one queued. This is the latency an engine waits for. Target: p99
-//! within 10 % of no L4.
+//! within 10 % of no L4. Each SET's frame lands in fresh memory (the L2s fill): on a VM whose
+//! host backs memory only at first touch, a fault of a 2 MiB huge page stalls a SET for
+//! milliseconds, and every case pays such stalls alike (`kvd/benches/README.md`).
 
 use super::set_study::{Cycles, percentiles, report};
 use bytes::Bytes;
