@@ -192,11 +192,11 @@ impl S3Config {
 }
 
 /// A request body of up to three parts (a frame's head, body and trailer), its length known up
-/// front (S3 wants a `Content-Length`, never a chunked upload).
+/// front (S3 wants a `Content-Length`, never a chunked upload). Each part is taken out (left
+/// empty) as it is sent, so what is left to send is every part's bytes.
 #[derive(Debug, Default)]
 struct Payload {
     parts: [Bytes; 3],
-    at: usize,
 }
 
 impl Body for Payload {
@@ -207,18 +207,10 @@ impl Body for Payload {
         self: Pin<&mut Self>,
         _: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        let this = self.get_mut();
-        while this.at < this.parts.len() {
-            let part = std::mem::take(&mut this.parts[this.at]);
-            this.at += 1;
-            if !part.is_empty() {
-                return Poll::Ready(Some(Ok(Frame::data(part))));
-            }
-        }
-        Poll::Ready(None)
+        let next = self.get_mut().parts.iter_mut().find(|p| !p.is_empty());
+        Poll::Ready(next.map(|part| Ok(Frame::data(std::mem::take(part)))))
     }
 
-    /// The parts sent are taken out (left empty), so what is left is every part's bytes.
     fn is_end_stream(&self) -> bool {
         self.parts.iter().all(Bytes::is_empty)
     }
@@ -413,7 +405,6 @@ impl RemoteStore for S3Store {
                     framed.body.clone(),
                     framed.tail.clone(),
                 ],
-                at: 0,
             };
             let (status, answer) = self.call(Method::PUT, Some(name), body, ERROR_BODY).await?;
             if status.is_success() {
