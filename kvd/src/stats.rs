@@ -46,6 +46,9 @@ pub struct L4Stats {
     pub puts_total: u64,
     /// Blocks whose L4 copy was dropped (queue full, or the breaker open).
     pub dropped_total: u64,
+    /// Blocks the store answered but did not keep (full, or the key busy): not in L4, and a
+    /// removal of the key's older value queued in their place.
+    pub refused_total: u64,
     /// Removals written to the store.
     pub removes_total: u64,
     /// Blocks looked up in L4 (queued ones included).
@@ -66,13 +69,14 @@ pub struct L4Stats {
 
 impl L4Stats {
     /// Every field as `(name without the l4_ prefix, value)`, in a stable order.
-    pub fn fields(&self) -> [(&'static str, u64); 13] {
+    pub fn fields(&self) -> [(&'static str, u64); 14] {
         [
             ("up", self.up),
             ("queued_bytes", self.queued_bytes),
             ("queued_ops", self.queued_ops),
             ("puts_total", self.puts_total),
             ("dropped_total", self.dropped_total),
+            ("refused_total", self.refused_total),
             ("removes_total", self.removes_total),
             ("gets_total", self.gets_total),
             ("hits_total", self.hits_total),
@@ -92,6 +96,7 @@ impl L4Stats {
             queued_ops: get("queued_ops"),
             puts_total: get("puts_total"),
             dropped_total: get("dropped_total"),
+            refused_total: get("refused_total"),
             removes_total: get("removes_total"),
             gets_total: get("gets_total"),
             hits_total: get("hits_total"),

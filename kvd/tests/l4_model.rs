@@ -1,7 +1,8 @@
 //! Model-based test of the tiered store over an L4 whose remote store misbehaves: an in-memory
 //! [`RemoteStore`] that can fail, time out (after applying a write, as a lost reply does), store
-//! torn or foreign values while reporting success, and have its values overwritten behind
-//! kvd's back (garbage, or another key's block). Random writes of every class with and without
+//! torn or foreign values while reporting success, refuse puts (a full store: up, answering,
+//! keeping the keys' older values), and have its values overwritten behind kvd's back
+//! (garbage, or another key's block). Random writes of every class with and without
 //! TTLs, reads, prefetches, clears, time steps and restarts of the daemon (L2 empty again, the
 //! store kept) run against a reference that knows, per key, the last accepted value.
 //!
@@ -34,6 +35,8 @@ enum Fault {
     Timeout,
     Torn,
     Foreign,
+    /// Puts are answered and refused, every older value kept (a full store).
+    Refuse,
 }
 
 /// The misbehaving store.
@@ -81,10 +84,12 @@ impl RemoteStore for Faulty {
         }
     }
 
-    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<(), RemoteError> {
+    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<Vec<usize>, RemoteError> {
         let fault = self.fault();
-        if fault == Fault::Error {
-            return Err(Self::error());
+        match fault {
+            Fault::Error => return Err(Self::error()),
+            Fault::Refuse => return Ok((0..items.len()).collect()),
+            _ => {}
         }
         {
             let mut data = self.data.lock().unwrap();
@@ -101,7 +106,7 @@ impl RemoteStore for Faulty {
         if fault == Fault::Timeout {
             self.stall().await;
         }
-        Ok(())
+        Ok(Vec::new())
     }
 
     async fn get_batch(&self, names: &[String]) -> Result<Vec<Option<Bytes>>, RemoteError> {
@@ -185,6 +190,7 @@ fn op() -> impl Strategy<Value = Op> {
         Fault::Timeout,
         Fault::Torn,
         Fault::Foreign,
+        Fault::Refuse,
     ]);
     prop_oneof![
         10 => (0u8..2, 0u8..16, 16usize..6_000, class, prop::option::weighted(0.15, 1u64..60))
@@ -356,7 +362,12 @@ impl Run {
                     self.cleared.insert(k, v);
                 }
             }
-            Op::Advance(ms) => self.now += ms,
+            Op::Advance(ms) => {
+                // The writer's time passes too (the clock is paused): it sends what is queued
+                // to the store as it is now.
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                self.now += ms;
+            }
             Op::Fault(fault) => *self.remote.fault.lock().unwrap() = fault,
             Op::Corrupt { ns, key } => {
                 let mut data = self.remote.data.lock().unwrap();
@@ -439,6 +450,7 @@ fn a_long_run_exercises_every_path() {
         assert!(s.hits_total > 20, "{s:?}");
         assert!(s.rejected_total > 5, "{s:?}");
         assert!(s.dropped_total > 5, "{s:?}");
+        assert!(s.refused_total > 5, "{s:?}");
         assert!(s.timeouts_total > 0 && s.errors_total > 0, "{s:?}");
         assert!(s.puts_total > 50 && s.removes_total > 5, "{s:?}");
         assert!(s.breaker_opens_total > 0 && s.reconnects_total > 0, "{s:?}");

@@ -2,12 +2,15 @@
 //! loopback ports; kvd's sidecar runs the store's own Python client): blocks written through
 //! one daemon read back byte-exact through another and by prefetch hints; batches larger than
 //! the staging area are split both ways; a foreign or torn value under a block's name is a
-//! counted miss; and a cluster killed mid-run costs no client error, shows in the counters, and
-//! once restarted the breaker closes and writes land again.
+//! counted miss; a full holder refuses puts without tripping the breaker, and a refused
+//! block's older value does not answer for it; and a cluster killed mid-run costs no client
+//! error, shows in the counters, and once restarted the breaker closes and writes land again.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[path = "support/l4_full.rs"]
+mod l4_full;
 #[path = "support/l4_outage.rs"]
 mod l4_outage;
 #[path = "support/mooncake.rs"]
@@ -220,4 +223,66 @@ impl Outage for Cluster {
     fn restart(&mut self) {
         Cluster::restart(self);
     }
+}
+
+/// The cluster's holder filled by another client's values, to less than a block's room.
+struct Filled {
+    store: Arc<dyn RemoteStore>,
+    names: Vec<String>,
+}
+
+#[async_trait::async_trait]
+impl l4_full::Full for Filled {
+    async fn fill(&mut self, _: &L4) {
+        // Rounds of values until one is refused, 7 MiB ones then 1 MiB ones, each round's
+        // read once (so leased: the master evicts none of them), until a round of 1 MiB ones
+        // adds none (room an eviction made meanwhile is taken by the next round).
+        let mut size = 7 << 20;
+        loop {
+            let before = self.names.len();
+            loop {
+                assert!(self.names.len() < 512, "the holder never filled");
+                let name = format!("fill@raw@{}", self.names.len());
+                let framed = Framed {
+                    head: Bytes::from_static(b"f"),
+                    body: Bytes::from(vec![0u8; size]),
+                    tail: Bytes::new(),
+                    seal: false,
+                };
+                if !self
+                    .store
+                    .put_batch(&[(name.clone(), framed)])
+                    .await
+                    .unwrap()
+                    .is_empty()
+                {
+                    break;
+                }
+                self.names.push(name);
+            }
+            self.store.get_batch(&self.names[before..]).await.unwrap();
+            if size == 1 << 20 && self.names.len() == before {
+                return;
+            }
+            size = 1 << 20;
+        }
+    }
+    async fn empty(&mut self) {
+        self.store.remove_batch(&self.names).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_holder_refuses_puts_without_tripping_the_breaker() {
+    // A master that evicts next to nothing, and nothing read in the last ten minutes (a
+    // lease): full stays full. (One that evicts makes room for a single value, refusing only
+    // what does not fit meanwhile.)
+    let cluster = Cluster::start_with(&["--eviction_ratio=0", "--default_kv_lease_ttl=600000"]);
+    let cfg = cluster.config("full", free_port());
+    let l4 = L4::open(cfg.store(), cfg.options(), true).await.unwrap();
+    let mut filled = Filled {
+        store: cluster.config("filler", free_port()).store(),
+        names: Vec::new(),
+    };
+    l4_full::a_full_store_refuses_without_tripping_the_breaker(&l4, &mut filled).await;
 }

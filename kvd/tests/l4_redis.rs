@@ -1,14 +1,17 @@
 //! The L4 against a real `redis-server` started by the test on a free loopback port: blocks
 //! written in LMCache's layout (value key + metadata key) read back byte-exact through a fresh
 //! daemon, by prefetch hints and by gets; a store killed mid-run costs no client error, shows
-//! in the counters, and once restarted the breaker closes and writes land again; an idle
-//! writer finds a put with no wake (a SET does not make one).
+//! in the counters, and once restarted the breaker closes and writes land again; a store at
+//! `maxmemory` refuses puts without tripping the breaker, and a refused block's older value
+//! does not answer for it; an idle writer finds a put with no wake (a SET does not make one).
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
 #[path = "support/l4_daemon.rs"]
 mod l4_daemon;
+#[path = "support/l4_full.rs"]
+mod l4_full;
 #[path = "support/l4_outage.rs"]
 mod l4_outage;
 #[path = "support/redis.rs"]
@@ -119,6 +122,48 @@ impl Outage for RedisServer {
     fn restart(&mut self) {
         *self = RedisServer::start_on(self.port);
     }
+}
+
+/// `CONFIG SET name value` on the server at `port`.
+async fn config_set(port: u16, name: &str, value: &str) {
+    let endpoint = Endpoint {
+        host: "127.0.0.1".into(),
+        port,
+        password: None,
+        username: None,
+        db: None,
+    };
+    let mut conn = Pool::new(endpoint, 1 << 20).take().await.unwrap();
+    let args = [
+        b"CONFIG".as_slice(),
+        b"SET",
+        name.as_bytes(),
+        value.as_bytes(),
+    ];
+    conn.send(&args.map(Arg::Plain)).await.unwrap();
+    conn.flush().await.unwrap();
+    assert!(matches!(conn.read().await.unwrap(), Reply::Status(_)));
+}
+
+struct Capped(u16);
+
+#[async_trait::async_trait]
+impl l4_full::Full for Capped {
+    async fn fill(&mut self, _: &L4) {
+        // `noeviction` is the default policy: past `maxmemory` every write is refused (`OOM`).
+        config_set(self.0, "maxmemory", "1").await;
+    }
+    async fn empty(&mut self) {
+        config_set(self.0, "maxmemory", "0").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_at_maxmemory_refuses_puts_without_tripping_the_breaker() {
+    let redis = RedisServer::start();
+    let cfg = l4_config(redis.port);
+    let l4 = L4::open(cfg.store(), cfg.options(), true).await.unwrap();
+    l4_full::a_full_store_refuses_without_tripping_the_breaker(&l4, &mut Capped(redis.port)).await;
 }
 
 /// A SET does not wake the writer (a wake is a system call on the SET's path): an idle writer

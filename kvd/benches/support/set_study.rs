@@ -283,7 +283,7 @@ impl RemoteStore for Slow {
         tokio::time::sleep(Duration::from_millis(50)).await;
         self.0.health().await
     }
-    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<(), RemoteError> {
+    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<Vec<usize>, RemoteError> {
         tokio::time::sleep(Duration::from_millis(50)).await;
         self.0.put_batch(items).await
     }

@@ -208,10 +208,11 @@ impl RemoteStore for LmStore {
         true
     }
 
-    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<(), RemoteError> {
+    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<Vec<usize>, RemoteError> {
         let parts: Vec<(&str, Option<&Framed>)> =
             items.iter().map(|(n, f)| (n.as_str(), Some(f))).collect();
-        self.put_parts(&parts).await
+        // The protocol answers no PUT: a server that cannot keep a value says so to nobody.
+        self.put_parts(&parts).await.map(|()| Vec::new())
     }
 
     async fn get_batch(&self, names: &[String]) -> Result<Vec<Option<Bytes>>, RemoteError> {

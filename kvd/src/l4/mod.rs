@@ -25,6 +25,11 @@
 //!   doubling after each failed probe, up to 30 s: a probe may start a process), closing the
 //!   breaker when it answers. A store down at start is a warning (the breaker starts open)
 //!   unless the daemon was told the L4 is required.
+//! - **A full store is not a down one.** A put the store answers but does not keep (Redis at
+//!   `maxmemory` answering `OOM`, a Mooncake holder with no room or a busy key: see each
+//!   store's `put_batch`) is no failure: the breaker stays closed, reads go on, and the put is
+//!   counted (`l4_refused_total`) and turned into a removal of its key, since the store may
+//!   still hold the key's older value.
 //! - **What the index knows.** The store is shared, so kvd keeps no index of it: `class_of`
 //!   and `exists` see only queued puts; reads and `prefetch_hint`s ask the store. `clear` of a
 //!   namespace hides every block of it written before the clear (by sequence number for this
@@ -130,6 +135,7 @@ pub fn name(prefix: &str, hash: u128) -> String {
 #[derive(Debug, Default)]
 struct Counters {
     puts: AtomicU64,
+    refused: AtomicU64,
     removes: AtomicU64,
     gets: AtomicU64,
     hits: AtomicU64,
@@ -585,6 +591,7 @@ impl L4 {
             queued_ops: q.ops.len() as u64,
             puts_total: get(&c.puts),
             dropped_total: q.dropped,
+            refused_total: get(&c.refused),
             removes_total: get(&c.removes),
             gets_total: get(&c.gets),
             hits_total: get(&c.hits),

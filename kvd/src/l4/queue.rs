@@ -11,7 +11,8 @@
 //!   lands) or a removal. An operation stays queued while it is in flight and leaves only when
 //!   the store acknowledged it and no newer one replaced it, so a read never falls through to
 //!   an older value in the store.
-//! - A clear turns the namespace's queued puts into removals.
+//! - A clear turns the namespace's queued puts into removals, and so does the store refusing a
+//!   put (full, or the key busy) when it lands.
 //! - Puts are bounded in bytes; a put that does not fit, or that arrives while the breaker is
 //!   open, becomes a removal (its L4 copy is dropped and counted; the store's older value must
 //!   not answer for it). Removals are small and bounded in number; past the bound L4 reads are
@@ -219,17 +220,23 @@ impl Queue {
     }
 
     /// A batch landed: each operation leaves unless a newer one replaced it meanwhile (which
-    /// then goes back in line).
-    fn landed(&mut self, batch: &[(u128, u64, Op)]) {
+    /// then goes back in line). A put the store `refused` (by key hash) stays, as a removal of
+    /// its key at the back of the line: the store may still hold an older value of the key,
+    /// which must not answer for it.
+    fn landed(&mut self, batch: &[(u128, u64, Op)], refused: &[u128]) {
         for (hash, seq, _) in batch {
-            match self.ops.get(hash) {
-                Some((now, _)) if now == seq => {
-                    if let Some((_, op)) = self.ops.remove(hash) {
-                        self.forget(&op);
-                    }
-                }
-                Some(_) => self.order.push_back(*hash),
-                None => {}
+            let Some((now, op)) = self.ops.get_mut(hash) else {
+                continue;
+            };
+            if *now != *seq {
+                self.order.push_back(*hash);
+            } else if refused.contains(hash) {
+                let old = std::mem::replace(op, Op::Remove);
+                self.forget(&old);
+                self.removes += 1;
+                self.order.push_back(*hash);
+            } else if let Some((_, op)) = self.ops.remove(hash) {
+                self.forget(&op);
             }
         }
     }
@@ -305,13 +312,13 @@ pub async fn writer(inner: Arc<Inner>, remote: Arc<dyn RemoteStore>) {
         idle = IDLE_TICK;
         // The next batch is framed (its checksums taken) while this one is on the wire.
         let next = take(&inner);
-        let (ok, next) = futures::join!(send(&inner, remote.as_ref(), &current), async {
+        let (sent, next) = futures::join!(send(&inner, remote.as_ref(), &current), async {
             (!next.is_empty()).then(|| prepare(&inner, next))
         });
         {
             let mut q = inner.lock();
-            if ok {
-                q.landed(&current.ops);
+            if let Some(refused) = sent {
+                q.landed(&current.ops, &refused);
                 ready = next;
             } else {
                 // Both go back to the front of the line, in their order.
@@ -341,6 +348,8 @@ async fn park(inner: &Inner, idle: &mut Duration) -> bool {
 struct Prepared {
     ops: Vec<(u128, u64, Op)>,
     puts: Vec<(String, Framed)>,
+    /// The key hash of each of `puts`.
+    put_hashes: Vec<u128>,
     removes: Vec<String>,
 }
 
@@ -354,6 +363,7 @@ fn take(inner: &Inner) -> Vec<(u128, u64, Op)> {
 /// Names and frames (checksums) a batch's operations.
 fn prepare(inner: &Inner, ops: Vec<(u128, u64, Op)>) -> Prepared {
     let mut puts = Vec::new();
+    let mut put_hashes = Vec::new();
     let mut removes = Vec::new();
     let encode = if inner.remote.seals() {
         frame::encode_unsealed
@@ -370,18 +380,32 @@ fn prepare(inner: &Inner, ops: Vec<(u128, u64, Op)>) -> Prepared {
                 };
                 if let Some(framed) = encode(&p.ns, &p.key, &p.value, info) {
                     puts.push((n, framed));
+                    put_hashes.push(*hash);
                 }
             }
             Op::Remove => removes.push(n),
         }
     }
-    Prepared { ops, puts, removes }
+    Prepared {
+        ops,
+        puts,
+        put_hashes,
+        removes,
+    }
 }
 
-/// Sends one batch (puts, then removals); whether the store acknowledged all of it.
-async fn send(inner: &Inner, remote: &dyn RemoteStore, batch: &Prepared) -> bool {
-    let Prepared { puts, removes, .. } = batch;
+/// Sends one batch (puts, then removals): `None` unless the store answered all of it, else
+/// the key hashes of the puts it refused (full, or the key busy: it is up, so a refusal is no
+/// failure and leaves the breaker alone).
+async fn send(inner: &Inner, remote: &dyn RemoteStore, batch: &Prepared) -> Option<Vec<u128>> {
+    let Prepared {
+        puts,
+        put_hashes,
+        removes,
+        ..
+    } = batch;
     let deadline = inner.options.op_timeout;
+    let mut refused = Vec::new();
     if !puts.is_empty() {
         // Spread over the store's write streams: the batch's keys are distinct, so their order
         // does not matter.
@@ -390,28 +414,37 @@ async fn send(inner: &Inner, remote: &dyn RemoteStore, batch: &Prepared) -> bool
             .chunks(per)
             .map(|chunk| timeout(deadline, remote.put_batch(chunk)));
         let mut ok = true;
-        for result in futures::future::join_all(sends).await {
+        for (c, result) in futures::future::join_all(sends)
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            if let Ok(Ok(indices)) = &result {
+                refused.extend(indices.iter().filter_map(|i| put_hashes.get(c * per + i)));
+            }
             ok &= inner.outcome("put", result);
         }
         if !ok {
-            return false;
+            return None;
         }
-        inner
-            .counters
-            .puts
-            .fetch_add(puts.len() as u64, Ordering::Relaxed);
+        let counters = &inner.counters;
+        let kept = puts.len().saturating_sub(refused.len());
+        counters.puts.fetch_add(kept as u64, Ordering::Relaxed);
+        counters
+            .refused
+            .fetch_add(refused.len() as u64, Ordering::Relaxed);
     }
     if !removes.is_empty() {
         let result = timeout(deadline, remote.remove_batch(removes)).await;
         if !inner.outcome("remove", result) {
-            return false;
+            return None;
         }
         inner
             .counters
             .removes
             .fetch_add(removes.len() as u64, Ordering::Relaxed);
     }
-    true
+    Some(refused)
 }
 
 #[cfg(test)]
@@ -483,5 +516,30 @@ mod tests {
         assert!(absorb(&mut q, vec![(3, 4, None)], 2));
         assert_eq!((q.ops.len(), q.removes, q.bytes), (2, 2, 0));
         assert!(!q.ops.contains_key(&3));
+    }
+
+    #[test]
+    fn a_refused_put_stays_as_a_removal_unless_a_newer_operation_replaced_it() {
+        let mut q = Queue::default();
+        absorb(&mut q, vec![(1, 1, put("m", 10)), (2, 2, put("m", 6))], 8);
+        let batch = q.batch(8, 1 << 20);
+        assert_eq!(batch.len(), 2);
+        // Key 2 was written again while the batch was in flight.
+        absorb(&mut q, vec![(2, 3, put("m", 4))], 8);
+        q.landed(&batch, &[1, 2]);
+        // Key 1's put, refused, is a removal at its own sequence number, back in line; key 2's
+        // newer put is untouched.
+        assert!(matches!(q.ops[&1], (1, Op::Remove)));
+        assert!(matches!(&q.ops[&2], (3, Op::Put(p)) if p.len == 4));
+        assert_eq!((q.bytes, q.removes), (4, 1));
+        let next = q.batch(8, 1 << 20);
+        assert!(
+            next.iter()
+                .any(|(h, _, op)| *h == 1 && matches!(op, Op::Remove))
+        );
+        // The removal lands and leaves.
+        q.landed(&next, &[]);
+        assert!(!q.ops.contains_key(&1));
+        assert_eq!(q.removes, 0);
     }
 }

@@ -76,10 +76,6 @@ impl RedisStore {
     }
 }
 
-fn unexpected(reply: &Reply) -> RemoteError {
-    RemoteError::Protocol(format!("unexpected reply {reply:?}"))
-}
-
 #[async_trait::async_trait]
 impl RemoteStore for RedisStore {
     fn backend(&self) -> &'static str {
@@ -118,7 +114,9 @@ impl RemoteStore for RedisStore {
         }
     }
 
-    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<(), RemoteError> {
+    /// A value whose `SET`s the store refused for want of memory (`OOM`) is refused; any
+    /// other error reply fails the batch.
+    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<Vec<usize>, RemoteError> {
         let names: Vec<(String, String, [u8; 28])> = items
             .iter()
             .map(|(n, f)| {
@@ -142,12 +140,22 @@ impl RemoteStore for RedisStore {
                 Arg::Plain(md),
             ]);
         }
-        for reply in self.pipeline(&commands).await? {
-            if !matches!(reply, Reply::Status(_)) {
-                return Err(unexpected(&reply));
+        let replies = self.pipeline(&commands).await?;
+        let mut refused = Vec::new();
+        // Two replies an item: its value's SET, then its metadata's (the commit marker).
+        for (i, pair) in replies.chunks(2).enumerate() {
+            if pair.iter().all(|r| matches!(r, Reply::Status(_))) {
+                continue;
+            }
+            match pair
+                .iter()
+                .find(|r| !matches!(r, Reply::Status(_)) && !r.is_out_of_memory())
+            {
+                Some(other) => return Err(other.unexpected()),
+                None => refused.push(i),
             }
         }
-        Ok(())
+        Ok(refused)
     }
 
     async fn get_batch(&self, names: &[String]) -> Result<Vec<Option<Bytes>>, RemoteError> {
@@ -166,7 +174,7 @@ impl RemoteStore for RedisStore {
             match (meta, value) {
                 (Reply::Bulk(Some(_)), Reply::Bulk(value)) => out.push(value),
                 (Reply::Bulk(None), Reply::Bulk(_)) => out.push(None),
-                (other, _) => return Err(unexpected(&other)),
+                (Reply::Bulk(_), other) | (other, _) => return Err(other.unexpected()),
             }
         }
         Ok(out)
@@ -183,7 +191,7 @@ impl RemoteStore for RedisStore {
             .into_iter()
             .map(|reply| match reply {
                 Reply::Int(n) => Ok(n > 0),
-                other => Err(unexpected(&other)),
+                other => Err(other.unexpected()),
             })
             .collect()
     }
@@ -205,7 +213,7 @@ impl RemoteStore for RedisStore {
             .collect();
         for reply in self.pipeline(&commands).await? {
             if !matches!(reply, Reply::Int(_)) {
-                return Err(unexpected(&reply));
+                return Err(reply.unexpected());
             }
         }
         Ok(())

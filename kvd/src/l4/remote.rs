@@ -16,7 +16,7 @@ pub enum RemoteError {
     Protocol(String),
 }
 
-/// A remote store: see the module docs. Names are what [`super::names`] builds.
+/// A remote store: see the module docs. Names are what [`super::name`] builds.
 #[async_trait::async_trait]
 pub trait RemoteStore: Send + Sync + std::fmt::Debug {
     /// The store's URL without credentials, for logs.
@@ -58,8 +58,12 @@ pub trait RemoteStore: Send + Sync + std::fmt::Debug {
     /// Whether the store answers at all (a cheap round trip).
     async fn health(&self) -> Result<(), RemoteError>;
 
-    /// Writes each `(name, value)`; done when every write is applied.
-    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<(), RemoteError>;
+    /// Writes each `(name, value)`; done when the store has answered every write. Returns the
+    /// indices of the values it answered but did not keep (it is full, or the name is busy):
+    /// the store is up, and a refused name holds no new value (it may still hold an older one,
+    /// which the caller removes). A store that cannot be reached, or answers what this client
+    /// does not understand, is an error.
+    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<Vec<usize>, RemoteError>;
 
     /// Reads each name: its value, or `None` when the store holds none (or only part of one).
     async fn get_batch(&self, names: &[String]) -> Result<Vec<Option<bytes::Bytes>>, RemoteError>;

@@ -26,9 +26,27 @@ pub enum Arg<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
     Status(String),
+    /// An error reply (`-…`): the command failed, the connection is still in step.
+    Error(String),
     Int(i64),
     Bulk(Option<Bytes>),
     Array(usize),
+}
+
+impl Reply {
+    /// Whether the store refused a write for want of memory (`maxmemory` reached under a
+    /// `noeviction` policy): it is up, it just keeps nothing more.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Reply::Error(e) if e.starts_with("OOM"))
+    }
+
+    /// The error of a reply its command did not expect.
+    pub fn unexpected(&self) -> RemoteError {
+        match self {
+            Reply::Error(e) => protocol(format!("the store answered {e}")),
+            other => protocol(format!("unexpected reply {other:?}")),
+        }
+    }
 }
 
 fn protocol(message: impl Into<String>) -> RemoteError {
@@ -84,7 +102,7 @@ impl Conn {
         self.writer.flush().await?;
         match self.read().await? {
             Reply::Status(_) => Ok(()),
-            other => Err(protocol(format!("unexpected reply {other:?}"))),
+            other => Err(other.unexpected()),
         }
     }
 
@@ -144,7 +162,7 @@ impl Conn {
         };
         match kind {
             "+" => Ok(Reply::Status(rest.to_owned())),
-            "-" => Err(protocol(format!("the store answered {rest}"))),
+            "-" => Ok(Reply::Error(rest.to_owned())),
             ":" => Ok(Reply::Int(int()?)),
             "*" => Ok(Reply::Array(usize::try_from(int()?).unwrap_or(0))),
             "$" => {

@@ -22,6 +22,8 @@ pub struct Cluster {
     pub metadata_port: u16,
     metrics_port: u16,
     holder_port: u16,
+    /// `mooncake_master`'s flags beyond the ports.
+    master_flags: Vec<String>,
 }
 
 /// A port nothing listens on right now.
@@ -66,6 +68,11 @@ fn wait_listening(what: &str, port: u16, child: &mut Child) {
 impl Cluster {
     /// A master and a memory holder (256 MiB) on free ports.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// A cluster whose master also takes `master_flags`.
+    pub fn start_with(master_flags: &[&str]) -> Self {
         let mut cluster = Self {
             master: None,
             holder: None,
@@ -73,6 +80,7 @@ impl Cluster {
             metadata_port: free_port(),
             metrics_port: free_port(),
             holder_port: free_port(),
+            master_flags: master_flags.iter().map(|f| f.to_string()).collect(),
         };
         cluster.restart();
         cluster
@@ -91,6 +99,7 @@ impl Cluster {
                 "--metrics_host=127.0.0.1".into(),
                 format!("--metrics_port={}", self.metrics_port),
             ])
+            .args(&self.master_flags)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

@@ -19,7 +19,8 @@
 //!   dropped mid-call (the L4's deadline), leaves the sidecar in an unknown state: it is
 //!   killed, and the next call starts a new one, whose setup fails while the cluster is down.
 //!   That is how the L4's breaker probes reconnect. The store's own per-key errors are
-//!   answers, not failures.
+//!   answers, not failures of the sidecar: a put the store refused for want of room or a
+//!   busy key (`REFUSALS`) is a refused value, any other code an error of the batch.
 //! - Store names are the L4's ([`super::name`]) with `cluster_id` as the prefix; `remove`
 //!   forces past leases and treats "not found" as done, as the Python kvd's `clear` does.
 
@@ -73,6 +74,12 @@ enum Op {
 
 /// The sidecar's result for a value the store does not hold.
 const MISSING: i64 = -1;
+/// The store's answers to a put that it did not keep, though it is up (its `ErrorCode`s):
+/// no space (`NO_AVAILABLE_HANDLE`; the master starts evicting), the name exists or is busy
+/// (`OBJECT_ALREADY_EXISTS`, `OBJECT_HAS_LEASE`, `OBJECT_HAS_REPLICATION_TASK`,
+/// `OBJECT_REPLICA_BUSY`), the tenant's quota reached (`TENANT_QUOTA_EXCEEDED`). Any other
+/// error is a failure of the store.
+const REFUSALS: [i64; 6] = [-200, -705, -706, -708, -714, -1700];
 
 /// See the module docs.
 #[derive(Debug)]
@@ -466,8 +473,9 @@ impl RemoteStore for MooncakeStore {
     }
 
     /// Stages the frames chunk by chunk ([`plan`]), each checksummed as it is copied, while
-    /// the sidecar writes the previous chunk to the store (`batch_upsert_from`).
-    async fn put_batch(&self, values: &[(String, Framed)]) -> Result<(), RemoteError> {
+    /// the sidecar writes the previous chunk to the store (`batch_upsert_from`). A value the
+    /// store answers with one of its [`REFUSALS`] is refused; another error fails the batch.
+    async fn put_batch(&self, values: &[(String, Framed)]) -> Result<Vec<usize>, RemoteError> {
         let half = (self.staging_bytes / 2) as u64;
         let (chunks, too_large) = plan(frame_lens(values), half);
         if let Some(&i) = too_large.first() {
@@ -478,19 +486,28 @@ impl RemoteStore for MooncakeStore {
             )));
         }
         let commands = commands_of(&chunks, |i| values[i].0.as_str());
+        let mut refused = Vec::new();
         let mut failed = None;
         self.run(
             Op::Put,
             &commands,
             |shm, k| stage(shm, &chunks[k], values),
-            |_, _, results| {
-                if failed.is_none() {
-                    failed = all_ok("put", &results).err();
+            |_, k, results| {
+                for (&(i, _, _), &(code, _)) in chunks[k].iter().zip(&results) {
+                    match code {
+                        0.. => {}
+                        code if REFUSALS.contains(&code) => refused.push(i),
+                        code => {
+                            failed.get_or_insert(RemoteError::Protocol(format!(
+                                "mooncake put: error {code}"
+                            )));
+                        }
+                    }
                 }
             },
         )
         .await?;
-        failed.map_or(Ok(()), Err)
+        failed.map_or(Ok(refused), Err)
     }
 
     /// Asks the values' sizes (one command), then reads them chunk by chunk ([`plan`]),

@@ -397,7 +397,7 @@ impl RemoteStore for S3Store {
         ))
     }
 
-    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<(), RemoteError> {
+    async fn put_batch(&self, items: &[(String, Framed)]) -> Result<Vec<usize>, RemoteError> {
         let puts = items.iter().map(|(name, framed)| async move {
             let body = Payload {
                 parts: [
@@ -412,7 +412,10 @@ impl RemoteStore for S3Store {
             }
             Err(failure("PUT", status, &answer.unwrap_or_default()))
         });
-        futures::future::try_join_all(puts).await.map(drop)
+        // A bucket keeps whatever it is sent, or fails: it refuses no value of its own accord.
+        futures::future::try_join_all(puts)
+            .await
+            .map(|_| Vec::new())
     }
 
     async fn get_batch(&self, names: &[String]) -> Result<Vec<Option<Bytes>>, RemoteError> {
