@@ -233,7 +233,7 @@ struct Filled {
 
 #[async_trait::async_trait]
 impl l4_full::Full for Filled {
-    async fn fill(&mut self, _: &L4) {
+    async fn fill(&mut self) {
         // Rounds of values until one is refused, 7 MiB ones then 1 MiB ones, each round's
         // read once (so leased: the master evicts none of them), until a round of 1 MiB ones
         // adds none (room an eviction made meanwhile is taken by the next round).

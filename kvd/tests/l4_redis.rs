@@ -21,7 +21,7 @@ use bytes::Bytes;
 use infera_core::event::Retention;
 use infera_kvd::Namespace;
 use infera_kvd::l4::frame;
-use infera_kvd::l4::resp::{Arg, Endpoint, Pool, Reply};
+use infera_kvd::l4::resp::{Arg, Conn, Endpoint, Pool, Reply};
 use infera_kvd::l4::{L4, RemoteStore, name};
 use infera_kvd::long::{LongBlock, LongStore, WritePermit};
 use infera_kvd::store::key_hash;
@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 
 const WITHIN: Duration = Duration::from_secs(30);
 
-/// `GET`s of the two LMCache keys of a block, straight from Redis.
-async fn raw(port: u16, stored: &str) -> (Option<Bytes>, Option<Bytes>) {
+/// A connection of the test's own to the server at `port`, replies of up to 64 MiB.
+async fn conn(port: u16) -> Conn {
     let endpoint = Endpoint {
         host: "127.0.0.1".into(),
         port,
@@ -41,8 +41,12 @@ async fn raw(port: u16, stored: &str) -> (Option<Bytes>, Option<Bytes>) {
         username: None,
         db: None,
     };
-    let pool = Pool::new(endpoint, 64 << 20);
-    let mut conn = pool.take().await.unwrap();
+    Pool::new(endpoint, 64 << 20).take().await.unwrap()
+}
+
+/// `GET`s of the two LMCache keys of a block, straight from Redis.
+async fn raw(port: u16, stored: &str) -> (Option<Bytes>, Option<Bytes>) {
+    let mut conn = conn(port).await;
     let meta = format!("{stored}metadata");
     let value = format!("{stored}kv_bytes");
     conn.send(&[Arg::Plain(b"GET"), Arg::Plain(meta.as_bytes())])
@@ -126,14 +130,7 @@ impl Outage for RedisServer {
 
 /// `CONFIG SET name value` on the server at `port`.
 async fn config_set(port: u16, name: &str, value: &str) {
-    let endpoint = Endpoint {
-        host: "127.0.0.1".into(),
-        port,
-        password: None,
-        username: None,
-        db: None,
-    };
-    let mut conn = Pool::new(endpoint, 1 << 20).take().await.unwrap();
+    let mut conn = conn(port).await;
     let args = [
         b"CONFIG".as_slice(),
         b"SET",
@@ -149,7 +146,7 @@ struct Capped(u16);
 
 #[async_trait::async_trait]
 impl l4_full::Full for Capped {
-    async fn fill(&mut self, _: &L4) {
+    async fn fill(&mut self) {
         // `noeviction` is the default policy: past `maxmemory` every write is refused (`OOM`).
         config_set(self.0, "maxmemory", "1").await;
     }

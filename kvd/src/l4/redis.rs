@@ -144,15 +144,14 @@ impl RemoteStore for RedisStore {
         let mut refused = Vec::new();
         // Two replies an item: its value's SET, then its metadata's (the commit marker).
         for (i, pair) in replies.chunks(2).enumerate() {
-            if pair.iter().all(|r| matches!(r, Reply::Status(_))) {
-                continue;
-            }
-            match pair
+            if let Some(other) = pair
                 .iter()
                 .find(|r| !matches!(r, Reply::Status(_)) && !r.is_out_of_memory())
             {
-                Some(other) => return Err(other.unexpected()),
-                None => refused.push(i),
+                return Err(other.unexpected());
+            }
+            if pair.iter().any(Reply::is_out_of_memory) {
+                refused.push(i);
             }
         }
         Ok(refused)

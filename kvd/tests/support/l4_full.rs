@@ -17,8 +17,8 @@ use infera_kvd::store::key_hash;
 /// A store the scenario can fill and empty.
 #[async_trait::async_trait]
 pub trait Full {
-    /// Makes the store refuse further writes; `l4` (the L4 under test) may be written through.
-    async fn fill(&mut self, l4: &L4);
+    /// Makes the store refuse further writes.
+    async fn fill(&mut self);
     /// Makes room again.
     async fn empty(&mut self);
 }
@@ -69,7 +69,7 @@ pub async fn a_full_store_refuses_without_tripping_the_breaker(l4: &L4, store: &
     assert_eq!(read(l4, "full-k").await, seen(&old));
     assert_eq!(read(l4, "full-j").await, seen(&kept));
 
-    store.fill(l4).await;
+    store.fill().await;
     let new = Bytes::from(vec![3u8; 4 << 20]);
     write(l4, "full-k", &new).await;
     let s = l4.l4_stats();
