@@ -264,6 +264,8 @@ fn main() {
             ("L4 healthy", Some(config(redis.port))),
             ("L4 slow (50 ms)", Some(config(slow))),
             ("L4 down", Some(config(redis_server::free_port()))),
+            // The baseline's twin: its ratio is the study's own noise.
+            ("no L4 (A/A)", None),
         ],
     );
 }

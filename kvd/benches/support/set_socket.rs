@@ -1,12 +1,22 @@
 //! The L2 SET latency as a client sees it: one client SETs 64 KiB `long` blocks over kvd's
-//! socket to four daemons side by side, one with no L4 and one each with an L4 that is
-//! healthy, slow (behind [`delayed`], a proxy that holds every byte 50 ms each way) or down
-//! (its address answers nothing), the SETs interleaved among them as in the in-process study
+//! socket to daemons side by side, one with no L4, one each with an L4 that is healthy, slow
+//! (behind [`delayed`], a proxy that holds every byte 50 ms each way) or down (its address
+//! answers nothing), and a second with no L4 (A/A: its ratio is the study's own noise), the
+//! SETs interleaved among them as in the in-process study
 //! (`set_study.rs`, which isolates the SET path's own cost); a round starts once every L4 has
 //! written what the last one queued. This is the latency an engine waits for. Target: p99
-//! within 10 % of no L4. Each SET's frame lands in fresh memory (the L2s fill): on a VM whose
-//! host backs memory only at first touch, a fault of a 2 MiB huge page stalls a SET for
-//! milliseconds, and every case pays such stalls alike (`kvd/benches/README.md`).
+//! within 10 % of no L4.
+//!
+//! The daemons run as `infera kvd` does by default: the shared arena as large as the L2
+//! budget (`--shared-arena-bytes auto`), so every value lands in an arena slot. Warm-up
+//! rounds fill each arena first; the counted rounds then run daemons at capacity, evicting,
+//! on memory already touched (a daemon whose memory grows stalls SETs for milliseconds on a
+//! VM whose host backs memory at first touch: `kvd/benches/README.md`). The keys of a round
+//! come back [`KEY_SETS`] rounds later, by then evicted from L2 but overwriting the store's
+//! copies, which bounds what the L4 stores hold. Two ways to SET, each its own table:
+//! - the value in the request's frame (`set`), which the daemon copies into a slot;
+//! - the value written by the client into a slot it reserved (`put` over the shared arena,
+//!   the engine connector's way), the commit then carrying only the key.
 
 use super::set_study::{Cycles, percentiles, report};
 use bytes::Bytes;
@@ -20,11 +30,26 @@ use tokio::net::{TcpListener, TcpStream};
 
 /// SETs per case and round.
 const SETS: usize = 4000;
-/// Rounds; each case's figure is the median over them.
+/// Rounds counted per way to SET; each case's figure is the median over them.
 const ROUNDS: usize = 5;
+/// Each daemon's L2 budget, and its arena's size.
+const BUDGET: u64 = 1 << 30;
+/// Uncounted rounds first: enough to fill every arena.
+const WARM_UP: usize = (BUDGET as usize).div_ceil(SETS * VALUE);
+/// How many rounds' keys are in use: a key comes back once its block has left L2.
+const KEY_SETS: usize = WARM_UP + 1;
+const VALUE: usize = 64 << 10;
+
+/// A daemon of the study: its case's name, a client sending values in frames and one
+/// writing them into the shared arena.
+struct Daemon<'a> {
+    name: &'a str,
+    framed: KvdClient,
+    shared: KvdClient,
+}
 
 /// Runs the study on `rt` (the daemons' runtime) with `cases` (a name and the L4 behind the
-/// daemon, if any); prints a table.
+/// daemon, if any); prints a table per way to SET.
 pub fn run(rt: &tokio::runtime::Runtime, cases: Vec<(&str, Option<L4Config>)>) {
     let dir = tempfile::tempdir().unwrap();
     let client_rt = tokio::runtime::Builder::new_current_thread()
@@ -35,50 +60,85 @@ pub fn run(rt: &tokio::runtime::Runtime, cases: Vec<(&str, Option<L4Config>)>) {
     for (i, (name, l4)) in cases.into_iter().enumerate() {
         let path = dir.path().join(format!("kvd-{i}.sock"));
         rt.block_on(async {
-            let mut options = KvdOptions::new(&path, 1 << 30);
+            let mut options = KvdOptions::new(&path, BUDGET);
+            options.shared_arena_bytes = BUDGET;
             options.long = l4.map(LongBackendConfig::L4);
             let server = KvdServer::bind(options).await.unwrap();
             tokio::spawn(server.serve());
         });
-        let client = client_rt.block_on(KvdClient::connect(&path)).unwrap();
-        daemons.push((name, client, Vec::new(), Vec::new()));
-    }
-    let ns = Namespace::new("bench", "");
-    let value = Bytes::from(vec![7u8; 64 << 10]);
-    for round in 0..ROUNDS {
-        let mut times = vec![Vec::with_capacity(SETS); daemons.len()];
-        client_rt.block_on(async {
-            let mut cycles = Cycles::new(daemons.len(), round);
-            for i in 0..SETS {
-                for &at in cycles.next() {
-                    let item = SetItem::new(format!("s{round}-{i}"), value.clone())
-                        .retention(Retention::Long);
-                    let t = Instant::now();
-                    assert!(daemons[at].1.set(&ns, item).await.unwrap().accepted);
-                    times[at].push(t.elapsed());
-                }
-            }
-            for (_, client, _, _) in &mut daemons {
-                drained(client).await;
-            }
+        let (framed, shared) = client_rt.block_on(async {
+            let framed = KvdClient::connect(&path).await.unwrap();
+            let (shared, ack) = KvdClient::connect_shared(&path, "bench").await.unwrap();
+            assert!(ack.shared_arena.is_some(), "the daemon offered no arena");
+            (framed, shared)
         });
-        for ((_, _, p50s, p99s), mut times) in daemons.iter_mut().zip(times) {
-            let (p50, p99) = percentiles(&mut times);
-            p50s.push(p50);
-            p99s.push(p99);
+        daemons.push(Daemon {
+            name,
+            framed,
+            shared,
+        });
+    }
+    let value = Bytes::from(vec![7u8; VALUE]);
+    for round in 0..WARM_UP {
+        client_rt.block_on(set_round(&mut daemons, round, &value, false));
+    }
+    for (way, shared) in [
+        ("the value in the request", false),
+        ("the value written into the shared arena", true),
+    ] {
+        let mut rows: Vec<_> = daemons
+            .iter()
+            .map(|d| (d.name, Vec::new(), Vec::new()))
+            .collect();
+        for round in WARM_UP..WARM_UP + ROUNDS {
+            let times = client_rt.block_on(set_round(&mut daemons, round, &value, shared));
+            for ((_, p50s, p99s), mut times) in rows.iter_mut().zip(times) {
+                let (p50, p99) = percentiles(&mut times);
+                p50s.push(p50);
+                p99s.push(p99);
+            }
+        }
+        report(
+            &format!(
+                "SET of 64 KiB long blocks over kvd's socket, one client, {way} ({SETS} per \
+                 case and round; medians of {ROUNDS} rounds after {WARM_UP} to warm up)"
+            ),
+            rows,
+        );
+    }
+}
+
+/// One round of [`SETS`] per daemon, interleaved; waits for every L4 to write what it queued.
+/// Each daemon's SET times.
+async fn set_round(
+    daemons: &mut [Daemon<'_>],
+    round: usize,
+    value: &Bytes,
+    shared: bool,
+) -> Vec<Vec<Duration>> {
+    let ns = Namespace::new("bench", "");
+    let mut times = vec![Vec::with_capacity(SETS); daemons.len()];
+    let mut cycles = Cycles::new(daemons.len(), round);
+    for i in 0..SETS {
+        for &at in cycles.next() {
+            let key = format!("s{}-{i}", round % KEY_SETS);
+            let d = &mut daemons[at];
+            let t = Instant::now();
+            let ack = if shared {
+                let key = Bytes::from(key);
+                d.shared.put(&ns, key, value, Retention::Long, None).await
+            } else {
+                let item = SetItem::new(key, value.clone()).retention(Retention::Long);
+                d.framed.set(&ns, item).await
+            };
+            times[at].push(t.elapsed());
+            assert!(ack.unwrap().accepted);
         }
     }
-    let rows = daemons
-        .into_iter()
-        .map(|(name, _, p50s, p99s)| (name, p50s, p99s))
-        .collect();
-    report(
-        &format!(
-            "SET of 64 KiB long blocks over kvd's socket, one client ({SETS} per case and round; \
-             medians of {ROUNDS} rounds)"
-        ),
-        rows,
-    );
+    for d in daemons.iter_mut() {
+        drained(&mut d.framed).await;
+    }
+    times
 }
 
 /// Waits until the daemon's L4 has no put queued (removals of an L4 that is down stay queued).

@@ -9,10 +9,19 @@
 //! the SETs on a worker of the runtime the L4 writer runs on, as in the daemon, and with the
 //! SETs on a CPU of their own (`support/own_core.rs`), as on a host with cores to spare, which
 //! leaves the SET's own L4 work. Target: p99 within 10 % of no L4 (a SET never waits on L4).
+//!
+//! The L2s are on the heap, each SET's value kept as it came (`--shared-arena-bytes 0`), and
+//! fresh per round: the SET path at its shortest. Two loads more run the L2s as `infera kvd`
+//! does by default, in a shared arena as large as the budget, into whose slots each SET
+//! copies its value (the L4 then pins the slot until the block is written): one store per
+//! case for the whole load, warm-up rounds filling its arena first, so that the counted
+//! rounds evict on memory already touched; a round's keys come back once L2 has evicted
+//! them (the L4's store overwrites its copies).
 
 use bytes::Bytes;
 use infera_core::event::Retention;
 use infera_core::rng::Rng;
+use infera_kvd::arena::Arena;
 use infera_kvd::l4::frame::Framed;
 use infera_kvd::l4::{L4, L4Options, RemoteError, RemoteStore};
 use infera_kvd::long::LongStore;
@@ -30,6 +39,9 @@ const PACED_SETS: usize = 2000;
 const PACE: Duration = Duration::from_micros(200);
 /// Rounds, each with fresh L2s; each case's figure is the median over rounds.
 const ROUNDS: usize = 7;
+/// The arena loads' L2 budget, and arena size.
+const ARENA_BUDGET: u64 = 1 << 30;
+const VALUE: usize = 64 << 10;
 /// How long an L4 may take to write what a round queued (the slow store sends a batch per
 /// 50 ms).
 const DRAIN: Duration = Duration::from_secs(120);
@@ -69,22 +81,38 @@ pub fn run(
         out
     });
     let loads = [
-        ("back to back", SETS, Duration::ZERO, false),
-        ("one per 200 µs", PACED_SETS, PACE, false),
+        ("back to back", SETS, Duration::ZERO, false, false),
+        ("one per 200 µs", PACED_SETS, PACE, false, false),
         (
             "back to back, SETs on a CPU of their own",
             SETS,
             Duration::ZERO,
             true,
+            false,
         ),
         (
             "one per 200 µs, SETs on a CPU of their own",
             PACED_SETS,
             PACE,
             true,
+            false,
+        ),
+        (
+            "back to back, L2 in the shared arena",
+            SETS,
+            Duration::ZERO,
+            false,
+            true,
+        ),
+        (
+            "one per 200 µs, L2 in the shared arena",
+            PACED_SETS,
+            PACE,
+            false,
+            true,
         ),
     ];
-    for (load, sets, pace, own) in loads {
+    for (load, sets, pace, own, arena) in loads {
         // Held over the load's rounds.
         let core = if own {
             let Some(core) = OwnCore::reserve() else {
@@ -95,14 +123,41 @@ pub fn run(
         } else {
             None
         };
+        // The arena loads' stores, kept over the load and filled first.
+        let (kept, warm_up) = if arena {
+            let stores: Vec<Arc<Store>> = longs
+                .iter()
+                .map(|(_, long)| {
+                    let arena = Arena::new(ARENA_BUDGET, None).unwrap();
+                    Arc::new(Store::new(
+                        ARENA_BUDGET,
+                        Some(Arc::new(arena)),
+                        long.clone(),
+                    ))
+                })
+                .collect();
+            (Some(stores), (ARENA_BUDGET as usize).div_ceil(sets * VALUE))
+        } else {
+            (None, 0)
+        };
         let mut samples = vec![(Vec::new(), Vec::new()); longs.len()];
-        for round in 0..ROUNDS {
-            let run = set_round(
-                longs.iter().map(|(_, long)| long.clone()).collect(),
-                round,
-                sets,
-                pace,
-            );
+        for round in 0..warm_up + ROUNDS {
+            let stores = match &kept {
+                Some(stores) => stores.clone(),
+                None => longs
+                    .iter()
+                    .map(|(_, long)| Arc::new(Store::new(1 << 30, None, long.clone())))
+                    .collect(),
+            };
+            // An arena load's keys come back once the L2 holds none of them (it holds
+            // `warm_up` rounds' at most); its warm-up rounds run back to back.
+            let keys = if arena { round % (warm_up + 1) } else { round };
+            let pace = if round < warm_up {
+                Duration::ZERO
+            } else {
+                pace
+            };
+            let run = set_round(stores, round, keys, sets, pace);
             let figures = match &core {
                 // On a runtime worker thread, as the daemon serves a connection's SETs.
                 None => rt.block_on(rt.spawn(run)).unwrap(),
@@ -121,9 +176,11 @@ pub fn run(
                     .unwrap()
                 }),
             };
-            for ((p50s, p99s), (p50, p99)) in samples.iter_mut().zip(figures) {
-                p50s.push(p50);
-                p99s.push(p99);
+            if round >= warm_up {
+                for ((p50s, p99s), (p50, p99)) in samples.iter_mut().zip(figures) {
+                    p50s.push(p50);
+                    p99s.push(p99);
+                }
             }
             // The next round starts with every L4's queue written (one that is down keeps its
             // removals queued and answers at once).
@@ -193,21 +250,18 @@ pub fn report(title: &str, rows: Vec<(&str, Vec<Duration>, Vec<Duration>)>) {
     }
 }
 
-/// One round: `sets` SETs of 64 KiB `long` blocks into each of as many fresh 1 GiB L2s as
-/// `longs`, one with each `long` behind it, interleaved SET by SET in an order shuffled per
-/// cycle (no case always right after the same other one), one SET starting every `pace` at
-/// most (spinning between them: a sleep's wake-up would be measured with the next SET). The
-/// p50 and p99 of each case.
+/// Round `round`: `sets` SETs of 64 KiB `long` blocks into each of `stores` (one per case),
+/// under the keys of key set `keys`, interleaved SET by SET in an order shuffled per cycle (no
+/// case always right after the same other one), one SET starting every `pace` at most
+/// (spinning between them: a sleep's wake-up would be measured with the next SET). The p50
+/// and p99 of each case.
 async fn set_round(
-    longs: Vec<Option<Arc<dyn LongStore>>>,
+    stores: Vec<Arc<Store>>,
     round: usize,
+    keys: usize,
     sets: usize,
     pace: Duration,
 ) -> Vec<(Duration, Duration)> {
-    let stores: Vec<Store> = longs
-        .into_iter()
-        .map(|long| Store::new(1 << 30, None, long))
-        .collect();
     let mut times = vec![Vec::with_capacity(sets); stores.len()];
     let mut cycles = Cycles::new(stores.len(), round);
     for i in 0..sets {
@@ -218,8 +272,8 @@ async fn set_round(
             // taking them and the L4 writer dropping each block it wrote would contend on
             // their reference counts, which no daemon does.
             let ns = Namespace::new("bench", "");
-            let value = Bytes::from(vec![7u8; 64 << 10]).slice(..);
-            let item = SetItem::new(format!("s{round}-{i}"), value).retention(Retention::Long);
+            let value = Bytes::from(vec![7u8; VALUE]).slice(..);
+            let item = SetItem::new(format!("s{keys}-{i}"), value).retention(Retention::Long);
             let t = Instant::now();
             assert!(stores[at].set(&ns, &item, 1).await.accepted);
             times[at].push(t.elapsed());
