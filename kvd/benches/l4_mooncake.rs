@@ -134,23 +134,21 @@ fn main() {
         let blocks: Vec<Bytes> = (0..N).map(|i| Bytes::from(vec![i as u8; size])).collect();
         let names: Vec<String> = keys.iter().map(|(_, h)| name(&prefix, *h)).collect();
         // The frames kvd's writer hands the store (the store seals them as it stages them).
+        let info = FrameInfo {
+            class: Retention::Long,
+            expires_at: None,
+            writer: 1,
+            seq: 1,
+            written_at: 1,
+        };
         let frames: Vec<(String, Framed)> = keys
             .iter()
             .zip(&blocks)
             .zip(&names)
-            .map(|(((k, _), v), n)| {
-                let info = FrameInfo {
-                    class: Retention::Long,
-                    expires_at: None,
-                    writer: 1,
-                    seq: 1,
-                    written_at: 1,
-                };
-                (n.clone(), frame::encode_unsealed(&ns, k, v, info).unwrap())
-            })
+            .map(|(((k, _), v), n)| (n.clone(), frame::encode_unsealed(&ns, k, v, info).unwrap()))
             .collect();
-        // Round by round: the binding's, kvd's, then kvd's store client alone reading what
-        // kvd wrote.
+        // Round by round: the binding's, two of kvd's, then kvd's store client alone reading
+        // what kvd wrote and writing the same frames.
         let mut times = Times::default();
         for _ in 0..ROUNDS {
             binding.round(size, &mut times);

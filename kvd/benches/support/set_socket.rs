@@ -18,7 +18,7 @@
 //! - the value written by the client into a slot it reserved (`put` over the shared arena,
 //!   the engine connector's way), the commit then carrying only the key.
 
-use super::set_study::{Cycles, percentiles, report};
+use super::set_study::{BUDGET, Cycles, VALUE, percentiles, report, rounds_to_fill};
 use bytes::Bytes;
 use infera_core::event::Retention;
 use infera_kvd::l4::L4Config;
@@ -32,13 +32,10 @@ use tokio::net::{TcpListener, TcpStream};
 const SETS: usize = 4000;
 /// Rounds counted per way to SET; each case's figure is the median over them.
 const ROUNDS: usize = 5;
-/// Each daemon's L2 budget, and its arena's size.
-const BUDGET: u64 = 1 << 30;
-/// Uncounted rounds first: enough to fill every arena.
-const WARM_UP: usize = (BUDGET as usize).div_ceil(SETS * VALUE);
+/// Uncounted rounds first: enough to fill every daemon's arena (as large as its budget).
+const WARM_UP: usize = rounds_to_fill(SETS);
 /// How many rounds' keys are in use: a key comes back once its block has left L2.
 const KEY_SETS: usize = WARM_UP + 1;
-const VALUE: usize = 64 << 10;
 
 /// A daemon of the study: its case's name, a client sending values in frames and one
 /// writing them into the shared arena.

@@ -37,11 +37,19 @@ const SETS: usize = 8000;
 const PACED_SETS: usize = 2000;
 /// The paced load's interval between SET starts.
 const PACE: Duration = Duration::from_micros(200);
-/// Rounds, each with fresh L2s; each case's figure is the median over rounds.
+/// Rounds counted per load (each with fresh L2s on the heap; the arena loads keep theirs);
+/// each case's figure is the median over them.
 const ROUNDS: usize = 7;
-/// The arena loads' L2 budget, and arena size.
-const ARENA_BUDGET: u64 = 1 << 30;
-const VALUE: usize = 64 << 10;
+/// Every L2's budget in the SET studies (here and over the socket), and an arena's size.
+pub const BUDGET: u64 = 1 << 30;
+/// The bytes of each SET's value.
+pub const VALUE: usize = 64 << 10;
+
+/// The rounds of `sets` SETs that fill an L2 of [`BUDGET`]: an arena study's warm-up, after
+/// which a round's keys may come back (L2 holds none of them then).
+pub const fn rounds_to_fill(sets: usize) -> usize {
+    (BUDGET as usize).div_ceil(sets * VALUE)
+}
 /// How long an L4 may take to write what a round queued (the slow store sends a batch per
 /// 50 ms).
 const DRAIN: Duration = Duration::from_secs(120);
@@ -128,15 +136,11 @@ pub fn run(
             let stores: Vec<Arc<Store>> = longs
                 .iter()
                 .map(|(_, long)| {
-                    let arena = Arena::new(ARENA_BUDGET, None).unwrap();
-                    Arc::new(Store::new(
-                        ARENA_BUDGET,
-                        Some(Arc::new(arena)),
-                        long.clone(),
-                    ))
+                    let arena = Arena::new(BUDGET, None).unwrap();
+                    Arc::new(Store::new(BUDGET, Some(Arc::new(arena)), long.clone()))
                 })
                 .collect();
-            (Some(stores), (ARENA_BUDGET as usize).div_ceil(sets * VALUE))
+            (Some(stores), rounds_to_fill(sets))
         } else {
             (None, 0)
         };
@@ -146,7 +150,7 @@ pub fn run(
                 Some(stores) => stores.clone(),
                 None => longs
                     .iter()
-                    .map(|(_, long)| Arc::new(Store::new(1 << 30, None, long.clone())))
+                    .map(|(_, long)| Arc::new(Store::new(BUDGET, None, long.clone())))
                     .collect(),
             };
             // An arena load's keys come back once the L2 holds none of them (it holds
