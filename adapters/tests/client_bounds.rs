@@ -50,6 +50,7 @@ fn options(client: ClientOptions) -> ServerOptions {
         chat_template: None,
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,
+        model_tokenizers: Default::default(),
         direct: false,
         client,
     }

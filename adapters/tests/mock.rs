@@ -359,6 +359,8 @@ async fn token_id_prompts_and_their_kv_events() {
             block_size,
             tier,
             lora_id,
+            lora_name,
+            extra_keys,
             indexable,
         } = ev
         {
@@ -366,6 +368,8 @@ async fn token_id_prompts_and_their_kv_events() {
                 (*block_size, *tier, *lora_id, *indexable),
                 (16, Tier::Gpu, None, true)
             );
+            // A plain-text request: no adapter, and no keys on any block (vLLM's `nil`s).
+            assert_eq!((lora_name, extra_keys), (&None, &None));
             assert_eq!(token_ids.len(), block_hashes.len() * 16);
             let mut parent = *parent;
             for (i, h) in block_hashes.iter().enumerate() {

@@ -149,6 +149,8 @@ fn sliding(stored: bool, hash: u64) -> EngineBatch {
             block_size: 16,
             tier: Tier::Gpu,
             lora_id: None,
+            lora_name: None,
+            extra_keys: None,
             indexable: false,
         }
     } else {

@@ -39,6 +39,8 @@ fn stored(i: u64) -> EngineBatch {
             block_size: 16,
             tier: Tier::Gpu,
             lora_id: None,
+            lora_name: None,
+            extra_keys: None,
             indexable: true,
         }],
         ..Default::default()
@@ -253,6 +255,8 @@ fn expected_python_batch(i: u64, count: u64) -> EngineBatch {
         block_size: 16,
         tier: Tier::Gpu,
         lora_id: None,
+        lora_name: None,
+        extra_keys: None,
         indexable: true,
     }];
     if i % 2 == 1 {
@@ -270,6 +274,8 @@ fn expected_python_batch(i: u64, count: u64) -> EngineBatch {
             block_size: 16,
             tier: Tier::Host,
             lora_id: None,
+            lora_name: None,
+            extra_keys: None,
             indexable: true,
         });
     }

@@ -11,6 +11,8 @@
 //! `…_resident` the same with `--router-resident-weight 1` after 2,048 finished conversations
 //! left their tips (32 per worker, the most kept); `…_balance` the same with
 //! `--router-balance-tokens 512`, counting the 2,304 picks the fleet remembers.
+//! `decision/hash_only_8k_tokens_adapter` hashes the same prompt for a LoRA adapter's request
+//! (every block keyed by the adapter's name).
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use infera_core::event::{
@@ -18,7 +20,7 @@ use infera_core::event::{
     Role, Tier, WorkerRecord, WorkerRegistered,
 };
 use infera_core::fleet::{FleetConfig, FleetState};
-use infera_core::hashing::{hash_blocks, synthetic_block_tokens};
+use infera_core::hashing::{KvIdentity, hash_blocks, hash_prompt_blocks, synthetic_block_tokens};
 use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
 use infera_core::policy::{RouteRequest, Router, RouterConfig};
 use infera_core::projection::Projection;
@@ -185,6 +187,14 @@ fn parts(c: &mut Criterion) {
     let toks = prompt(3, 300);
     c.bench_function("decision/hash_only_8k_tokens", |b| {
         b.iter(|| black_box(hash_blocks(black_box(&toks), BS, None)))
+    });
+    // An adapter's request: every block keyed by the adapter's name as well.
+    let adapter = KvIdentity {
+        lora: Some("sql-adapter".into()),
+        ..KvIdentity::default()
+    };
+    c.bench_function("decision/hash_only_8k_tokens_adapter", |b| {
+        b.iter(|| black_box(hash_prompt_blocks(black_box(&toks), BS, &adapter)))
     });
     let req = request("r".into(), &toks);
     let mut router = Router::new(RouterConfig::default());

@@ -119,7 +119,7 @@ pub trait ServiceError: std::error::Error {
 impl ServiceError for RouteError {
     fn code(&self) -> ErrorCode {
         match self {
-            RouteError::UnknownModel(_) => ErrorCode::NotFound,
+            RouteError::UnknownModel { .. } => ErrorCode::NotFound,
             RouteError::NoWorker { .. }
             | RouteError::UnknownWorker(_)
             | RouteError::Draining(_)
@@ -183,7 +183,10 @@ mod tests {
         assert_eq!(ErrorCode::GatewayTimeout.anthropic_type(), "api_error");
         let timeout = TransportError::Timeout("quiet".into());
         assert_eq!(timeout.code().http_status(), StatusCode::GATEWAY_TIMEOUT);
-        let unknown = RouteError::UnknownModel("m".into());
+        let unknown = RouteError::UnknownModel {
+            model: "m".into(),
+            served: Vec::new(),
+        };
         assert_eq!(unknown.code(), ErrorCode::NotFound);
     }
 }

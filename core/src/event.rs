@@ -170,6 +170,12 @@ pub struct WorkerRecord {
 /// their offset to the port, as for `kv_events_endpoint`).
 pub const KV_EVENTS_REPLAY_ENDPOINT: &str = "kv_events_replay_endpoint";
 
+/// Our registration field (in [`WorkerRecord::extra`]): the LoRA adapters the engine serves on
+/// top of `model_name`, as the names clients send in `model` (vLLM's `--lora-modules NAME=…`,
+/// listed by its `/v1/models` with `"parent": model_name`). A launcher re-registers when the
+/// engine's list changes.
+pub const LORA_ADAPTERS: &str = "lora_adapters";
+
 impl WorkerRecord {
     /// A mixed (non-PD) worker of one DP rank reached over HTTP, with nothing else registered:
     /// the record a plain engine's launcher writes, and the base the others change.
@@ -195,6 +201,32 @@ impl WorkerRecord {
             kv: None,
             extra: serde_json::Map::new(),
         }
+    }
+
+    /// The LoRA adapters the worker serves (see [`LORA_ADAPTERS`]); names that are not strings
+    /// are ignored.
+    pub fn lora_adapters(&self) -> impl Iterator<Item = &str> {
+        self.extra
+            .get(LORA_ADAPTERS)
+            .and_then(serde_json::Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(serde_json::Value::as_str)
+    }
+
+    /// Advertises the adapters the worker serves (an empty list removes the field).
+    pub fn set_lora_adapters(&mut self, adapters: &[String]) {
+        if adapters.is_empty() {
+            self.extra.remove(LORA_ADAPTERS);
+        } else {
+            self.extra
+                .insert(LORA_ADAPTERS.to_owned(), adapters.to_vec().into());
+        }
+    }
+
+    /// Whether the worker serves `model`: its base model or one of its adapters.
+    pub fn serves(&self, model: &str) -> bool {
+        self.model_name == model || self.lora_adapters().any(|a| a == model)
     }
 
     /// Where the engine replays KV-event batches it already published, if it says.

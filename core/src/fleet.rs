@@ -101,6 +101,46 @@ struct Tip {
     at_us: Micros,
 }
 
+/// A model or adapter the fleet serves.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Served {
+    /// The base model, for an adapter (the `parent` of `/v1/models`).
+    pub parent: Option<String>,
+    /// The block sizes of its workers, sorted, without repeats.
+    pub block_sizes: Vec<u32>,
+    /// Whether it has dedicated prefill and decode pools.
+    pub disaggregated: bool,
+}
+
+/// Every model and adapter `workers` serve. A name that is one worker's base model and another's
+/// adapter is taken as a base model: requests for it run without the adapter.
+fn served_models<'a>(workers: impl Iterator<Item = &'a WorkerRecord>) -> FxHashMap<String, Served> {
+    let mut served: FxHashMap<String, Served> = FxHashMap::default();
+    let mut roles: FxHashMap<String, (bool, bool)> = FxHashMap::default();
+    for w in workers {
+        let adapters = w.lora_adapters().map(|a| (a, Some(w.model_name.as_str())));
+        for (name, parent) in std::iter::once((w.model_name.as_str(), None)).chain(adapters) {
+            let entry = served.entry(name.to_owned()).or_insert_with(|| Served {
+                parent: parent.map(str::to_owned),
+                ..Served::default()
+            });
+            if parent.is_none() {
+                entry.parent = None;
+            }
+            entry.block_sizes.push(w.kv_block_size);
+            let r = roles.entry(name.to_owned()).or_default();
+            r.0 |= w.disagg_mode == Role::Prefill;
+            r.1 |= w.disagg_mode == Role::Decode;
+        }
+    }
+    for (name, s) in &mut served {
+        s.block_sizes.sort_unstable();
+        s.block_sizes.dedup();
+        s.disaggregated = roles.get(name).is_some_and(|(p, d)| *p && *d);
+    }
+    served
+}
+
 /// Tips kept per rank.
 pub const MAX_TIPS: usize = 32;
 /// How long after its request finished a conversation counts as resident.
@@ -125,8 +165,10 @@ pub struct FleetState {
     index: KvIndex,
     /// Load per rank, indexed by the rank's index slot.
     load: Vec<RankLoad>,
-    /// Routable ranks per (model, role), rebuilt when the worker set changes.
+    /// Routable ranks per (model or adapter, role), rebuilt when the worker set changes.
     candidates: FxHashMap<(String, Role), Vec<Candidate>>,
+    /// Every model and adapter a registered worker serves, rebuilt with the candidates.
+    served: FxHashMap<String, Served>,
     inflight: FxHashMap<RequestId, InFlight>,
     picks: u64,
     /// Routable ranks (the recent-pick window keeps a number of picks per rank).
@@ -181,27 +223,22 @@ impl FleetState {
         self.draining.get(worker).map(String::as_str)
     }
 
-    /// Models served by at least one worker, sorted.
-    pub fn models(&self) -> Vec<String> {
-        let mut m: Vec<String> = self
-            .workers
-            .values()
-            .map(|w| w.model_name.clone())
-            .collect();
-        m.sort();
-        m.dedup();
+    /// Models and adapters served by at least one registered worker, sorted by name.
+    pub fn models(&self) -> Vec<(&str, &Served)> {
+        let mut m: Vec<(&str, &Served)> =
+            self.served.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        m.sort_unstable_by_key(|(k, _)| *k);
         m
+    }
+
+    /// What the fleet knows of `model` (a base model or an adapter), if a worker serves it.
+    pub fn served(&self, model: &str) -> Option<&Served> {
+        self.served.get(model)
     }
 
     /// Whether the model has dedicated prefill and decode pools (PD disaggregation).
     pub fn is_disaggregated(&self, model: &str) -> bool {
-        let mut prefill = false;
-        let mut decode = false;
-        for w in self.workers.values().filter(|w| w.model_name == model) {
-            prefill |= w.disagg_mode == Role::Prefill;
-            decode |= w.disagg_mode == Role::Decode;
-        }
-        prefill && decode
+        self.served.get(model).is_some_and(|s| s.disaggregated)
     }
 
     /// The routable ranks of `model` with `role`, in a stable order (by worker id, then rank).
@@ -217,6 +254,7 @@ impl FleetState {
 
     fn rebuild_candidates(&mut self) {
         self.candidates.clear();
+        self.served = served_models(self.workers.values());
         self.ranks = 0;
         let routable = self
             .workers
@@ -233,6 +271,14 @@ impl FleetState {
                         role,
                         block_size: w.kv_block_size,
                     };
+                    // A name that is also a base model is served as the base model.
+                    let adapters = w
+                        .lora_adapters()
+                        .filter(|a| self.served.get(*a).is_some_and(|s| s.parent.is_some()));
+                    for name in adapters {
+                        let key = (name.to_owned(), role);
+                        self.candidates.entry(key).or_default().push(c.clone());
+                    }
                     let key = (w.model_name.clone(), role);
                     self.candidates.entry(key).or_default().push(c);
                     self.ranks += 1;

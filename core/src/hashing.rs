@@ -8,8 +8,14 @@
 //! h[i] = XXH3-64(le_u64(h[i-1]) ‖ le_u32(t[iB]) ‖ … ‖ le_u32(t[iB+B-1]))
 //! ```
 //!
-//! so equal hashes mean equal prefixes (up to 64-bit collisions). Golden values live in
+//! so equal hashes mean equal prefixes (up to 64-bit collisions). A block the engine keys by more
+//! than its tokens (a LoRA adapter, a cache salt, an image) folds those keys in after its tokens
+//! ([`identity`]). Golden values live in
 //! `fixtures/hashing/golden.json` and must never change: recorded traces and snapshots depend on them.
+
+pub mod identity;
+
+pub use identity::{ExtraKey, KvIdentity, MmRun, hash_block_keyed, hash_prompt_blocks};
 
 use crate::ids::BlockHash;
 use xxhash_rust::xxh3::Xxh3;

@@ -89,6 +89,13 @@ fn expected_from_json(name: &str) -> EngineBatch {
                 block_size: get(3, "block_size").and_then(Json::as_u64).expect("bs") as u32,
                 tier: tier(get(5, "medium")),
                 lora_id: get(4, "lora_id").and_then(Json::as_i64),
+                lora_name: get(6, "lora_name").and_then(Json::as_str).map(Box::from),
+                // The captures carry no keys (`nil` per block, or no field): decoded as none.
+                extra_keys: {
+                    let keys = get(7, "extra_keys").and_then(Json::as_array);
+                    assert!(keys.is_none_or(|k| k.iter().all(Json::is_null)));
+                    None
+                },
                 indexable: matches!(
                     get(9, "kv_cache_spec_kind").and_then(Json::as_str),
                     None | Some("full_attention")
@@ -245,6 +252,8 @@ fn array_and_map_events_mix_in_one_batch() {
                 block_size: 16,
                 tier: Tier::Gpu,
                 lora_id: None,
+                lora_name: None,
+                extra_keys: None,
                 indexable: true,
             },
             EngineEvent::BlockRemoved {
@@ -575,6 +584,8 @@ fn ingest_chains_after_a_parent_known_to_the_index() {
             block_size: 16,
             tier: Tier::Host,
             lora_id: None,
+            lora_name: None,
+            extra_keys: None,
             indexable: true,
         }],
         ..Default::default()
@@ -611,6 +622,8 @@ fn ingest_drops_and_counts_what_it_cannot_index() {
             block_size: bs,
             tier: Tier::Gpu,
             lora_id: None,
+            lora_name: None,
+            extra_keys: None,
             indexable: true,
         };
     let b = EngineBatch {
@@ -630,6 +643,8 @@ fn ingest_drops_and_counts_what_it_cannot_index() {
                 block_size: 16,
                 tier: Tier::Gpu,
                 lora_id: None,
+                lora_name: None,
+                extra_keys: None,
                 indexable: false,
             },
             EngineEvent::BlockRemoved {

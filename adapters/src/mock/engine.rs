@@ -30,6 +30,7 @@
 
 use infera_core::engine::{EngineModel, Finished, KvChange, Prefilled, SimRequest};
 use infera_core::event::Tier;
+use infera_core::hashing::{ExtraKey, KvIdentity};
 use infera_core::ids::{BlockHash, EngineHash};
 use infera_core::kv_events::{EngineBatch, EngineEvent};
 use rustc_hash::FxHashMap;
@@ -78,6 +79,8 @@ pub(crate) struct Submission {
     pub received: Instant,
     /// Leading prompt blocks the block store holds (the lower tier; 0 without one).
     pub lower_blocks: usize,
+    /// What the blocks are keyed by besides their tokens (reported in `BlockStored`).
+    pub identity: KvIdentity,
 }
 
 /// A live request, as the loop tracks it.
@@ -104,6 +107,9 @@ struct Live {
 struct BlockTokens {
     refs: u32,
     tokens: Box<[u32]>,
+    /// The block's extra keys and its request's adapter, as `BlockStored` reports them.
+    keys: Box<[ExtraKey]>,
+    lora: Option<Box<str>>,
 }
 
 /// The loop's state (owned by the task, never shared).
@@ -210,18 +216,23 @@ impl EngineLoop {
 
     fn submit(&mut self, sub: Submission) {
         let bs = self.block_size;
+        let mut keys = Vec::new();
         for (i, &hash) in sub.blocks.iter().enumerate() {
-            let entry = self
-                .block_tokens
-                .entry(hash)
-                .or_insert_with(|| BlockTokens {
+            let entry = self.block_tokens.entry(hash).or_insert_with(|| {
+                let start = u32::try_from(i * bs).unwrap_or(u32::MAX);
+                let end = u32::try_from((i + 1) * bs).unwrap_or(u32::MAX);
+                sub.identity.block_keys(start, end, &mut keys);
+                BlockTokens {
                     refs: 0,
                     tokens: sub
                         .tokens
                         .get(i * bs..(i + 1) * bs)
                         .unwrap_or_default()
                         .into(),
-                });
+                    keys: std::mem::take(&mut keys).into(),
+                    lora: sub.identity.lora.clone(),
+                }
+            });
             entry.refs += 1;
         }
         self.model.submit(SimRequest {
@@ -263,11 +274,15 @@ impl EngineLoop {
                 KvChange::Stored { parent, blocks } => {
                     let mut token_ids = Vec::with_capacity(blocks.len() * self.block_size);
                     let mut block_hashes = Vec::with_capacity(blocks.len());
+                    let mut extra_keys = Vec::with_capacity(blocks.len());
+                    let mut lora_name = None;
                     for hash in blocks {
                         match self.block_tokens.get(hash) {
                             Some(b) if b.tokens.len() == self.block_size => {
                                 token_ids.extend_from_slice(&b.tokens);
                                 block_hashes.push(self.salted(*hash));
+                                extra_keys.push(b.keys.to_vec());
+                                lora_name = lora_name.or_else(|| b.lora.clone());
                             }
                             // Cannot happen (a stored block belongs to a live request); a
                             // block without its tokens would corrupt a router's index, so the
@@ -286,6 +301,12 @@ impl EngineLoop {
                             block_size: self.block_size as u32,
                             tier: Tier::Gpu,
                             lora_id: None,
+                            lora_name,
+                            // As decoded: plain blocks only are no keys.
+                            extra_keys: extra_keys
+                                .iter()
+                                .any(|k| !k.is_empty())
+                                .then_some(extra_keys),
                             indexable: true,
                         });
                     }

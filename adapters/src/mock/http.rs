@@ -27,7 +27,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use infera_core::hashing::hash_blocks;
+use infera_core::hashing::{KvIdentity, hash_prompt_blocks};
 use serde_json::{Value, json};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -39,6 +39,8 @@ use tokio::sync::{mpsc, watch};
 #[derive(Debug)]
 pub(crate) struct AppState {
     pub model_name: String,
+    /// The LoRA adapters served (`--lora-modules`, and loaded at run time), by name.
+    pub adapters: std::sync::RwLock<Vec<String>>,
     pub tokenizer: Option<Arc<Tokenizer>>,
     pub engine: mpsc::Sender<Submission>,
     pub metrics: Arc<MockMetrics>,
@@ -57,6 +59,14 @@ pub(crate) struct AppState {
 }
 
 impl AppState {
+    /// The adapters served now.
+    pub fn adapters(&self) -> Vec<String> {
+        self.adapters
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
     /// The token ids of generated word `word` (its place in the filler cycle).
     pub fn word_ids(&self, word: u32) -> &[u32] {
         self.filler_ids
@@ -82,6 +92,8 @@ pub(crate) fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/mock/pd-legs", get(pd_legs))
         .route("/abort_request", post(abort_request))
         .route("/mock/pd-aborts", get(pd_aborts))
@@ -187,21 +199,97 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+/// The base model, then each adapter with the base as `parent`, as vLLM lists them.
 async fn models(State(st): State<Arc<AppState>>) -> Response {
     let max_model_len = st.info.gpu_blocks as u64 * u64::from(st.info.block_size);
-    axum::Json(json!({
-        "object": "list",
-        "data": [{
-            "id": st.model_name,
+    let created = unix_now();
+    let base = json!({
+        "id": st.model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "infera-mock",
+        "root": st.model_name,
+        "parent": null,
+        "max_model_len": max_model_len,
+    });
+    let adapters = st.adapters().into_iter().map(|name| {
+        json!({
+            "id": name,
             "object": "model",
-            "created": unix_now(),
+            "created": created,
             "owned_by": "infera-mock",
-            "root": st.model_name,
-            "parent": null,
+            "root": format!("/adapters/{name}"),
+            "parent": st.model_name,
             "max_model_len": max_model_len,
-        }],
-    }))
-    .into_response()
+        })
+    });
+    let data: Vec<Value> = std::iter::once(base).chain(adapters).collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// The body of vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
+#[derive(Debug, serde::Deserialize)]
+struct LoraAdapter {
+    lora_name: String,
+}
+
+/// Loads an adapter at run time (vLLM with `VLLM_ALLOW_RUNTIME_LORA_UPDATING`): 400 when it is
+/// loaded already, as vLLM answers.
+async fn load_lora_adapter(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let result = (|| {
+        let req: LoraAdapter = serde_json::from_slice(&body)
+            .map_err(|e| ApiError::bad_request(format!("invalid JSON request body: {e}")))?;
+        if req.lora_name.is_empty() || req.lora_name == st.model_name {
+            return Err(ApiError::bad_request("`lora_name` must name an adapter"));
+        }
+        let mut adapters = st
+            .adapters
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if adapters.contains(&req.lora_name) {
+            return Err(ApiError::bad_request(format!(
+                "The lora adapter '{}' has already been loaded.",
+                req.lora_name
+            )));
+        }
+        adapters.push(req.lora_name.clone());
+        Ok(format!(
+            "Success: LoRA adapter '{}' added successfully.",
+            req.lora_name
+        ))
+    })();
+    match result {
+        Ok(text) => text.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Unloads an adapter: 404 when it is not loaded.
+async fn unload_lora_adapter(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let result = (|| {
+        let req: LoraAdapter = serde_json::from_slice(&body)
+            .map_err(|e| ApiError::bad_request(format!("invalid JSON request body: {e}")))?;
+        let mut adapters = st
+            .adapters
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let before = adapters.len();
+        adapters.retain(|a| *a != req.lora_name);
+        if adapters.len() == before {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("The lora adapter '{}' cannot be found.", req.lora_name),
+            ));
+        }
+        Ok(format!(
+            "Success: LoRA adapter '{}' removed successfully.",
+            req.lora_name
+        ))
+    })();
+    match result {
+        Ok(text) => text.into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn completions(
@@ -212,7 +300,7 @@ async fn completions(
     let received = Instant::now();
     let result = async {
         let req: CompletionRequest = parse_body(body)?;
-        check_model(&st, req.model.as_deref())?;
+        let identity = identity(&st, req.model.as_deref(), req.cache_salt)?;
         let rid = rid_of(&req.pd)?;
         let pd = pd_accept(
             &st,
@@ -243,6 +331,7 @@ async fn completions(
             retention: retention_of(req.pd.kv_transfer_params.as_ref())?,
             first_word,
             return_ids: req.return_token_ids.unwrap_or(false),
+            identity,
         };
         generate(&st, tokens, out, reply, received).await
     }
@@ -258,7 +347,7 @@ async fn chat_completions(
     let received = Instant::now();
     let result = async {
         let req: ChatRequest = parse_body(body)?;
-        check_model(&st, req.model.as_deref())?;
+        let identity = identity(&st, req.model.as_deref(), req.cache_salt)?;
         let rid = rid_of(&req.pd)?;
         let max_tokens = req.max_completion_tokens.or(req.max_tokens);
         let pd = pd_accept(
@@ -293,6 +382,7 @@ async fn chat_completions(
             retention: retention_of(req.pd.kv_transfer_params.as_ref())?,
             first_word,
             return_ids: req.return_token_ids.unwrap_or(false),
+            identity,
         };
         generate(&st, tokens, out, reply, received).await
     }
@@ -323,17 +413,40 @@ fn parse_body<T: serde::de::DeserializeOwned>(
         .map_err(|e| ApiError::bad_request(format!("invalid JSON request body: {e}")))
 }
 
-fn check_model(st: &AppState, model: Option<&str>) -> Result<(), ApiError> {
-    match model {
-        Some(m) if m != st.model_name => Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!(
-                "The model `{m}` does not exist; this mock engine serves `{}`",
-                st.model_name
-            ),
-        )),
-        _ => Ok(()),
+/// The KV identity of a request for `model` with `cache_salt`, as vLLM keys its blocks: an
+/// adapter's name, the salt. A model this engine does not serve is a 404, as vLLM answers.
+fn identity(
+    st: &AppState,
+    model: Option<&str>,
+    cache_salt: Option<String>,
+) -> Result<KvIdentity, ApiError> {
+    let lora = match model {
+        None => None,
+        Some(m) if m == st.model_name => None,
+        Some(m) if st.adapters().iter().any(|a| a == m) => Some(Box::from(m)),
+        Some(m) => {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "The model `{m}` does not exist; this mock engine serves `{}`",
+                    std::iter::once(st.model_name.clone())
+                        .chain(st.adapters())
+                        .collect::<Vec<_>>()
+                        .join("`, `")
+                ),
+            ));
+        }
+    };
+    if cache_salt.as_deref() == Some("") {
+        return Err(ApiError::bad_request(
+            "Parameter 'cache_salt' must be a non-empty string if provided.",
+        ));
     }
+    Ok(KvIdentity {
+        lora,
+        salt: cache_salt.map(Box::from),
+        mm: Vec::new(),
+    })
 }
 
 async fn tokenize_text(st: &AppState, text: String) -> Result<Vec<u32>, ApiError> {
@@ -417,6 +530,8 @@ struct Reply {
     first_word: u32,
     /// vLLM's `return_token_ids`: the prompt's ids and each chunk's ids in the answer.
     return_ids: bool,
+    /// What the prompt's blocks are keyed by besides their tokens.
+    identity: KvIdentity,
 }
 
 /// Submits the request to the engine and answers it; `received`: when the handler started.
@@ -436,6 +551,7 @@ async fn generate(
         retention,
         first_word,
         return_ids,
+        identity,
     } = reply;
     let prompt_ids = return_ids.then(|| tokens.clone());
     if tokens.is_empty() {
@@ -453,7 +569,7 @@ async fn generate(
             st.info.gpu_blocks
         )));
     }
-    let blocks = hash_blocks(&tokens, st.info.block_size as usize, None);
+    let blocks = hash_prompt_blocks(&tokens, st.info.block_size as usize, &identity);
     let (lower_blocks, save) = match &st.kvd {
         Some(tier) => tier.admit(&tokens, retention, &st.metrics).await,
         None => (0, None),
@@ -471,6 +587,7 @@ async fn generate(
             progress,
             received,
             lower_blocks,
+            identity: identity.clone(),
         })
         .await
         .map_err(|_| {
@@ -489,7 +606,11 @@ async fn generate(
         endpoint,
         id: format!("{prefix}-{:016x}{seq:08x}", st.id_prefix),
         created: unix_now(),
-        model: st.model_name.clone(),
+        // vLLM answers an adapter's request under the adapter's name.
+        model: identity
+            .lora
+            .as_deref()
+            .map_or_else(|| st.model_name.clone(), str::to_owned),
     };
     if stream {
         Ok(sse_response(StreamState {

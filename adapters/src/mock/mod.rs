@@ -84,6 +84,9 @@ pub struct MockConfig {
     pub engine: EngineConfig,
     /// The model name served (`/v1/models`, the `model` of responses).
     pub model_name: String,
+    /// LoRA adapters served on top of it, by name (vLLM's `--lora-modules NAME=PATH`); more can
+    /// be loaded at run time (`POST /v1/load_lora_adapter`).
+    pub lora_adapters: Vec<String>,
     /// The model's tokenizer; `None` tokenizes by UTF-8 byte.
     pub tokenizer: Option<Arc<Tokenizer>>,
     /// Larger request bodies are answered 413.
@@ -113,6 +116,7 @@ impl MockConfig {
         Self {
             engine,
             model_name: model_name.into(),
+            lora_adapters: Vec::new(),
             tokenizer: None,
             max_body_bytes: 32 << 20,
             queue_capacity: 4096,
@@ -258,6 +262,7 @@ impl MockServer {
             kvd,
             filler_ids: http::AppState::filler_ids(config.tokenizer.as_deref()),
             model_name: config.model_name,
+            adapters: std::sync::RwLock::new(config.lora_adapters),
             info,
             tokenizer: config.tokenizer,
             engine: tx,

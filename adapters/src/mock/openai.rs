@@ -114,6 +114,9 @@ pub struct StreamOptions {
 pub struct CompletionRequest {
     #[serde(default)]
     pub model: Option<String>,
+    /// vLLM's `cache_salt`: keys the prompt's blocks (the first, and so every later one).
+    #[serde(default)]
+    pub cache_salt: Option<String>,
     /// PD fields (a PD-role mock checks them).
     #[serde(flatten)]
     pub pd: super::pd::PdFields,
@@ -136,6 +139,9 @@ pub struct CompletionRequest {
 pub struct ChatRequest {
     #[serde(default)]
     pub model: Option<String>,
+    /// vLLM's `cache_salt`: keys the prompt's blocks (the first, and so every later one).
+    #[serde(default)]
+    pub cache_salt: Option<String>,
     /// PD fields (a PD-role mock checks them).
     #[serde(flatten)]
     pub pd: super::pd::PdFields,

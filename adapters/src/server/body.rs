@@ -147,6 +147,8 @@ pub(super) struct Parsed {
     pub forward: Bytes,
     /// `session_id`, when a string.
     pub session_id: Option<String>,
+    /// vLLM's `cache_salt`: the engine keys the prompt's first block (and so all of them) by it.
+    pub cache_salt: Option<Box<str>>,
 }
 
 /// Which array the prompt is read from.
@@ -176,6 +178,8 @@ struct Fields<'a> {
     prompt_cache_retention: Option<&'a RawValue>,
     #[serde(default, borrow, deserialize_with = "present")]
     session_id: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    cache_salt: Option<&'a RawValue>,
     // What a chat template renders besides the messages (see `ChatExtras`).
     #[serde(default, borrow, deserialize_with = "present")]
     tools: Option<&'a RawValue>,
@@ -268,6 +272,13 @@ pub(super) fn parse(bytes: Bytes, shape: Shape, default: Retention) -> Result<Pa
     let session_id = fields
         .session_id
         .and_then(|raw| serde_json::from_str::<String>(raw.get()).ok());
+    let cache_salt = match fields.cache_salt {
+        None => None,
+        Some(raw) => serde_json::from_str::<Option<String>>(raw.get())
+            .map_err(|_| bad("`cache_salt` must be a string"))?
+            .filter(|s| !s.is_empty())
+            .map(Box::from),
+    };
     let (retention, edit) = retention(&fields, &bytes, default)?;
     let forward = match edit {
         Edit::None => bytes.clone(),
@@ -287,6 +298,7 @@ pub(super) fn parse(bytes: Bytes, shape: Shape, default: Retention) -> Result<Pa
         retention,
         forward,
         session_id,
+        cache_salt,
     })
 }
 

@@ -16,11 +16,12 @@ use axum::routing::{get, post};
 use futures::StreamExt as _;
 use futures::stream::BoxStream;
 use infera_core::error::{ErrorCode, ServiceError as _};
+use infera_core::hashing::KvIdentity;
 use infera_core::ids::WorkerRank;
 use infera_core::policy::{DirectPick, RouteError};
 use infera_core::ports::transport::TransportError;
 use infera_core::service::metrics::text;
-use infera_core::service::{Prepared, Reply, ReplyBody, RequestError};
+use infera_core::service::{Prepared, Reply, ReplyBody, RequestError, RequestKeys};
 use serde::Deserialize as _;
 use serde_json::{Value, json};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -270,6 +271,7 @@ async fn pipeline(
         retention,
         forward: forward_body,
         session_id,
+        cache_salt,
     } = super::body::parse(bytes, shape, options.client.default_retention)?;
     let seen = retention.map_or("none", infera_core::event::Retention::as_str);
     st.service().metrics().retention_seen(seen);
@@ -286,7 +288,20 @@ async fn pipeline(
         tokenized,
     } = st
         .service()
-        .prepare(st, &key, model, input, retention, direct.is_some())
+        .prepare(
+            st,
+            &key,
+            model,
+            input,
+            RequestKeys {
+                retention,
+                direct: direct.is_some(),
+                identity: KvIdentity {
+                    salt: cache_salt,
+                    ..KvIdentity::default()
+                },
+            },
+        )
         .await?;
     if let Some(with_tokens) = st.service().meta_wants_tokens() {
         let session_id = headers
@@ -385,7 +400,12 @@ async fn models(State(st): State<ServerState>) -> Response {
     let data: Vec<Value> = st.service().with_fleet(|f| {
         f.models()
             .into_iter()
-            .map(|m| json!({"id": m, "object": "model", "owned_by": "infera"}))
+            .map(|(id, served)| {
+                // vLLM lists an adapter with its base model as `parent` (and `root`).
+                let parent = served.parent.as_deref();
+                json!({"id": id, "object": "model", "owned_by": "infera",
+                       "root": parent.unwrap_or(id), "parent": parent})
+            })
             .collect()
     });
     axum::Json(json!({"object": "list", "data": data})).into_response()

@@ -86,11 +86,12 @@ use infera_core::ports::prefetch::KvPrefetch;
 use infera_core::ports::scaling::PoolScaler;
 use infera_core::ports::transport::RequestTransport;
 use infera_core::service::{Plane, Service, ServiceOptions};
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::net::TcpListener;
 
-/// Everything the front needs besides the tokenizer.
+/// Everything the front needs besides the default tokenizer.
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
     /// The request service's options: routing, retries, and the body bound (a larger request
@@ -105,6 +106,9 @@ pub struct ServerOptions {
     /// `--kv-per-worker-template-kwargs`: ask each SGLang worker for the template defaults its
     /// engine merges in, and hash its chats its way where they differ from `template_defaults`.
     pub per_worker_template_kwargs: bool,
+    /// `--model-tokenizer MODEL=PATH`: the tokenizers (with their own chat templates) of the
+    /// base models that do not use the default one; an adapter uses its base model's.
+    pub model_tokenizers: BTreeMap<String, Arc<Tokenizer>>,
     /// `--router-mode direct`: route each request to the worker its `x-worker-instance-id`
     /// header names (and `x-prefill-instance-id`, `x-dp-rank`), picked by an external endpoint
     /// picker; no policy, no failover.

@@ -16,7 +16,8 @@ use super::body::Shape;
 use super::http::route_error;
 use axum::body::Bytes;
 use infera_core::event::RequestStatus;
-use infera_core::service::{Attempt, Prepared, Route, Usage};
+use infera_core::hashing::KvIdentity;
+use infera_core::service::{Attempt, Prepared, RequestKeys, Route, Usage};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -100,8 +101,14 @@ impl ServerState {
                 &key,
                 parsed.model,
                 parsed.input,
-                parsed.retention,
-                false,
+                RequestKeys {
+                    retention: parsed.retention,
+                    direct: false,
+                    identity: KvIdentity {
+                        salt: parsed.cache_salt,
+                        ..KvIdentity::default()
+                    },
+                },
             )
             .await
             .map_err(|e| to_pick(e.into()))?;

@@ -129,12 +129,12 @@ async fn handle(st: &ServerState, headers: &HeaderMap, body: Body) -> Result<usi
             } else {
                 parse_chat(&json)?
             };
-            let block_size = st
+            let (block_size, base) = st
                 .service()
                 .with_fleet(|f| {
                     f.workers()
-                        .find(|w| w.model_name == model)
-                        .map(|w| w.kv_block_size)
+                        .find(|w| w.serves(&model))
+                        .map(|w| (w.kv_block_size, w.model_name.clone()))
                 })
                 .ok_or_else(|| {
                     ApiError::new(
@@ -142,7 +142,7 @@ async fn handle(st: &ServerState, headers: &HeaderMap, body: Body) -> Result<usi
                         format!("no worker serves model {model:?}, so its block size is unknown"),
                     )
                 })?;
-            let tokens = st.service().tokenize(st, input, None).await?;
+            let tokens = st.service().tokenize(st, &base, input, None).await?;
             block_keys(&tokens, block_size.max(1) as usize)
         }
         [] => return Err(bad("give `block_hashes`, `prompt` or `messages`")),

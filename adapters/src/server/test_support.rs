@@ -8,11 +8,17 @@ use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
 use infera_core::policy::RouterConfig;
 use infera_core::service::ServiceOptions;
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
 /// A server with no workers, the default router and the fixture tokenizer.
 pub(crate) fn state() -> ServerState {
+    state_with_models(BTreeMap::new())
+}
+
+/// [`state`] with `models` tokenized by their own tokenizers.
+pub(crate) fn state_with_models(models: BTreeMap<String, Arc<Tokenizer>>) -> ServerState {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/deepseek-v4");
     let tokenizer = Tokenizer::from_path(&dir).expect("fixture tokenizer");
     let options = ServerOptions {
@@ -25,6 +31,7 @@ pub(crate) fn state() -> ServerState {
         chat_template: None,
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,
+        model_tokenizers: models,
         direct: false,
         client: super::ClientOptions::default(),
     };

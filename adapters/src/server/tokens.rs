@@ -1,6 +1,6 @@
-//! The front's tokenizer as the request service's [`Tokenize`] port: a parsed [`Input`] is
-//! tokenized on the blocking pool, a chat rendered with `--chat-template` (or the tokenizer's
-//! own) and the template defaults its engines merge in (`--kv-default-chat-template-kwargs`),
+//! The front's tokenizers as the request service's [`Tokenize`] port: a parsed [`Input`] is
+//! tokenized on the blocking pool with its base model's tokenizer (`--model-tokenizer`, else the
+//! default one), a chat rendered with `--chat-template` (or the tokenizer's own) and the template defaults its engines merge in (`--kv-default-chat-template-kwargs`),
 //! or, for the workers whose SGLang engine merges others (`--kv-per-worker-template-kwargs`,
 //! see `variants`), with theirs.
 
@@ -29,11 +29,19 @@ impl Tokenize for ServerState {
 
     async fn tokenize(
         &self,
+        model: &str,
         prompt: Input,
         rendering: Option<Arc<TemplateKwargs>>,
     ) -> Result<Vec<u32>, port::TokenizeError> {
-        let tokenizer = self.inner.tokenizer.clone();
-        let template = self.inner.options.chat_template.clone();
+        // A model with its own tokenizer renders chats with that tokenizer's template;
+        // `--chat-template` overrides the default tokenizer's only.
+        let (tokenizer, template) = match self.inner.options.model_tokenizers.get(model) {
+            Some(own) => (Arc::clone(own), None),
+            None => (
+                self.inner.tokenizer.clone(),
+                self.inner.options.chat_template.clone(),
+            ),
+        };
         let defaults = rendering.unwrap_or_else(|| self.inner.options.template_defaults.clone());
         let joined = tokio::task::spawn_blocking(move || match prompt {
             Input::Tokens(ids) => Ok(ids),
@@ -51,5 +59,69 @@ impl Tokenize for ServerState {
             }
             other => port::TokenizeError::Failed(other.to_string()),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_support::{record, state_with_models};
+    use super::*;
+    use crate::tokenize::Tokenizer;
+    use infera_core::event::{Engine, WorkerRecord};
+    use infera_core::ids::WorkerId;
+    use infera_core::service::RequestKeys;
+    use std::collections::BTreeMap;
+
+    /// A word-level tokenizer of three words, another model's than the fixture's.
+    fn tiny() -> Tokenizer {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let json = r#"{"version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [], "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "hello": 1, "world": 2},
+                      "unk_token": "[UNK]"}}"#;
+        let file = dir.path().join("tokenizer.json");
+        std::fs::write(&file, json).expect("write");
+        Tokenizer::from_path(&file).expect("tiny tokenizer")
+    }
+
+    #[tokio::test]
+    async fn each_base_model_and_its_adapters_use_the_models_own_tokenizer() {
+        let models = BTreeMap::from([("small".to_owned(), Arc::new(tiny()))]);
+        let st = state_with_models(models);
+        st.register_worker(record("a"));
+        let mut small = WorkerRecord::mixed(
+            WorkerId::new("b"),
+            "http://b".into(),
+            "small",
+            Engine::Vllm,
+            16,
+        );
+        small.set_lora_adapters(&["small-sql".to_owned()]);
+        st.register_worker(small);
+        let tokens = |model: &'static str| {
+            let st = st.clone();
+            async move {
+                let text = Input::Text("hello world hello".into());
+                st.service()
+                    .prepare(&st, "k#1", model.into(), text, RequestKeys::default())
+                    .await
+                    .expect("prepared")
+                    .tokens
+            }
+        };
+        assert_eq!(tokens("small").await, [1, 2, 1]);
+        assert_eq!(
+            tokens("small-sql").await,
+            [1, 2, 1],
+            "an adapter uses its base's"
+        );
+        let default = st
+            .inner
+            .tokenizer
+            .encode("hello world hello")
+            .expect("encode");
+        assert_eq!(tokens("m").await, default);
+        assert_ne!(default, [1, 2, 1]);
     }
 }

@@ -152,6 +152,7 @@ pub fn options(policy: PolicyKind, max_retries: u32, direct: bool) -> ServerOpti
         chat_template: None,
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,
+        model_tokenizers: Default::default(),
         direct,
         client: ClientOptions::default(),
     }

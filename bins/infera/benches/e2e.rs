@@ -208,6 +208,7 @@ fn fleet(
             chat_template: None,
             template_defaults: Default::default(),
             per_worker_template_kwargs: true,
+            model_tokenizers: Default::default(),
             direct: false,
             client: infera_adapters::server::ClientOptions::default(),
         };

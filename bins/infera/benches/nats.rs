@@ -454,6 +454,8 @@ fn kv_messages(first_hash: u64, blocks: u64) -> Vec<Bytes> {
                         block_size: BLOCK_SIZE,
                         tier: Tier::Gpu,
                         lora_id: None,
+                        lora_name: None,
+                        extra_keys: None,
                         indexable: true,
                     }
                 })

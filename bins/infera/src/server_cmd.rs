@@ -91,6 +91,12 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
             .context("--kv-default-chat-template-kwargs")?,
         ),
         per_worker_template_kwargs: config.router.per_worker_template_kwargs,
+        model_tokenizers: config
+            .router
+            .model_tokenizers
+            .iter()
+            .map(|(model, _, file)| Ok((model.clone(), Arc::new(load_tokenizer(file)?))))
+            .collect::<anyhow::Result<_>>()?,
         direct: config.router.mode == RouterMode::Direct,
         client: infera_adapters::server::ClientOptions {
             limits: infera_adapters::serve::ServeLimits {

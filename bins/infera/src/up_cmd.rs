@@ -122,6 +122,13 @@ pub struct UpArgs {
     #[arg(long)]
     pub kvd: bool,
 
+    /// LoRA adapters every mock serves on top of --model-name, as vLLM's `--lora-modules`:
+    /// `NAME=PATH` or `{"name": …, "path": …}` (the path is not read). Requests name an adapter
+    /// as their `model`; `/v1/models` lists each with the model as `parent`; their KV blocks
+    /// are keyed by the adapter, in the mocks and in the router.
+    #[arg(long, num_args = 1.., value_name = "NAME=PATH")]
+    pub lora_modules: Vec<String>,
+
     /// The socket of the in-process kvd (--kvd). [default: kvd.sock in a fresh temporary
     /// directory, removed on exit]
     #[arg(long, value_name = "PATH", requires = "kvd")]
@@ -176,6 +183,9 @@ fn validate(args: &UpArgs) -> anyhow::Result<PathBuf> {
     if !args.kv_overlap_weight.is_finite() {
         bail!("--kv-overlap-weight must be finite");
     }
+    for module in &args.lora_modules {
+        crate::config::worker::lora_module_name(module)?;
+    }
     if args.port != 0
         && args
             .port
@@ -227,6 +237,7 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
         chat_template: None,
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,
+        model_tokenizers: Default::default(),
         direct: false,
         client: infera_adapters::server::ClientOptions::default(),
     };
@@ -395,7 +406,13 @@ async fn start_worker(
         speedup: args.speedup,
         ..EngineConfig::default()
     };
+    let adapters = args
+        .lora_modules
+        .iter()
+        .map(|m| crate::config::worker::lora_module_name(m))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut config = MockConfig::new(args.model_name.clone(), engine);
+    config.lora_adapters = adapters.clone();
     config.tokenizer = Some(Arc::clone(tokenizer));
     config.drain_timeout = Duration::from_secs(5);
     config.kv_store = kv_store;
@@ -420,6 +437,8 @@ async fn start_worker(
         kv: None,
         extra: server.registration_extra(),
     };
+    let mut record = record;
+    record.set_lora_adapters(&adapters);
     let worker = record.worker_id.clone();
     state.register_worker(record);
     let forward = {

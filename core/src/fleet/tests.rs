@@ -93,7 +93,8 @@ fn candidates_follow_model_role_and_dp_ranks() {
     assert_eq!(f.candidates("m", Role::Prefill).len(), 1);
     assert!(f.is_disaggregated("m"));
     assert!(!f.is_disaggregated("other"));
-    assert_eq!(f.models(), vec!["m".to_owned(), "other".to_owned()]);
+    let names: Vec<&str> = f.models().into_iter().map(|(m, _)| m).collect();
+    assert_eq!(names, ["m", "other"]);
     let gone = Event::WorkerDeregistered(WorkerDeregistered {
         worker: WorkerId::new("a:1"),
         reason: "test".into(),
@@ -464,4 +465,52 @@ fn resident_tips_are_soft_state_outside_equality() {
         f == g,
         "a finished request leaves nothing a rebuild must reproduce"
     );
+}
+
+#[test]
+fn adapters_are_served_by_the_workers_that_list_them_and_follow_re_registration() {
+    let mut f = FleetState::default();
+    let mut a = record("a:1", "base", Role::Mixed, 1);
+    a.set_lora_adapters(&["sql".to_owned(), "chat".to_owned()]);
+    let mut b = record("b:1", "base", Role::Mixed, 1);
+    b.set_lora_adapters(&["sql".to_owned()]);
+    // A name that is another worker's base model is served as that base model only.
+    let mut c = record("c:1", "other", Role::Mixed, 1);
+    c.set_lora_adapters(&["base".to_owned()]);
+    for (i, r) in [&a, &b, &c].into_iter().enumerate() {
+        let ev = Event::WorkerRegistered(WorkerRegistered { record: r.clone() });
+        f.apply(&env(i as u64 + 1, ev));
+    }
+    fn workers(f: &FleetState, model: &str) -> Vec<String> {
+        f.candidates(model, Role::Mixed)
+            .iter()
+            .map(|c| c.rank.worker.to_string())
+            .collect()
+    }
+    assert_eq!(workers(&f, "sql"), ["a:1", "b:1"]);
+    assert_eq!(workers(&f, "chat"), ["a:1"]);
+    assert_eq!(workers(&f, "base"), ["a:1", "b:1"]);
+    let parents: Vec<(&str, Option<&str>)> = f
+        .models()
+        .into_iter()
+        .map(|(m, s)| (m, s.parent.as_deref()))
+        .collect();
+    assert_eq!(
+        parents,
+        [
+            ("base", None),
+            ("chat", Some("base")),
+            ("other", None),
+            ("sql", Some("base"))
+        ]
+    );
+    // The engine unloaded `chat`: the launcher re-registers and it leaves routing.
+    a.set_lora_adapters(&["sql".to_owned()]);
+    f.apply(&env(
+        4,
+        Event::WorkerRegistered(WorkerRegistered { record: a }),
+    ));
+    assert!(f.served("chat").is_none());
+    assert!(workers(&f, "chat").is_empty());
+    assert_eq!(workers(&f, "sql"), ["a:1", "b:1"]);
 }

@@ -7,6 +7,7 @@
 
 use super::{DecodeError, EngineBatch, EngineEvent, is_indexable_spec_kind, tier_from_medium};
 use crate::event::Tier;
+use crate::hashing::ExtraKey;
 use crate::ids::EngineHash;
 use rmpv::ValueRef;
 
@@ -258,6 +259,16 @@ fn decode_stored(
     };
     let lora_id = opt_i64(cx, "lora_id", f.get(n, 4))?;
     let tier = medium(cx, f.get(n, 5))?;
+    let lora_name = match f.get(n, 6) {
+        None | Some(ValueRef::Nil) => None,
+        Some(v) => Some(Box::from(str_of(v).ok_or_else(|| {
+            cx.err(
+                "lora_name",
+                format!("expected a string or nil, got {}", type_name(v)),
+            )
+        })?)),
+    };
+    let extra_keys = extra_keys(cx, f.get(n, 7))?;
     let group = opt_i64(cx, "group_idx", f.get(n, 8))?;
     let spec_kind = match f.get(n, 9) {
         None | Some(ValueRef::Nil) => None,
@@ -279,8 +290,73 @@ fn decode_stored(
         block_size,
         tier,
         lora_id,
+        lora_name,
+        extra_keys,
         indexable,
     })
+}
+
+/// `extra_keys`: nil, or one entry per block, each nil or an array of keys (vLLM sends tuples
+/// as arrays); `None` when no block has a key. A string is a string key (adapter name, salt), `[string, int]` a multimodal item
+/// and its offset, a bin bytes, an int an int; any other shape is kept as its msgpack bytes.
+fn extra_keys(
+    cx: &Ctx<'_>,
+    v: Option<&ValueRef<'_>>,
+) -> Result<Option<Vec<Vec<ExtraKey>>>, DecodeError> {
+    let blocks = match v {
+        None | Some(ValueRef::Nil) => return Ok(None),
+        Some(ValueRef::Array(blocks)) => blocks,
+        Some(other) => {
+            return Err(cx.err(
+                "extra_keys",
+                format!("expected an array or nil, got {}", type_name(other)),
+            ));
+        }
+    };
+    let key = |k: &ValueRef<'_>| match k {
+        ValueRef::String(s) if s.as_str().is_some() => {
+            ExtraKey::Str(s.as_str().unwrap_or_default().into())
+        }
+        ValueRef::Integer(i) if i.as_i64().is_some() => ExtraKey::Int(i.as_i64().unwrap_or(0)),
+        ValueRef::Binary(b) => ExtraKey::Bytes((*b).into()),
+        ValueRef::Array(pair) => match pair.as_slice() {
+            [ValueRef::String(id), ValueRef::Integer(off)]
+                if id.as_str().is_some() && off.as_i64().is_some() =>
+            {
+                ExtraKey::Mm {
+                    id: id.as_str().unwrap_or_default().into(),
+                    offset: off.as_i64().unwrap_or(0),
+                }
+            }
+            _ => raw_key(k),
+        },
+        _ => raw_key(k),
+    };
+    blocks
+        .iter()
+        .enumerate()
+        .map(|(i, b)| match b {
+            ValueRef::Nil => Ok(Vec::new()),
+            ValueRef::Array(keys) => Ok(keys.iter().map(key).collect()),
+            other => Err(cx.err(
+                "extra_keys",
+                format!(
+                    "element {i}: expected an array or nil, got {}",
+                    type_name(other)
+                ),
+            )),
+        })
+        .collect::<Result<Vec<Vec<ExtraKey>>, _>>()
+        // Plain blocks only (vLLM sends `nil` per block): the same as no keys.
+        .map(|keys| keys.iter().any(|k| !k.is_empty()).then_some(keys))
+}
+
+/// A key of an unknown shape, as its msgpack bytes (never equal to a key the router computes).
+fn raw_key(k: &ValueRef<'_>) -> ExtraKey {
+    let mut buf = Vec::new();
+    // Writing to a Vec cannot fail.
+    let _ = rmpv::encode::write_value_ref(&mut buf, k);
+    ExtraKey::Raw(buf.into())
 }
 
 fn decode_removed(

@@ -7,7 +7,8 @@
 //! [ts: float64, [event, ...], dp_rank: int | nil]
 //! BlockStored      {"type", "block_hashes": [uint], "parent_block_hash": uint | nil,
 //!                   "token_ids": [uint], "block_size", "lora_id": int | nil, "medium",
-//!                   "lora_name": nil, "extra_keys": [nil; blocks], "group_idx": 0 | 1,
+//!                   "lora_name": str | nil, "extra_keys": [[key, ...] | nil; blocks],
+//!                   "group_idx": 0 | 1,
 //!                   "kv_cache_spec_kind": "full_attention" | "sliding_window"}
 //! BlockRemoved     {"type", "block_hashes": [uint], "medium", "group_idx": 0 | 1}
 //! AllBlocksCleared {"type"}
@@ -18,6 +19,7 @@
 //! decoder's [`super::GroupKinds`] flags that group's removals too.
 
 use super::{EngineBatch, EngineEvent, medium_of_tier};
+use crate::hashing::ExtraKey;
 
 /// Encodes a batch as vLLM ≥ 0.26 publishes it (tagged maps, u64 hashes).
 ///
@@ -36,6 +38,8 @@ pub fn encode_batch_vllm(batch: &EngineBatch) -> Vec<u8> {
                 block_size,
                 tier,
                 lora_id,
+                lora_name,
+                extra_keys,
                 indexable,
             } => {
                 w.map_len(11);
@@ -66,11 +70,20 @@ pub fn encode_batch_vllm(batch: &EngineBatch) -> Vec<u8> {
                 w.str("medium");
                 w.str(medium_of_tier(*tier));
                 w.str("lora_name");
-                w.nil();
+                match lora_name {
+                    Some(name) => w.str(name),
+                    None => w.nil(),
+                }
                 w.str("extra_keys");
                 w.array_len(block_hashes.len());
-                for _ in block_hashes {
-                    w.nil();
+                for i in 0..block_hashes.len() {
+                    match extra_keys.as_ref().and_then(|k| k.get(i)) {
+                        Some(keys) if !keys.is_empty() => {
+                            w.array_len(keys.len());
+                            keys.iter().for_each(|k| w.key(k));
+                        }
+                        _ => w.nil(),
+                    }
                 }
                 w.str("group_idx");
                 w.uint(group_of(*indexable));
@@ -122,6 +135,32 @@ fn group_of(indexable: bool) -> u64 {
 struct Writer(Vec<u8>);
 
 impl Writer {
+    /// One extra key as vLLM's msgspec writes it (a tuple as an array).
+    fn key(&mut self, k: &ExtraKey) {
+        match k {
+            ExtraKey::Str(s) => self.str(s),
+            ExtraKey::Mm { id, offset } => {
+                self.array_len(2);
+                self.str(id);
+                self.int(*offset);
+            }
+            ExtraKey::Bytes(b) => {
+                if let Ok(n) = u8::try_from(b.len()) {
+                    self.0.extend_from_slice(&[0xc4, n]);
+                } else if let Ok(n) = u16::try_from(b.len()) {
+                    self.0.push(0xc5);
+                    self.0.extend_from_slice(&n.to_be_bytes());
+                } else {
+                    self.0.push(0xc6);
+                    self.0.extend_from_slice(&(b.len() as u32).to_be_bytes());
+                }
+                self.0.extend_from_slice(b);
+            }
+            ExtraKey::Int(v) => self.int(*v),
+            ExtraKey::Raw(b) => self.0.extend_from_slice(b),
+        }
+    }
+
     fn nil(&mut self) {
         self.0.push(0xc0);
     }
@@ -229,6 +268,24 @@ mod tests {
                     block_size: 16,
                     tier: Tier::Host,
                     lora_id: Some(-40_000),
+                    lora_name: Some("alice".into()),
+                    // Every key kind, and empty entries (written as nil, read back as empty).
+                    extra_keys: Some(vec![
+                        vec![ExtraKey::Str("alice".into()), ExtraKey::Str("salt".into())],
+                        vec![ExtraKey::Mm {
+                            id: "img".repeat(20).into(),
+                            offset: -6,
+                        }],
+                        vec![ExtraKey::Bytes(vec![7; 300].into())],
+                        vec![ExtraKey::Int(-40_000)],
+                        Vec::new(),
+                        vec![ExtraKey::Bytes(vec![1; 70_000].into())],
+                        vec![],
+                        vec![ExtraKey::Mm {
+                            id: "i".into(),
+                            offset: 3,
+                        }],
+                    ]),
                     indexable: false,
                 },
                 EngineEvent::BlockRemoved {

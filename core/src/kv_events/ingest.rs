@@ -12,6 +12,11 @@
 //!   (`block_size_mismatch`), and so is one whose token count is not `blocks × block_size`
 //!   (`token_count_mismatch`); neither is ever silent;
 //! - non-full-attention events (`indexable: false`) are dropped and counted;
+//! - a block the engine keys by more than its tokens (a LoRA adapter, a cache salt, an image:
+//!   the event's `extra_keys`, or its `lora_name` alone) is hashed with those keys
+//!   ([`crate::hashing::identity`]), as the request side hashes a request of the same identity;
+//!   an event whose `extra_keys` has not one entry per block is dropped and counted
+//!   (`extra_keys_mismatch`);
 //! - a block removed, or a cache cleared, earlier in the batch is not a valid parent any more,
 //!   even if the index (not yet updated with this batch) still maps it.
 //!
@@ -23,7 +28,7 @@
 
 use super::{EngineBatch, EngineEvent};
 use crate::event::{Event, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, Tier};
-use crate::hashing::hash_blocks;
+use crate::hashing::{ExtraKey, hash_block_keyed, hash_blocks};
 use crate::ids::{BlockHash, EngineHash, WorkerRank};
 use std::collections::HashMap;
 
@@ -46,6 +51,8 @@ pub struct IngestStats {
     pub token_count_mismatch: u32,
     /// Stored events whose parent block the router does not know, dropped.
     pub unknown_parent: u32,
+    /// Stored events whose `extra_keys` do not have one entry per block, dropped.
+    pub extra_keys_mismatch: u32,
     /// 1 when the batch names a dp rank other than the worker rank it was ingested for (the
     /// events are still attributed to the given rank).
     pub dp_rank_mismatch: u32,
@@ -58,6 +65,7 @@ impl IngestStats {
             + self.block_size_mismatch
             + self.token_count_mismatch
             + self.unknown_parent
+            + self.extra_keys_mismatch
     }
 
     /// Adds another batch's counts to these.
@@ -71,6 +79,7 @@ impl IngestStats {
         self.block_size_mismatch += o.block_size_mismatch;
         self.token_count_mismatch += o.token_count_mismatch;
         self.unknown_parent += o.unknown_parent;
+        self.extra_keys_mismatch += o.extra_keys_mismatch;
         self.dp_rank_mismatch += o.dp_rank_mismatch;
     }
 }
@@ -115,6 +124,8 @@ pub fn to_core_events(
                 block_size,
                 tier,
                 lora_id: _,
+                lora_name,
+                extra_keys,
                 indexable,
             } => {
                 if !indexable {
@@ -147,7 +158,20 @@ pub fn to_core_events(
                     stats.token_count_mismatch += 1;
                     continue;
                 }
-                let router_hashes = hash_blocks(token_ids, bs, router_parent);
+                if extra_keys
+                    .as_ref()
+                    .is_some_and(|k| k.len() != block_hashes.len())
+                {
+                    stats.extra_keys_mismatch += 1;
+                    continue;
+                }
+                let router_hashes = keyed_hashes(
+                    token_ids,
+                    bs,
+                    router_parent,
+                    lora_name,
+                    extra_keys.as_deref(),
+                );
                 for (e, r) in block_hashes.iter().zip(&router_hashes) {
                     overlay.insert((*tier, *e), Some(*r));
                 }
@@ -193,6 +217,35 @@ pub fn to_core_events(
                 }));
             }
         }
+    }
+    out
+}
+
+/// The router hashes of one stored run of blocks under the engine's keys: each block's
+/// `extra_keys` entry when the engine reports them, else the adapter's name on every block
+/// (engines that report `lora_name` without `extra_keys`), else plain text.
+fn keyed_hashes(
+    tokens: &[u32],
+    block_size: usize,
+    parent: Option<BlockHash>,
+    lora_name: &Option<Box<str>>,
+    extra_keys: Option<&[Vec<ExtraKey>]>,
+) -> Vec<BlockHash> {
+    let lora_only = lora_name.as_ref().map(|n| [ExtraKey::Str(n.clone())]);
+    if extra_keys.is_none() && lora_only.is_none() {
+        return hash_blocks(tokens, block_size, parent);
+    }
+    let mut out = Vec::with_capacity(tokens.len() / block_size);
+    let mut prev = parent;
+    for (i, block) in tokens.chunks_exact(block_size).enumerate() {
+        let keys: &[ExtraKey] = match (extra_keys, &lora_only) {
+            (Some(keys), _) => &keys[i],
+            (None, Some(lora)) => lora,
+            (None, None) => &[],
+        };
+        let h = hash_block_keyed(block, prev, keys);
+        out.push(h);
+        prev = Some(h);
     }
     out
 }

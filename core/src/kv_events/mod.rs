@@ -53,6 +53,7 @@ pub use ingest::{IngestOutcome, IngestStats, to_core_events};
 pub use seq::{SeqStatus, StreamSeq};
 
 use crate::event::Tier;
+use crate::hashing::ExtraKey;
 use crate::ids::EngineHash;
 
 /// One decoded payload: a batch of events from one engine (one dp rank).
@@ -84,6 +85,11 @@ pub enum EngineEvent {
         block_size: u32,
         tier: Tier,
         lora_id: Option<i64>,
+        /// The adapter's name (vLLM keys an adapter's blocks by it).
+        lora_name: Option<Box<str>>,
+        /// Each block's extra keys (see [`crate::hashing::identity`]), when the engine reports
+        /// them (`extra_keys`, vLLM 0.11+): one entry per block, empty for a plain block.
+        extra_keys: Option<Vec<Vec<ExtraKey>>>,
         /// False for blocks of a non-full-attention KV group: the ingestor drops them.
         indexable: bool,
     },

@@ -143,6 +143,38 @@ pub struct RouteRequest {
     pub exclude: Vec<WorkerRank>,
 }
 
+impl RouteError {
+    /// The 404 for `model`, listing what `fleet` serves.
+    pub fn unknown_model(fleet: &FleetState, model: &str) -> Self {
+        RouteError::UnknownModel {
+            model: model.to_owned(),
+            served: fleet
+                .models()
+                .into_iter()
+                .map(|(m, _)| m.to_owned())
+                .collect(),
+        }
+    }
+}
+
+/// At most 32 names, then how many more.
+fn served_list(served: &[String]) -> String {
+    const SHOWN: usize = 32;
+    if served.is_empty() {
+        return "none".to_owned();
+    }
+    let mut s = served
+        .iter()
+        .take(SHOWN)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if served.len() > SHOWN {
+        s.push_str(&format!(" and {} more", served.len() - SHOWN));
+    }
+    s
+}
+
 impl RouteRequest {
     /// The hashes `worker` caches this prompt under at `block_size`, if the caller computed
     /// them: its own rendering's ([`WorkerHashes`]) or the fleet's. A request with no hashes at
@@ -204,9 +236,13 @@ type LegDecision<'r> = (RoutedLeg, &'r [BlockHash], Vec<CandidateScore>, f64);
 /// Why no worker could be chosen. Each maps to one HTTP status at the edge.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RouteError {
-    /// No worker serves this model at all (→ 404).
-    #[error("model {0:?} is not served by any worker")]
-    UnknownModel(String),
+    /// No worker serves this model or adapter at all (→ 404); `served` lists what the fleet
+    /// serves, for the client's error.
+    #[error(
+        "model {model:?} is not served by any worker; served: {}",
+        served_list(served)
+    )]
+    UnknownModel { model: String, served: Vec<String> },
     /// The model exists but no worker of the needed role is available (→ 503, retry later).
     #[error("no available {role} worker for model {model:?}")]
     NoWorker { model: String, role: &'static str },
@@ -267,8 +303,8 @@ impl Router {
         req: &RouteRequest,
         now_us: Micros,
     ) -> Result<RequestRouted, RouteError> {
-        if !fleet.workers().any(|w| w.model_name == req.model) {
-            return Err(RouteError::UnknownModel(req.model.clone()));
+        if fleet.served(&req.model).is_none() {
+            return Err(RouteError::unknown_model(fleet, &req.model));
         }
         let roles: &[Role] = if fleet.is_disaggregated(&req.model) {
             &[Role::Prefill, Role::Decode]
@@ -325,7 +361,7 @@ impl Router {
             if fleet.is_draining(&leg.worker.worker) {
                 return Err(RouteError::Draining(leg.worker.worker.to_string()));
             }
-            if record.model_name != req.model {
+            if !record.serves(&req.model) {
                 return Err(RouteError::WrongModel {
                     worker: leg.worker.worker.to_string(),
                     model: req.model.clone(),

@@ -135,7 +135,10 @@ fn unknown_model_and_no_role_are_distinct_errors() {
     req.model = "nope".into();
     assert_eq!(
         r.decide(&w.fleet, &req, 0),
-        Err(RouteError::UnknownModel("nope".into()))
+        Err(RouteError::UnknownModel {
+            model: "nope".into(),
+            served: vec!["m".into()]
+        })
     );
     // Only a prefill pool: not disaggregated, so mixed workers are needed and there are none.
     let err = r

@@ -54,13 +54,15 @@ pub trait Tokenize: Send + Sync {
     /// rendering; empty for a prompt that is not a chat.
     fn renderings(&self, prompt: &Self::Prompt, model: &str) -> Vec<Rendering<Self::Rendering>>;
 
-    /// The prompt's token ids, rendered the default way (`None`) or as `rendering` says. Runs
-    /// off the async workers.
+    /// The prompt's token ids with base model `model`'s tokenizer (a fleet may serve several
+    /// base models, each tokenized its own way), rendered the default way (`None`) or as
+    /// `rendering` says. Runs off the async workers.
     ///
     /// # Errors
     /// [`TokenizeError`].
     async fn tokenize(
         &self,
+        model: &str,
         prompt: Self::Prompt,
         rendering: Option<Self::Rendering>,
     ) -> Result<Vec<u32>, TokenizeError>;

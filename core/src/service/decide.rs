@@ -88,7 +88,7 @@ pub(super) fn decide(
         Ok(r) => r,
         Err(e) => {
             metrics.decision(match &e {
-                RouteError::UnknownModel(_) => "unknown_model",
+                RouteError::UnknownModel { .. } => "unknown_model",
                 _ => "no_worker",
             });
             return Err(e);

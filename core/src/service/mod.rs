@@ -49,7 +49,7 @@ pub use breaker::{BreakerConfig, BreakerState, PROBE_TIMEOUT};
 pub use decide::Route;
 pub use metrics::Metrics;
 pub use pd::{Leg, Pair};
-pub use prepare::Prepared;
+pub use prepare::{Prepared, RequestKeys};
 pub use reply::{Reply, ReplyBody, RequestError};
 pub use taps::{EventBatch, RequestMeta};
 

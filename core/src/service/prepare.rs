@@ -10,7 +10,7 @@
 use super::Service;
 use super::reply::RequestError;
 use crate::event::Retention;
-use crate::hashing::hash_blocks;
+use crate::hashing::{KvIdentity, hash_prompt_blocks};
 use crate::ids::RequestId;
 use crate::policy::{PolicyKind, RouteError, RouteRequest, WorkerHashes};
 use crate::ports::tokenize::{Tokenize, TokenizeError};
@@ -24,10 +24,23 @@ pub struct Prepared {
     pub tokenized: bool,
 }
 
+/// What besides its prompt shapes how a request is hashed and routed.
+#[derive(Debug, Clone, Default)]
+pub struct RequestKeys {
+    /// The client's retention hint.
+    pub retention: Option<Retention>,
+    /// Whether the request names its worker (direct mode): its prefix is hashed even under
+    /// round-robin.
+    pub direct: bool,
+    /// The request's cache salt and multimodal items; the adapter is filled in from the model.
+    pub identity: KvIdentity,
+}
+
 impl Service {
     /// Tokenizes and hashes `prompt` for a request keyed `key` (see [`Service::request_key`])
-    /// to `model`, unless the policy needs no prefix and no worker is `direct`ly named. See the
-    /// module docs.
+    /// to `model` (a base model or an adapter), unless the policy needs no prefix and no worker
+    /// is `direct`ly named. The blocks are keyed by the request's identity (adapter, salt,
+    /// images) as the engine keys them. See the module docs.
     ///
     /// # Errors
     /// A model no worker serves (404); a prompt the tokenizer or chat template refuses.
@@ -37,23 +50,29 @@ impl Service {
         key: &str,
         model: String,
         prompt: T::Prompt,
-        retention: Option<Retention>,
-        direct: bool,
+        request: RequestKeys,
     ) -> Result<Prepared, RequestError> {
-        let block_sizes: Vec<u32> = self.with_fleet(|f| {
-            let mut v: Vec<u32> = f
-                .workers()
-                .filter(|w| w.model_name == model)
-                .map(|w| w.kv_block_size)
-                .collect();
-            v.sort_unstable();
-            v.dedup();
-            v
+        let RequestKeys {
+            retention,
+            direct,
+            mut identity,
+        } = request;
+        let served = self.with_fleet(|f| {
+            f.served(&model)
+                .map(|s| (s.block_sizes.clone(), s.parent.clone()))
+                .ok_or_else(|| RouteError::unknown_model(f, &model))
         });
-        if block_sizes.is_empty() {
-            self.metrics().decision("unknown_model");
-            return Err(RequestError::of(&RouteError::UnknownModel(model)));
-        }
+        let (block_sizes, parent) = match served {
+            Ok(s) => s,
+            Err(e) => {
+                self.metrics().decision("unknown_model");
+                return Err(RequestError::of(&e));
+            }
+        };
+        // vLLM keys an adapter's blocks by the adapter's name: the name clients send as `model`.
+        // An adapter is tokenized as its base model.
+        identity.lora = parent.is_some().then(|| Box::from(model.as_str()));
+        let base = parent.as_deref().unwrap_or(&model).to_owned();
         let multimodal = tokenizer.multimodal(&prompt);
         if multimodal {
             self.metrics().locality_skipped("multimodal");
@@ -64,26 +83,36 @@ impl Service {
             let renderings = tokenizer.renderings(&prompt, &model);
             let mut per_worker = WorkerHashes::default();
             for (variant, (how, workers)) in (1u32..).zip(renderings) {
-                let tokens = self.tokenize(tokenizer, prompt.clone(), Some(how)).await?;
+                let tokens = self
+                    .tokenize(tokenizer, &base, prompt.clone(), Some(how))
+                    .await?;
                 let mut sizes: Vec<u32> = workers.iter().map(|(_, bs)| *bs).collect();
                 sizes.sort_unstable();
                 sizes.dedup();
                 for bs in sizes {
-                    let blocks = hash_blocks(&tokens, bs.max(1) as usize, None);
+                    let blocks = hash_prompt_blocks(&tokens, bs.max(1) as usize, &identity);
                     per_worker.hashes.push((variant, bs, blocks));
                 }
                 per_worker
                     .workers
                     .extend(workers.into_iter().map(|(worker, _)| (worker, variant)));
             }
-            (self.tokenize(tokenizer, prompt, None).await?, per_worker)
+            (
+                self.tokenize(tokenizer, &base, prompt, None).await?,
+                per_worker,
+            )
         } else {
             (Vec::new(), WorkerHashes::default())
         };
         let hashes = if tokenized {
             block_sizes
                 .into_iter()
-                .map(|bs| (bs, hash_blocks(&tokens, bs.max(1) as usize, None)))
+                .map(|bs| {
+                    (
+                        bs,
+                        hash_prompt_blocks(&tokens, bs.max(1) as usize, &identity),
+                    )
+                })
                 .collect()
         } else {
             Vec::new()
@@ -104,19 +133,20 @@ impl Service {
         })
     }
 
-    /// The prompt's token ids through `tokenizer` (see [`Tokenize::tokenize`]); a failure is
-    /// counted and logged.
+    /// The prompt's token ids through `tokenizer` with base model `model`'s tokenizer (see
+    /// [`Tokenize::tokenize`]); a failure is counted and logged.
     ///
     /// # Errors
     /// The tokenizer's, as the client's answer (400 for a prompt the template refuses).
     pub async fn tokenize<T: Tokenize + ?Sized>(
         &self,
         tokenizer: &T,
+        model: &str,
         prompt: T::Prompt,
         rendering: Option<T::Rendering>,
     ) -> Result<Vec<u32>, RequestError> {
         tokenizer
-            .tokenize(prompt, rendering)
+            .tokenize(model, prompt, rendering)
             .await
             .map_err(|e: TokenizeError| {
                 self.metrics().tokenizer_failed();
@@ -142,6 +172,7 @@ mod tests {
     #[derive(Debug, Default)]
     struct Fake {
         calls: Mutex<Vec<Option<u32>>>,
+        models: Mutex<Vec<String>>,
         other: Vec<(u32, Vec<(WorkerId, u32)>)>,
         refuse: bool,
     }
@@ -161,10 +192,12 @@ mod tests {
 
         async fn tokenize(
             &self,
+            model: &str,
             prompt: Self::Prompt,
             rendering: Option<u32>,
         ) -> Result<Vec<u32>, TokenizeError> {
             self.calls.lock().expect("calls").push(rendering);
+            self.models.lock().expect("models").push(model.to_owned());
             if self.refuse {
                 return Err(TokenizeError::Refused("chat template: no".into()));
             }
@@ -176,6 +209,13 @@ mod tests {
         WorkerRecord {
             kv_block_size: block_size,
             ..record(id)
+        }
+    }
+
+    fn direct() -> RequestKeys {
+        RequestKeys {
+            direct: true,
+            ..RequestKeys::default()
         }
     }
 
@@ -193,7 +233,7 @@ mod tests {
             ..Fake::default()
         };
         let p = st
-            .prepare(&fake, "k#1", "m".into(), prompt(), None, false)
+            .prepare(&fake, "k#1", "m".into(), prompt(), RequestKeys::default())
             .await
             .unwrap();
         assert!(p.tokenized);
@@ -222,13 +262,13 @@ mod tests {
         let rr = state_with(PolicyKind::RoundRobin);
         rr.register_worker(record("a"));
         let p = rr
-            .prepare(&fake, "k#1", "m".into(), prompt(), None, false)
+            .prepare(&fake, "k#1", "m".into(), prompt(), RequestKeys::default())
             .await
             .unwrap();
         assert!(!p.tokenized && p.req.hashes.is_empty() && p.req.prompt_tokens == 0);
         // A worker named directly is routed on its cache even under round-robin.
         let p = rr
-            .prepare(&fake, "k#2", "m".into(), prompt(), None, true)
+            .prepare(&fake, "k#2", "m".into(), prompt(), direct())
             .await
             .unwrap();
         assert!(p.tokenized);
@@ -238,7 +278,7 @@ mod tests {
         kv.register_worker(record("a"));
         let image = (prompt().0, true);
         let p = kv
-            .prepare(&fake, "k#3", "m".into(), image, None, false)
+            .prepare(&fake, "k#3", "m".into(), image, RequestKeys::default())
             .await
             .unwrap();
         assert!(!p.tokenized);
@@ -247,7 +287,13 @@ mod tests {
                 .contains("cache_locality_skipped_total{reason=\"multimodal\"} 1")
         );
         let e = kv
-            .prepare(&fake, "k#4", "other".into(), prompt(), None, false)
+            .prepare(
+                &fake,
+                "k#4",
+                "other".into(),
+                prompt(),
+                RequestKeys::default(),
+            )
             .await
             .unwrap_err();
         assert_eq!(e.code, ErrorCode::NotFound);
@@ -259,6 +305,63 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_adapter_or_a_salt_keys_the_blocks_and_an_unknown_name_lists_what_is_served() {
+        let st = state_with(PolicyKind::KvAware);
+        let mut a = record("a");
+        a.set_lora_adapters(&["sql".to_owned()]);
+        st.register_worker(a);
+        let fake = Fake::default();
+        let base = st
+            .prepare(&fake, "k#1", "m".into(), prompt(), RequestKeys::default())
+            .await
+            .unwrap();
+        let bs = base.req.hashes[0].0 as usize;
+        let plain = crate::hashing::hash_blocks(&prompt().0, bs, None);
+        assert_eq!(base.req.hashes[0].1, plain);
+        let adapter = st
+            .prepare(&fake, "k#2", "sql".into(), prompt(), RequestKeys::default())
+            .await
+            .unwrap();
+        let sql = KvIdentity {
+            lora: Some("sql".into()),
+            ..KvIdentity::default()
+        };
+        assert_eq!(
+            adapter.req.hashes[0].1,
+            hash_prompt_blocks(&prompt().0, bs, &sql)
+        );
+        assert_ne!(adapter.req.hashes[0].1[0], plain[0]);
+        let salted = KvIdentity {
+            salt: Some("tenant".into()),
+            ..KvIdentity::default()
+        };
+        let keys = RequestKeys {
+            identity: salted.clone(),
+            ..RequestKeys::default()
+        };
+        let salt = st
+            .prepare(&fake, "k#3", "m".into(), prompt(), keys)
+            .await
+            .unwrap();
+        assert_eq!(
+            salt.req.hashes[0].1,
+            hash_prompt_blocks(&prompt().0, bs, &salted)
+        );
+        let e = st
+            .prepare(
+                &fake,
+                "k#4",
+                "nope".into(),
+                prompt(),
+                RequestKeys::default(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::NotFound);
+        assert!(e.message.contains("served: m, sql"), "{}", e.message);
+    }
+
+    #[tokio::test]
     async fn a_refused_prompt_is_the_clients_error_and_counted() {
         let st = state_with(PolicyKind::KvAware);
         st.register_worker(record("a"));
@@ -267,7 +370,7 @@ mod tests {
             ..Fake::default()
         };
         let e = st
-            .prepare(&fake, "k#1", "m".into(), prompt(), None, false)
+            .prepare(&fake, "k#1", "m".into(), prompt(), RequestKeys::default())
             .await
             .unwrap_err();
         assert_eq!(

@@ -82,6 +82,13 @@ pub struct ServerArgs {
     #[arg(long, value_name = "PATH", help_heading = ROUTING)]
     pub router_tokenizer_path: Option<PathBuf>,
 
+    /// A base model whose workers use another tokenizer than --router-tokenizer-path, as
+    /// MODEL=PATH (PATH as for --router-tokenizer-path; its chat template is its own), once per
+    /// such model: one server routes several base models on their own prefixes. An adapter is
+    /// tokenized as its base model.
+    #[arg(long, value_name = "MODEL=PATH", help_heading = ROUTING)]
+    pub model_tokenizer: Vec<String>,
+
     /// auto: the in-process policy picks each request's worker; direct: use the worker named
     /// in the x-worker-instance-id header (set by a Gateway API Inference Extension endpoint
     /// picker), the policy's pick when a request has none.

@@ -424,4 +424,12 @@ pub struct MockWorkerArgs {
     /// registers; nothing listens there.
     #[arg(long, default_value_t = 8998, value_name = "PORT", help_heading = MOCK)]
     pub disaggregation_bootstrap_port: u16,
+
+    /// LoRA adapters to serve on top of the model, as vLLM takes them: `NAME=PATH` (the path is
+    /// not read) or vLLM's JSON `{"name": …, "path": …}`, several after one flag. The mock lists
+    /// them in `/v1/models` with the model as `parent`, answers requests for them, keys their KV
+    /// blocks by the adapter's name as vLLM does, and loads and unloads more at run time
+    /// (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`).
+    #[arg(long, num_args = 1.., value_name = "NAME=PATH", help_heading = MOCK)]
+    pub lora_modules: Vec<String>,
 }

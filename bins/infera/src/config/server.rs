@@ -135,6 +135,9 @@ pub struct RouterConfig {
     pub tokenizer_path: PathBuf,
     /// The tokenizer.json file it resolved to (checked readable, not yet loaded).
     pub tokenizer_file: PathBuf,
+    /// `--model-tokenizer`: each base model with its own tokenizer, as the path given and the
+    /// tokenizer.json file it resolved to.
+    pub model_tokenizers: Vec<(String, PathBuf, PathBuf)>,
     /// Chat template replacing the tokenizer's own, if any.
     pub chat_template: Option<PathBuf>,
     /// Who picks the worker.
@@ -265,6 +268,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
     fn try_from(args: ServerArgs) -> Result<Self, ConfigError> {
         let worker_edge = WorkerEdgeConfig::from_args(&args)?;
         let (tokenizer_path, tokenizer_file) = tokenizer(args.router_tokenizer_path)?;
+        let model_tokenizers = model_tokenizers(&args.model_tokenizer)?;
         let scaling_api = if args.enable_scaling_api {
             Backend::Kubernetes.require("--enable-scaling-api", "on")?;
             Some(ScalingApiConfig {
@@ -281,6 +285,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
         let router = RouterConfig {
             tokenizer_path,
             tokenizer_file,
+            model_tokenizers,
             chat_template: chat_template(args.chat_template)?,
             mode: args.router_mode,
             policy: args.router_policy,
@@ -347,6 +352,30 @@ impl TryFrom<ServerArgs> for ServerConfig {
 }
 
 /// Resolves `--router-tokenizer-path` to its tokenizer.json, checking only that it is readable.
+/// `--model-tokenizer MODEL=PATH`s: each model once, each path resolved as
+/// `--router-tokenizer-path`'s.
+fn model_tokenizers(args: &[String]) -> Result<Vec<(String, PathBuf, PathBuf)>, ConfigError> {
+    const FLAG: &str = "--model-tokenizer";
+    let mut out: Vec<(String, PathBuf, PathBuf)> = Vec::with_capacity(args.len());
+    for arg in args {
+        let Some((model, path)) = arg
+            .split_once('=')
+            .filter(|(m, p)| !m.is_empty() && !p.is_empty())
+        else {
+            return Err(ConfigError::new(
+                FLAG,
+                format!("{arg}: expected MODEL=PATH"),
+            ));
+        };
+        if out.iter().any(|(m, _, _)| m == model) {
+            return Err(ConfigError::new(FLAG, format!("{model} is given twice")));
+        }
+        let (path, file) = resolve_tokenizer(FLAG, PathBuf::from(path))?;
+        out.push((model.to_owned(), path, file));
+    }
+    Ok(out)
+}
+
 pub(crate) fn tokenizer(path: Option<PathBuf>) -> Result<(PathBuf, PathBuf), ConfigError> {
     const FLAG: &str = "--router-tokenizer-path";
     let path = path.ok_or_else(|| {
@@ -356,18 +385,25 @@ pub(crate) fn tokenizer(path: Option<PathBuf>) -> Result<(PathBuf, PathBuf), Con
              for the same model as the workers",
         )
     })?;
+    resolve_tokenizer(FLAG, path)
+}
+
+/// A tokenizer `path` given to `flag`: a directory holding tokenizer.json, that file, or a
+/// Hugging Face model id (from the local cache, or downloaded into it); the path as given and
+/// the file it resolved to.
+fn resolve_tokenizer(flag: &'static str, path: PathBuf) -> Result<(PathBuf, PathBuf), ConfigError> {
     if path.is_dir() {
         let file = path.join("tokenizer.json");
         if !file.exists() {
             return Err(ConfigError::new(
-                FLAG,
+                flag,
                 format!(
                     "names {}, a directory without tokenizer.json",
                     path.display()
                 ),
             ));
         }
-        readable_file(FLAG, &file)?;
+        readable_file(flag, &file)?;
         return Ok((path, file));
     }
     if !path.exists() {
@@ -376,12 +412,12 @@ pub(crate) fn tokenizer(path: Option<PathBuf>) -> Result<(PathBuf, PathBuf), Con
         if let Some(id) = path.to_str().filter(|p| super::hf::is_model_id(p)) {
             let env = |key: &str| std::env::var(key).ok();
             let file = super::hf::tokenizer(id, &env)
-                .map_err(|message| ConfigError::new(FLAG, message))?;
-            readable_file(FLAG, &file)?;
+                .map_err(|message| ConfigError::new(flag, message))?;
+            readable_file(flag, &file)?;
             return Ok((path, file));
         }
         return Err(ConfigError::new(
-            FLAG,
+            flag,
             format!(
                 "names {}, which does not exist (expected a directory containing \
                  tokenizer.json, a tokenizer.json file, or a Hugging Face model id in the \
@@ -390,7 +426,7 @@ pub(crate) fn tokenizer(path: Option<PathBuf>) -> Result<(PathBuf, PathBuf), Con
             ),
         ));
     }
-    readable_file(FLAG, &path)?;
+    readable_file(flag, &path)?;
     Ok((path.clone(), path))
 }
 

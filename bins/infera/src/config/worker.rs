@@ -115,6 +115,9 @@ pub struct MockEngineConfig {
     /// The leg of a PD pair the mock plays (`--disaggregation-mode`); `None`: mixed.
     #[serde(default)]
     pub pd: Option<MockPdConfig>,
+    /// LoRA adapters served (`--lora-modules`), by name.
+    #[serde(default)]
+    pub lora_adapters: Vec<String>,
 }
 
 /// A PD-role mock (`--disaggregation-mode prefill|decode`).
@@ -261,8 +264,36 @@ fn from_mock(args: MockWorkerArgs) -> Result<WorkerConfig, ConfigError> {
             &args.disaggregation_protocol,
             args.disaggregation_bootstrap_port,
         )?,
+        lora_adapters: args
+            .lora_modules
+            .iter()
+            .map(|m| lora_module_name(m))
+            .collect::<Result<_, _>>()?,
     });
     Ok(shared.into_config(EngineKind::Mock, launch))
+}
+
+/// The adapter name of one vLLM `--lora-modules` value: `NAME=PATH` or
+/// `{"name": NAME, "path": PATH, …}`.
+pub(crate) fn lora_module_name(module: &str) -> Result<String, ConfigError> {
+    let bad = |why: &str| ConfigError::new("--lora-modules", format!("{module}: {why}"));
+    let name = if module.trim_start().starts_with('{') {
+        let json: serde_json::Value =
+            serde_json::from_str(module).map_err(|e| bad(&format!("not JSON: {e}")))?;
+        json.get("name")
+            .and_then(serde_json::Value::as_str)
+            .ok_or_else(|| bad("the JSON form needs a string `name`"))?
+            .to_owned()
+    } else {
+        let (name, _path) = module
+            .split_once('=')
+            .ok_or_else(|| bad("expected NAME=PATH or JSON"))?;
+        name.to_owned()
+    };
+    if name.trim().is_empty() {
+        return Err(bad("the adapter name is empty"));
+    }
+    Ok(name)
 }
 
 fn mock_pd(mode: &str, protocol: &str, port: u16) -> Result<Option<MockPdConfig>, ConfigError> {

@@ -401,6 +401,7 @@ mod tests {
             chat_template: None,
             template_defaults: Default::default(),
             per_worker_template_kwargs: true,
+            model_tokenizers: Default::default(),
             direct: false,
             client: ClientOptions::default(),
         };

@@ -65,6 +65,7 @@ pub fn run(config: GaieConfig) -> anyhow::Result<()> {
         chat_template: None,
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,
+        model_tokenizers: Default::default(),
         direct: false,
         client: ClientOptions {
             default_retention: Retention::Long,

@@ -112,6 +112,7 @@ impl RunningMock {
         kv: Option<KvOut>,
     ) -> anyhow::Result<Self> {
         let mut mock_config = MockConfig::new(served_model, engine_config(mock));
+        mock_config.lora_adapters = mock.lora_adapters.clone();
         mock_config.tokenizer = load_tokenizer(&config.model)?;
         mock_config.drain_timeout = config.drain_timeout.0;
         mock_config.pd = mock.pd.as_ref().map(|pd| MockPd {
@@ -187,7 +188,8 @@ impl RunningMock {
 #[derive(Debug, Args)]
 #[command(
     after_help = "Understood: --model / --model-path, --served-model-name, --host, \
-    --port (or ATOM's --server-port), --kv-events-config JSON (endpoint, replay_endpoint), \
+    --port (or ATOM's --server-port), --lora-modules, --kv-events-config JSON (endpoint, \
+    replay_endpoint), \
     ATOM_KV_EVENTS_ENABLE / ATOM_KV_EVENTS_ENDPOINT, --block-size / --page-size, \
     --num-gpu-blocks-override, --max-num-seqs, --max-num-batched-tokens, INFERA_KVD_SOCKET \
     (saves and loads KV blocks through that kvd, as a launcher's --infera-kvd-socket asks). \
@@ -257,6 +259,12 @@ fn standalone_config(
     if let Some(port) = port {
         argv.extend(["--port".to_owned(), port]);
     }
+    // vLLM's `--lora-modules A=p B=p` (or repeated flags): every value up to the next flag.
+    let modules = lora_modules(args);
+    if !modules.is_empty() {
+        argv.push("--lora-modules".to_owned());
+        argv.extend(modules);
+    }
     // What a launcher's `--infera-kvd-socket` gives the engine.
     if let Some(socket) = env(super::launch::KVD_SOCKET_ENV).filter(|s| !s.is_empty()) {
         argv.extend(["--infera-kvd-socket".to_owned(), socket]);
@@ -316,6 +324,25 @@ fn standalone_config(
         None
     };
     Ok((config, served, kv))
+}
+
+/// The values of every `--lora-modules` in an engine command line.
+fn lora_modules(args: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut taking = false;
+    for arg in args {
+        if let Some(value) = arg.strip_prefix("--lora-modules=") {
+            out.push(value.to_owned());
+            taking = true;
+        } else if arg == "--lora-modules" {
+            taking = true;
+        } else if arg.starts_with("--") {
+            taking = false;
+        } else if taking {
+            out.push(arg.clone());
+        }
+    }
+    out
 }
 
 fn engine_config(mock: &MockEngineConfig) -> EngineConfig {

@@ -11,7 +11,9 @@
 //! 3. wait until it answers `GET /health` (`--engine-ready-timeout`), read the block size it
 //!    resolved, and register the worker record: `worker_id` `ADVERTISE_HOST:PORT`, the served
 //!    model, the engine (the mock registers as `vllm`, whose formats it speaks), PD role and
-//!    metadata, `kv_events_endpoint`, block size, data-parallel ranks, request transport;
+//!    metadata, `kv_events_endpoint`, block size, data-parallel ranks, request transport, and
+//!    the LoRA adapters the engine lists in its `/v1/models` (re-read every
+//!    [`inventory::REFRESH`]; a change re-registers, see [`inventory`]);
 //! 4. serve until SIGTERM / Ctrl-C or until the engine exits; with `--request-transport nats`
 //!    the worker also subscribes to `infera.req.<token>` (before registering) and proxies each
 //!    request to the engine's HTTP port ([`crate::wiring::Responder`]), each one
@@ -26,6 +28,7 @@
 //!
 //! An engine that exits on its own is deregistered at once and the worker exits non-zero.
 
+pub mod inventory;
 pub mod launch;
 pub mod mock;
 pub mod probe;
@@ -210,6 +213,8 @@ async fn run_mock(
             pd.bootstrap_port,
         ));
     }
+    let probe = probe::Probe::new(&config.host, config.port);
+    inventory::fill(&probe, &mut record).await;
     let registration = match register(&registrar, &record).await {
         Ok(registration) => registration,
         Err(e) => {
@@ -218,6 +223,7 @@ async fn run_mock(
         }
     };
     tokio::select! {
+        never = inventory::follow(probe, &registration, record) => match never {},
         () = signals.recv() => {
             deregister(registration).await;
             stop_accepting(responder.as_ref()).await;
@@ -293,6 +299,8 @@ async fn run_process(
         }
         _ => None,
     };
+    let probe = probe::Probe::new(&config.host, config.port);
+    inventory::fill(&probe, &mut record).await;
     let registration = match register(&registrar, &record).await {
         Ok(registration) => registration,
         Err(e) => {
@@ -301,6 +309,7 @@ async fn run_process(
         }
     };
     let exited = tokio::select! {
+        never = inventory::follow(probe, &registration, record) => match never {},
         () = signals.recv() => None,
         status = engine.exited() => Some(status),
     };

@@ -193,6 +193,8 @@ pub fn stored(first: u64, blocks: u64) -> EngineBatch {
             block_size: 16,
             tier: Tier::Gpu,
             lora_id: None,
+            lora_name: None,
+            extra_keys: None,
             indexable: true,
         }],
         ..EngineBatch::default()

@@ -170,6 +170,36 @@ fn tokenizer_paths_are_checked_for_readability() {
 }
 
 #[test]
+fn each_model_tokenizer_names_its_model_once_and_a_readable_tokenizer() {
+    let other = tokenizer_dir();
+    let path = other.path().to_str().unwrap().to_owned();
+    let one = format!("llama={path}");
+    let config = parse(&["--model-tokenizer", &one]).unwrap();
+    let [(model, given, file)] = config.router.model_tokenizers.as_slice() else {
+        panic!("{:?}", config.router.model_tokenizers)
+    };
+    assert_eq!(
+        (model.as_str(), given, file),
+        (
+            "llama",
+            &other.path().to_path_buf(),
+            &other.path().join("tokenizer.json")
+        )
+    );
+    assert!(parse(&[]).unwrap().router.model_tokenizers.is_empty());
+    for bad in ["llama", "=x", "llama="] {
+        let error = parse(&["--model-tokenizer", bad]).unwrap_err();
+        assert_eq!(error.flag, "--model-tokenizer");
+        assert!(error.reason.contains("MODEL=PATH"), "{error}");
+    }
+    let twice = parse(&["--model-tokenizer", &one, "--model-tokenizer", &one]).unwrap_err();
+    assert!(twice.reason.contains("given twice"), "{twice}");
+    let missing = parse(&["--model-tokenizer", "llama=/no/such/dir/x.json"]).unwrap_err();
+    assert_eq!(missing.flag, "--model-tokenizer");
+    assert!(missing.reason.contains("does not exist"), "{missing}");
+}
+
+#[test]
 fn kubernetes_discovery_needs_a_label_selector_as_in_the_python_server() {
     let error = parse_exactly(&[]).unwrap_err();
     assert_eq!(error.flag, "--k8s-label-selector");
