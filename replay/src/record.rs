@@ -365,6 +365,8 @@ impl Recorder {
                 retention: r.retention,
                 ttl_seconds: None,
                 think_time_us: None,
+                lora: None,
+                cache_salt: None,
             },
             worker: first.worker.worker.as_str().to_owned(),
             dp_rank: first.worker.dp_rank,

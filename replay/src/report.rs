@@ -36,6 +36,10 @@ pub struct Summary {
     pub blocks: u64,
     pub hit_rate: f64,
     pub ideal_hit_rate: f64,
+    /// Of the blocks the router predicted cached on the worker it picked, the share that worker
+    /// did not serve from any cache tier (evicted before the request ran, or never cached there:
+    /// what a router blind to adapters and salts predicts).
+    pub false_hit_rate: f64,
     pub gpu_hit_rate: f64,
     pub host_hit_rate: f64,
     pub disk_hit_rate: f64,
@@ -73,6 +77,14 @@ impl Summary {
                 x as f64 / blocks as f64
             }
         };
+        let predicted: u64 = reqs.iter().map(|r| r.overlap_blocks as u64).sum();
+        let false_hits: u64 = reqs
+            .iter()
+            .map(|r| {
+                let served = r.gpu_hit_blocks + r.host_hit_blocks + r.disk_hit_blocks;
+                u64::from(r.overlap_blocks.saturating_sub(served))
+            })
+            .sum();
         let mut by_class = [ClassHits::default(); 5];
         for r in &result.requests {
             let c = &mut by_class[class_slot(r.retention)];
@@ -126,6 +138,11 @@ impl Summary {
             blocks,
             hit_rate: rate(gpu + host + disk),
             ideal_hit_rate,
+            false_hit_rate: if predicted == 0 {
+                0.0
+            } else {
+                false_hits as f64 / predicted as f64
+            },
             gpu_hit_rate: rate(gpu),
             host_hit_rate: rate(host),
             disk_hit_rate: rate(disk),
@@ -170,6 +187,7 @@ pub fn table(rows: &[Row]) -> String {
         "config",
         "hit",
         "ideal",
+        "false hits",
         "gpu",
         "host",
         "disk",
@@ -190,6 +208,7 @@ pub fn table(rows: &[Row]) -> String {
             r.label.clone(),
             pct(s.hit_rate),
             pct(s.ideal_hit_rate),
+            pct(s.false_hit_rate),
             pct(s.gpu_hit_rate),
             pct(s.host_hit_rate),
             pct(s.disk_hit_rate),

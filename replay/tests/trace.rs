@@ -324,6 +324,8 @@ fn request_strategy() -> impl Strategy<Value = (u64, TraceRequest)> {
                         retention: ret,
                         ttl_seconds: ttl,
                         think_time_us: None,
+                        lora: None,
+                        cache_salt: None,
                     },
                 )
             },
@@ -733,6 +735,8 @@ fn sample_rows(n: u64) -> Vec<TraceRequest> {
             retention: None,
             ttl_seconds: None,
             think_time_us: None,
+            lora: None,
+            cache_salt: None,
         })
         .collect()
 }

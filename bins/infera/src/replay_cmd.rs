@@ -121,6 +121,7 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
     };
     cfg.kv_event_delay_us = (a.kv_event_delay_ms * 1000.0) as u64;
     cfg.frontend_us = (a.frontend_ms * 1000.0).round() as u64;
+    cfg.identity_blind = a.identity_blind;
     cfg.engine.validate().context("engine settings")?;
     Ok(cfg)
 }

@@ -14,6 +14,8 @@ fn req(input_length: u32, hashes: &[u64]) -> TraceRequest {
         retention: None,
         ttl_seconds: None,
         think_time_us: None,
+        lora: None,
+        cache_salt: None,
     }
 }
 

@@ -74,6 +74,8 @@ mod tests {
             retention: None,
             ttl_seconds: None,
             think_time_us: None,
+            lora: None,
+            cache_salt: None,
         }
     }
 

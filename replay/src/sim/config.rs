@@ -49,6 +49,10 @@ pub struct SimConfig {
     pub step_by_step: bool,
     /// Whether session turns wait for their predecessor ([`Playback`]).
     pub playback: Playback,
+    /// Model a router that ignores the requests' adapters and salts (as routers did before they
+    /// keyed blocks by identity): it hashes and indexes blocks by their tokens alone while the
+    /// engines key them by identity, so it predicts hits the engines cannot give.
+    pub identity_blind: bool,
 }
 
 impl Default for SimConfig {
@@ -69,6 +73,7 @@ impl Default for SimConfig {
             fleet: FleetConfig::default(),
             step_by_step: false,
             playback: Playback::default(),
+            identity_blind: false,
         }
     }
 }

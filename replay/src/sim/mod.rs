@@ -89,6 +89,9 @@ struct Sim<'a> {
     makespan_us: u64,
     block_size: u32,
     links: SessionLinks,
+    /// With [`SimConfig::identity_blind`]: each engine block's id as the blind router hashes
+    /// it (identity-free), to translate the engines' KV events into its view.
+    blind_view: rustc_hash::FxHashMap<BlockHash, BlockHash>,
 }
 
 /// Runs one configuration over `trace`.
@@ -166,12 +169,13 @@ pub fn run(trace: &Trace, cfg: &SimConfig) -> Result<SimResult, SimError> {
         makespan_us: 0,
         block_size,
         links: SessionLinks::new(&trace.requests, cfg.playback),
+        blind_view: rustc_hash::FxHashMap::default(),
     };
     let mut registrations = Vec::new();
     for (role, count) in pools {
         for i in 0..count {
             let id = format!("sim-{}-{i}:8000", role.as_str());
-            let record = WorkerRecord {
+            let mut record = WorkerRecord {
                 worker_id: WorkerId::new(id.clone()),
                 url: format!("http://{id}"),
                 model_name: trace_model(trace),
@@ -186,6 +190,8 @@ pub fn run(trace: &Trace, cfg: &SimConfig) -> Result<SimResult, SimError> {
                 kv: None,
                 extra: Default::default(),
             };
+            // Every worker serves every adapter of the trace.
+            record.set_lora_adapters(&trace_adapters(trace));
             registrations.push(NewEvent::new(Event::WorkerRegistered(WorkerRegistered {
                 record,
             })));
@@ -220,6 +226,18 @@ pub fn run(trace: &Trace, cfg: &SimConfig) -> Result<SimResult, SimError> {
         makespan_us: sim.makespan_us,
         block_size,
     })
+}
+
+/// The distinct adapters the trace's requests run under, sorted.
+fn trace_adapters(trace: &Trace) -> Vec<String> {
+    let mut adapters: Vec<String> = trace
+        .requests
+        .iter()
+        .filter_map(|r| r.lora.clone())
+        .collect();
+    adapters.sort_unstable();
+    adapters.dedup();
+    adapters
 }
 
 fn trace_model(trace: &Trace) -> String {
@@ -289,10 +307,37 @@ impl Sim<'_> {
         self.clock.now_us()
     }
 
+    /// Engine blocks as the router hashes them (see [`SimConfig::identity_blind`]).
+    fn router_view(&self, blocks: &[BlockHash]) -> Vec<BlockHash> {
+        if self.cfg.identity_blind {
+            blocks
+                .iter()
+                .map(|b| self.blind_view.get(b).copied().unwrap_or(*b))
+                .collect()
+        } else {
+            blocks.to_vec()
+        }
+    }
+
     fn arrive(&mut self, i: usize) {
         let now = self.now();
         let r = &self.trace.requests[i];
         let blocks = complete_blocks(r);
+        // What the router hashes: the engine's blocks, or, for a router blind to adapters and
+        // salts, the identity-free ids (the engines still key by identity).
+        let routed = if self.cfg.identity_blind {
+            let plain: Vec<BlockHash> = r
+                .block_hashes
+                .iter()
+                .take(blocks.len())
+                .map(|&h| BlockHash(h))
+                .collect();
+            self.blind_view
+                .extend(blocks.iter().copied().zip(plain.iter().copied()));
+            plain
+        } else {
+            blocks.clone()
+        };
         let shape = RequestShape {
             input_length: r.input_length,
             output_length: r.output_length,
@@ -301,9 +346,10 @@ impl Sim<'_> {
         let (retention, ttl) = classify(&self.cfg.rules, r.retention, r.ttl_seconds, &shape);
         let req = RouteRequest {
             request_id: RequestId::new(r.request_id.clone()),
-            model: r.model.clone(),
+            // An adapter's request names the adapter.
+            model: r.lora.clone().unwrap_or_else(|| r.model.clone()),
             prompt_tokens: r.input_length,
-            hashes: vec![(self.block_size, blocks.clone())],
+            hashes: vec![(self.block_size, routed)],
             retention,
             per_worker: Default::default(),
             exclude: Vec::new(),
@@ -479,7 +525,7 @@ impl Sim<'_> {
                         tier: Tier::Gpu,
                         block_size: self.block_size,
                         engine_hashes: blocks.iter().map(|b| engine_hash(w, *b)).collect(),
-                        router_hashes: blocks.clone(),
+                        router_hashes: self.router_view(blocks),
                         parent: parent.map(|p| engine_hash(w, p)),
                     })));
                 }
@@ -490,7 +536,7 @@ impl Sim<'_> {
                         worker: rank.clone(),
                         tier: Tier::Gpu,
                         engine_hashes: blocks.iter().map(|b| engine_hash(w, *b)).collect(),
-                        router_hashes: blocks.clone(),
+                        router_hashes: self.router_view(blocks),
                     })));
                 }
                 KvChange::Cleared => {}
@@ -589,7 +635,7 @@ impl Sim<'_> {
 /// the trace in their denominator.
 fn complete_blocks(r: &crate::trace::TraceRequest) -> Vec<BlockHash> {
     let complete = (r.input_length / r.block_size.max(1)) as usize;
-    r.block_hashes
+    r.engine_blocks()
         .iter()
         .take(complete)
         .map(|h| BlockHash(*h))

@@ -100,6 +100,8 @@ mod tests {
             retention: None,
             ttl_seconds: None,
             think_time_us: think,
+            lora: None,
+            cache_salt: None,
         }
     }
 

@@ -22,6 +22,8 @@ fn conversations(sessions: u64, turns: u64, gap_us: u64) -> Trace {
                 retention: None,
                 ttl_seconds: None,
                 think_time_us: None,
+                lora: None,
+                cache_salt: None,
             });
         }
     }
@@ -255,4 +257,69 @@ fn the_front_end_is_wall_time_not_divided_by_speedup() {
     let (t1, t4) = (one.requests[0].ttft_us, four.requests[0].ttft_us);
     // The engine's part is four times shorter (to the rounding of µs), the front end's the same.
     assert!((t1 - 1_000).abs_diff(4 * (t4 - 1_000)) <= 4, "{t1} vs {t4}");
+}
+
+/// Conversations whose prompts share their first 8 blocks of tokens (a common tool prompt),
+/// each running under adapter `a{s % adapters}`.
+fn adapter_conversations(sessions: u64, adapters: u64) -> Trace {
+    let mut trace = conversations(sessions, 4, 20_000);
+    for r in &mut trace.requests {
+        let s: u64 = r.session_id.as_deref().unwrap_or("s0")[1..]
+            .parse()
+            .unwrap_or(0);
+        // The shared tool prompt: the same 8 leading ids in every conversation.
+        for (b, h) in r.block_hashes.iter_mut().enumerate().take(8) {
+            *h = 7_000_000 + b as u64;
+        }
+        r.input_length = r.input_length.max(8 * 16);
+        if r.block_hashes.len() < 8 {
+            r.block_hashes = (0..8).map(|b| 7_000_000 + b).collect();
+        }
+        r.lora = Some(format!("a{}", s % adapters));
+    }
+    trace
+}
+
+#[test]
+fn adapters_are_cached_apart_and_a_blind_router_predicts_what_engines_cannot_serve() {
+    let trace = adapter_conversations(8, 4);
+    let aware = run(&trace, &cfg(4, 4096)).expect("aware run");
+    assert!(
+        aware.requests.iter().all(|r| !r.rejected),
+        "adapters are served"
+    );
+    let predicted_unserved = |r: &SimResult| -> u64 {
+        r.requests
+            .iter()
+            .map(|q| {
+                let served = q.gpu_hit_blocks + q.host_hit_blocks + q.disk_hit_blocks;
+                u64::from(q.overlap_blocks.saturating_sub(served))
+            })
+            .sum()
+    };
+    assert_eq!(
+        predicted_unserved(&aware),
+        0,
+        "an aware router predicts only real hits"
+    );
+    let blind = run(
+        &trace,
+        &SimConfig {
+            identity_blind: true,
+            ..cfg(4, 4096)
+        },
+    )
+    .expect("blind run");
+    assert!(
+        predicted_unserved(&blind) > 0,
+        "a blind router predicts the shared tool prompt across adapters"
+    );
+    // The ideal counts the tool prompt once per adapter, not once for the whole trace.
+    let mut plain = trace.clone();
+    plain.requests.iter_mut().for_each(|r| r.lora = None);
+    let (keyed, shared) = (
+        crate::trace::summarize(&trace).ideal_hit_rate,
+        crate::trace::summarize(&plain).ideal_hit_rate,
+    );
+    assert!(shared > keyed, "{shared} {keyed}");
 }

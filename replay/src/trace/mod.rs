@@ -70,6 +70,46 @@ pub struct TraceRequest {
     /// predecessor finished instead of at `arrival_us`.
     #[serde(default)]
     pub think_time_us: Option<u64>,
+    /// The LoRA adapter the request ran under, if any (its `model` is then the adapter's name).
+    #[serde(default)]
+    pub lora: Option<String>,
+    /// The request's `cache_salt`, if any.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
+}
+
+impl TraceRequest {
+    /// The prompt's blocks as an engine keys them: `block_hashes`, further keyed by the
+    /// request's adapter and salt when it has them (as vLLM keys an adapter's or a salted
+    /// request's blocks, see `infera_core::hashing::identity`), so that the same blocks under
+    /// another adapter or salt never match. Keying ids that already carry the identity (a
+    /// recorder's router hashes) keeps equal ids equal and distinct ones distinct.
+    pub fn engine_blocks(&self) -> std::borrow::Cow<'_, [u64]> {
+        use infera_core::hashing::{KvIdentity, hash_block_keyed};
+        let identity = KvIdentity {
+            lora: self.lora.as_deref().map(Box::from),
+            salt: self.cache_salt.as_deref().map(Box::from),
+            mm: Vec::new(),
+        };
+        if identity.is_plain() {
+            return std::borrow::Cow::Borrowed(&self.block_hashes);
+        }
+        let bs = self.block_size.max(1);
+        let mut keys = Vec::new();
+        let mut parent = None;
+        let keyed = (0u32..)
+            .zip(&self.block_hashes)
+            .map(|(i, &h)| {
+                identity.block_keys(i.saturating_mul(bs), (i + 1).saturating_mul(bs), &mut keys);
+                // The block's id stands for its tokens.
+                let id = [h as u32, (h >> 32) as u32];
+                let k = hash_block_keyed(&id, parent, &keys);
+                parent = Some(k);
+                k.0
+            })
+            .collect();
+        std::borrow::Cow::Owned(keyed)
+    }
 }
 
 /// A whole trace, in arrival order.
@@ -279,6 +319,8 @@ mod tests {
             retention: None,
             ttl_seconds: None,
             think_time_us: None,
+            lora: None,
+            cache_salt: None,
         }
     }
 

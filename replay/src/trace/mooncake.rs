@@ -116,6 +116,8 @@ pub fn import(path: &Path, opts: &LoadOptions) -> Result<Trace, TraceError> {
             retention: None,
             ttl_seconds: None,
             think_time_us: None,
+            lora: None,
+            cache_salt: None,
         });
     }
     if requests.is_empty() {

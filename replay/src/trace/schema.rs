@@ -16,6 +16,11 @@
 //! | `retention` | `Utf8` | yes | `none`, `ephemeral`, `short` or `long` |
 //! | `ttl_seconds` | `UInt32` | yes | requested KV retention time |
 //! | `think_time_us` | `UInt64` | yes | a session turn's client think time after its predecessor's answer |
+//! | `lora` | `Utf8` | yes | the LoRA adapter the request named (then `model` is its base model) |
+//! | `cache_salt` | `Utf8` | yes | the request's `cache_salt` |
+//!
+//! The engines key an adapter's or a salted request's blocks by the adapter and salt as well
+//! ([`TraceRequest::engine_blocks`]): the replay and the ideal hit rate count them apart.
 //!
 //! Readers also accept `LargeUtf8`/`Utf8View` strings and `LargeList` lists (what Polars and
 //! DuckDB may write), ignore columns they do not know, and read an absent nullable column as all
@@ -63,9 +68,11 @@ pub mod col {
     pub const RETENTION: &str = "retention";
     pub const TTL_SECONDS: &str = "ttl_seconds";
     pub const THINK_TIME_US: &str = "think_time_us";
+    pub const LORA: &str = "lora";
+    pub const CACHE_SALT: &str = "cache_salt";
 
     /// Every column, in schema order.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 14] = [
         ARRIVAL_US,
         REQUEST_ID,
         MODEL,
@@ -78,6 +85,8 @@ pub mod col {
         RETENTION,
         TTL_SECONDS,
         THINK_TIME_US,
+        LORA,
+        CACHE_SALT,
     ];
 }
 
@@ -131,6 +140,8 @@ pub fn trace_schema() -> SchemaRef {
         Field::new(col::RETENTION, Utf8, true),
         Field::new(col::TTL_SECONDS, UInt32, true),
         Field::new(col::THINK_TIME_US, UInt64, true),
+        Field::new(col::LORA, Utf8, true),
+        Field::new(col::CACHE_SALT, Utf8, true),
     ]))
 }
 
@@ -266,6 +277,12 @@ pub fn to_record_batch(rows: &[TraceRequest]) -> Result<RecordBatch, ArrowError>
         Arc::new(PrimitiveArray::<UInt64Type>::from_iter(
             rows.iter().map(|r| r.think_time_us),
         )),
+        Arc::new(StringArray::from_iter(
+            rows.iter().map(|r| r.lora.as_deref()),
+        )),
+        Arc::new(StringArray::from_iter(
+            rows.iter().map(|r| r.cache_salt.as_deref()),
+        )),
     ];
     RecordBatch::try_new(trace_schema(), columns)
 }
@@ -282,7 +299,12 @@ fn accepts(column: &str, dt: &DataType) -> bool {
     };
     match column {
         col::ARRIVAL_US | col::THINK_TIME_US => *dt == DataType::UInt64,
-        col::REQUEST_ID | col::MODEL | col::SESSION_ID | col::RETENTION => string,
+        col::REQUEST_ID
+        | col::MODEL
+        | col::SESSION_ID
+        | col::RETENTION
+        | col::LORA
+        | col::CACHE_SALT => string,
         col::INPUT_LENGTH | col::OUTPUT_LENGTH | col::BLOCK_SIZE | col::TTL_SECONDS => {
             *dt == DataType::UInt32
         }
@@ -402,6 +424,14 @@ pub fn from_record_batch(batch: &RecordBatch) -> Result<Vec<TraceRequest>, Colum
             .collect(),
         None => vec![None; n],
     };
+    let lora = match optional(col::LORA) {
+        Some(a) => strings(col::LORA, a)?,
+        None => vec![None; n],
+    };
+    let salt = match optional(col::CACHE_SALT) {
+        Some(a) => strings(col::CACHE_SALT, a)?,
+        None => vec![None; n],
+    };
     let think: Vec<Option<u64>> = match optional(col::THINK_TIME_US) {
         Some(a) => primitive::<UInt64Type>(col::THINK_TIME_US, a)?
             .iter()
@@ -436,6 +466,8 @@ pub fn from_record_batch(batch: &RecordBatch) -> Result<Vec<TraceRequest>, Colum
             retention,
             ttl_seconds: ttl[row],
             think_time_us: think[row],
+            lora: lora[row].map(str::to_owned),
+            cache_salt: salt[row].map(str::to_owned),
         });
     }
     Ok(out)
@@ -460,6 +492,8 @@ mod tests {
             retention: (i % 2 == 1).then_some(Retention::Short),
             ttl_seconds: (i % 2 == 1).then_some(60),
             think_time_us: i.is_multiple_of(2).then_some(i * 1_000),
+            lora: i.is_multiple_of(3).then(|| format!("adapter-{i}")),
+            cache_salt: (i % 4 == 1).then(|| format!("tenant-{i}")),
         }
     }
 

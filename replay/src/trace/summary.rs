@@ -99,12 +99,13 @@ pub fn summarize(trace: &Trace) -> TraceSummary {
         if !block_sizes.contains(&r.block_size) {
             block_sizes.push(r.block_size);
         }
-        let hit = r
-            .block_hashes
+        // As the engines key them: the same blocks under another adapter or salt are others.
+        let blocks = r.engine_blocks();
+        let hit = blocks
             .iter()
             .filter(|&&h| seen.contains(&(model, r.block_size, h)))
             .count() as u64;
-        seen.extend(r.block_hashes.iter().map(|&h| (model, r.block_size, h)));
+        seen.extend(blocks.iter().map(|&h| (model, r.block_size, h)));
         total += r.block_hashes.len() as u64;
         hits += hit;
         hit_tokens += (hit * u64::from(r.block_size)).min(u64::from(r.input_length));
@@ -235,6 +236,8 @@ mod tests {
             retention: None,
             ttl_seconds: None,
             think_time_us: None,
+            lora: None,
+            cache_salt: None,
         }
     }
 

@@ -31,6 +31,10 @@
 //! an open-loop replay (`--playback timeline`) uses; session playback issues each turn after its
 //! predecessor really finished instead.
 //!
+//! With [`SynthConfig::adapters`], each session also names a LoRA adapter (`lora`
+//! `adapter-{a}`); the engines key its blocks by it, so the tool definitions are shared within
+//! an adapter only.
+//!
 //! Determinism: the same configuration gives the same trace on every platform; session `s` draws
 //! from its own stream (seeded by the seed and `s`), so adding sessions keeps the earlier ones.
 
@@ -76,6 +80,10 @@ pub struct SynthConfig {
     /// Tokens per block of the written hashes.
     pub block_size: u32,
     pub model: String,
+    /// LoRA adapters over `model` (0: none). Each session runs under one, uniformly at random,
+    /// with that adapter's own system prompt (in place of the `system_prompts` variants); the
+    /// tool definitions are the same tokens for every adapter, which the engines key apart.
+    pub adapters: u32,
 }
 
 impl Default for SynthConfig {
@@ -98,6 +106,7 @@ impl Default for SynthConfig {
             max_context_tokens: 128_000,
             block_size: 64,
             model: "default".to_owned(),
+            adapters: 0,
         }
     }
 }
@@ -176,6 +185,8 @@ fn tokens(rng: &mut Rng, mean: u32) -> u32 {
 const TOOLS_TAG: u64 = 0x7001_5000_0000_0000;
 const SYSTEM_TAG: u64 = 0x5957_0000_0000_0000;
 const SESSION_TAG: u64 = 0x5E55_0000_0000_0000;
+/// Adapter `a`'s system prompt is variant `SYSTEM_PER_ADAPTER ^ a` (apart from the shared ones).
+const SYSTEM_PER_ADAPTER: u64 = 0xADA0_0000;
 
 /// The chained block hashes of one session, extended as its context grows.
 struct Chain<'a> {
@@ -228,9 +239,15 @@ pub fn synthesize(cfg: &SynthConfig) -> Result<Trace, TraceError> {
         let mut rng = Rng::new(splitmix64(&mut seed));
         let session_id = format!("synth-s{s:0width$}");
         let turns = cfg.min_turns + rng.below(u64::from(cfg.max_turns - cfg.min_turns) + 1) as u32;
+        let (system, lora) = if cfg.adapters > 0 {
+            let a = rng.below(u64::from(cfg.adapters));
+            (SYSTEM_PER_ADAPTER ^ a, Some(format!("adapter-{a:02}")))
+        } else {
+            (rng.below(u64::from(cfg.system_prompts)), None)
+        };
         let mut chain = Chain {
             cfg,
-            system: rng.below(u64::from(cfg.system_prompts)),
+            system,
             session: s as u64,
             hashes: Vec::new(),
         };
@@ -254,6 +271,8 @@ pub fn synthesize(cfg: &SynthConfig) -> Result<Trace, TraceError> {
                 retention: None,
                 ttl_seconds: None,
                 think_time_us: think,
+                lora: lora.clone(),
+                cache_salt: None,
             });
             let tool = rng.next_f64() < cfg.tool_call_fraction;
             let (input, pause_us) = if tool {
@@ -286,14 +305,18 @@ pub fn synthesize(cfg: &SynthConfig) -> Result<Trace, TraceError> {
         source: format!("infera trace synth (seed {})", cfg.seed),
         notes: vec![format!(
             "synthesized agentic sessions: {sessions} sessions, {n} turns, about {} open at once, \
-             {}..={} turns, {} tool-definition + {} system-prompt tokens ({} variants), \
+             {}..={} turns, {} tool-definition + {} system-prompt tokens ({}), \
              {:.0} % tool-call turns, block size {}",
             cfg.concurrency,
             cfg.min_turns,
             cfg.max_turns,
             cfg.tool_tokens,
             cfg.system_tokens,
-            cfg.system_prompts,
+            if cfg.adapters > 0 {
+                format!("{} LoRA adapters, one system prompt each", cfg.adapters)
+            } else {
+                format!("{} variants", cfg.system_prompts)
+            },
             cfg.tool_call_fraction * 100.0,
             cfg.block_size
         )],

@@ -399,9 +399,14 @@ struct Shape {
     timeout: Duration,
 }
 
-/// The JSON body of request `index`.
+/// The JSON body of request `index`: an adapter's request names its adapter (`lora`) as its
+/// model, unless `--model` overrides it, and carries the trace's `cache_salt`.
 fn body(shape: &Shape, req: &TraceRequest, index: usize) -> Bytes {
-    let model = shape.model.as_deref().unwrap_or(&req.model);
+    let model = shape
+        .model
+        .as_deref()
+        .or(req.lora.as_deref())
+        .unwrap_or(&req.model);
     let max_tokens = shape.max_tokens.unwrap_or(req.output_length).max(1);
     let mut value = match shape.api {
         Api::Completions => json!({
@@ -420,6 +425,9 @@ fn body(shape: &Shape, req: &TraceRequest, index: usize) -> Bytes {
         map.insert("stream_options".into(), json!({"include_usage": true}));
         if shape.ignore_eos {
             map.insert("ignore_eos".into(), true.into());
+        }
+        if let Some(salt) = &req.cache_salt {
+            map.insert("cache_salt".into(), salt.as_str().into());
         }
     }
     Bytes::from(value.to_string())

@@ -59,6 +59,8 @@ fn session_turns_leave_the_timeline_and_follow_their_predecessor() {
         retention: None,
         ttl_seconds: None,
         think_time_us,
+        lora: None,
+        cache_salt: None,
     };
     let trace = vec![
         req(0, "a", None),
@@ -94,6 +96,8 @@ fn the_plan_follows_the_trace_timeline() {
         retention: None,
         ttl_seconds: None,
         think_time_us: None,
+        lora: None,
+        cache_salt: None,
     };
     let trace: Vec<TraceRequest> = [5_000_000, 6_000_000, 9_000_000, 25_000_000]
         .into_iter()
@@ -133,5 +137,25 @@ fn the_plan_follows_the_trace_timeline() {
             .split(' ')
             .count(),
         5
+    );
+    // An adapter's salted row names its adapter, unless --model overrides it, and its salt.
+    let mut row = trace[0].clone();
+    row.lora = Some("sql".into());
+    row.cache_salt = Some("tenant-a".into());
+    let v: serde_json::Value = serde_json::from_slice(&body(&shape, &row, 0)).unwrap();
+    assert_eq!(
+        (&v["model"], &v["cache_salt"]),
+        (&"mock".into(), &"tenant-a".into())
+    );
+    let own = Shape {
+        model: None,
+        ..shape
+    };
+    let v: serde_json::Value = serde_json::from_slice(&body(&own, &row, 0)).unwrap();
+    assert_eq!(v["model"], "sql");
+    assert!(
+        body(&own, &trace[0], 0)
+            .windows(10)
+            .all(|w| w != b"cache_salt")
     );
 }

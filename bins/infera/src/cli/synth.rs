@@ -64,9 +64,15 @@ pub struct SynthArgs {
     /// Tokens per block of the written block hashes.
     #[arg(long, default_value_t = 64, value_name = "TOKENS")]
     pub block_size: u32,
-    /// Model name of every request.
+    /// Model name of every request (the base model, with --adapters).
     #[arg(long, default_value = "default")]
     pub model: String,
+    /// LoRA adapters over the model (0: none): each session runs under one, chosen uniformly,
+    /// with its own system prompt (replacing --system-prompts); the tool definitions are the
+    /// same tokens under every adapter, which the engines (and the replay) key apart. Written
+    /// in the `lora` column.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub adapters: u32,
 }
 
 impl SynthArgs {
@@ -106,6 +112,7 @@ impl SynthArgs {
             max_context_tokens: self.max_context_tokens,
             block_size: self.block_size,
             model: self.model.clone(),
+            adapters: self.adapters,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -189,3 +189,37 @@ fn bad_settings_are_named() {
         assert!(err.contains(needle), "{err}");
     }
 }
+
+#[test]
+fn adapters_share_tool_tokens_but_not_their_blocks() {
+    let trace = synthesize(&SynthConfig {
+        adapters: 8,
+        ..small()
+    })
+    .expect("trace");
+    let sessions = by_session(&trace);
+    let mut adapters = std::collections::BTreeSet::new();
+    for turns in sessions.values() {
+        let lora = turns[0]
+            .lora
+            .as_deref()
+            .expect("every turn names its adapter");
+        assert!(turns.iter().all(|t| t.lora.as_deref() == Some(lora)));
+        assert_eq!(turns[0].model, "default", "the base model stays the model");
+        adapters.insert(lora);
+    }
+    assert!(adapters.len() > 1 && adapters.iter().all(|a| a.starts_with("adapter-")));
+    // Two sessions of different adapters: the same tool-definition tokens, other blocks.
+    let first = |a: &str| {
+        sessions
+            .values()
+            .find(|t| t[0].lora.as_deref() == Some(a))
+            .expect("a session")[0]
+    };
+    let mut names = adapters.iter();
+    let (a, b) = (first(names.next().unwrap()), first(names.next().unwrap()));
+    assert_eq!(a.block_hashes[0], b.block_hashes[0]);
+    assert_ne!(a.engine_blocks()[0], b.engine_blocks()[0]);
+    let plain = synthesize(&small()).expect("trace");
+    assert!(summarize(&trace).ideal_hit_rate < summarize(&plain).ideal_hit_rate);
+}
