@@ -14,6 +14,8 @@
 //!   a fault leaves a request hung or wrong. `ARGS` go to `cargo bench` (e.g. `--profile dev`
 //!   to reuse the test build instead of building in release).
 //! - `cargo xtask tools`: only the tool check and installation.
+//! - `cargo xtask commits [-- RANGE]`: the commit messages of `RANGE` (default the last
+//!   commit) against CONTRIBUTING.md (see [`commits`]).
 //! - `cargo xtask layers`: the crates' dependency rules (see [`layers`]); `test` checks them
 //!   first, and that the binary builds without warnings with every backend compiled out.
 //!
@@ -22,6 +24,7 @@
 
 // Tests may unwrap; the non-test build still denies it everywhere.
 
+mod commits;
 mod layers;
 mod python;
 mod routing;
@@ -33,7 +36,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 const USAGE: &str =
-    "usage: cargo xtask <test|bench|bench routing|chaos|tools|layers> [-- extra arguments]";
+    "usage: cargo xtask <test|bench|bench routing|chaos|tools|layers|commits> [-- extra arguments]";
 
 fn main() -> ExitCode {
     match run(std::env::args_os().skip(1).collect()) {
@@ -66,6 +69,9 @@ fn run(args: Vec<OsString>) -> anyhow::Result<()> {
         Some("chaos") => chaos(&root, &extra),
         Some("tools") if extra.is_empty() => tools::ensure().map(drop),
         Some("layers") if extra.is_empty() => layers::check(&root),
+        Some("commits") if extra.len() <= 1 => {
+            commits::check(&root, extra.first().and_then(|r| r.to_str()))
+        }
         Some("help" | "--help" | "-h") => {
             println!("{USAGE}");
             Ok(())
