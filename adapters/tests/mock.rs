@@ -361,6 +361,7 @@ async fn token_id_prompts_and_their_kv_events() {
             lora_id,
             lora_name,
             extra_keys,
+            cache_salt: _,
             indexable,
         } = ev
         {

@@ -151,6 +151,7 @@ fn sliding(stored: bool, hash: u64) -> EngineBatch {
             lora_id: None,
             lora_name: None,
             extra_keys: None,
+            cache_salt: None,
             indexable: false,
         }
     } else {

@@ -41,6 +41,7 @@ fn stored(i: u64) -> EngineBatch {
             lora_id: None,
             lora_name: None,
             extra_keys: None,
+            cache_salt: None,
             indexable: true,
         }],
         ..Default::default()
@@ -257,6 +258,7 @@ fn expected_python_batch(i: u64, count: u64) -> EngineBatch {
         lora_id: None,
         lora_name: None,
         extra_keys: None,
+        cache_salt: None,
         indexable: true,
     }];
     if i % 2 == 1 {
@@ -276,6 +278,7 @@ fn expected_python_batch(i: u64, count: u64) -> EngineBatch {
             lora_id: None,
             lora_name: None,
             extra_keys: None,
+            cache_salt: None,
             indexable: true,
         });
     }

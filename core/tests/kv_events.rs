@@ -96,6 +96,7 @@ fn expected_from_json(name: &str) -> EngineBatch {
                     assert!(keys.is_none_or(|k| k.iter().all(Json::is_null)));
                     None
                 },
+                cache_salt: get(11, "cache_salt").and_then(Json::as_str).map(Box::from),
                 indexable: matches!(
                     get(9, "kv_cache_spec_kind").and_then(Json::as_str),
                     None | Some("full_attention")
@@ -254,6 +255,7 @@ fn array_and_map_events_mix_in_one_batch() {
                 lora_id: None,
                 lora_name: None,
                 extra_keys: None,
+                cache_salt: None,
                 indexable: true,
             },
             EngineEvent::BlockRemoved {
@@ -586,6 +588,7 @@ fn ingest_chains_after_a_parent_known_to_the_index() {
             lora_id: None,
             lora_name: None,
             extra_keys: None,
+            cache_salt: None,
             indexable: true,
         }],
         ..Default::default()
@@ -624,6 +627,7 @@ fn ingest_drops_and_counts_what_it_cannot_index() {
             lora_id: None,
             lora_name: None,
             extra_keys: None,
+            cache_salt: None,
             indexable: true,
         };
     let b = EngineBatch {
@@ -645,6 +649,7 @@ fn ingest_drops_and_counts_what_it_cannot_index() {
                 lora_id: None,
                 lora_name: None,
                 extra_keys: None,
+                cache_salt: None,
                 indexable: false,
             },
             EngineEvent::BlockRemoved {

@@ -54,11 +54,7 @@ fn identity_of(case: &Json) -> KvIdentity {
 
 #[test]
 fn vllm_extra_keys_ingest_to_the_hashes_a_request_of_that_identity_computes() {
-    let hex = fixture("vllm_identity_events.msgpack.hex");
-    let bytes: Vec<u8> = (0..hex.trim().len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&hex.trim()[i..i + 2], 16).expect("hex"))
-        .collect();
+    let bytes = fixture_bytes("vllm_identity_events.msgpack.hex");
     let doc: Json = serde_json::from_str(&fixture("vllm_identity_events.json")).expect("json");
     let bs = doc["block_size"].as_u64().expect("block_size") as usize;
     let batch = decode_batch(&bytes).expect("decode");
@@ -86,6 +82,46 @@ fn vllm_extra_keys_ingest_to_the_hashes_a_request_of_that_identity_computes() {
     }
     // Every case but the image's (whose run starts inside block 0 too) keys its first block.
     assert_eq!(plain_differs, cases.len());
+}
+
+fn fixture_bytes(name: &str) -> Vec<u8> {
+    let hex = fixture(name);
+    let hex = hex.trim();
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+/// `sglang_identity_events`: two pages of one sequence as SGLang 0.5.23 publishes them (tagged
+/// maps with the adapter's `lora_name`, the request's `cache_salt` and `session_id`; SGLang has
+/// no `extra_keys`), tokens 500..532.
+#[test]
+fn sglang_pages_are_keyed_by_their_adapter_and_salt() {
+    let tokens: Vec<u32> = (500..532).collect();
+    let wire = fixture_bytes("sglang_identity_events.msgpack.hex");
+    let decoded = decode_batch(&wire).expect("decode");
+    assert!(decoded.malformed.is_empty(), "{:?}", decoded.malformed);
+    let out = to_core_events(&decoded, &worker(), 16, &no_parent);
+    let hashes: Vec<BlockHash> = out
+        .events
+        .iter()
+        .flat_map(|e| match e {
+            Event::KvBlocksStored(s) => s.router_hashes.clone(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let identity = KvIdentity {
+        lora: Some("sql".into()),
+        salt: Some("tenant-a".into()),
+        mm: Vec::new(),
+    };
+    assert_eq!(hashes, hash_prompt_blocks(&tokens, 16, &identity));
+    let unsalted = KvIdentity {
+        salt: None,
+        ..identity
+    };
+    assert_ne!(hashes[0], hash_prompt_blocks(&tokens, 16, &unsalted)[0]);
 }
 
 /// An identity drawn from a few adapters, salts and images, each possibly absent.
@@ -137,6 +173,7 @@ fn stored_batch(tokens: &[u32], bs: usize, identity: &KvIdentity) -> EngineBatch
             lora_id: None,
             lora_name: identity.lora.clone(),
             extra_keys: Some(extra_keys),
+            cache_salt: None,
             indexable: true,
         }],
         ..EngineBatch::default()

@@ -307,6 +307,7 @@ impl EngineLoop {
                                 .iter()
                                 .any(|k| !k.is_empty())
                                 .then_some(extra_keys),
+                            cache_salt: None,
                             indexable: true,
                         });
                     }

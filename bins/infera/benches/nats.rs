@@ -456,6 +456,7 @@ fn kv_messages(first_hash: u64, blocks: u64) -> Vec<Bytes> {
                         lora_id: None,
                         lora_name: None,
                         extra_keys: None,
+                        cache_salt: None,
                         indexable: true,
                     }
                 })

@@ -16,7 +16,8 @@ use rmpv::ValueRef;
 const MAX_DEPTH: usize = 32;
 
 /// Field positions of `BlockStored` (after the tag), by name.
-const STORED_FIELDS: [&str; 11] = [
+/// `cache_salt` is SGLang's (tagged maps only; vLLM puts the salt in `extra_keys`).
+const STORED_FIELDS: [&str; 12] = [
     "block_hashes",
     "parent_block_hash",
     "token_ids",
@@ -28,6 +29,7 @@ const STORED_FIELDS: [&str; 11] = [
     "group_idx",
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
+    "cache_salt",
 ];
 
 /// Field positions of `BlockRemoved` (after the tag), by name.
@@ -269,6 +271,15 @@ fn decode_stored(
         })?)),
     };
     let extra_keys = extra_keys(cx, f.get(n, 7))?;
+    let cache_salt = match f.get(n, 11) {
+        None | Some(ValueRef::Nil) => None,
+        Some(v) => Some(Box::from(str_of(v).ok_or_else(|| {
+            cx.err(
+                "cache_salt",
+                format!("expected a string or nil, got {}", type_name(v)),
+            )
+        })?)),
+    };
     let group = opt_i64(cx, "group_idx", f.get(n, 8))?;
     let spec_kind = match f.get(n, 9) {
         None | Some(ValueRef::Nil) => None,
@@ -292,6 +303,7 @@ fn decode_stored(
         lora_id,
         lora_name,
         extra_keys,
+        cache_salt,
         indexable,
     })
 }

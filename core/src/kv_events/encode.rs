@@ -40,6 +40,8 @@ pub fn encode_batch_vllm(batch: &EngineBatch) -> Vec<u8> {
                 lora_id,
                 lora_name,
                 extra_keys,
+                // vLLM carries the salt in `extra_keys`.
+                cache_salt: _,
                 indexable,
             } => {
                 w.map_len(11);
@@ -286,6 +288,7 @@ mod tests {
                             offset: 3,
                         }],
                     ]),
+                    cache_salt: None,
                     indexable: false,
                 },
                 EngineEvent::BlockRemoved {

@@ -13,7 +13,7 @@
 //!   (`token_count_mismatch`); neither is ever silent;
 //! - non-full-attention events (`indexable: false`) are dropped and counted;
 //! - a block the engine keys by more than its tokens (a LoRA adapter, a cache salt, an image:
-//!   the event's `extra_keys`, or its `lora_name` alone) is hashed with those keys
+//!   the event's `extra_keys`, or its `lora_name` and SGLang's `cache_salt`) is hashed with those keys
 //!   ([`crate::hashing::identity`]), as the request side hashes a request of the same identity;
 //!   an event whose `extra_keys` has not one entry per block is dropped and counted
 //!   (`extra_keys_mismatch`);
@@ -126,6 +126,7 @@ pub fn to_core_events(
                 lora_id: _,
                 lora_name,
                 extra_keys,
+                cache_salt,
                 indexable,
             } => {
                 if !indexable {
@@ -165,13 +166,13 @@ pub fn to_core_events(
                     stats.extra_keys_mismatch += 1;
                     continue;
                 }
-                let router_hashes = keyed_hashes(
-                    token_ids,
-                    bs,
-                    router_parent,
-                    lora_name,
-                    extra_keys.as_deref(),
-                );
+                let keys = EventKeys {
+                    lora_name: lora_name.as_deref(),
+                    // SGLang's salt keys a sequence's first block, as vLLM's does.
+                    salt: cache_salt.as_deref().filter(|_| parent.is_none()),
+                    extra_keys: extra_keys.as_deref(),
+                };
+                let router_hashes = keyed_hashes(token_ids, bs, router_parent, &keys);
                 for (e, r) in block_hashes.iter().zip(&router_hashes) {
                     overlay.insert((*tier, *e), Some(*r));
                 }
@@ -221,29 +222,45 @@ pub fn to_core_events(
     out
 }
 
+/// What a `BlockStored` says its blocks are keyed by besides their tokens.
+struct EventKeys<'a> {
+    lora_name: Option<&'a str>,
+    /// SGLang's `cache_salt`, when the event starts a sequence.
+    salt: Option<&'a str>,
+    extra_keys: Option<&'a [Vec<ExtraKey>]>,
+}
+
 /// The router hashes of one stored run of blocks under the engine's keys: each block's
-/// `extra_keys` entry when the engine reports them, else the adapter's name on every block
-/// (engines that report `lora_name` without `extra_keys`), else plain text.
+/// `extra_keys` entry when the engine reports them (vLLM), else the adapter's name on every
+/// block and the salt on the sequence's first (SGLang, and vLLM before `extra_keys`), else
+/// plain text.
 fn keyed_hashes(
     tokens: &[u32],
     block_size: usize,
     parent: Option<BlockHash>,
-    lora_name: &Option<Box<str>>,
-    extra_keys: Option<&[Vec<ExtraKey>]>,
+    keys: &EventKeys<'_>,
 ) -> Vec<BlockHash> {
-    let lora_only = lora_name.as_ref().map(|n| [ExtraKey::Str(n.clone())]);
-    if extra_keys.is_none() && lora_only.is_none() {
+    if keys.extra_keys.is_none() && keys.lora_name.is_none() && keys.salt.is_none() {
         return hash_blocks(tokens, block_size, parent);
     }
     let mut out = Vec::with_capacity(tokens.len() / block_size);
     let mut prev = parent;
+    let mut derived = Vec::with_capacity(2);
     for (i, block) in tokens.chunks_exact(block_size).enumerate() {
-        let keys: &[ExtraKey] = match (extra_keys, &lora_only) {
-            (Some(keys), _) => &keys[i],
-            (None, Some(lora)) => lora,
-            (None, None) => &[],
+        let block_keys: &[ExtraKey] = match keys.extra_keys {
+            Some(all) => &all[i],
+            None => {
+                derived.clear();
+                derived.extend(keys.lora_name.map(|n| ExtraKey::Str(n.into())));
+                derived.extend(
+                    keys.salt
+                        .filter(|_| i == 0)
+                        .map(|s| ExtraKey::Str(s.into())),
+                );
+                &derived
+            }
         };
-        let h = hash_block_keyed(block, prev, keys);
+        let h = hash_block_keyed(block, prev, block_keys);
         out.push(h);
         prev = Some(h);
     }

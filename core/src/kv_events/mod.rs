@@ -16,7 +16,8 @@
 //!        | {"type": "BlockStored", "block_hashes": ..., ...}   tagged map, fields by name
 //! BlockStored      fields: block_hashes, parent_block_hash, token_ids, block_size, lora_id,
 //!                          medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
-//!                          kv_cache_spec_sliding_window   (trailing fields may be absent)
+//!                          kv_cache_spec_sliding_window   (trailing fields may be absent);
+//!                          SGLang's maps add cache_salt and session_id
 //! BlockRemoved     fields: block_hashes, medium, group_idx
 //! AllBlocksCleared fields: none (ATOM sends one nil)
 //! hash   = uint (vLLM, ATOM) | negative or positive int (SGLang's signed i64) | bin (vLLM digests)
@@ -90,6 +91,8 @@ pub enum EngineEvent {
         /// Each block's extra keys (see [`crate::hashing::identity`]), when the engine reports
         /// them (`extra_keys`, vLLM 0.11+): one entry per block, empty for a plain block.
         extra_keys: Option<Vec<Vec<ExtraKey>>>,
+        /// The request's salt, as SGLang reports it (vLLM reports it in `extra_keys`).
+        cache_salt: Option<Box<str>>,
         /// False for blocks of a non-full-attention KV group: the ingestor drops them.
         indexable: bool,
     },

@@ -65,3 +65,21 @@ def test_the_fixtures_extra_keys_are_vllms():
             tagged.append(keys)
         assert normalize(to_event_extra_keys(tagged)) == event["extra_keys"], case
         assert event["lora_name"] == case["lora"]
+
+
+def test_the_sglang_fixture_is_what_sglang_publishes():
+    """``fixtures/kv-events/sglang_identity_events``: the pinned SGLang's own encoding of two
+    pages of an adapter's salted sequence (``core/tests/kv_identity.rs`` ingests it)."""
+    import msgspec
+    from sglang.srt.disaggregation.kv_events import BlockStored, EventBatch
+
+    tokens = list(range(500, 532))
+    page = dict(block_size=16, lora_id=None, medium="GPU", cache_salt="tenant-a",
+                session_id="conversation-7", lora_name="sql")
+    events = [
+        BlockStored(block_hashes=[11], parent_block_hash=None, token_ids=tokens[:16], **page),
+        BlockStored(block_hashes=[12], parent_block_hash=11, token_ids=tokens[16:], **page),
+    ]
+    wire = msgspec.msgpack.encode(EventBatch(ts=1.5, events=events, attn_dp_rank=0))
+    fixture = FIXTURE.parent / "sglang_identity_events.msgpack.hex"
+    assert wire.hex() == fixture.read_text().strip()

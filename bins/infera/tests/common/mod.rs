@@ -195,6 +195,7 @@ pub fn stored(first: u64, blocks: u64) -> EngineBatch {
             lora_id: None,
             lora_name: None,
             extra_keys: None,
+            cache_salt: None,
             indexable: true,
         }],
         ..EngineBatch::default()
