@@ -51,6 +51,7 @@ fn options(client: ClientOptions) -> ServerOptions {
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,
         model_tokenizers: Default::default(),
+        lora_loading: None,
         direct: false,
         client,
     }

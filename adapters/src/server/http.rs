@@ -281,6 +281,7 @@ async fn pipeline(
         None
     };
 
+    st.ensure_served(&model).await?;
     let key = st.service().request_key(id);
     let Prepared {
         req,

@@ -51,6 +51,7 @@ mod durable;
 #[cfg(test)]
 mod fuzz;
 mod http;
+mod lora;
 mod pick;
 mod prewarm;
 mod profile;
@@ -68,6 +69,7 @@ pub use infera_core::service::metrics::Metrics as ServerMetrics;
 pub use infera_core::service::{
     BreakerConfig, BreakerState, EventBatch, PROBE_TIMEOUT, RequestMeta,
 };
+pub use lora::LoraLoading;
 pub use pick::{Pick, PickError};
 pub use prewarm::{DEFAULT_DEADLINE_MS, MAX_KEYS};
 pub use transport::{HttpDeadlines, HttpTransport};
@@ -109,6 +111,8 @@ pub struct ServerOptions {
     /// `--model-tokenizer MODEL=PATH`: the tokenizers (with their own chat templates) of the
     /// base models that do not use the default one; an adapter uses its base model's.
     pub model_tokenizers: BTreeMap<String, Arc<Tokenizer>>,
+    /// `--lora-load-path`: load an adapter nobody serves on demand (off: `None`).
+    pub lora_loading: Option<LoraLoading>,
     /// `--router-mode direct`: route each request to the worker its `x-worker-instance-id`
     /// header names (and `x-prefill-instance-id`, `x-dp-rank`), picked by an external endpoint
     /// picker; no policy, no failover.
@@ -130,6 +134,8 @@ pub(crate) struct Inner {
     /// `--enable-scaling-api`: the pools `/v1/admin/scale` reads and resizes.
     pub(crate) scaler: Mutex<Option<Arc<dyn PoolScaler>>>,
     pub(crate) profiling: std::sync::atomic::AtomicBool,
+    /// On-demand adapter loads in progress (see `lora`).
+    pub(crate) lora_loads: lora::Loads,
 }
 
 /// A cheap, cloneable handle on the server's state. See the module docs.
@@ -163,6 +169,7 @@ impl ServerState {
                 scaler: Mutex::new(None),
                 variants,
                 profiling: std::sync::atomic::AtomicBool::new(false),
+                lora_loads: lora::Loads::default(),
             }),
         }
     }

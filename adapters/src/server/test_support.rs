@@ -32,6 +32,7 @@ pub(crate) fn state_with_models(models: BTreeMap<String, Arc<Tokenizer>>) -> Ser
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,
         model_tokenizers: models,
+        lora_loading: None,
         direct: false,
         client: super::ClientOptions::default(),
     };

@@ -153,6 +153,7 @@ pub fn options(policy: PolicyKind, max_retries: u32, direct: bool) -> ServerOpti
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,
         model_tokenizers: Default::default(),
+        lora_loading: None,
         direct,
         client: ClientOptions::default(),
     }

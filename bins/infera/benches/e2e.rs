@@ -209,6 +209,7 @@ fn fleet(
             template_defaults: Default::default(),
             per_worker_template_kwargs: true,
             model_tokenizers: Default::default(),
+            lora_loading: None,
             direct: false,
             client: infera_adapters::server::ClientOptions::default(),
         };

@@ -97,6 +97,7 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
             .iter()
             .map(|(model, _, file)| Ok((model.clone(), Arc::new(load_tokenizer(file)?))))
             .collect::<anyhow::Result<_>>()?,
+        lora_loading: config.router.lora_loading.clone(),
         direct: config.router.mode == RouterMode::Direct,
         client: infera_adapters::server::ClientOptions {
             limits: infera_adapters::serve::ServeLimits {

@@ -238,6 +238,7 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,
         model_tokenizers: Default::default(),
+        lora_loading: None,
         direct: false,
         client: infera_adapters::server::ClientOptions::default(),
     };

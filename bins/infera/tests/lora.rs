@@ -173,3 +173,56 @@ async fn adapters_and_salts_are_routed_on_their_own_cache_only() {
         status == 200
     });
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_nobody_serves_is_loaded_on_demand_with_the_flag() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let tok = tokenizer_dir();
+    let tok = tok.as_str();
+    let ports = [free_mock_port(), free_mock_port()];
+    let _workers: Vec<_> = ports
+        .iter()
+        .map(|&p| mock_worker(tok, &etcd.endpoint(), p, &["--speedup", "1000"]))
+        .collect();
+    let port = free_port();
+    let flags = ["--lora-load-path", "/adapters/{name}"];
+    let _server = server(tok, &etcd.endpoint(), port, &flags);
+    eventually("both workers to be routed", || {
+        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 2)
+    });
+    // A name that could leave the path template is never loaded: the usual 404.
+    let escape = json!({"model": "../etc", "prompt": "x", "max_tokens": 1}).to_string();
+    let (status, body) = http(port, "POST", "/v1/completions", &escape).unwrap();
+    assert_eq!(status, 404, "{body}");
+
+    // The first request loads the adapter on one worker, and is served under it.
+    assert_eq!(complete(port, "fresh", &text("fresh", 80), json!({})), 0);
+    let holders: Vec<u16> = ports
+        .iter()
+        .copied()
+        .filter(|&p| {
+            get_json(p, "/v1/models").is_some_and(|m| {
+                m["data"]
+                    .as_array()
+                    .is_some_and(|d| d.iter().any(|e| e["id"] == "fresh"))
+            })
+        })
+        .collect();
+    assert_eq!(holders.len(), 1, "loaded on exactly one worker");
+    let listed = get_json(port, "/v1/models").unwrap();
+    assert!(
+        listed["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["id"] == "fresh" && e["parent"] == tok),
+        "{listed}"
+    );
+    // Later requests for it go to that worker: the only one that serves it.
+    for turn in 0..3 {
+        complete(port, "fresh", &text(&format!("again{turn}"), 40), json!({}));
+    }
+    let requests = |p: u16| metric(p, "infera_mock_requests_total").unwrap_or(0);
+    let other = ports.iter().copied().find(|&p| p != holders[0]).unwrap();
+    assert_eq!((requests(holders[0]), requests(other)), (4, 0));
+}

@@ -89,6 +89,23 @@ pub struct ServerArgs {
     #[arg(long, value_name = "MODEL=PATH", help_heading = ROUTING)]
     pub model_tokenizer: Vec<String>,
 
+    /// Load a LoRA adapter that no worker serves when a request names it: the least loaded
+    /// worker of the base model is asked to load it (vLLM's POST /v1/load_lora_adapter; the
+    /// engine needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) from this path, `{name}` replaced
+    /// by the adapter's name (letters, digits, `-`, `_`, `.` only), e.g. /adapters/{name}.
+    /// Off by default: an unknown model is a 404.
+    #[arg(long, value_name = "TEMPLATE", help_heading = ROUTING)]
+    pub lora_load_path: Option<String>,
+
+    /// The base model adapters are loaded onto with --lora-load-path [default: the fleet's
+    /// only base model].
+    #[arg(long, value_name = "MODEL", requires = "lora_load_path", help_heading = ROUTING)]
+    pub lora_load_base: Option<String>,
+
+    /// How long an engine may take to load an adapter for --lora-load-path.
+    #[arg(long, default_value = "60s", value_name = "DURATION", help_heading = ROUTING)]
+    pub lora_load_timeout: HumanDuration,
+
     /// auto: the in-process policy picks each request's worker; direct: use the worker named
     /// in the x-worker-instance-id header (set by a Gateway API Inference Extension endpoint
     /// picker), the policy's pick when a request has none.

@@ -138,6 +138,8 @@ pub struct RouterConfig {
     /// `--model-tokenizer`: each base model with its own tokenizer, as the path given and the
     /// tokenizer.json file it resolved to.
     pub model_tokenizers: Vec<(String, PathBuf, PathBuf)>,
+    /// `--lora-load-path` and its companions: load unknown adapters on demand.
+    pub lora_loading: Option<infera_adapters::server::LoraLoading>,
     /// Chat template replacing the tokenizer's own, if any.
     pub chat_template: Option<PathBuf>,
     /// Who picks the worker.
@@ -269,6 +271,11 @@ impl TryFrom<ServerArgs> for ServerConfig {
         let worker_edge = WorkerEdgeConfig::from_args(&args)?;
         let (tokenizer_path, tokenizer_file) = tokenizer(args.router_tokenizer_path)?;
         let model_tokenizers = model_tokenizers(&args.model_tokenizer)?;
+        let lora_loading = lora_loading(
+            args.lora_load_path.clone(),
+            args.lora_load_base.clone(),
+            &args.lora_load_timeout,
+        )?;
         let scaling_api = if args.enable_scaling_api {
             Backend::Kubernetes.require("--enable-scaling-api", "on")?;
             Some(ScalingApiConfig {
@@ -286,6 +293,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
             tokenizer_path,
             tokenizer_file,
             model_tokenizers,
+            lora_loading,
             chat_template: chat_template(args.chat_template)?,
             mode: args.router_mode,
             policy: args.router_policy,
@@ -352,6 +360,36 @@ impl TryFrom<ServerArgs> for ServerConfig {
 }
 
 /// Resolves `--router-tokenizer-path` to its tokenizer.json, checking only that it is readable.
+/// `--lora-load-path` (with `{name}`), `--lora-load-base`, `--lora-load-timeout`.
+fn lora_loading(
+    template: Option<String>,
+    base: Option<String>,
+    timeout: &HumanDuration,
+) -> Result<Option<infera_adapters::server::LoraLoading>, ConfigError> {
+    let Some(template) = template else {
+        return Ok(None);
+    };
+    if !template.contains("{name}") {
+        return Err(ConfigError::new(
+            "--lora-load-path",
+            format!(
+                "{template}: put {{name}} where the adapter's name goes, e.g. /adapters/{{name}}"
+            ),
+        ));
+    }
+    if timeout.is_zero() {
+        return Err(ConfigError::new(
+            "--lora-load-timeout",
+            "must be more than 0: every load has a deadline",
+        ));
+    }
+    Ok(Some(infera_adapters::server::LoraLoading {
+        path_template: template,
+        base,
+        timeout: timeout.0,
+    }))
+}
+
 /// `--model-tokenizer MODEL=PATH`s: each model once, each path resolved as
 /// `--router-tokenizer-path`'s.
 fn model_tokenizers(args: &[String]) -> Result<Vec<(String, PathBuf, PathBuf)>, ConfigError> {

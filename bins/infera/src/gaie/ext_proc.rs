@@ -402,6 +402,7 @@ mod tests {
             template_defaults: Default::default(),
             per_worker_template_kwargs: true,
             model_tokenizers: Default::default(),
+            lora_loading: None,
             direct: false,
             client: ClientOptions::default(),
         };

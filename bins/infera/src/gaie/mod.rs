@@ -66,6 +66,7 @@ pub fn run(config: GaieConfig) -> anyhow::Result<()> {
         template_defaults: Default::default(),
         per_worker_template_kwargs: true,
         model_tokenizers: Default::default(),
+        lora_loading: None,
         direct: false,
         client: ClientOptions {
             default_retention: Retention::Long,

@@ -200,6 +200,22 @@ fn each_model_tokenizer_names_its_model_once_and_a_readable_tokenizer() {
 }
 
 #[test]
+fn on_demand_adapter_loading_is_off_by_default_and_needs_a_name_in_its_path() {
+    assert_eq!(parse(&[]).unwrap().router.lora_loading, None);
+    let on = parse(&["--lora-load-path", "/a/{name}", "--lora-load-base", "q"]).unwrap();
+    let loading = on.router.lora_loading.unwrap();
+    assert_eq!(
+        (loading.path_template.as_str(), loading.base.as_deref()),
+        ("/a/{name}", Some("q"))
+    );
+    assert_eq!(loading.timeout, std::time::Duration::from_secs(60));
+    let nameless = parse(&["--lora-load-path", "/a/b"]).unwrap_err();
+    assert_eq!(nameless.flag, "--lora-load-path");
+    let forever = ["--lora-load-path", "/a/{name}", "--lora-load-timeout", "0"];
+    assert_eq!(parse(&forever).unwrap_err().flag, "--lora-load-timeout");
+}
+
+#[test]
 fn kubernetes_discovery_needs_a_label_selector_as_in_the_python_server() {
     let error = parse_exactly(&[]).unwrap_err();
     assert_eq!(error.flag, "--k8s-label-selector");
