@@ -359,6 +359,13 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.code, ErrorCode::NotFound);
         assert!(e.message.contains("served: m, sql"), "{}", e.message);
+        let text = st.render_metrics();
+        for line in [
+            r#"infera_model_routable_ranks{model="m",parent=""} 1"#,
+            r#"infera_model_routable_ranks{model="sql",parent="m"} 1"#,
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
     }
 
     #[tokio::test]

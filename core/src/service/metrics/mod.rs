@@ -19,7 +19,7 @@
 
 use super::Service;
 use super::breaker::BreakerState;
-use crate::event::{Tier, WorkerRecord};
+use crate::event::{Role, Tier, WorkerRecord};
 use crate::ids::WorkerRank;
 use crate::kv_events::IngestStats;
 use crate::ports::transport::TransportError;
@@ -80,6 +80,8 @@ pub struct Metrics {
     pub(crate) migrations_failed: Family<Label, Counter>,
     pub(crate) pd_bootstrap_failures: Family<Label, Counter>,
     pub(crate) active_workers: Family<WorkerLabel, Gauge>,
+    /// Routable ranks per served model and adapter (`parent` empty for a base model).
+    pub(crate) model_ranks: Family<[(&'static str, String); 2], Gauge>,
     pub(crate) worker_breaker_state: Family<WorkerLabel, Gauge>,
     pub(crate) worker_breaker_trips: Family<WorkerLabel, Counter>,
     pub(crate) policy_active_blocks: Family<WorkerLabel, Gauge>,
@@ -148,6 +150,7 @@ impl Default for Metrics {
             migrations_failed: Family::default(),
             pd_bootstrap_failures: Family::default(),
             active_workers: Family::default(),
+            model_ranks: Family::default(),
             worker_breaker_state: Family::default(),
             worker_breaker_trips: Family::default(),
             policy_active_blocks: Family::default(),
@@ -241,6 +244,12 @@ impl Metrics {
             "infera_active_workers",
             "Number of workers in ACTIVE status, by disagg_mode",
             self.active_workers.clone(),
+        );
+        r.register(
+            "infera_model_routable_ranks",
+            "Routable worker ranks (any role) of each served model and LoRA adapter; parent is \
+             an adapter's base model, empty for a base model",
+            self.model_ranks.clone(),
         );
         r.register(
             "infera_router_worker_breaker_state",
@@ -565,6 +574,20 @@ impl Service {
         self.inner.metrics.render(|m| {
             self.with_fleet(|f| {
                 m.active_workers.clear();
+                m.model_ranks.clear();
+                for (model, served) in f.models() {
+                    let ranks: usize = [Role::Mixed, Role::Prefill, Role::Decode]
+                        .into_iter()
+                        .map(|role| f.candidates(model, role).len())
+                        .sum();
+                    let labels = [
+                        ("model", model.to_owned()),
+                        ("parent", served.parent.clone().unwrap_or_default()),
+                    ];
+                    m.model_ranks
+                        .get_or_create(&labels)
+                        .set(i64::try_from(ranks).unwrap_or(i64::MAX));
+                }
                 m.worker_breaker_state.clear();
                 m.policy_active_blocks.clear();
                 m.policy_cache_view_size.clear();
