@@ -571,7 +571,7 @@ async fn generate(
     }
     let blocks = hash_prompt_blocks(&tokens, st.info.block_size as usize, &identity);
     let (lower_blocks, save) = match &st.kvd {
-        Some(tier) => tier.admit(&tokens, retention, &st.metrics).await,
+        Some(tier) => tier.admit(&tokens, &identity, retention, &st.metrics).await,
         None => (0, None),
     };
     let live = rid.as_deref().map(|r| st.aborts.register(r));

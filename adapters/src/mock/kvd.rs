@@ -1,9 +1,10 @@
 //! The mock's lower tier: KV blocks saved to and loaded from a [`KvBlockStore`] (kvd), so that
 //! a fleet of mocks shows L2/L3 hits end to end ([`MockConfig::kv_store`](super::MockConfig)).
 //!
-//! - **Keys**: the engine connectors' keys ([`block_keys`], a SHA-256 chain over the prompt's
-//!   token ids), in the namespace `(served model, compat key)`: what a real engine's connector
-//!   and `POST /v1/cache/prewarm` use, so a prewarm promotes what the mocks load.
+//! - **Keys**: the engine connectors' keys ([`scoped_block_keys`], a SHA-256 chain over the
+//!   prompt's token ids, started from the request's identity when it has an adapter or a salt),
+//!   in the namespace `(served model, compat key)`: what a real engine's connector and
+//!   `POST /v1/cache/prewarm` use, so a prewarm promotes what the mocks load.
 //! - **Bytes**: a block's token ids, 4 bytes little-endian each. A load checks them, so a block
 //!   saved under the wrong key is a miss, never a hit.
 //! - **Load** (before the request enters the engine): `exists` for the prompt's complete blocks,
@@ -21,7 +22,8 @@
 use super::metrics::MockMetrics;
 use super::openai::ApiError;
 use infera_core::event::Retention;
-use infera_core::ports::kv_store::{BlockNamespace, KvBlockStore, StoredBlock, block_keys};
+use infera_core::hashing::KvIdentity;
+use infera_core::ports::kv_store::{BlockNamespace, KvBlockStore, StoredBlock, scoped_block_keys};
 use serde_json::Value;
 use std::sync::Arc;
 
@@ -98,15 +100,17 @@ impl Tier {
             .unwrap_or_default()
     }
 
-    /// Looks a request up before it enters the engine: the leading blocks the store holds, and
+    /// Looks a request up before it enters the engine, its keys scoped by its identity (as the
+    /// vLLM connector scopes them, so an adapter's or a tenant's blocks stay its own): the leading blocks the store holds, and
     /// what to save once it finished (`None` for retention `none`).
     pub(crate) async fn admit(
         &self,
         tokens: &[u32],
+        identity: &KvIdentity,
         retention: Retention,
         metrics: &MockMetrics,
     ) -> (usize, Option<SaveJob>) {
-        let keys = block_keys(tokens, self.block_size);
+        let keys = scoped_block_keys(tokens, self.block_size, &kv_scope(identity));
         let found = self.lookup(&keys, tokens, metrics).await;
         let save = (retention != Retention::None).then(|| SaveJob {
             tokens: tokens[..(keys.len() * self.block_size).min(tokens.len())].to_vec(),
@@ -198,6 +202,19 @@ impl Tier {
     }
 }
 
+/// The key scope of a request of `identity` (empty for plain text): another adapter or salt is
+/// another chain of keys.
+fn kv_scope(identity: &KvIdentity) -> Vec<u8> {
+    if identity.is_plain() {
+        return Vec::new();
+    }
+    format!(
+        "lora={:?};salt={:?};mm={:?}",
+        identity.lora, identity.salt, identity.mm
+    )
+    .into_bytes()
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -214,6 +231,22 @@ mod tests {
         assert_eq!(retention_of(Some(&short)).unwrap(), Retention::Short);
         assert!(retention_of(Some(&json!({"infera_retention": "forever"}))).is_err());
         assert!(retention_of(Some(&json!({"infera_retention": 3}))).is_err());
+    }
+
+    #[test]
+    fn an_adapter_or_a_salt_scopes_the_keys_and_plain_text_does_not() {
+        let plain = KvIdentity::default();
+        let sql = KvIdentity {
+            lora: Some("sql".into()),
+            ..KvIdentity::default()
+        };
+        let chat = KvIdentity {
+            lora: Some("chat".into()),
+            ..KvIdentity::default()
+        };
+        assert!(kv_scope(&plain).is_empty());
+        assert!(!kv_scope(&sql).is_empty());
+        assert_ne!(kv_scope(&sql), kv_scope(&chat));
     }
 
     #[test]

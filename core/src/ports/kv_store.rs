@@ -29,14 +29,28 @@ pub const KEY_BYTES: usize = 16;
 /// The engine connectors' scheme (`infera_kvd.keys`), so a real engine, the mock engine and a
 /// prewarm name one prefix with one key. Nothing process-local enters it.
 pub fn block_keys(tokens: &[u32], block_size: usize) -> Vec<Vec<u8>> {
+    scoped_block_keys(tokens, block_size, &[])
+}
+
+/// [`block_keys`] of a request the engine keys by more than its tokens (an adapter, a salt,
+/// images): with a non-empty `scope` the chain starts from
+/// `sha256(b"infera-kv-scope\0" ‖ scope)[..16]`, as `infera_kvd.keys.block_keys(scope=…)` does, so
+/// its blocks never share keys with another identity's.
+pub fn scoped_block_keys(tokens: &[u32], block_size: usize, scope: &[u8]) -> Vec<Vec<u8>> {
     use sha2::{Digest as _, Sha256};
     if block_size == 0 {
         return Vec::new();
     }
+    let seed = (!scope.is_empty()).then(|| {
+        let mut hasher = Sha256::new();
+        hasher.update(b"infera-kv-scope\0");
+        hasher.update(scope);
+        hasher.finalize()[..KEY_BYTES].to_vec()
+    });
     let mut keys: Vec<Vec<u8>> = Vec::with_capacity(tokens.len() / block_size);
     for block in tokens.chunks_exact(block_size) {
         let mut hasher = Sha256::new();
-        if let Some(previous) = keys.last() {
+        if let Some(previous) = keys.last().or(seed.as_ref()) {
             hasher.update(previous);
         }
         for token in block {
@@ -142,5 +156,14 @@ mod tests {
         );
         assert!(block_keys(&tokens, 0).is_empty());
         assert!(block_keys(&tokens[..3], 4).is_empty(), "full blocks only");
+        // `block_keys(range(10), 4, scope=b"sql")` in kvd/python: another chain from block 0.
+        assert_eq!(
+            hex(&scoped_block_keys(&tokens, 4, b"sql")),
+            [
+                "2c4ce5a7bd8a90b5dc6a5b3b08b861c2",
+                "7706e4a19b08570068daaa9895821ba7"
+            ]
+        );
+        assert_eq!(scoped_block_keys(&tokens, 4, b""), block_keys(&tokens, 4));
     }
 }

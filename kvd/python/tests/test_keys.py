@@ -19,3 +19,12 @@ def test_the_keys_are_the_vectors_the_router_derives():
 def test_a_later_window_keeps_the_chain():
     tokens = list(range(64))
     assert block_keys(tokens, 8, start=3, stop=6) == block_keys(tokens, 8)[3:6]
+
+
+def test_a_scope_starts_another_chain_the_router_derives_too():
+    """``infera_core::ports::kv_store::scoped_block_keys`` pins the same vector."""
+    assert [k.hex() for k in block_keys(list(range(10)), 4, scope=b"sql")] == [
+        "2c4ce5a7bd8a90b5dc6a5b3b08b861c2",
+        "7706e4a19b08570068daaa9895821ba7",
+    ]
+    assert block_keys(list(range(10)), 4, scope=b"") == block_keys(list(range(10)), 4)

@@ -142,3 +142,34 @@ def test_keys_do_not_depend_on_the_process():
         for seed in ("1", "2")
     }
     assert runs == {b"".join(block_keys(PROMPT, BLOCK)).hex()}
+
+
+def test_an_adapters_or_a_tenants_blocks_are_never_loaded_for_another(daemon):
+    """vLLM keys an adapter's, a salted request's and an image's blocks apart from plain text's
+    (``generate_block_hash_extra_keys``); so does the connector, or it would load one adapter's
+    KV into another's request (wrong output) and one tenant's into another's (a leak)."""
+    from vllm.lora.request import LoRARequest
+
+    a = Engine(daemon.socket)
+    a.prefill(a.request("a1", PROMPT))
+    b = Engine(daemon.socket, num_blocks=128, first_block=20)
+
+    def scoped(req_id, lora=None, salt=None):
+        req = b.request(req_id, PROMPT)
+        if lora:
+            req.lora_request = LoRARequest(lora, 1, f"/adapters/{lora}")
+        req.cache_salt = salt
+        return req
+
+    assert b.prefill(scoped("b1", lora="sql"))[0] == 0, "no base blocks for an adapter"
+    assert b.prefill(scoped("b2", salt="tenant-a"))[0] == 0, "no unsalted blocks for a tenant"
+    external, blocks = b.prefill(scoped("b3", lora="sql"))
+    assert external == 6 * BLOCK, "the adapter's own blocks are found"
+    b.assert_blocks_hold(PROMPT, blocks, 6)
+    assert b.prefill(scoped("b4", lora="chat"))[0] == 0, "nor another adapter's"
+    assert b.prefill(scoped("b5", salt="tenant-b"))[0] == 0, "nor another tenant's"
+    assert b.prefill(scoped("b6", salt="tenant-a"))[0] == 6 * BLOCK
+    assert b.prefill(b.request("b7", PROMPT))[0] == 6 * BLOCK, "plain text still shares"
+    assert vllm_connector.identity_scope(b.request("b8", PROMPT)) == b""
+    a.shutdown()
+    b.shutdown()

@@ -9,7 +9,9 @@ vLLM is imported when the class is first looked up (module ``__getattr__``), and
 interface differs fails with :class:`VllmInterfaceError` naming its version and the method.
 
 Keys and namespace: block keys are :func:`infera_kvd.keys.block_keys` of the prompt's token
-ids; the namespace is the model (``extra_config["model"]`` or the served model name) and a
+ids, scoped by what else vLLM keys the request's blocks by (:func:`identity_scope`: the LoRA
+adapter's name and path, the ``cache_salt``, the images' identifiers and positions), so one
+adapter's, tenant's or image's KV is never loaded for another; the namespace is the model (``extra_config["model"]`` or the served model name) and a
 compat key built from the KV-cache layout both the scheduler and the workers see
 (``kv_cache_config``: layer names, block size, per-layer block bytes, dtype) and the worker's
 TP/PP rank. A restarted engine and another replica of the same model and parallel layout
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +110,31 @@ class _ReqState:
     ttl_s: float | None
     saved_blocks: int
     load: LoadSpec | None = None
+    scope: bytes = b""
+
+
+def identity_scope(request: Any) -> bytes:
+    """What besides its tokens vLLM keys ``request``'s blocks by (``generate_block_hash_extra_keys``:
+    the LoRA adapter, the ``cache_salt``, each image's identifier and placeholder run), as the
+    key scope of :func:`infera_kvd.keys.block_keys`; empty for plain text."""
+    parts: dict[str, Any] = {}
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts["lora"] = [getattr(lora, "lora_name", None), str(getattr(lora, "lora_path", None))]
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts["salt"] = salt
+    features = getattr(request, "mm_features", None) or []
+    if features:
+        parts["mm"] = [
+            [
+                str(getattr(f, "identifier", None) or getattr(f, "mm_hash", None)),
+                getattr(f.mm_position, "offset", None),
+                getattr(f.mm_position, "length", None),
+            ]
+            for f in features
+        ]
+    return json.dumps(parts, sort_keys=True).encode() if parts else b""
 
 
 @dataclass
@@ -212,6 +240,9 @@ def _build(base: type | None = None, version: str | None = None) -> type:
                 ]
             self._reqs: dict[str, _ReqState] = {}
             self._pending_loads: dict[str, LoadSpec] = {}
+            # Each waiting request's key scope, taken from the Request itself (the scheduler
+            # output's NewRequestData has no cache_salt).
+            self._scopes: dict[str, bytes] = {}
             self._layers: list[LayerCache] = []
             self._layout: PackedLayout | None = None
             self._fast = None
@@ -226,7 +257,8 @@ def _build(base: type | None = None, version: str | None = None) -> type:
             first = num_computed_tokens // bs
             if usable <= first:
                 return 0, False
-            keys = block_keys(tokens, bs, first, usable)
+            scope = self._scopes[request.request_id] = identity_scope(request)
+            keys = block_keys(tokens, bs, first, usable, scope)
             hit = min(peer.try_exists_prefix(keys) for peer in self._peers)
             if hit == 0:
                 return 0, False
@@ -242,18 +274,21 @@ def _build(base: type | None = None, version: str | None = None) -> type:
             if len(spec.block_ids) != len(spec.keys):
                 logger.warning("request %s: %d blocks allocated for %d to load; not loading", request.request_id, len(spec.block_ids), len(spec.keys))
                 return
-            self._reqs.setdefault(request.request_id, self._new_state(request)).load = spec
+            self._reqs.setdefault(request.request_id, self._new_state(request.request_id, request)).load = spec
 
-        def _new_state(self, request: Any) -> _ReqState:
+        def _new_state(self, req_id: str, request: Any) -> _ReqState:
             retention, ttl = retention_of(request, self._default_retention)
-            return _ReqState(list(request.prompt_token_ids or []), [], retention, ttl, 0)
+            scope = self._scopes.get(req_id)
+            if scope is None:
+                scope = identity_scope(request)
+            return _ReqState(list(request.prompt_token_ids or []), [], retention, ttl, 0, scope=scope)
 
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             plan = _Plan()
             for new in scheduler_output.scheduled_new_reqs:
                 state = self._reqs.get(new.req_id)
                 if state is None:
-                    state = self._reqs[new.req_id] = self._new_state(new)
+                    state = self._reqs[new.req_id] = self._new_state(new.req_id, new)
                 state.token_ids = list(new.prompt_token_ids or [])
                 state.block_ids = list(new.block_ids[0])
                 if state.load is not None:
@@ -276,6 +311,7 @@ def _build(base: type | None = None, version: str | None = None) -> type:
                 self._plan_saves(plan, req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0))
             for req_id in scheduler_output.finished_req_ids:
                 self._reqs.pop(req_id, None)
+                self._scopes.pop(req_id, None)
             return InferaKvdMetadata(plan)
 
         def _plan_saves(self, plan: _Plan, req_id: str, computed_after_step: int) -> None:
@@ -285,13 +321,14 @@ def _build(base: type | None = None, version: str | None = None) -> type:
             done = min(done, len(state.block_ids))
             if done <= state.saved_blocks:
                 return
-            keys = block_keys(state.token_ids, bs, state.saved_blocks, done)
+            keys = block_keys(state.token_ids, bs, state.saved_blocks, done, state.scope)
             plan.saves.append(SaveSpec(req_id, keys, state.block_ids[state.saved_blocks : done], state.retention, state.ttl_s))
             state.saved_blocks = done
 
         def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
             self._reqs.pop(request.request_id, None)
             self._pending_loads.pop(request.request_id, None)
+            self._scopes.pop(request.request_id, None)
             return False, None
 
         # Worker side.
