@@ -45,6 +45,7 @@ use arrow_array::{ArrayRef, RecordBatch};
 use arrow_schema::{DataType, Field, Schema};
 use infera_core::event::{Envelope, Event, RequestFinished, RequestRouted, RequestStatus};
 use infera_core::ids::WorkerId;
+use infera_core::service::RequestMeta;
 use parquet::file::properties::WriterProperties;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -126,8 +127,15 @@ struct Row {
     attempts: u32,
 }
 
-/// A request's session id and prompt token ids, and when they were noted.
-type Meta = (Option<String>, Option<Vec<u32>>, u64);
+/// What the events do not say about a request: its session, prompt and identity.
+#[derive(Debug)]
+struct Meta {
+    session_id: Option<String>,
+    token_ids: Option<Vec<u32>>,
+    /// The adapter it named and the adapter's base model.
+    adapter: Option<(String, String)>,
+    cache_salt: Option<String>,
+}
 
 /// One non-request event, ready for an event file.
 #[derive(Debug)]
@@ -157,18 +165,32 @@ pub struct Recorder {
     written_upto_us: u64,
     stats: RecorderStats,
     errors: Vec<TraceError>,
-    /// What the events do not carry, by request key: session id and prompt token ids, with when
-    /// it was noted.
-    metas: HashMap<String, Meta>,
+    /// What the events do not carry, by request key, with when it was noted.
+    metas: HashMap<String, (Meta, u64)>,
     /// Each session's last finish, for the think times of its later turns.
     sessions: think::SessionClock,
 }
 
-/// Puts a request's session and prompt on its row (a prompt whose length does not match the
-/// routed prompt is left out: the trace's invariants hold over what the router saw).
-fn attach(req: &mut TraceRequest, session_id: Option<String>, token_ids: Option<Vec<u32>>) {
+/// Puts a request's session, identity and prompt on its row (a prompt whose length does not
+/// match the routed prompt is left out: the trace's invariants hold over what the router saw).
+/// An adapter's row names the base model as `model` and the adapter as `lora`, as the trace
+/// schema has it.
+fn attach(req: &mut TraceRequest, meta: Meta) {
+    let Meta {
+        session_id,
+        token_ids,
+        adapter,
+        cache_salt,
+    } = meta;
     if session_id.is_some() {
         req.session_id = session_id;
+    }
+    if let Some((adapter, base)) = adapter {
+        req.model = base;
+        req.lora = Some(adapter);
+    }
+    if cache_salt.is_some() {
+        req.cache_salt = cache_salt;
     }
     if let Some(tokens) = token_ids
         && tokens.len() as u64 == u64::from(req.input_length)
@@ -237,18 +259,25 @@ impl Recorder {
     /// Takes what the events do not say about the request keyed `key` ([`RequestId`](infera_core::ids::RequestId)): its
     /// session and (when the server records prompts) its token ids. It may arrive before or after
     /// the request's events.
-    pub fn note_request(
-        &mut self,
-        key: String,
-        session_id: Option<String>,
-        token_ids: Option<Vec<u32>>,
-        now_us: u64,
-    ) {
+    pub fn note_request(&mut self, meta: RequestMeta, now_us: u64) {
+        let RequestMeta {
+            request_id: key,
+            session_id,
+            token_ids,
+            adapter,
+            cache_salt,
+        } = meta;
+        let meta = Meta {
+            session_id,
+            token_ids,
+            adapter,
+            cache_salt,
+        };
         if let Some(row) = self.rows.iter_mut().find(|r| r.key == key) {
-            attach(&mut row.request, session_id, token_ids);
+            attach(&mut row.request, meta);
             return;
         }
-        self.metas.insert(key, (session_id, token_ids, now_us));
+        self.metas.insert(key, (meta, now_us));
     }
 
     /// Takes one committed event.
@@ -323,8 +352,8 @@ impl Recorder {
     }
 
     fn push_row(&mut self, mut row: Row, now_us: u64) {
-        if let Some((session, tokens, _)) = self.metas.remove(&row.key) {
-            attach(&mut row.request, session, tokens);
+        if let Some((meta, _)) = self.metas.remove(&row.key) {
+            attach(&mut row.request, meta);
         }
         if row.request.arrival_us < self.written_upto_us {
             self.stats.rows_late += 1;
@@ -407,7 +436,7 @@ impl Recorder {
         }
         let horizon = now_us.saturating_sub(self.opts.max_in_flight_us);
         // Metadata of requests that never finished (or were not recordable) is let go.
-        self.metas.retain(|_, (_, _, at)| *at >= horizon);
+        self.metas.retain(|_, (_, at)| *at >= horizon);
         let watermark = if all {
             u64::MAX
         } else {

@@ -298,7 +298,7 @@ async fn pipeline(
                 retention,
                 direct: direct.is_some(),
                 identity: KvIdentity {
-                    salt: cache_salt,
+                    salt: cache_salt.clone(),
                     ..KvIdentity::default()
                 },
             },
@@ -311,10 +311,15 @@ async fn pipeline(
             .map(str::to_owned)
             .or(session_id)
             .filter(|s| !s.is_empty() && s.len() <= 256);
+        let base = st
+            .service()
+            .with_fleet(|f| f.served(&req.model).and_then(|s| s.parent.clone()));
         st.service().feed_meta(super::RequestMeta {
             request_id: key,
             session_id,
             token_ids: (with_tokens && tokenized).then_some(tokens),
+            adapter: base.map(|base| (req.model.clone(), base)),
+            cache_salt: cache_salt.map(String::from),
         });
     }
     // Parsed: the body's charge to the parse budget ends here.

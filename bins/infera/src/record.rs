@@ -136,7 +136,7 @@ impl Recording {
                     std::thread::sleep(DRAIN_EVERY);
                     let now = clock.now_us();
                     while let Ok(m) = metas.try_recv() {
-                        recorder.note_request(m.request_id, m.session_id, m.token_ids, now);
+                        recorder.note_request(m, now);
                     }
                     let closed = loop {
                         match rx.try_recv() {
@@ -146,7 +146,7 @@ impl Recording {
                         }
                     };
                     while let Ok(m) = metas.try_recv() {
-                        recorder.note_request(m.request_id, m.session_id, m.token_ids, now);
+                        recorder.note_request(m, now);
                     }
                     recorder.tick(clock.now_us());
                     publish(&mut recorder);

@@ -26,6 +26,10 @@ pub struct RequestMeta {
     pub session_id: Option<String>,
     /// Only with [`Service::tap_request_meta`]'s `tokens`, and only for tokenized requests.
     pub token_ids: Option<Vec<u32>>,
+    /// For a request naming a LoRA adapter: the adapter and its base model.
+    pub adapter: Option<(String, String)>,
+    /// The request's `cache_salt`.
+    pub cache_salt: Option<String>,
 }
 
 /// The open request-metadata tap.

@@ -212,7 +212,7 @@ fn concurrent_requests_sent_with_one_client_id_are_each_a_row() {
         );
     }
     rig.rec
-        .note_request("same#4".into(), Some("s4".into()), None, 50);
+        .note_request(meta("same#4", Some("s4".into()), None), 50);
     let (stats, _) = rig.rec.finish(100);
     assert_eq!((stats.rows_written, stats.rows_unhashed), (10, 0));
     let trace = load(&rig.path(), &LoadOptions::default()).expect("load");
@@ -356,17 +356,17 @@ fn a_segment_that_cannot_be_written_is_counted_and_loses_nothing_else() {
 fn sessions_and_prompts_join_their_rows_whenever_they_arrive() {
     let mut rig = Rig::new(|_| {});
     rig.rec
-        .note_request("early".into(), Some("s1".into()), Some(vec![7; 32]), 5);
+        .note_request(meta("early", Some("s1".into()), Some(vec![7; 32])), 5);
     rig.feed(10, routed("early", "w1", 10, 32));
     rig.feed(20, finished("early", RequestStatus::Ok));
     rig.feed(30, routed("late", "w1", 30, 16));
     rig.feed(40, finished("late", RequestStatus::Ok));
     rig.rec
-        .note_request("late".into(), Some("s2".into()), None, 45);
+        .note_request(meta("late", Some("s2".into()), None), 45);
     // A prompt that does not match the routed length is left out.
     rig.feed(50, routed("odd", "w1", 50, 16));
     rig.rec
-        .note_request("odd".into(), None, Some(vec![1, 2, 3]), 50);
+        .note_request(meta("odd", None, Some(vec![1, 2, 3])), 50);
     rig.feed(60, finished("odd", RequestStatus::Ok));
     rig.rec.finish(100);
     let trace = load(&rig.path(), &LoadOptions::default()).expect("load");
@@ -382,10 +382,32 @@ fn sessions_and_prompts_join_their_rows_whenever_they_arrive() {
 }
 
 #[test]
+fn an_adapters_salted_request_is_recorded_under_its_base_model_with_its_identity() {
+    let mut rig = Rig::new(|_| {});
+    rig.feed(10, routed("sql-req", "w1", 10, 32));
+    rig.rec.note_request(
+        RequestMeta {
+            adapter: Some(("sql".into(), "base".into())),
+            cache_salt: Some("tenant-a".into()),
+            ..meta("sql-req", None, None)
+        },
+        12,
+    );
+    rig.feed(20, finished("sql-req", RequestStatus::Ok));
+    rig.rec.finish(100);
+    let trace = load(&rig.path(), &LoadOptions::default()).expect("load");
+    let r = &trace.requests[0];
+    assert_eq!(
+        (r.model.as_str(), r.lora.as_deref(), r.cache_salt.as_deref()),
+        ("base", Some("sql"), Some("tenant-a"))
+    );
+}
+
+#[test]
 fn a_sessions_later_turn_records_its_think_time() {
     let mut rig = Rig::new(|_| {});
     for (id, at) in [("t0", 10), ("t1", 100), ("t2", 150)] {
-        rig.rec.note_request(id.into(), Some("s".into()), None, at);
+        rig.rec.note_request(meta(id, Some("s".into()), None), at);
     }
     rig.feed(10, routed("t0", "w1", 10, 32));
     rig.feed(60, finished("t0", RequestStatus::Ok));
@@ -398,4 +420,15 @@ fn a_sessions_later_turn_records_its_think_time() {
     let trace = load(&rig.path(), &LoadOptions::default()).expect("load");
     let think: Vec<Option<u64>> = trace.requests.iter().map(|r| r.think_time_us).collect();
     assert_eq!(think, [None, Some(40), None]);
+}
+
+/// The request metadata of `id`: its session and prompt, no adapter or salt.
+fn meta(id: &str, session_id: Option<String>, token_ids: Option<Vec<u32>>) -> RequestMeta {
+    RequestMeta {
+        request_id: id.to_owned(),
+        session_id,
+        token_ids,
+        adapter: None,
+        cache_salt: None,
+    }
 }
