@@ -261,25 +261,9 @@ fn decode_stored(
     };
     let lora_id = opt_i64(cx, "lora_id", f.get(n, 4))?;
     let tier = medium(cx, f.get(n, 5))?;
-    let lora_name = match f.get(n, 6) {
-        None | Some(ValueRef::Nil) => None,
-        Some(v) => Some(Box::from(str_of(v).ok_or_else(|| {
-            cx.err(
-                "lora_name",
-                format!("expected a string or nil, got {}", type_name(v)),
-            )
-        })?)),
-    };
+    let lora_name = opt_str(cx, "lora_name", f.get(n, 6))?;
     let extra_keys = extra_keys(cx, f.get(n, 7))?;
-    let cache_salt = match f.get(n, 11) {
-        None | Some(ValueRef::Nil) => None,
-        Some(v) => Some(Box::from(str_of(v).ok_or_else(|| {
-            cx.err(
-                "cache_salt",
-                format!("expected a string or nil, got {}", type_name(v)),
-            )
-        })?)),
-    };
+    let cache_salt = opt_str(cx, "cache_salt", f.get(n, 11))?;
     let group = opt_i64(cx, "group_idx", f.get(n, 8))?;
     let spec_kind = match f.get(n, 9) {
         None | Some(ValueRef::Nil) => None,
@@ -476,6 +460,22 @@ fn opt_i64(
             field,
             format!("expected an int or nil, got {}", type_name(other)),
         )),
+    }
+}
+
+fn opt_str(
+    cx: &Ctx<'_>,
+    field: &'static str,
+    v: Option<&ValueRef<'_>>,
+) -> Result<Option<Box<str>>, DecodeError> {
+    match v {
+        None | Some(ValueRef::Nil) => Ok(None),
+        Some(v) => str_of(v).map(|s| Some(Box::from(s))).ok_or_else(|| {
+            cx.err(
+                field,
+                format!("expected a string or nil, got {}", type_name(v)),
+            )
+        }),
     }
 }
 
