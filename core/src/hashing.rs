@@ -15,7 +15,9 @@
 
 pub mod identity;
 
-pub use identity::{ExtraKey, KvIdentity, MmRun, hash_block_keyed, hash_prompt_blocks};
+pub use identity::{
+    ExtraKey, KvIdentity, MmRun, hash_block_keyed, hash_blocks_under, hash_prompt_blocks,
+};
 
 use crate::ids::BlockHash;
 use xxhash_rust::xxh3::Xxh3;

@@ -127,16 +127,6 @@ struct Row {
     attempts: u32,
 }
 
-/// What the events do not say about a request: its session, prompt and identity.
-#[derive(Debug)]
-struct Meta {
-    session_id: Option<String>,
-    token_ids: Option<Vec<u32>>,
-    /// The adapter it named and the adapter's base model.
-    adapter: Option<(String, String)>,
-    cache_salt: Option<String>,
-}
-
 /// One non-request event, ready for an event file.
 #[derive(Debug)]
 struct EventRow {
@@ -166,7 +156,7 @@ pub struct Recorder {
     stats: RecorderStats,
     errors: Vec<TraceError>,
     /// What the events do not carry, by request key, with when it was noted.
-    metas: HashMap<String, (Meta, u64)>,
+    metas: HashMap<String, (RequestMeta, u64)>,
     /// Each session's last finish, for the think times of its later turns.
     sessions: think::SessionClock,
 }
@@ -175,12 +165,13 @@ pub struct Recorder {
 /// match the routed prompt is left out: the trace's invariants hold over what the router saw).
 /// An adapter's row names the base model as `model` and the adapter as `lora`, as the trace
 /// schema has it.
-fn attach(req: &mut TraceRequest, meta: Meta) {
-    let Meta {
+fn attach(req: &mut TraceRequest, meta: RequestMeta) {
+    let RequestMeta {
         session_id,
         token_ids,
         adapter,
         cache_salt,
+        ..
     } = meta;
     if session_id.is_some() {
         req.session_id = session_id;
@@ -260,24 +251,11 @@ impl Recorder {
     /// session and (when the server records prompts) its token ids. It may arrive before or after
     /// the request's events.
     pub fn note_request(&mut self, meta: RequestMeta, now_us: u64) {
-        let RequestMeta {
-            request_id: key,
-            session_id,
-            token_ids,
-            adapter,
-            cache_salt,
-        } = meta;
-        let meta = Meta {
-            session_id,
-            token_ids,
-            adapter,
-            cache_salt,
-        };
-        if let Some(row) = self.rows.iter_mut().find(|r| r.key == key) {
+        if let Some(row) = self.rows.iter_mut().find(|r| r.key == meta.request_id) {
             attach(&mut row.request, meta);
             return;
         }
-        self.metas.insert(key, (meta, now_us));
+        self.metas.insert(meta.request_id.clone(), (meta, now_us));
     }
 
     /// Takes one committed event.

@@ -235,10 +235,12 @@ struct LoraAdapter {
 
 /// Loads an adapter at run time (vLLM with `VLLM_ALLOW_RUNTIME_LORA_UPDATING`): 400 when it is
 /// loaded already, as vLLM answers.
-async fn load_lora_adapter(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn load_lora_adapter(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let result = (|| {
-        let req: LoraAdapter = serde_json::from_slice(&body)
-            .map_err(|e| ApiError::bad_request(format!("invalid JSON request body: {e}")))?;
+        let req: LoraAdapter = parse_body(body)?;
         if req.lora_name.is_empty() || req.lora_name == st.model_name {
             return Err(ApiError::bad_request("`lora_name` must name an adapter"));
         }
@@ -256,19 +258,19 @@ async fn load_lora_adapter(State(st): State<Arc<AppState>>, body: Bytes) -> Resp
         Ok(format!(
             "Success: LoRA adapter '{}' added successfully.",
             req.lora_name
-        ))
+        )
+        .into_response())
     })();
-    match result {
-        Ok(text) => text.into_response(),
-        Err(e) => e.into_response(),
-    }
+    respond(&st, result)
 }
 
 /// Unloads an adapter: 404 when it is not loaded.
-async fn unload_lora_adapter(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn unload_lora_adapter(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let result = (|| {
-        let req: LoraAdapter = serde_json::from_slice(&body)
-            .map_err(|e| ApiError::bad_request(format!("invalid JSON request body: {e}")))?;
+        let req: LoraAdapter = parse_body(body)?;
         let mut adapters = st
             .adapters
             .write()
@@ -284,12 +286,10 @@ async fn unload_lora_adapter(State(st): State<Arc<AppState>>, body: Bytes) -> Re
         Ok(format!(
             "Success: LoRA adapter '{}' removed successfully.",
             req.lora_name
-        ))
+        )
+        .into_response())
     })();
-    match result {
-        Ok(text) => text.into_response(),
-        Err(e) => e.into_response(),
-    }
+    respond(&st, result)
 }
 
 async fn completions(

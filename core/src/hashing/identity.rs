@@ -162,22 +162,34 @@ pub fn hash_prompt_blocks(
     block_size: usize,
     identity: &KvIdentity,
 ) -> Vec<BlockHash> {
+    hash_blocks_under(tokens, block_size, None, identity)
+}
+
+/// Like [`hash_prompt_blocks`] for blocks that continue a sequence after `parent` (`None`: they
+/// start it). Block offsets count from `tokens[0]`, so only a sequence's first block takes the
+/// salt.
+pub fn hash_blocks_under(
+    tokens: &[u32],
+    block_size: usize,
+    parent: Option<BlockHash>,
+    identity: &KvIdentity,
+) -> Vec<BlockHash> {
     if identity.is_plain() {
-        return super::hash_blocks(tokens, block_size, None);
+        return super::hash_blocks(tokens, block_size, parent);
     }
     let mut out = Vec::with_capacity(tokens.len().checked_div(block_size).unwrap_or(0));
     if block_size == 0 {
         return out;
     }
     let mut keys = Vec::new();
-    let mut parent = None;
+    let mut prev = parent;
     for (i, block) in tokens.chunks_exact(block_size).enumerate() {
         let start = u32::try_from(i * block_size).unwrap_or(u32::MAX);
         let end = start.saturating_add(u32::try_from(block_size).unwrap_or(u32::MAX));
         identity.block_keys(start, end, &mut keys);
-        let h = hash_block_keyed(block, parent, &keys);
+        let h = hash_block_keyed(block, prev, &keys);
         out.push(h);
-        parent = Some(h);
+        prev = Some(h);
     }
     out
 }

@@ -28,7 +28,7 @@
 
 use super::{EngineBatch, EngineEvent};
 use crate::event::{Event, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, Tier};
-use crate::hashing::{ExtraKey, hash_block_keyed, hash_blocks};
+use crate::hashing::{ExtraKey, KvIdentity, hash_block_keyed, hash_blocks_under};
 use crate::ids::{BlockHash, EngineHash, WorkerRank};
 use std::collections::HashMap;
 
@@ -166,13 +166,18 @@ pub fn to_core_events(
                     stats.extra_keys_mismatch += 1;
                     continue;
                 }
-                let keys = EventKeys {
-                    lora_name: lora_name.as_deref(),
-                    // SGLang's salt keys a sequence's first block, as vLLM's does.
-                    salt: cache_salt.as_deref().filter(|_| parent.is_none()),
-                    extra_keys: extra_keys.as_deref(),
+                let router_hashes = match extra_keys {
+                    Some(keys) => per_block_keyed(token_ids, bs, router_parent, keys),
+                    None => {
+                        let identity = KvIdentity {
+                            lora: lora_name.clone(),
+                            // SGLang's salt keys a sequence's first block, as vLLM's does.
+                            salt: cache_salt.clone().filter(|_| parent.is_none()),
+                            mm: Vec::new(),
+                        };
+                        hash_blocks_under(token_ids, bs, router_parent, &identity)
+                    }
                 };
-                let router_hashes = keyed_hashes(token_ids, bs, router_parent, &keys);
                 for (e, r) in block_hashes.iter().zip(&router_hashes) {
                     overlay.insert((*tier, *e), Some(*r));
                 }
@@ -222,47 +227,22 @@ pub fn to_core_events(
     out
 }
 
-/// What a `BlockStored` says its blocks are keyed by besides their tokens.
-struct EventKeys<'a> {
-    lora_name: Option<&'a str>,
-    /// SGLang's `cache_salt`, when the event starts a sequence.
-    salt: Option<&'a str>,
-    extra_keys: Option<&'a [Vec<ExtraKey>]>,
-}
-
-/// The router hashes of one stored run of blocks under the engine's keys: each block's
-/// `extra_keys` entry when the engine reports them (vLLM), else the adapter's name on every
-/// block and the salt on the sequence's first (SGLang, and vLLM before `extra_keys`), else
-/// plain text.
-fn keyed_hashes(
+/// The router hashes of a stored run of blocks with the engine's own keys for each block
+/// (`extra_keys`, one entry per block: checked by the caller).
+fn per_block_keyed(
     tokens: &[u32],
     block_size: usize,
     parent: Option<BlockHash>,
-    keys: &EventKeys<'_>,
+    keys: &[Vec<ExtraKey>],
 ) -> Vec<BlockHash> {
-    if keys.extra_keys.is_none() && keys.lora_name.is_none() && keys.salt.is_none() {
-        return hash_blocks(tokens, block_size, parent);
-    }
-    let mut out = Vec::with_capacity(tokens.len() / block_size);
     let mut prev = parent;
-    let mut derived = Vec::with_capacity(2);
-    for (i, block) in tokens.chunks_exact(block_size).enumerate() {
-        let block_keys: &[ExtraKey] = match keys.extra_keys {
-            Some(all) => &all[i],
-            None => {
-                derived.clear();
-                derived.extend(keys.lora_name.map(|n| ExtraKey::Str(n.into())));
-                derived.extend(
-                    keys.salt
-                        .filter(|_| i == 0)
-                        .map(|s| ExtraKey::Str(s.into())),
-                );
-                &derived
-            }
-        };
-        let h = hash_block_keyed(block, prev, block_keys);
-        out.push(h);
-        prev = Some(h);
-    }
-    out
+    tokens
+        .chunks_exact(block_size)
+        .zip(keys)
+        .map(|(block, keys)| {
+            let h = hash_block_keyed(block, prev, keys);
+            prev = Some(h);
+            h
+        })
+        .collect()
 }

@@ -85,7 +85,7 @@ impl TraceRequest {
     /// another adapter or salt never match. Keying ids that already carry the identity (a
     /// recorder's router hashes) keeps equal ids equal and distinct ones distinct.
     pub fn engine_blocks(&self) -> std::borrow::Cow<'_, [u64]> {
-        use infera_core::hashing::{KvIdentity, hash_block_keyed};
+        use infera_core::hashing::{KvIdentity, hash_blocks_under};
         let identity = KvIdentity {
             lora: self.lora.as_deref().map(Box::from),
             salt: self.cache_salt.as_deref().map(Box::from),
@@ -94,21 +94,15 @@ impl TraceRequest {
         if identity.is_plain() {
             return std::borrow::Cow::Borrowed(&self.block_hashes);
         }
-        let bs = self.block_size.max(1);
-        let mut keys = Vec::new();
-        let mut parent = None;
-        let keyed = (0u32..)
-            .zip(&self.block_hashes)
-            .map(|(i, &h)| {
-                identity.block_keys(i.saturating_mul(bs), (i + 1).saturating_mul(bs), &mut keys);
-                // The block's id stands for its tokens.
-                let id = [h as u32, (h >> 32) as u32];
-                let k = hash_block_keyed(&id, parent, &keys);
-                parent = Some(k);
-                k.0
-            })
+        // Each id stands for its block's tokens, as two u32 "tokens"; an adapter keys every
+        // block and a salt the first, whatever the block size.
+        let ids: Vec<u32> = self
+            .block_hashes
+            .iter()
+            .flat_map(|&h| [h as u32, (h >> 32) as u32])
             .collect();
-        std::borrow::Cow::Owned(keyed)
+        let keyed = hash_blocks_under(&ids, 2, None, &identity);
+        std::borrow::Cow::Owned(keyed.into_iter().map(|h| h.0).collect())
     }
 }
 
