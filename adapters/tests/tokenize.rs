@@ -298,18 +298,12 @@ fn deepseek_template_renders_expected_string() {
 }
 
 #[test]
-fn array_content_is_joined_and_non_text_is_rejected() {
+fn array_content_is_joined_and_non_text_is_rejected_by_a_text_template() {
     let parts = ChatMessage {
         role: "user".into(),
         content: Some(ChatContent::Parts(vec![
-            ContentPart {
-                kind: "text".into(),
-                text: Some("first".into()),
-            },
-            ContentPart {
-                kind: "text".into(),
-                text: Some("second".into()),
-            },
+            ContentPart::text("first"),
+            ContentPart::text("second"),
         ])),
         extra: Default::default(),
     };
@@ -326,7 +320,7 @@ fn array_content_is_joined_and_non_text_is_rejected() {
         role: "user".into(),
         content: Some(ChatContent::Parts(vec![ContentPart {
             kind: "image_url".into(),
-            text: None,
+            ..ContentPart::default()
         }])),
         extra: Default::default(),
     };

@@ -19,7 +19,9 @@ use super::openai::{
     filler_start_ids, output_tokens, parse_prompt, usage,
 };
 use super::sse::{StreamState, sse_response};
-use crate::tokenize::{ChatContent, ChatExtras, ChatMessage, TemplateKwargs, Tokenizer};
+use crate::tokenize::{
+    ChatContent, ChatExtras, ChatMessage, ContentPart, TemplateKwargs, Tokenizer,
+};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -27,6 +29,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use infera_core::hashing::identity::MmRun;
 use infera_core::hashing::{KvIdentity, hash_prompt_blocks};
 use serde_json::{Value, json};
 use std::collections::VecDeque;
@@ -347,7 +350,7 @@ async fn chat_completions(
     let received = Instant::now();
     let result = async {
         let req: ChatRequest = parse_body(body)?;
-        let identity = identity(&st, req.model.as_deref(), req.cache_salt)?;
+        let mut identity = identity(&st, req.model.as_deref(), req.cache_salt)?;
         let rid = rid_of(&req.pd)?;
         let max_tokens = req.max_completion_tokens.or(req.max_tokens);
         let pd = pd_accept(
@@ -371,7 +374,8 @@ async fn chat_completions(
             }) if role == "assistant" => filler_start(text),
             _ => 0,
         };
-        let tokens = tokenize_chat(&st, req.messages, req.extras).await?;
+        let (tokens, mm) = tokenize_chat(&st, req.messages, req.extras).await?;
+        identity.mm = mm;
         let include_usage = req.stream_options.and_then(|o| o.include_usage);
         let reply = Reply {
             endpoint: Endpoint::Chat,
@@ -459,30 +463,38 @@ async fn tokenize_text(st: &AppState, text: String) -> Result<Vec<u32>, ApiError
         .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))
 }
 
+/// A chat's prompt tokens and its images' runs. With a vision model's tokenizer the images
+/// are expanded and keyed as vLLM does (by each part's `uuid`, which the router stamps, else by
+/// its content); otherwise each non-text part becomes a `<kind>` text placeholder.
 async fn tokenize_chat(
     st: &AppState,
     mut messages: Vec<ChatMessage>,
     mut extras: ChatExtras,
-) -> Result<Vec<u32>, ApiError> {
+) -> Result<(Vec<u32>, Vec<MmRun>), ApiError> {
     extras.with_defaults(&st.template_defaults);
-    // A vision or audio model's template puts a placeholder where each such part goes.
-    for m in &mut messages {
-        if let Some(ChatContent::Parts(parts)) = &mut m.content {
-            for p in parts.iter_mut().filter(|p| p.kind != "text") {
-                p.text = Some(format!(
-                    "<{}>",
-                    std::mem::replace(&mut p.kind, "text".into())
-                ));
+    let images = st
+        .tokenizer
+        .as_ref()
+        .and_then(|t| t.keyed_images(&messages, None))
+        .unwrap_or_default();
+    if images.is_empty() {
+        for m in &mut messages {
+            if let Some(ChatContent::Parts(parts)) = &mut m.content {
+                for p in parts.iter_mut().filter(|p| p.kind != "text") {
+                    *p = ContentPart::text(format!("<{}>", p.kind));
+                }
             }
         }
     }
     let Some(tokenizer) = st.tokenizer.clone() else {
-        return Ok(byte_tokens(&plain_chat(&messages)));
+        return Ok((byte_tokens(&plain_chat(&messages)), Vec::new()));
     };
-    tokio::task::spawn_blocking(move || tokenizer.encode_chat(&messages, &extras, None))
-        .await
-        .map_err(|e| internal(format!("tokenizer task failed: {e}")))?
-        .map_err(|e| ApiError::bad_request(format!("cannot render or tokenize the messages: {e}")))
+    tokio::task::spawn_blocking(move || {
+        tokenizer.encode_chat_keyed(&messages, &extras, None, &images)
+    })
+    .await
+    .map_err(|e| internal(format!("tokenizer task failed: {e}")))?
+    .map_err(|e| ApiError::bad_request(format!("cannot render or tokenize the messages: {e}")))
 }
 
 /// Without a tokenizer: one token per UTF-8 byte (prefixes stay prefixes, so caching works).

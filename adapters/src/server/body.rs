@@ -15,14 +15,15 @@
 //! everything else is skipped unparsed. A prompt of token ids goes straight into a `Vec<u32>`
 //! ([`Prompt`]): a 30 MiB array costs its bytes, its ids and the forwarded copy, where a
 //! `serde_json::Value` tree cost ~48× its size. The client's bytes are forwarded as they came,
-//! with the retention stamp (PROTOCOLS.md §5) appended or spliced in place: never re-encoded.
-//! A key given twice is refused (400), where a JSON tree kept the last.
+//! with the retention stamp (PROTOCOLS.md §5) appended or spliced in place, and each inline image
+//! part without a `uuid` given its content identifier as one (see `crate::tokenize::image`):
+//! never re-encoded. A key given twice is refused (400), where a JSON tree kept the last.
 
 use super::client::ParseBudget;
 use super::http::{ApiError, Input};
 use super::prompt::{Prompt, PromptSeed};
 use crate::serve::BodyTimeout;
-use crate::tokenize::{ChatExtras, ChatMessage};
+use crate::tokenize::{ChatContent, ChatExtras, ChatMessage};
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, StatusCode, header};
 use http_body_util::BodyExt as _;
@@ -280,17 +281,26 @@ pub(super) fn parse(bytes: Bytes, shape: Shape, default: Retention) -> Result<Pa
             .map(Box::from),
     };
     let (retention, edit) = retention(&fields, &bytes, default)?;
-    let forward = match edit {
-        Edit::None => bytes.clone(),
-        Edit::Append(stamp) => append_params(&bytes, stamp),
-        Edit::Splice { at, remove, insert } => {
-            let mut out = Vec::with_capacity(bytes.len() + insert.len());
-            out.extend_from_slice(&bytes[..at]);
-            out.extend_from_slice(insert.as_bytes());
-            out.extend_from_slice(&bytes[at + remove..]);
-            Bytes::from(out)
-        }
+    let mut splices = match (&input, fields.messages) {
+        (Input::Chat(messages, _), Some(raw)) => image_uuids(&bytes, raw, messages),
+        _ => Vec::new(),
     };
+    match edit {
+        Edit::None => {}
+        Edit::Append(stamp) => {
+            let end = bytes
+                .iter()
+                .rposition(|b| !b.is_ascii_whitespace())
+                .unwrap_or(0);
+            splices.push(Splice {
+                at: end,
+                remove: bytes.len() - end,
+                insert: format!(",\"kv_transfer_params\":{{\"infera_retention\":\"{stamp}\"}}}}"),
+            });
+        }
+        Edit::Splice(splice) => splices.push(splice),
+    }
+    let forward = spliced(&bytes, splices);
     Ok(Parsed {
         model,
         stream,
@@ -335,12 +345,83 @@ enum Edit {
     None,
     /// `"kv_transfer_params":{"infera_retention":…}` appended as the last member.
     Append(&'static str),
-    /// `remove` bytes at `at` replaced by `insert`.
-    Splice {
-        at: usize,
-        remove: usize,
-        insert: String,
-    },
+    /// Spliced into the client's `kv_transfer_params`.
+    Splice(Splice),
+}
+
+/// `remove` bytes at `at` replaced by `insert`.
+#[derive(Debug)]
+struct Splice {
+    at: usize,
+    remove: usize,
+    insert: String,
+}
+
+/// `body` with `splices` (which do not overlap) made.
+fn spliced(body: &Bytes, mut splices: Vec<Splice>) -> Bytes {
+    if splices.is_empty() {
+        return body.clone();
+    }
+    splices.sort_unstable_by_key(|s| s.at);
+    let grown: usize = splices.iter().map(|s| s.insert.len()).sum();
+    let mut out = Vec::with_capacity(body.len() + grown);
+    let mut from = 0;
+    for s in splices {
+        out.extend_from_slice(&body[from..s.at]);
+        out.extend_from_slice(s.insert.as_bytes());
+        from = s.at + s.remove;
+    }
+    out.extend_from_slice(&body[from..]);
+    Bytes::from(out)
+}
+
+/// The `uuid` each inline image part of `messages` (the raw JSON `raw`, borrowed from `body`)
+/// gets when the client gave none: its content identifier, as the part's first member, so the
+/// engine keys the image as the router does.
+fn image_uuids(body: &[u8], raw: &RawValue, messages: &[ChatMessage]) -> Vec<Splice> {
+    #[derive(Deserialize)]
+    struct Message<'a> {
+        #[serde(default, borrow)]
+        content: Option<&'a RawValue>,
+    }
+    let wanted = |m: &ChatMessage| {
+        m.non_text().any(|p| {
+            p.uuid.is_none() && p.image_url.as_ref().is_some_and(|i| i.content_id.is_some())
+        })
+    };
+    if !messages.iter().any(wanted) {
+        return Vec::new();
+    }
+    let Ok(raws) = serde_json::from_str::<Vec<Message<'_>>>(raw.get()) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for (message, raw) in messages.iter().zip(raws) {
+        let (Some(ChatContent::Parts(parts)), Some(content)) = (&message.content, raw.content)
+        else {
+            continue;
+        };
+        let Ok(raw_parts) = serde_json::from_str::<Vec<&RawValue>>(content.get()) else {
+            continue;
+        };
+        for (part, raw_part) in parts.iter().zip(raw_parts) {
+            let id = match (&part.uuid, &part.image_url) {
+                (None, Some(image)) => image.content_id.as_deref(),
+                _ => None,
+            };
+            let text = raw_part.get();
+            if let Some(id) = id
+                && text.starts_with('{')
+            {
+                out.push(Splice {
+                    at: offset(body, raw_part) + 1,
+                    remove: 0,
+                    insert: format!("\"uuid\":\"{id}\","),
+                });
+            }
+        }
+    }
+    out
 }
 
 /// The client's retention hint and the stamp the body needs (PROTOCOLS.md §5): the client's
@@ -394,28 +475,28 @@ fn retention(
     let edit = match (fields.kv_transfer_params, params, missing) {
         (None, _, _) => Edit::Append(stamp),
         // `"infera_retention": null` becomes the stamp.
-        (_, _, Some(null)) => Edit::Splice {
+        (_, _, Some(null)) => Edit::Splice(Splice {
             at: offset(body, null),
             remove: null.get().len(),
             insert: format!("\"{stamp}\""),
-        },
+        }),
         // `null` becomes an object holding the stamp.
-        (_, Some(p), _) if p.get() == "null" => Edit::Splice {
+        (_, Some(p), _) if p.get() == "null" => Edit::Splice(Splice {
             at: offset(body, p),
             remove: p.get().len(),
             insert: format!("{{\"infera_retention\":\"{stamp}\"}}"),
-        },
+        }),
         // An object without the stamp gains it as its first member.
         (_, Some(p), _) => {
             let empty = p.get()[1..].trim_start().starts_with('}');
-            Edit::Splice {
+            Edit::Splice(Splice {
                 at: offset(body, p) + 1,
                 remove: 0,
                 insert: format!(
                     "\"infera_retention\":\"{stamp}\"{}",
                     if empty { "" } else { "," }
                 ),
-            }
+            })
         }
         (Some(_), None, None) => Edit::None,
     };
@@ -425,22 +506,6 @@ fn retention(
 /// Where `raw`, borrowed from `body`, starts in it.
 fn offset(body: &[u8], raw: &RawValue) -> usize {
     (raw.get().as_ptr() as usize).saturating_sub(body.as_ptr() as usize)
-}
-
-/// The client's JSON object `body` with `"kv_transfer_params":{"infera_retention":stamp}` as
-/// its last member. `body` parsed as a JSON object that has `model`, so it ends with `}` after
-/// optional whitespace and has a member before the new one.
-pub(super) fn append_params(body: &[u8], stamp: &str) -> Bytes {
-    let end = body
-        .iter()
-        .rposition(|b| !b.is_ascii_whitespace())
-        .unwrap_or(0);
-    let mut out = Vec::with_capacity(body.len() + 64);
-    out.extend_from_slice(&body[..end]);
-    out.extend_from_slice(b",\"kv_transfer_params\":{\"infera_retention\":\"");
-    out.extend_from_slice(stamp.as_bytes());
-    out.extend_from_slice(b"\"}}");
-    Bytes::from(out)
 }
 
 #[cfg(test)]
@@ -593,5 +658,51 @@ mod tests {
         assert!(parsed.stream);
         assert_eq!(parsed.session_id.as_deref(), Some("s1"));
         assert!(matches!(parsed.input, Input::Chat(m, _) if m.len() == 1));
+    }
+
+    #[test]
+    fn inline_images_are_stamped_with_their_content_id_and_nothing_else_changes() {
+        let png = crate::tokenize::image::tests::png(64, 32);
+        let url = crate::tokenize::image::tests::data_url("image/png", &png);
+        let body = json!({"model": "m", "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "image_url", "image_url": {"url": url}, "uuid": "mine"},
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+            ]},
+        ], "kv_transfer_params": {"infera_retention": "short"}});
+        let parsed = parse(
+            Bytes::from(body.to_string()),
+            Shape::Messages,
+            Retention::Long,
+        )
+        .unwrap();
+        let sent: Value = serde_json::from_slice(&parsed.forward).unwrap();
+        let Input::Chat(messages, _) = &parsed.input else {
+            panic!("a chat");
+        };
+        let Some(ChatContent::Parts(parts)) = &messages[1].content else {
+            panic!("parts");
+        };
+        let id = parts[1]
+            .image_url
+            .as_ref()
+            .unwrap()
+            .content_id
+            .clone()
+            .unwrap();
+        let mut want = body.clone();
+        want["messages"][1]["content"][1]["uuid"] = json!(&*id);
+        assert_eq!(
+            sent, want,
+            "the inline image alone gains a uuid; the client's is kept"
+        );
+        let text = String::from_utf8(parsed.forward.to_vec()).unwrap();
+        assert!(
+            text.contains(&format!("{{\"uuid\":\"{id}\",")),
+            "spliced in: {text:.300}"
+        );
     }
 }

@@ -286,6 +286,7 @@ async fn pipeline(
     let Prepared {
         req,
         tokens,
+        images,
         tokenized,
     } = st
         .service()
@@ -320,6 +321,7 @@ async fn pipeline(
             token_ids: (with_tokens && tokenized).then_some(tokens),
             adapter: base.map(|base| (req.model.clone(), base)),
             cache_salt: cache_salt.map(String::from),
+            images,
         });
     }
     // Parsed: the body's charge to the parse budget ends here.

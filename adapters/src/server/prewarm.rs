@@ -143,7 +143,7 @@ async fn handle(st: &ServerState, headers: &HeaderMap, body: Body) -> Result<usi
                     )
                 })?;
             let tokens = st.service().tokenize(st, &base, input, None).await?;
-            block_keys(&tokens, block_size.max(1) as usize)
+            block_keys(&tokens.ids, block_size.max(1) as usize)
         }
         [] => return Err(bad("give `block_hashes`, `prompt` or `messages`")),
         _ => {

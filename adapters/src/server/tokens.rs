@@ -2,13 +2,14 @@
 //! tokenized on the blocking pool with its base model's tokenizer (`--model-tokenizer`, else the
 //! default one), a chat rendered with `--chat-template` (or the tokenizer's own) and the template defaults its engines merge in (`--kv-default-chat-template-kwargs`),
 //! or, for the workers whose SGLang engine merges others (`--kv-per-worker-template-kwargs`,
-//! see `variants`), with theirs.
+//! see `variants`), with theirs. A chat's images are keyed as the model's engines key them
+//! ([`Tokenizer::keyed_images`]): their placeholders expanded, their runs named.
 
 use super::ServerState;
 use super::http::Input;
-use crate::tokenize::{ChatMessage, TemplateKwargs, TokenizeError};
+use crate::tokenize::{ChatTemplate, TemplateKwargs, TokenizeError, Tokenizer};
 use async_trait::async_trait;
-use infera_core::ports::tokenize::{self as port, Rendering, Tokenize};
+use infera_core::ports::tokenize::{self as port, Rendering, Tokenize, Tokens};
 use std::sync::Arc;
 
 #[async_trait]
@@ -16,8 +17,16 @@ impl Tokenize for ServerState {
     type Prompt = Input;
     type Rendering = Arc<TemplateKwargs>;
 
-    fn multimodal(&self, prompt: &Input) -> bool {
-        matches!(prompt, Input::Chat(messages, _) if messages.iter().any(ChatMessage::has_non_text))
+    fn unkeyed(&self, prompt: &Input, model: &str) -> bool {
+        match prompt {
+            Input::Chat(messages, _) => {
+                let (tokenizer, template) = self.tokenizer_of(model);
+                tokenizer
+                    .keyed_images(messages, template.as_deref())
+                    .is_none()
+            }
+            Input::Text(_) | Input::Tokens(_) => false,
+        }
     }
 
     fn renderings(&self, prompt: &Input, model: &str) -> Vec<Rendering<Arc<TemplateKwargs>>> {
@@ -32,23 +41,21 @@ impl Tokenize for ServerState {
         model: &str,
         prompt: Input,
         rendering: Option<Arc<TemplateKwargs>>,
-    ) -> Result<Vec<u32>, port::TokenizeError> {
-        // A model with its own tokenizer renders chats with that tokenizer's template;
-        // `--chat-template` overrides the default tokenizer's only.
-        let (tokenizer, template) = match self.inner.options.model_tokenizers.get(model) {
-            Some(own) => (Arc::clone(own), None),
-            None => (
-                self.inner.tokenizer.clone(),
-                self.inner.options.chat_template.clone(),
-            ),
-        };
+    ) -> Result<Tokens, port::TokenizeError> {
+        let (tokenizer, template) = self.tokenizer_of(model);
         let defaults = rendering.unwrap_or_else(|| self.inner.options.template_defaults.clone());
         let joined = tokio::task::spawn_blocking(move || match prompt {
-            Input::Tokens(ids) => Ok(ids),
-            Input::Text(text) => tokenizer.encode(&text),
+            Input::Tokens(ids) => Ok(Tokens::from(ids)),
+            Input::Text(text) => tokenizer.encode(&text).map(Tokens::from),
             Input::Chat(messages, mut extras) => {
                 extras.with_defaults(&defaults);
-                tokenizer.encode_chat(&messages, &extras, template.as_deref())
+                let template = template.as_deref();
+                let images = tokenizer
+                    .keyed_images(&messages, template)
+                    .unwrap_or_default();
+                tokenizer
+                    .encode_chat_keyed(&messages, &extras, template, &images)
+                    .map(|(ids, mm)| Tokens { ids, mm })
             }
         })
         .await
@@ -59,6 +66,21 @@ impl Tokenize for ServerState {
             }
             other => port::TokenizeError::Failed(other.to_string()),
         })
+    }
+}
+
+impl ServerState {
+    /// Base model `model`'s tokenizer and the template that overrides its own: a model with its
+    /// own tokenizer renders chats with that tokenizer's template; `--chat-template` overrides
+    /// the default tokenizer's only.
+    fn tokenizer_of(&self, model: &str) -> (Arc<Tokenizer>, Option<Arc<ChatTemplate>>) {
+        match self.inner.options.model_tokenizers.get(model) {
+            Some(own) => (Arc::clone(own), None),
+            None => (
+                self.inner.tokenizer.clone(),
+                self.inner.options.chat_template.clone(),
+            ),
+        }
     }
 }
 

@@ -8,9 +8,15 @@
 //! as Python's `json.dumps` ([`super::pyjson`]); the messages with every field they carry,
 //! assistant tool-call arguments parsed from their JSON text (as vLLM and SGLang do), `tools`,
 //! `add_generation_prompt`, and the template kwargs ([`ChatExtras`]), maps in the order the
-//! request gave them. Array content is flattened to its text parts joined with `"\n"` (what
-//! vLLM does for string-format templates); a non-text part is an error, since the router cannot
-//! count its tokens (the server routes such requests by load without rendering them).
+//! request gave them.
+//!
+//! Content reaches the template as vLLM 0.33 gives it (`vllm/renderers/chat_utils/
+//! chat_message.py`), by the template's content format ([`ContentFormat`]): a template that
+//! loops over a message's content gets a list of parts (`{"type": "text", "text": …}`, an
+//! image as `{"type": "image"}`, string content as one text part, a tool's text parts joined);
+//! any other gets the text parts joined with `"\n"`, and a non-text part is an error there,
+//! since the router cannot place the engine's placeholder for it (the server routes such
+//! requests by load without rendering them).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -18,6 +24,8 @@ use std::path::Path;
 use minijinja::{Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+use super::image::ImageRef;
 
 const TEMPLATE_NAME: &str = "chat";
 
@@ -46,8 +54,9 @@ pub enum TemplateError {
     /// Rendering failed (including `raise_exception` from the template).
     #[error("chat template from {origin} failed to render: {message}")]
     Render { origin: String, message: String },
-    /// A message part the router cannot tokenize (image, audio, …).
-    #[error("message {index} has a content part of type {kind:?}; only text parts are supported")]
+    /// A message part the router cannot tokenize (audio, or an image for a template that
+    /// takes text only).
+    #[error("message {index} has a content part of type {kind:?} that this template cannot take")]
     UnsupportedContent { index: usize, kind: String },
 }
 
@@ -130,11 +139,13 @@ impl ChatMessage {
         }
     }
 
-    /// Whether the message has a part other than text (an image, audio, a file): one the
-    /// router cannot tokenize as the engine does.
-    pub fn has_non_text(&self) -> bool {
-        matches!(&self.content, Some(ChatContent::Parts(parts))
-            if parts.iter().any(|p| p.kind != "text"))
+    /// The message's parts other than text (images, audio, files).
+    pub fn non_text(&self) -> impl Iterator<Item = &ContentPart> {
+        let parts = match &self.content {
+            Some(ChatContent::Parts(parts)) => parts.as_slice(),
+            _ => &[],
+        };
+        parts.iter().filter(|p| p.kind != "text")
     }
 }
 
@@ -146,19 +157,91 @@ pub enum ChatContent {
     Parts(Vec<ContentPart>),
 }
 
-/// One element of array content; only `type: "text"` is rendered.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One element of array content: text, or an image the router knows by its identifier and
+/// size ([`ImageRef`]), or another kind it only names.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ContentPart {
     #[serde(rename = "type")]
     pub kind: String,
     #[serde(default)]
     pub text: Option<String>,
+    /// An `image_url` part's image (its URL is not kept).
+    #[serde(default, skip_serializing)]
+    pub image_url: Option<ImageRef>,
+    /// The identifier the client gave the item, which vLLM keys it by.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+}
+
+impl ContentPart {
+    /// A text part.
+    pub fn text(text: impl Into<String>) -> Self {
+        Self {
+            kind: "text".into(),
+            text: Some(text.into()),
+            ..Self::default()
+        }
+    }
+
+    /// For an image part the engine can key as the router does, its identifier (the client's
+    /// `uuid`, else the content's) and its size as the engine turns it.
+    pub fn keyed_image(&self) -> Option<(Box<str>, u32, u32)> {
+        if self.kind != "image_url" {
+            return None;
+        }
+        let image = self.image_url.as_ref()?;
+        let (w, h) = image.size?;
+        let id = match &self.uuid {
+            Some(uuid) => Box::from(uuid.as_str()),
+            None => image.content_id.clone()?,
+        };
+        Some((id, w, h))
+    }
+}
+
+/// How a template takes message content, as vLLM detects it (`vllm/renderers/hf.py`,
+/// `_detect_content_format`): a template with a loop over a message's `content` (or over a
+/// variable named `content`) takes a list of parts; any other takes a string. vLLM reads the
+/// template's syntax tree; this reads its `{% for … in … %}` tags, which is what that amounts to
+/// for the templates models ship.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContentFormat {
+    String,
+    OpenAi,
+}
+
+impl ContentFormat {
+    fn detect(source: &str) -> Self {
+        let loops_over_content = source.split("{%").skip(1).any(|tag| {
+            let tag = tag.split("%}").next().unwrap_or_default();
+            let mut words = tag
+                .trim_matches(|c: char| c == '-' || c == '+')
+                .split_whitespace();
+            if words.next() != Some("for") {
+                return false;
+            }
+            let Some(iter) = words.skip_while(|w| *w != "in").nth(1) else {
+                return false;
+            };
+            let iter = iter.split('|').next().unwrap_or_default();
+            iter == "content"
+                || iter.ends_with(".content")
+                || iter.ends_with("['content']")
+                || iter.ends_with("[\"content\"]")
+        });
+        if loops_over_content {
+            Self::OpenAi
+        } else {
+            Self::String
+        }
+    }
 }
 
 /// A compiled chat template with its special-token strings.
 #[derive(Debug)]
 pub struct ChatTemplate {
     env: Environment<'static>,
+    format: ContentFormat,
     bos_token: Option<String>,
     eos_token: Option<String>,
     origin: String,
@@ -188,6 +271,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", |message: String| -> Result<String, _> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
         });
+        let format = ContentFormat::detect(&source);
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| TemplateError::Syntax {
                 origin: origin.clone(),
@@ -195,6 +279,7 @@ impl ChatTemplate {
             })?;
         Ok(Self {
             env,
+            format,
             bos_token,
             eos_token,
             origin,
@@ -219,8 +304,13 @@ impl ChatTemplate {
         &self.origin
     }
 
+    /// How the template takes message content.
+    pub fn content_format(&self) -> ContentFormat {
+        self.format
+    }
+
     /// Renders `messages` with `extras` as Hugging Face's `apply_chat_template` does in the
-    /// engines: the messages (array content flattened to its text, assistant `tool_calls`
+    /// engines: the messages (content as the template's format takes it, assistant `tool_calls`
     /// arguments given as JSON text parsed into objects, as vLLM and SGLang do), `tools`,
     /// `add_generation_prompt` (true unless the request says otherwise), the special tokens,
     /// and the template kwargs.
@@ -236,7 +326,10 @@ impl ChatTemplate {
                 ("role".into(), V::from(message.role.as_str())),
                 (
                     "content".into(),
-                    V::from(flatten(index, message.content.as_ref())?),
+                    match self.format {
+                        ContentFormat::String => V::from(flatten(index, message.content.as_ref())?),
+                        ContentFormat::OpenAi => as_parts(index, message)?,
+                    },
                 ),
             ];
             for (key, value) in &message.extra {
@@ -328,6 +421,36 @@ fn parsed_arguments(calls: &minijinja::Value) -> minijinja::Value {
             })
             .collect::<Vec<_>>(),
     )
+}
+
+/// A message's content as a template that loops over it gets it (see the module docs).
+fn as_parts(index: usize, message: &ChatMessage) -> Result<minijinja::Value, TemplateError> {
+    use minijinja::Value as V;
+    let text = |t: &str| V::from_pairs(vec![("type", V::from("text")), ("text", V::from(t))]);
+    let parts = match &message.content {
+        None => Vec::new(),
+        Some(ChatContent::Text(t)) => vec![text(t)],
+        Some(ChatContent::Parts(parts)) => {
+            if message.role == "tool" && parts.iter().all(|p| p.kind == "text") {
+                return flatten(index, message.content.as_ref()).map(V::from);
+            }
+            let mut out = Vec::with_capacity(parts.len());
+            for part in parts {
+                out.push(match (part.kind.as_str(), &part.text) {
+                    ("text", Some(t)) => text(t),
+                    ("image_url", _) => V::from_pairs(vec![("type", V::from("image"))]),
+                    (kind, _) => {
+                        return Err(TemplateError::UnsupportedContent {
+                            index,
+                            kind: kind.to_string(),
+                        });
+                    }
+                });
+            }
+            out
+        }
+    };
+    Ok(V::from(parts))
 }
 
 fn flatten(index: usize, content: Option<&ChatContent>) -> Result<String, TemplateError> {
@@ -431,6 +554,56 @@ mod tests {
         let config = serde_json::json!({"bos_token": "<s>", "eos_token": {"content": "</s>"}});
         assert_eq!(special_token(&config, "bos_token").as_deref(), Some("<s>"));
         assert_eq!(special_token(&config, "eos_token").as_deref(), Some("</s>"));
+    }
+
+    #[test]
+    fn templates_that_loop_over_content_take_parts() {
+        for (source, format) in [
+            (
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                ContentFormat::String,
+            ),
+            (
+                "{% for m in messages %}{%- for c in m['content'] -%}{{ c.type }}{% endfor %}{% endfor %}",
+                ContentFormat::OpenAi,
+            ),
+            (
+                "{% for p in message.content | list %}{% endfor %}",
+                ContentFormat::OpenAi,
+            ),
+            (
+                "{% for item in content %}{% endfor %}",
+                ContentFormat::OpenAi,
+            ),
+        ] {
+            assert_eq!(ContentFormat::detect(source), format, "{source}");
+        }
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{% for c in m['content'] %}[{{ c.type }}{{ c.text }}]\
+             {% endfor %}{% endfor %}"
+                .into(),
+            None,
+            None,
+            "inline",
+        )
+        .expect("compiles");
+        let mut image = ContentPart {
+            kind: "image_url".into(),
+            ..ContentPart::default()
+        };
+        image.uuid = Some("x".into());
+        let parts = ChatMessage {
+            role: "user".into(),
+            content: Some(ChatContent::Parts(vec![image, ContentPart::text("hi")])),
+            extra: BTreeMap::new(),
+        };
+        let rendered = t
+            .render(
+                &[ChatMessage::text("system", "s"), parts],
+                &ChatExtras::default(),
+            )
+            .expect("renders");
+        assert_eq!(rendered, "[texts][image][texthi]");
     }
 
     #[test]

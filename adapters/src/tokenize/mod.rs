@@ -55,10 +55,12 @@ mod cache;
 mod chat;
 mod classes;
 mod config;
+pub mod image;
 mod native;
 mod pretok;
 mod pyjson;
 mod split;
+pub mod vision;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -68,9 +70,13 @@ use rayon::prelude::*;
 use serde_json::Value;
 
 pub use chat::{
-    ChatContent, ChatExtras, ChatMessage, ChatTemplate, ContentPart, TemplateError, TemplateKwargs,
+    ChatContent, ChatExtras, ChatMessage, ChatTemplate, ContentFormat, ContentPart, TemplateError,
+    TemplateKwargs,
 };
+pub use vision::VisionProfile;
+
 pub use config::FastPath;
+use infera_core::hashing::identity::MmRun;
 
 use cache::Lru;
 use native::NativeEncoder;
@@ -176,11 +182,16 @@ pub struct Tokenizer {
     bos_token: Option<String>,
     eos_token: Option<String>,
     config_origin: String,
+    vision: Option<VisionProfile>,
 }
+
+/// A chat's images the way its engine keys them: identifier, width, height, in prompt order.
+pub type KeyedImages = Vec<(Box<str>, u32, u32)>;
 
 impl Tokenizer {
     /// Loads from a directory holding tokenizer.json (and optionally tokenizer_config.json), or
-    /// from a tokenizer.json path (a sibling tokenizer_config.json is read if present).
+    /// from a tokenizer.json path (a sibling tokenizer_config.json is read if present). A vision
+    /// model's config.json and preprocessor_config.json there give its [`VisionProfile`].
     ///
     /// # Errors
     /// [`TokenizeError::Io`]/[`TokenizeError::Invalid`] naming the file, or
@@ -192,6 +203,11 @@ impl Tokenizer {
 
     /// [`Tokenizer::from_path`] with explicit tuning.
     pub fn from_path_with(path: &Path, options: TokenizerOptions) -> Result<Self, TokenizeError> {
+        let model_dir = if path.is_dir() {
+            Some(path.to_path_buf())
+        } else {
+            path.parent().map(Path::to_path_buf)
+        };
         let (json_path, config_path) = if path.is_dir() {
             (
                 path.join("tokenizer.json"),
@@ -255,6 +271,17 @@ impl Tokenizer {
                 )
             })
             .transpose()?;
+        let vision = match &model_dir {
+            Some(dir) => {
+                VisionProfile::from_dir(dir, |t| inner.token_to_id(t)).map_err(|message| {
+                    TokenizeError::Invalid {
+                        path: dir.clone(),
+                        message,
+                    }
+                })?
+            }
+            None => None,
+        };
 
         Ok(Self {
             inner,
@@ -273,7 +300,13 @@ impl Tokenizer {
             bos_token,
             eos_token,
             config_origin,
+            vision,
         })
+    }
+
+    /// The model's image placeholder expansion, for a vision model of a supported type.
+    pub fn vision(&self) -> Option<&VisionProfile> {
+        self.vision.as_ref()
     }
 
     /// Which exact speed-ups are active, and why not the others; log it at startup.
@@ -446,6 +479,51 @@ impl Tokenizer {
     ) -> Result<Vec<u32>, TokenizeError> {
         let rendered = self.render_chat(messages, extras, template_override)?;
         self.encode(&rendered)
+    }
+
+    /// The images of `messages` as the engine keys them, rendered with `template_override` or
+    /// the config's template; `None` when a part other than text cannot be keyed: audio and
+    /// files, an image without a size or identifier the router knows (a remote URL), any image
+    /// for a model without a [`VisionProfile`] or a template that takes text only.
+    pub fn keyed_images(
+        &self,
+        messages: &[ChatMessage],
+        template_override: Option<&ChatTemplate>,
+    ) -> Option<KeyedImages> {
+        let mut parts = messages.iter().flat_map(ChatMessage::non_text).peekable();
+        if parts.peek().is_none() {
+            return Some(Vec::new());
+        }
+        self.vision.as_ref()?;
+        let template = template_override.or(self.chat_template.as_ref())?;
+        if template.content_format() != ContentFormat::OpenAi {
+            return None;
+        }
+        parts.map(ContentPart::keyed_image).collect()
+    }
+
+    /// [`Tokenizer::encode_chat`] for a chat with the images `images` (see
+    /// [`Tokenizer::keyed_images`]): the prompt with each image's placeholder expanded as the
+    /// engine expands it, and the images' runs. Placeholders that do not pair up with the images
+    /// (a template that drops one) leave the prompt unexpanded and without runs: its blocks
+    /// before the first image still match the engine's, the later ones none.
+    ///
+    /// # Errors
+    /// As [`Tokenizer::encode_chat`].
+    pub fn encode_chat_keyed(
+        &self,
+        messages: &[ChatMessage],
+        extras: &ChatExtras,
+        template_override: Option<&ChatTemplate>,
+        images: &[(Box<str>, u32, u32)],
+    ) -> Result<(Vec<u32>, Vec<MmRun>), TokenizeError> {
+        let ids = self.encode_chat(messages, extras, template_override)?;
+        let Some(vision) = self.vision.as_ref().filter(|_| !images.is_empty()) else {
+            return Ok((ids, Vec::new()));
+        };
+        Ok(vision
+            .expand(&ids, images)
+            .unwrap_or_else(|| (ids, Vec::new())))
     }
 
     /// Renders `messages` and `extras` to the prompt string the engine will see.

@@ -4,6 +4,12 @@
 //! front's tokenizer and chat templates (`infera-adapters`) implement it, and decide what a
 //! prompt is, so the service needs no API's body shapes.
 //!
+//! # Multimodal prompts
+//! An image becomes a run of placeholder tokens whose blocks the engine keys by the image's
+//! identifier ([`MmRun`]); the tokenizer expands the runs as the engine does and names them
+//! ([`Tokens::mm`]). A prompt with a part it cannot key that way ([`Tokenize::unkeyed`]) is
+//! routed by load alone.
+//!
 //! # Renderings
 //! A chat is rendered by each engine with the chat-template defaults it merges in. Workers whose
 //! engine merges other defaults than the fleet's ([`Tokenize::renderings`]) get the prompt's ids
@@ -12,6 +18,7 @@
 //! [`Service::prepare`]: crate::service::Service::prepare
 
 use crate::error::{ErrorCode, ServiceError};
+use crate::hashing::identity::MmRun;
 use crate::ids::WorkerId;
 use async_trait::async_trait;
 
@@ -35,6 +42,24 @@ impl ServiceError for TokenizeError {
     }
 }
 
+/// A prompt's token ids as the engine computes its KV cache over them, and its multimodal
+/// items' runs among them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tokens {
+    pub ids: Vec<u32>,
+    /// Sorted by offset, not overlapping.
+    pub mm: Vec<MmRun>,
+}
+
+impl From<Vec<u32>> for Tokens {
+    fn from(ids: Vec<u32>) -> Self {
+        Self {
+            ids,
+            mm: Vec::new(),
+        }
+    }
+}
+
 /// Workers that render a chat another way: how, and each one's KV block size.
 pub type Rendering<R> = (R, Vec<(WorkerId, u32)>);
 
@@ -46,9 +71,10 @@ pub trait Tokenize: Send + Sync {
     /// How a chat is rendered (the template defaults an engine merges in).
     type Rendering: Send + 'static;
 
-    /// Whether the prompt holds parts the router cannot hash (images, audio: an image's
-    /// placeholder tokens are the same whatever the image), so it is routed by load alone.
-    fn multimodal(&self, prompt: &Self::Prompt) -> bool;
+    /// Whether the prompt holds parts the router cannot key as base model `model`'s engines do
+    /// (audio, a remote image, an image for a model whose placeholder expansion it does not
+    /// know), so it is routed by load alone.
+    fn unkeyed(&self, prompt: &Self::Prompt, model: &str) -> bool;
 
     /// The workers of `model` that render `prompt` another way than the default, grouped by
     /// rendering; empty for a prompt that is not a chat.
@@ -56,7 +82,7 @@ pub trait Tokenize: Send + Sync {
 
     /// The prompt's token ids with base model `model`'s tokenizer (a fleet may serve several
     /// base models, each tokenized its own way), rendered the default way (`None`) or as
-    /// `rendering` says. Runs off the async workers.
+    /// `rendering` says, with its multimodal runs expanded. Runs off the async workers.
     ///
     /// # Errors
     /// [`TokenizeError`].
@@ -65,5 +91,5 @@ pub trait Tokenize: Send + Sync {
         model: &str,
         prompt: Self::Prompt,
         rendering: Option<Self::Rendering>,
-    ) -> Result<Vec<u32>, TokenizeError>;
+    ) -> Result<Tokens, TokenizeError>;
 }

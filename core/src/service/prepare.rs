@@ -2,24 +2,29 @@
 //! and hashed at every block size the model's workers use (and, for workers that render a chat
 //! their own way, their rendering hashed at theirs).
 //!
-//! Round-robin ignores the prefix, so its requests are not tokenized at all. Nor are prompts
-//! with images, audio or other non-text parts: the router cannot hash what the engine caches
-//! for them, so a text prefix match could send one image's request to another image's KV; they
-//! are routed by load (the Python Infera's `cache_locality_skipped{reason="multimodal"}`).
+//! Round-robin ignores the prefix, so its requests are not tokenized at all. A prompt's images
+//! are keyed as the engine keys them (their runs, from the tokenizer, join the request's
+//! [`KvIdentity`]); a prompt with a part the tokenizer cannot key (audio, a remote image, an
+//! image for a model whose expansion it does not know) is not tokenized either: a text prefix
+//! match could send it to another image's KV, so it is routed by load (the Python Infera's
+//! `cache_locality_skipped{reason="multimodal"}`).
 
 use super::Service;
 use super::reply::RequestError;
 use crate::event::Retention;
+use crate::hashing::identity::MmRun;
 use crate::hashing::{KvIdentity, hash_prompt_blocks};
 use crate::ids::RequestId;
 use crate::policy::{PolicyKind, RouteError, RouteRequest, WorkerHashes};
-use crate::ports::tokenize::{Tokenize, TokenizeError};
+use crate::ports::tokenize::{Tokenize, TokenizeError, Tokens};
 
 /// A request ready to decide: its [`RouteRequest`] and the prompt's token ids.
 #[derive(Debug)]
 pub struct Prepared {
     pub req: RouteRequest,
     pub tokens: Vec<u32>,
+    /// The prompt's images among `tokens`, as the blocks were keyed by them.
+    pub images: Vec<MmRun>,
     /// Whether the prompt was tokenized (round-robin needs no prefix: not tokenized at all).
     pub tokenized: bool,
 }
@@ -73,50 +78,43 @@ impl Service {
         // An adapter is tokenized as its base model.
         identity.lora = parent.is_some().then(|| Box::from(model.as_str()));
         let base = parent.as_deref().unwrap_or(&model).to_owned();
-        let multimodal = tokenizer.multimodal(&prompt);
-        if multimodal {
+        if tokenizer.unkeyed(&prompt, &base) {
             self.metrics().locality_skipped("multimodal");
+            return Ok(Self::by_load(model, key, retention));
         }
         let policy = self.inner.options.router.policy;
-        let tokenized = !multimodal && (direct || policy != PolicyKind::RoundRobin);
-        let (tokens, per_worker) = if tokenized {
-            let renderings = tokenizer.renderings(&prompt, &model);
-            let mut per_worker = WorkerHashes::default();
-            for (variant, (how, workers)) in (1u32..).zip(renderings) {
-                let tokens = self
-                    .tokenize(tokenizer, &base, prompt.clone(), Some(how))
-                    .await?;
-                let mut sizes: Vec<u32> = workers.iter().map(|(_, bs)| *bs).collect();
-                sizes.sort_unstable();
-                sizes.dedup();
-                for bs in sizes {
-                    let blocks = hash_prompt_blocks(&tokens, bs.max(1) as usize, &identity);
-                    per_worker.hashes.push((variant, bs, blocks));
-                }
-                per_worker
-                    .workers
-                    .extend(workers.into_iter().map(|(worker, _)| (worker, variant)));
+        if !direct && policy == PolicyKind::RoundRobin {
+            return Ok(Self::by_load(model, key, retention));
+        }
+        let renderings = tokenizer.renderings(&prompt, &model);
+        let mut per_worker = WorkerHashes::default();
+        for (variant, (how, workers)) in (1u32..).zip(renderings) {
+            let tokens = self
+                .tokenize(tokenizer, &base, prompt.clone(), Some(how))
+                .await?;
+            identity.mm = tokens.mm;
+            let mut sizes: Vec<u32> = workers.iter().map(|(_, bs)| *bs).collect();
+            sizes.sort_unstable();
+            sizes.dedup();
+            for bs in sizes {
+                let blocks = hash_prompt_blocks(&tokens.ids, bs.max(1) as usize, &identity);
+                per_worker.hashes.push((variant, bs, blocks));
             }
-            (
-                self.tokenize(tokenizer, &base, prompt, None).await?,
-                per_worker,
-            )
-        } else {
-            (Vec::new(), WorkerHashes::default())
-        };
-        let hashes = if tokenized {
-            block_sizes
-                .into_iter()
-                .map(|bs| {
-                    (
-                        bs,
-                        hash_prompt_blocks(&tokens, bs.max(1) as usize, &identity),
-                    )
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
+            per_worker
+                .workers
+                .extend(workers.into_iter().map(|(worker, _)| (worker, variant)));
+        }
+        let Tokens { ids: tokens, mm } = self.tokenize(tokenizer, &base, prompt, None).await?;
+        identity.mm = mm;
+        let hashes = block_sizes
+            .into_iter()
+            .map(|bs| {
+                (
+                    bs,
+                    hash_prompt_blocks(&tokens, bs.max(1) as usize, &identity),
+                )
+            })
+            .collect();
         let req = RouteRequest {
             request_id: RequestId::new(key),
             model,
@@ -129,8 +127,27 @@ impl Service {
         Ok(Prepared {
             req,
             tokens,
-            tokenized,
+            images: identity.mm,
+            tokenized: true,
         })
+    }
+
+    /// A request routed by load alone: no tokens, no hashes.
+    fn by_load(model: String, key: &str, retention: Option<Retention>) -> Prepared {
+        Prepared {
+            req: RouteRequest {
+                request_id: RequestId::new(key),
+                model,
+                prompt_tokens: 0,
+                hashes: Vec::new(),
+                retention,
+                per_worker: WorkerHashes::default(),
+                exclude: Vec::new(),
+            },
+            tokens: Vec::new(),
+            images: Vec::new(),
+            tokenized: false,
+        }
     }
 
     /// The prompt's token ids through `tokenizer` with base model `model`'s tokenizer (see
@@ -144,7 +161,7 @@ impl Service {
         model: &str,
         prompt: T::Prompt,
         rendering: Option<T::Rendering>,
-    ) -> Result<Vec<u32>, RequestError> {
+    ) -> Result<Tokens, RequestError> {
         tokenizer
             .tokenize(model, prompt, rendering)
             .await
@@ -167,14 +184,16 @@ mod tests {
     use async_trait::async_trait;
     use std::sync::Mutex;
 
-    /// A prompt is its token ids and whether it holds an image; a rendering puts its token in
-    /// front. Every call is remembered.
+    /// A prompt is its token ids and whether it holds a part the tokenizer cannot key; a
+    /// rendering puts its token in front; `mm` are the runs it reports. Every call is
+    /// remembered.
     #[derive(Debug, Default)]
     struct Fake {
         calls: Mutex<Vec<Option<u32>>>,
         models: Mutex<Vec<String>>,
         other: Vec<(u32, Vec<(WorkerId, u32)>)>,
         refuse: bool,
+        mm: Vec<crate::hashing::identity::MmRun>,
     }
 
     #[async_trait]
@@ -182,7 +201,7 @@ mod tests {
         type Prompt = (Vec<u32>, bool);
         type Rendering = u32;
 
-        fn multimodal(&self, prompt: &Self::Prompt) -> bool {
+        fn unkeyed(&self, prompt: &Self::Prompt, _: &str) -> bool {
             prompt.1
         }
 
@@ -195,13 +214,16 @@ mod tests {
             model: &str,
             prompt: Self::Prompt,
             rendering: Option<u32>,
-        ) -> Result<Vec<u32>, TokenizeError> {
+        ) -> Result<Tokens, TokenizeError> {
             self.calls.lock().expect("calls").push(rendering);
             self.models.lock().expect("models").push(model.to_owned());
             if self.refuse {
                 return Err(TokenizeError::Refused("chat template: no".into()));
             }
-            Ok(rendering.into_iter().chain(prompt.0).collect())
+            Ok(Tokens {
+                ids: rendering.into_iter().chain(prompt.0).collect(),
+                mm: self.mm.clone(),
+            })
         }
     }
 
@@ -302,6 +324,42 @@ mod tests {
             1,
             "nothing more tokenized"
         );
+    }
+
+    #[tokio::test]
+    async fn an_images_run_keys_the_blocks_it_covers_and_no_earlier_one() {
+        let st = state_with(PolicyKind::KvAware);
+        st.register_worker(sized("a", 16));
+        let hashes = |mm: Vec<crate::hashing::identity::MmRun>| {
+            let st = st.clone();
+            async move {
+                let fake = Fake {
+                    mm,
+                    ..Fake::default()
+                };
+                st.prepare(&fake, "k", "m".into(), prompt(), RequestKeys::default())
+                    .await
+                    .unwrap()
+                    .req
+                    .hashes[0]
+                    .1
+                    .clone()
+            }
+        };
+        let run = |id: &str| crate::hashing::identity::MmRun {
+            offset: 20,
+            length: 30,
+            id: id.into(),
+        };
+        let plain = hashes(Vec::new()).await;
+        let cat = hashes(vec![run("cat")]).await;
+        let dog = hashes(vec![run("dog")]).await;
+        assert_eq!(cat[0], plain[0], "the block before the image is text");
+        for i in 1..4 {
+            assert_ne!(cat[i], plain[i]);
+            assert_ne!(cat[i], dog[i], "another image is another block");
+        }
+        assert_eq!(cat, hashes(vec![run("cat")]).await, "the same image hits");
     }
 
     #[tokio::test]

@@ -30,6 +30,8 @@ pub struct RequestMeta {
     pub adapter: Option<(String, String)>,
     /// The request's `cache_salt`.
     pub cache_salt: Option<String>,
+    /// The prompt's images, as the router keyed them.
+    pub images: Vec<crate::hashing::identity::MmRun>,
 }
 
 /// The open request-metadata tap.

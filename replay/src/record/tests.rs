@@ -430,5 +430,6 @@ fn meta(id: &str, session_id: Option<String>, token_ids: Option<Vec<u32>>) -> Re
         token_ids,
         adapter: None,
         cache_salt: None,
+        images: Vec::new(),
     }
 }
