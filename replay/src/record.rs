@@ -171,8 +171,17 @@ fn attach(req: &mut TraceRequest, meta: RequestMeta) {
         token_ids,
         adapter,
         cache_salt,
+        images,
         ..
     } = meta;
+    req.images = images
+        .into_iter()
+        .map(|run| crate::trace::TraceImage {
+            offset: run.offset,
+            length: run.length,
+            id: run.id.into(),
+        })
+        .collect();
     if session_id.is_some() {
         req.session_id = session_id;
     }
@@ -374,6 +383,7 @@ impl Recorder {
                 think_time_us: None,
                 lora: None,
                 cache_salt: None,
+                images: Vec::new(),
             },
             worker: first.worker.worker.as_str().to_owned(),
             dp_rank: first.worker.dp_rank,

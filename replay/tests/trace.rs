@@ -326,6 +326,7 @@ fn request_strategy() -> impl Strategy<Value = (u64, TraceRequest)> {
                         think_time_us: None,
                         lora: None,
                         cache_salt: None,
+                        images: Vec::new(),
                     },
                 )
             },
@@ -737,6 +738,7 @@ fn sample_rows(n: u64) -> Vec<TraceRequest> {
             think_time_us: None,
             lora: None,
             cache_salt: None,
+            images: Vec::new(),
         })
         .collect()
 }

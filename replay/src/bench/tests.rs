@@ -16,6 +16,7 @@ fn req(input_length: u32, hashes: &[u64]) -> TraceRequest {
         think_time_us: None,
         lora: None,
         cache_salt: None,
+        images: Vec::new(),
     }
 }
 

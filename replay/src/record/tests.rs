@@ -4,6 +4,7 @@ use arrow_array::Array as _;
 use infera_core::event::{
     Engine, KvBlocksStored, RequestTransport, Role, RoutedLeg, Tier, WorkerRecord, WorkerRegistered,
 };
+use infera_core::hashing::identity::MmRun;
 use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerRank};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
@@ -382,13 +383,18 @@ fn sessions_and_prompts_join_their_rows_whenever_they_arrive() {
 }
 
 #[test]
-fn an_adapters_salted_request_is_recorded_under_its_base_model_with_its_identity() {
+fn an_adapters_salted_request_with_an_image_is_recorded_with_its_identity() {
     let mut rig = Rig::new(|_| {});
     rig.feed(10, routed("sql-req", "w1", 10, 32));
     rig.rec.note_request(
         RequestMeta {
             adapter: Some(("sql".into(), "base".into())),
             cache_salt: Some("tenant-a".into()),
+            images: vec![MmRun {
+                offset: 4,
+                length: 20,
+                id: "sha256-ab".into(),
+            }],
             ..meta("sql-req", None, None)
         },
         12,
@@ -401,6 +407,12 @@ fn an_adapters_salted_request_is_recorded_under_its_base_model_with_its_identity
         (r.model.as_str(), r.lora.as_deref(), r.cache_salt.as_deref()),
         ("base", Some("sql"), Some("tenant-a"))
     );
+    let image = crate::trace::TraceImage {
+        offset: 4,
+        length: 20,
+        id: "sha256-ab".into(),
+    };
+    assert_eq!(r.images, [image], "the image's run, as the router keyed it");
 }
 
 #[test]

@@ -76,6 +76,7 @@ mod tests {
             think_time_us: None,
             lora: None,
             cache_salt: None,
+            images: Vec::new(),
         }
     }
 

@@ -49,7 +49,7 @@ pub struct SimConfig {
     pub step_by_step: bool,
     /// Whether session turns wait for their predecessor ([`Playback`]).
     pub playback: Playback,
-    /// Model a router that ignores the requests' adapters and salts (as routers did before they
+    /// Model a router that ignores the requests' adapters, salts and images (as routers did before they
     /// keyed blocks by identity): it hashes and indexes blocks by their tokens alone while the
     /// engines key them by identity, so it predicts hits the engines cannot give.
     pub identity_blind: bool,

@@ -102,6 +102,7 @@ mod tests {
             think_time_us: think,
             lora: None,
             cache_salt: None,
+            images: Vec::new(),
         }
     }
 

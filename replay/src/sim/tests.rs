@@ -24,6 +24,7 @@ fn conversations(sessions: u64, turns: u64, gap_us: u64) -> Trace {
                 think_time_us: None,
                 lora: None,
                 cache_salt: None,
+                images: Vec::new(),
             });
         }
     }

@@ -137,6 +137,7 @@ pub fn import(path: &Path, opts: &LoadOptions) -> Result<Trace, TraceError> {
             think_time_us: None,
             lora: None,
             cache_salt: None,
+            images: Vec::new(),
         });
     }
     if requests.is_empty() {

@@ -76,33 +76,63 @@ pub struct TraceRequest {
     /// The request's `cache_salt`, if any.
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// The prompt's images: their placeholder runs, in prompt order, and the identifiers the
+    /// engines key them by.
+    #[serde(default)]
+    pub images: Vec<TraceImage>,
+}
+
+/// One image of a request's prompt (see `infera_core::hashing::identity::MmRun`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceImage {
+    /// Index of the run's first placeholder token in the prompt.
+    pub offset: u32,
+    /// Placeholder tokens in the run.
+    pub length: u32,
+    /// The image's identifier (vLLM's `mm_hash`).
+    pub id: String,
 }
 
 impl TraceRequest {
     /// The prompt's blocks as an engine keys them: `block_hashes`, further keyed by the
-    /// request's adapter and salt when it has them (as vLLM keys an adapter's or a salted
-    /// request's blocks, see `infera_core::hashing::identity`), so that the same blocks under
-    /// another adapter or salt never match. Keying ids that already carry the identity (a
-    /// recorder's router hashes) keeps equal ids equal and distinct ones distinct.
+    /// request's adapter, salt and images when it has them (as vLLM keys such blocks, see
+    /// `infera_core::hashing::identity`: the adapter every block, the salt the first, an image
+    /// the blocks its run overlaps), so that the same blocks under another adapter, salt or
+    /// image never match. Keying ids that already carry the identity (a recorder's router
+    /// hashes) keeps equal ids equal and distinct ones distinct.
     pub fn engine_blocks(&self) -> std::borrow::Cow<'_, [u64]> {
-        use infera_core::hashing::{KvIdentity, hash_blocks_under};
+        use infera_core::hashing::KvIdentity;
+        use infera_core::hashing::identity::{MmRun, hash_block_keyed};
         let identity = KvIdentity {
             lora: self.lora.as_deref().map(Box::from),
             salt: self.cache_salt.as_deref().map(Box::from),
-            mm: Vec::new(),
+            mm: self
+                .images
+                .iter()
+                .map(|i| MmRun {
+                    offset: i.offset,
+                    length: i.length,
+                    id: i.id.as_str().into(),
+                })
+                .collect(),
         };
         if identity.is_plain() {
             return std::borrow::Cow::Borrowed(&self.block_hashes);
         }
-        // Each id stands for its block's tokens, as two u32 "tokens"; an adapter keys every
-        // block and a salt the first, whatever the block size.
-        let ids: Vec<u32> = self
-            .block_hashes
-            .iter()
-            .flat_map(|&h| [h as u32, (h >> 32) as u32])
-            .collect();
-        let keyed = hash_blocks_under(&ids, 2, None, &identity);
-        std::borrow::Cow::Owned(keyed.into_iter().map(|h| h.0).collect())
+        // Each id stands for its block's tokens, as two u32 "tokens"; the keys are the ones of
+        // the block's token range.
+        let bs = self.block_size;
+        let mut keys = Vec::new();
+        let mut prev = None;
+        let mut out = Vec::with_capacity(self.block_hashes.len());
+        for (i, &h) in (0u32..).zip(&self.block_hashes) {
+            let start = i.saturating_mul(bs);
+            identity.block_keys(start, start.saturating_add(bs), &mut keys);
+            let keyed = hash_block_keyed(&[h as u32, (h >> 32) as u32], prev, &keys);
+            out.push(keyed.0);
+            prev = Some(keyed);
+        }
+        std::borrow::Cow::Owned(out)
     }
 }
 
@@ -315,6 +345,7 @@ mod tests {
             think_time_us: None,
             lora: None,
             cache_salt: None,
+            images: Vec::new(),
         }
     }
 

@@ -18,9 +18,11 @@
 //! | `think_time_us` | `UInt64` | yes | a session turn's client think time after its predecessor's answer |
 //! | `lora` | `Utf8` | yes | the LoRA adapter the request named (then `model` is its base model) |
 //! | `cache_salt` | `Utf8` | yes | the request's `cache_salt` |
+//! | `images` | `List<Struct<offset: UInt32, length: UInt32, id: Utf8>>` | yes | the prompt's images: placeholder run and identifier |
 //!
-//! The engines key an adapter's or a salted request's blocks by the adapter and salt as well
-//! ([`TraceRequest::engine_blocks`]): the replay and the ideal hit rate count them apart.
+//! The engines key an adapter's, a salted request's or an image's blocks by the adapter, salt or
+//! image as well ([`TraceRequest::engine_blocks`]): the replay and the ideal hit rate count them
+//! apart. A null `images` is a prompt without images.
 //!
 //! Readers also accept `LargeUtf8`/`Utf8View` strings and `LargeList` lists (what Polars and
 //! DuckDB may write), ignore columns they do not know, and read an absent nullable column as all
@@ -70,9 +72,10 @@ pub mod col {
     pub const THINK_TIME_US: &str = "think_time_us";
     pub const LORA: &str = "lora";
     pub const CACHE_SALT: &str = "cache_salt";
+    pub const IMAGES: &str = "images";
 
     /// Every column, in schema order.
-    pub const ALL: [&str; 14] = [
+    pub const ALL: [&str; 15] = [
         ARRIVAL_US,
         REQUEST_ID,
         MODEL,
@@ -87,6 +90,7 @@ pub mod col {
         THINK_TIME_US,
         LORA,
         CACHE_SALT,
+        IMAGES,
     ];
 }
 
@@ -142,7 +146,117 @@ pub fn trace_schema() -> SchemaRef {
         Field::new(col::THINK_TIME_US, UInt64, true),
         Field::new(col::LORA, Utf8, true),
         Field::new(col::CACHE_SALT, Utf8, true),
+        Field::new(col::IMAGES, list_type(image_type()), true),
     ]))
+}
+
+/// The fields of one item of `images`.
+fn image_fields() -> arrow_schema::Fields {
+    use DataType::{UInt32, Utf8};
+    arrow_schema::Fields::from(vec![
+        Field::new("offset", UInt32, false),
+        Field::new("length", UInt32, false),
+        Field::new("id", Utf8, false),
+    ])
+}
+
+/// The type of one item of `images`.
+fn image_type() -> DataType {
+    DataType::Struct(image_fields())
+}
+
+/// The `images` column of `rows` (null for a prompt without images).
+fn images_array(rows: &[TraceRequest]) -> ListArray {
+    use arrow_array::builder::{StringBuilder, StructBuilder, UInt32Builder};
+    let fields = image_fields();
+    let items = StructBuilder::new(
+        fields.clone(),
+        vec![
+            Box::new(UInt32Builder::new()),
+            Box::new(UInt32Builder::new()),
+            Box::new(StringBuilder::new()),
+        ],
+    );
+    let mut builder =
+        ListBuilder::new(items).with_field(Arc::new(Field::new_list_field(image_type(), false)));
+    for r in rows {
+        if r.images.is_empty() {
+            builder.append_null();
+            continue;
+        }
+        let items = builder.values();
+        for image in &r.images {
+            items
+                .field_builder::<UInt32Builder>(0)
+                .expect("offset builder")
+                .append_value(image.offset);
+            items
+                .field_builder::<UInt32Builder>(1)
+                .expect("length builder")
+                .append_value(image.length);
+            items
+                .field_builder::<StringBuilder>(2)
+                .expect("id builder")
+                .append_value(&image.id);
+            items.append(true);
+        }
+        builder.append(true);
+    }
+    builder.finish()
+}
+
+/// Reads the `images` column (a `List` or `LargeList` of the image struct).
+fn images_column(array: &ArrayRef) -> Result<Vec<Vec<super::TraceImage>>, ColumnError> {
+    let mismatch = || {
+        col_err(
+            col::IMAGES,
+            None,
+            type_mismatch(&list_type(image_type()), array.data_type()),
+        )
+    };
+    let (offsets, values): (Vec<usize>, &ArrayRef) = if let Some(list) = array.as_list_opt::<i32>()
+    {
+        (
+            list.value_offsets().iter().map(|&o| o as usize).collect(),
+            list.values(),
+        )
+    } else if let Some(list) = array.as_list_opt::<i64>() {
+        (
+            list.value_offsets().iter().map(|&o| o as usize).collect(),
+            list.values(),
+        )
+    } else {
+        return Err(mismatch());
+    };
+    let items = values.as_struct_opt().ok_or_else(mismatch)?;
+    let field = |name: &str| items.column_by_name(name).ok_or_else(mismatch);
+    let offset = field("offset")?
+        .as_primitive_opt::<UInt32Type>()
+        .ok_or_else(mismatch)?;
+    let length = field("length")?
+        .as_primitive_opt::<UInt32Type>()
+        .ok_or_else(mismatch)?;
+    let ids = strings(col::IMAGES, field("id")?)?;
+    let mut out = Vec::with_capacity(array.len());
+    for row in 0..array.len() {
+        if array.is_null(row) {
+            out.push(Vec::new());
+            continue;
+        }
+        let mut images = Vec::with_capacity(offsets[row + 1] - offsets[row]);
+        let range = offsets[row]..offsets[row + 1];
+        for (i, id) in range.clone().zip(&ids[range]) {
+            let id = id.filter(|_| !offset.is_null(i) && !length.is_null(i));
+            let id = id.ok_or_else(|| col_err(col::IMAGES, Some(row), "null inside an image"))?;
+            images.push(super::TraceImage {
+                offset: offset.value(i),
+                length: length.value(i),
+                id: id.to_owned(),
+            });
+        }
+        out.push(images);
+    }
+    Ok(out)
 }
 
 /// Builds a list column of primitive items from per-row slices (`None` is a null row).
@@ -283,6 +397,7 @@ pub fn to_record_batch(rows: &[TraceRequest]) -> Result<RecordBatch, ArrowError>
         Arc::new(StringArray::from_iter(
             rows.iter().map(|r| r.cache_salt.as_deref()),
         )),
+        Arc::new(images_array(rows)),
     ];
     RecordBatch::try_new(trace_schema(), columns)
 }
@@ -309,6 +424,8 @@ fn accepts(column: &str, dt: &DataType) -> bool {
             *dt == DataType::UInt32
         }
         col::BLOCK_HASHES => list_of(&DataType::UInt64),
+        col::IMAGES => matches!(dt, DataType::List(f) | DataType::LargeList(f)
+            if matches!(f.data_type(), DataType::Struct(_))),
         col::TOKEN_IDS => list_of(&DataType::UInt32),
         _ => true,
     }
@@ -432,6 +549,11 @@ pub fn from_record_batch(batch: &RecordBatch) -> Result<Vec<TraceRequest>, Colum
         Some(a) => strings(col::CACHE_SALT, a)?,
         None => vec![None; n],
     };
+    let mut images = match optional(col::IMAGES) {
+        Some(a) => images_column(a)?,
+        None => vec![Vec::new(); n],
+    }
+    .into_iter();
     let think: Vec<Option<u64>> = match optional(col::THINK_TIME_US) {
         Some(a) => primitive::<UInt64Type>(col::THINK_TIME_US, a)?
             .iter()
@@ -468,6 +590,7 @@ pub fn from_record_batch(batch: &RecordBatch) -> Result<Vec<TraceRequest>, Colum
             think_time_us: think[row],
             lora: lora[row].map(str::to_owned),
             cache_salt: salt[row].map(str::to_owned),
+            images: images.next().unwrap_or_default(),
         });
     }
     Ok(out)
@@ -494,6 +617,13 @@ mod tests {
             think_time_us: i.is_multiple_of(2).then_some(i * 1_000),
             lora: i.is_multiple_of(3).then(|| format!("adapter-{i}")),
             cache_salt: (i % 4 == 1).then(|| format!("tenant-{i}")),
+            images: (0..i % 3)
+                .map(|k| super::super::TraceImage {
+                    offset: 3 + k as u32 * 2000,
+                    length: 1024,
+                    id: format!("sha256-{i}{k}"),
+                })
+                .collect(),
         }
     }
 

@@ -35,10 +35,16 @@
 //! `adapter-{a}`); the engines key its blocks by it, so the tool definitions are shared within
 //! an adapter only.
 //!
+//! With [`SynthConfig::images`], each session's prompt carries one of that many images (a
+//! product photo, a screenshot the agent works on), uniformly, right after the system prompt:
+//! [`SynthConfig::image_tokens`] placeholder tokens, the same tokens for every image, which the
+//! engines key by the image (`images`, id `image-{k}`). Sessions with the same system prompt
+//! and image share those blocks; another image's are other blocks.
+//!
 //! Determinism: the same configuration gives the same trace on every platform; session `s` draws
 //! from its own stream (seeded by the seed and `s`), so adding sessions keeps the earlier ones.
 
-use super::{Trace, TraceError, TraceRequest};
+use super::{Trace, TraceError, TraceImage, TraceRequest};
 use infera_core::rng::{Rng, splitmix64};
 
 /// The nominal time from a turn's arrival to its first token, for the written timeline.
@@ -84,6 +90,10 @@ pub struct SynthConfig {
     /// with that adapter's own system prompt (in place of the `system_prompts` variants); the
     /// tool definitions are the same tokens for every adapter, which the engines key apart.
     pub adapters: u32,
+    /// Distinct images (0: none); each session's prompt carries one, uniformly at random.
+    pub images: u32,
+    /// Placeholder tokens of an image (1,024: a 896 × 896 image for Qwen2-VL).
+    pub image_tokens: u32,
 }
 
 impl Default for SynthConfig {
@@ -107,6 +117,8 @@ impl Default for SynthConfig {
             block_size: 64,
             model: "default".to_owned(),
             adapters: 0,
+            images: 0,
+            image_tokens: 1_024,
         }
     }
 }
@@ -146,13 +158,17 @@ impl SynthConfig {
                 )));
             }
         }
+        if self.images > 0 && self.image_tokens == 0 {
+            return bad("an image must have at least one token");
+        }
         let prefix = u64::from(self.tool_tokens)
             + u64::from(self.system_tokens)
+            + u64::from(self.image_tokens) * u64::from(self.images > 0)
             + u64::from(self.first_input_tokens.max(1));
         if prefix > u64::from(self.max_context_tokens) {
             return Err(TraceError::InvalidSynth(format!(
-                "the max context ({} tokens) must hold the tool definitions, the system prompt \
-                 and the first input ({prefix} tokens)",
+                "the max context ({} tokens) must hold the tool definitions, the system prompt, \
+                 the image and the first input ({prefix} tokens)",
                 self.max_context_tokens
             )));
         }
@@ -197,11 +213,17 @@ struct Chain<'a> {
 }
 
 impl Chain<'_> {
-    /// Makes sure the hashes cover `blocks` complete blocks.
+    /// Makes sure the hashes cover `blocks` complete blocks. An image's placeholder tokens are
+    /// the same whatever the image: hashed as tokens, they belong to the system prompt's span.
     fn extend_to(&mut self, blocks: usize) {
         let bs = u64::from(self.cfg.block_size);
         let tools = u64::from(self.cfg.tool_tokens);
-        let shared = tools + u64::from(self.cfg.system_tokens);
+        let image = if self.cfg.images > 0 {
+            u64::from(self.cfg.image_tokens)
+        } else {
+            0
+        };
+        let shared = tools + u64::from(self.cfg.system_tokens) + image;
         while self.hashes.len() < blocks {
             let i = self.hashes.len() as u64;
             let end = (i + 1) * bs;
@@ -245,14 +267,27 @@ pub fn synthesize(cfg: &SynthConfig) -> Result<Trace, TraceError> {
         } else {
             (rng.below(u64::from(cfg.system_prompts)), None)
         };
+        let images: Vec<TraceImage> = if cfg.images > 0 {
+            let k = rng.below(u64::from(cfg.images));
+            vec![TraceImage {
+                offset: cfg.tool_tokens + cfg.system_tokens,
+                length: cfg.image_tokens,
+                id: format!("image-{k:03}"),
+            }]
+        } else {
+            Vec::new()
+        };
         let mut chain = Chain {
             cfg,
             system,
             session: s as u64,
             hashes: Vec::new(),
         };
-        let mut context =
-            cfg.tool_tokens + cfg.system_tokens + tokens(&mut rng, cfg.first_input_tokens);
+        let image_tokens = images.first().map_or(0, |i| i.length);
+        let mut context = cfg.tool_tokens
+            + cfg.system_tokens
+            + image_tokens
+            + tokens(&mut rng, cfg.first_input_tokens);
         let mut arrival = start_us as u64;
         let mut think = None;
         for t in 0..turns {
@@ -273,6 +308,7 @@ pub fn synthesize(cfg: &SynthConfig) -> Result<Trace, TraceError> {
                 think_time_us: think,
                 lora: lora.clone(),
                 cache_salt: None,
+                images: images.clone(),
             });
             let tool = rng.next_f64() < cfg.tool_call_fraction;
             let (input, pause_us) = if tool {
@@ -306,7 +342,7 @@ pub fn synthesize(cfg: &SynthConfig) -> Result<Trace, TraceError> {
         notes: vec![format!(
             "synthesized agentic sessions: {sessions} sessions, {n} turns, about {} open at once, \
              {}..={} turns, {} tool-definition + {} system-prompt tokens ({}), \
-             {:.0} % tool-call turns, block size {}",
+             {}{:.0} % tool-call turns, block size {}",
             cfg.concurrency,
             cfg.min_turns,
             cfg.max_turns,
@@ -316,6 +352,11 @@ pub fn synthesize(cfg: &SynthConfig) -> Result<Trace, TraceError> {
                 format!("{} LoRA adapters, one system prompt each", cfg.adapters)
             } else {
                 format!("{} variants", cfg.system_prompts)
+            },
+            if cfg.images > 0 {
+                format!("{} images of {} tokens, ", cfg.images, cfg.image_tokens)
+            } else {
+                String::new()
             },
             cfg.tool_call_fraction * 100.0,
             cfg.block_size

@@ -61,6 +61,7 @@ fn session_turns_leave_the_timeline_and_follow_their_predecessor() {
         think_time_us,
         lora: None,
         cache_salt: None,
+        images: Vec::new(),
     };
     let trace = vec![
         req(0, "a", None),
@@ -98,6 +99,7 @@ fn the_plan_follows_the_trace_timeline() {
         think_time_us: None,
         lora: None,
         cache_salt: None,
+        images: Vec::new(),
     };
     let trace: Vec<TraceRequest> = [5_000_000, 6_000_000, 9_000_000, 25_000_000]
         .into_iter()

@@ -113,9 +113,10 @@ pub struct ReplayArgs {
     /// (README, "Benchmarks": the fidelity bench); 0 reports the engines alone.
     #[arg(long, default_value_t = DEFAULT_FRONTEND_US as f64 / 1000.0)]
     pub frontend_ms: f64,
-    /// Model a router that ignores adapters (`lora`) and cache salts (`cache_salt`), as routers
-    /// did before they keyed blocks by identity: it predicts hits on blocks the engines keyed
-    /// under another adapter or salt (the table's "false hits" column shows how many).
+    /// Model a router that ignores adapters (`lora`), cache salts (`cache_salt`) and images
+    /// (`images`), as routers did before they keyed blocks by identity: it predicts hits on
+    /// blocks the engines keyed under another adapter, salt or image (the table's "false hits"
+    /// column shows how many).
     #[arg(long)]
     pub identity_blind: bool,
     /// Retention class rule COND:CLASS[:ttl=SECONDS], first match wins, e.g.

@@ -73,6 +73,14 @@ pub struct SynthArgs {
     /// in the `lora` column.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub adapters: u32,
+    /// Distinct images (0: none): each session's prompt carries one, chosen uniformly, after
+    /// the system prompt; its placeholder tokens are the same for every image, which the
+    /// engines (and the replay) key apart. Written in the `images` column.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub images: u32,
+    /// Placeholder tokens of each image (1,024: a 896 × 896 image for Qwen2-VL).
+    #[arg(long, default_value_t = 1_024, value_name = "TOKENS")]
+    pub image_tokens: u32,
 }
 
 impl SynthArgs {
@@ -113,6 +121,8 @@ impl SynthArgs {
             block_size: self.block_size,
             model: self.model.clone(),
             adapters: self.adapters,
+            images: self.images,
+            image_tokens: self.image_tokens,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -223,3 +223,46 @@ fn adapters_share_tool_tokens_but_not_their_blocks() {
     let plain = synthesize(&small()).expect("trace");
     assert!(summarize(&trace).ideal_hit_rate < summarize(&plain).ideal_hit_rate);
 }
+
+#[test]
+fn images_are_the_same_tokens_but_blocks_of_their_own() {
+    let cfg = SynthConfig {
+        images: 4,
+        system_prompts: 1,
+        ..small()
+    };
+    let trace = synthesize(&cfg).expect("trace");
+    let sessions = by_session(&trace);
+    let first_block_of_image = ((cfg.tool_tokens + cfg.system_tokens) / cfg.block_size) as usize;
+    let mut by_image = std::collections::BTreeMap::<&str, Vec<&TraceRequest>>::new();
+    for turns in sessions.values() {
+        let image = &turns[0].images[..];
+        assert_eq!(image.len(), 1, "one image per session");
+        assert_eq!(image[0].length, cfg.image_tokens);
+        assert!(turns.iter().all(|t| t.images == image), "on every turn");
+        by_image.entry(&image[0].id).or_default().push(turns[0]);
+    }
+    assert!(by_image.len() > 1);
+    let mut firsts = by_image.values().map(|s| s[0]);
+    let (a, b) = (firsts.next().unwrap(), firsts.next().unwrap());
+    // Another image: the same placeholder tokens, other blocks from the image on.
+    let last = first_block_of_image + 1;
+    assert_eq!(a.block_hashes[..=last], b.block_hashes[..=last]);
+    assert_eq!(
+        a.engine_blocks()[..first_block_of_image],
+        b.engine_blocks()[..first_block_of_image]
+    );
+    assert_ne!(a.engine_blocks()[last], b.engine_blocks()[last]);
+    // The same image in two sessions: shared through the image.
+    let same = by_image
+        .values()
+        .find(|s| s.len() > 1)
+        .expect("a repeated image");
+    assert_eq!(same[0].engine_blocks()[last], same[1].engine_blocks()[last]);
+    let plain = synthesize(&SynthConfig {
+        system_prompts: 1,
+        ..small()
+    })
+    .expect("trace");
+    assert!(summarize(&trace).ideal_hit_rate < summarize(&plain).ideal_hit_rate);
+}
