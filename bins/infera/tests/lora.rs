@@ -125,6 +125,20 @@ async fn adapters_and_salts_are_routed_on_their_own_cache_only() {
         }
     }
     assert!(hits >= 5, "{hits} of 6 adapter turns hit their cache");
+    // Each model's traffic and cache hits are its own in the per-model families.
+    let of = |family: &str, model: &str| metric(port, &format!("{family}{{model=\"{model}\""));
+    assert_eq!(of("infera_model_requests_total", "sql"), Some(6));
+    let sql_blocks = of("infera_model_prompt_blocks_total", "sql").unwrap();
+    let sql_hits = of("infera_model_predicted_cached_blocks_total", "sql").unwrap();
+    assert!(
+        sql_hits > 0 && sql_hits < sql_blocks,
+        "{sql_hits} of {sql_blocks}"
+    );
+    assert!(of("infera_model_time_to_first_byte_seconds_count", "sql") == Some(6));
+    assert!(
+        of("infera_model_requests_total", tok).unwrap() > 0,
+        "the base model's own"
+    );
 
     // The same tokens under the base model: the adapter's blocks are not the base model's, in
     // the engine (nothing cached) and in the router (nothing predicted).

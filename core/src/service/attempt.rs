@@ -32,6 +32,8 @@ pub struct Attempt {
     decode_worker: Option<String>,
     /// What the SLA histograms need (`--enable-sla-metrics`), when on.
     sla: Option<Sla>,
+    /// The model the request named, for the per-model families.
+    model: String,
 }
 
 /// An attempt's SLA bookkeeping: its model, whether the client streams, and the stream's
@@ -93,6 +95,7 @@ impl Attempt {
             pd,
             decode_worker: None,
             sla: None,
+            model: req.model.clone(),
         }
         .counted()
     }
@@ -172,7 +175,13 @@ impl Attempt {
         if self.ttft_us.is_some() {
             return;
         }
-        self.ttft_us = Some(self.started.elapsed().as_micros() as u64);
+        let elapsed = self.started.elapsed();
+        self.ttft_us = Some(elapsed.as_micros() as u64);
+        self.st
+            .inner
+            .metrics
+            .models
+            .first_byte(&self.model, elapsed.as_secs_f64());
         if !self.pd {
             self.prefill.prefilled();
         }
@@ -195,6 +204,7 @@ impl Attempt {
             RequestStatus::WorkerError | RequestStatus::Timeout => ("worker_error", "5xx"),
         };
         m.requests.get_or_create(&[("status", ours)]).inc();
+        m.models.finished(&self.model, ours);
         let took = self.started.elapsed().as_secs_f64();
         m.request_duration
             .get_or_create(&[("router", self.router()), ("outcome", theirs)])

@@ -126,6 +126,11 @@ pub(super) fn decide(
         });
     };
     metrics.decision("routed");
+    if let Some(first) = routed.legs.first() {
+        metrics
+            .models
+            .routed(&req.model, routed.blocks.len(), first.overlap_blocks);
+    }
     for leg in &routed.legs {
         let worker = fleet.worker(&leg.worker.worker).map_or_else(
             || leg.worker.worker.as_str().to_owned(),

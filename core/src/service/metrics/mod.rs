@@ -8,13 +8,14 @@
 //!   bootstrap failures, migrations, per-worker breaker state and trips, active workers per
 //!   disaggregation mode, the policy's per-worker active blocks and cache view, retention hints
 //!   seen and cache locality skipped.
-//! - **Ours**, beside them: decisions by outcome, retries, requests by status, event intake,
+//! - **Ours**, beside them: decisions by outcome, retries, requests by status, per-model
+//!   traffic, first bytes and cache hits ([`models`]), event intake,
 //!   transport errors, KV-event gaps, PD pair errors, breaker totals, exact migrations; the
 //!   event taps, the durable log and the trace recorder register theirs through
 //!   [`Service::register_metrics`].
 //!
-//! Label values are bounded: roles, outcomes, reasons and worker ids (the fleet is bounded),
-//! never model names or request ids. Gauges the fleet already knows (active workers, the
+//! Label values are bounded: roles, outcomes, reasons, worker ids and served models (the fleet
+//! is bounded), never request ids. Gauges the fleet already knows (active workers, the
 //! policy's per-worker views, breaker states) are set from it at scrape time.
 
 use super::Service;
@@ -30,9 +31,11 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::sync::{Mutex, PoisonError};
 
+mod models;
 mod sla;
 pub mod text;
 
+pub(crate) use models::ModelFamilies;
 pub(crate) use sla::{SlaFamilies, SlaSample};
 
 /// One label.
@@ -91,6 +94,7 @@ pub struct Metrics {
     /// The SLA planner's signals (`--enable-sla-metrics`), by `router` and `model`.
     pub(crate) sla: SlaFamilies,
     // Ours.
+    pub(crate) models: ModelFamilies,
     pub(crate) decisions: Family<Label, Counter>,
     pub(crate) retries: Counter,
     pub(crate) requests: Family<Label, Counter>,
@@ -158,6 +162,7 @@ impl Default for Metrics {
             cache_control_seen: Family::default(),
             cache_locality_skipped: Family::default(),
             sla: SlaFamilies::default(),
+            models: ModelFamilies::default(),
             decisions: Family::default(),
             retries: Counter::default(),
             requests: Family::default(),
@@ -415,6 +420,7 @@ impl Metrics {
             "Finished requests by status",
             self.requests.clone(),
         );
+        self.models.register(r);
         r.register(
             "infera_breaker_open_workers",
             "Workers whose circuit breaker is open (excluded from routing until the cooldown)",
