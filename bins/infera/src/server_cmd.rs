@@ -136,6 +136,8 @@ pub(crate) fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {
     let tokenizer = Tokenizer::from_path(path)
         .with_context(|| format!("cannot load the router tokenizer from {}", path.display()))?;
     tracing::info!(path = %path.display(), fast_path = ?tokenizer.fast_path(),
+        images = tokenizer.vision().map_or("routed by load (no supported vision config)",
+            |v| v.model_type()),
         "router tokenizer loaded");
     Ok(tokenizer)
 }

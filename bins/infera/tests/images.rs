@@ -1,6 +1,6 @@
 //! Chats with images, end to end with the real binaries: a real etcd, two `infera worker mock`
-//! processes serving a Qwen2-VL-shaped model (its config, preprocessor config and a template
-//! that renders `<|image_pad|>` per image) and publishing vLLM's KV events with the images'
+//! processes serving a Qwen2-VL-shaped model (`fixtures/models/tiny-vl`: its config,
+//! preprocessor config and a template that renders `<|image_pad|>` per image) and publishing vLLM's KV events with the images'
 //! `[mm_hash, offset]` extra keys, and `infera server` routing among them.
 //!
 //! What a user relies on: a chat that repeats an image reaches the worker that holds the image's
@@ -15,45 +15,13 @@ use infera_backends::testing::EtcdServer;
 use serde_json::{Value, json};
 use std::path::Path;
 
-/// A model directory: the fixture tokenizer with Qwen2-VL's vision tokens added, a Qwen2-VL
-/// config and preprocessor config, and a template that puts one `<|image_pad|>` per image.
-fn vision_model() -> tempfile::TempDir {
-    let fixture =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tokenizers/deepseek-v4");
-    let dir = tempfile::tempdir().unwrap();
-    let mut tokenizer: Value =
-        serde_json::from_slice(&std::fs::read(fixture.join("tokenizer.json")).unwrap()).unwrap();
-    let added = tokenizer["added_tokens"].as_array_mut().unwrap();
-    let next = added.iter().filter_map(|t| t["id"].as_u64()).max().unwrap() + 1;
-    for (i, token) in ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
-        .into_iter()
-        .enumerate()
-    {
-        added.push(
-            json!({"id": next + i as u64, "content": token, "single_word": false,
-            "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
-        );
-    }
-    let write =
-        |name: &str, v: &Value| std::fs::write(dir.path().join(name), v.to_string()).unwrap();
-    write("tokenizer.json", &tokenizer);
-    let template = "{% for message in messages %}<|im_start|>{{ message['role'] }}\n\
-        {% if message['content'] is string %}{{ message['content'] }}{% else %}\
-        {% for part in message['content'] %}{% if part['type'] == 'image' %}\
-        <|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}\
-        {{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}\
-        {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
-    write("tokenizer_config.json", &json!({"chat_template": template}));
-    write(
-        "config.json",
-        &json!({"model_type": "qwen2_vl", "image_token_id": next + 1,
-            "vision_config": {"patch_size": 14, "spatial_merge_size": 2}}),
-    );
-    write(
-        "preprocessor_config.json",
-        &json!({"min_pixels": 3136, "max_pixels": 1_003_520}),
-    );
-    dir
+/// The tiny Qwen2-VL-shaped model of `fixtures/models/tiny-vl` (see its README).
+fn vision_model() -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/models/tiny-vl")
+        .to_str()
+        .unwrap()
+        .to_owned()
 }
 
 /// A PNG data URL of a `width × height` image whose bytes differ by `seed` (its header and a
@@ -104,8 +72,8 @@ fn predicted(port: u16) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_image_reaches_its_holder_and_another_image_never_looks_cached() {
     let etcd = EtcdServer::start().await.expect("etcd starts");
-    let model_dir = vision_model();
-    let model = model_dir.path().to_str().unwrap();
+    let model = vision_model();
+    let model = model.as_str();
     let ports = [free_mock_port(), free_mock_port()];
     let _workers: Vec<_> = ports
         .iter()
