@@ -18,12 +18,13 @@
 
 use async_trait::async_trait;
 use axum::body::Bytes;
-use axum::http::{Request, header};
+use axum::http::{Request, StatusCode, header};
 use futures::StreamExt as _;
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use infera_core::event::WorkerRecord;
 use infera_core::ports::transport::{
     BodyStream, Inbound, Outbound, RequestTransport, TransportError,
 };
@@ -228,5 +229,32 @@ impl RequestTransport for HttpTransport {
             content_type: parts.headers.get(header::CONTENT_TYPE).cloned(),
             body,
         })
+    }
+
+    /// `GET /health` on the worker's URL: 200 passes. The body is drained, at most a few KiB,
+    /// so the connection returns to the pool.
+    async fn probe(&self, worker: &WorkerRecord) -> Result<(), TransportError> {
+        let target = format!("{}/health", worker.url.trim_end_matches('/'));
+        let req = Request::get(&target)
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| {
+                TransportError::Failed(format!("cannot build a probe of {target}: {e}"))
+            })?;
+        let resp = self
+            .client
+            .request(req)
+            .await
+            .map_err(|e| TransportError::Unreachable(format!("{target}: {}", chain(&e))))?;
+        let status = resp.status();
+        let _ = http_body_util::Limited::new(resp.into_body(), 64 << 10)
+            .collect()
+            .await;
+        if status == StatusCode::OK {
+            Ok(())
+        } else {
+            Err(TransportError::Failed(format!(
+                "{target} answered {status}"
+            )))
+        }
     }
 }

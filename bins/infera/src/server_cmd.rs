@@ -43,6 +43,7 @@ use infera_core::kv_events::pipeline;
 use infera_core::policy::{PolicyKind, RouterConfig};
 use infera_core::ports::discovery::{DiscoveryChange, DiscoveryStream};
 use infera_core::ports::kv_events::KvEventSource;
+use infera_core::service::HealthConfig;
 use infera_core::service::ServiceOptions;
 use std::collections::HashMap;
 use std::path::Path;
@@ -216,6 +217,17 @@ async fn serve_all(
     state
         .service()
         .set_migration_limit(config.worker_edge.migration_limit);
+    let edge = &config.worker_edge;
+    state.service().set_health(HealthConfig {
+        interval: edge.health_check_interval.0,
+        timeout: edge.health_check_timeout.0,
+        unhealthy_threshold: edge.health_check_unhealthy_threshold,
+        healthy_threshold: edge.health_check_healthy_threshold,
+    });
+    let health = {
+        let service = state.service().clone();
+        tokio::spawn(async move { service.run_health_checks().await })
+    };
     if let Some(path) = &config.kvd_socket_path {
         state.set_prefetch(Arc::new(crate::prewarm::KvdPrefetch::new(path.clone())));
         tracing::info!(socket = %path.display(), "POST /v1/cache/prewarm hints the KV-cache daemon");
@@ -241,6 +253,7 @@ async fn serve_all(
     })
     .await;
     shutdown.cancel();
+    health.abort();
     if let Err(e) = discovery.await {
         tracing::error!(error = %e, "discovery task failed");
     }

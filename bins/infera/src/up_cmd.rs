@@ -285,6 +285,11 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
         tracing::info!(addr = %server_addr, workers = workers.len(), "infera up: fleet serving");
     }
 
+    // The server's active health checks, at their defaults (see `infera server`).
+    let health = {
+        let service = state.service().clone();
+        tokio::spawn(async move { service.run_health_checks().await })
+    };
     let served = match started {
         Ok(()) => serve(listener, state, async move {
             let mut signals = signals;
@@ -294,6 +299,7 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
         .context("http server failed"),
         Err(e) => Err(e),
     };
+    health.abort();
     stop_workers.cancel();
     let mut result = served;
     for w in workers {

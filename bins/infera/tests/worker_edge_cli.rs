@@ -1,6 +1,6 @@
 //! The flags of the server's edge toward workers, against the real binary: the HTTP request
-//! deadlines (`--http-req-*`) and the Python Infera's circuit-breaker flags (`--breaker-*`) are
-//! listed in `--help` with their defaults, resolve into the printed configuration, and bad
+//! deadlines (`--http-req-*`), the Python Infera's circuit-breaker flags (`--breaker-*`) and the
+//! active health checks (`--health-check-*`) are listed in `--help` with their defaults, resolve into the printed configuration, and bad
 //! values fail on one line naming the flag.
 #![allow(clippy::unwrap_used)]
 
@@ -61,6 +61,10 @@ fn help_lists_the_deadlines_and_breaker_flags_with_their_defaults() {
         ("--breaker-cooldown-s", "[default: 5]"),
         ("--breaker-max-cooldown-s", "[default: 60]"),
         ("--migration-limit", "[default: 0]"),
+        ("--health-check-interval", "[default: 2s]"),
+        ("--health-check-timeout", "[default: 2s]"),
+        ("--health-check-unhealthy-threshold", "[default: 3]"),
+        ("--health-check-healthy-threshold", "[default: 2]"),
     ] {
         let at = help
             .find(&format!("{flag} <"))
@@ -88,6 +92,10 @@ fn defaults_and_values_resolve_into_the_configuration() {
             "breaker_cooldown_s": 5.0,
             "breaker_max_cooldown_s": 60.0,
             "migration_limit": 0,
+            "health_check_interval": "2s",
+            "health_check_timeout": "2s",
+            "health_check_unhealthy_threshold": 3,
+            "health_check_healthy_threshold": 2,
         })
     );
     // The Python launcher passes floats; 0 turns a deadline off, and the breaker.
@@ -108,6 +116,10 @@ fn defaults_and_values_resolve_into_the_configuration() {
         "2.5",
         "--migration-limit",
         "2",
+        "--health-check-interval",
+        "500ms",
+        "--health-check-unhealthy-threshold",
+        "0",
     ]);
     assert_eq!(config["connect_timeout"], Value::Null);
     assert_eq!(config["first_byte_timeout"], "2m");
@@ -117,6 +129,8 @@ fn defaults_and_values_resolve_into_the_configuration() {
     assert_eq!(config["breaker_cooldown_s"], 0.5);
     assert_eq!(config["breaker_max_cooldown_s"], 2.5);
     assert_eq!(config["migration_limit"], 2);
+    assert_eq!(config["health_check_interval"], "500ms");
+    assert_eq!(config["health_check_unhealthy_threshold"], 0);
 }
 
 #[test]
@@ -140,6 +154,10 @@ fn bad_values_fail_on_one_line_naming_the_flag() {
         (
             &["--breaker-failure-threshold", "x"][..],
             "--breaker-failure-threshold",
+        ),
+        (
+            &["--health-check-timeout", "0"][..],
+            "--health-check-timeout",
         ),
     ] {
         let output = server(args);

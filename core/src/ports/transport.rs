@@ -186,6 +186,16 @@ pub trait RequestTransport: Send + Sync + std::fmt::Debug {
     /// [`TransportError`]; none of them has delivered a byte to the client.
     async fn send(&self, req: Outbound) -> Result<Inbound, TransportError>;
 
+    /// Checks that `worker`'s engine answers at all (HTTP: `GET /health` answers 200), for the
+    /// server's active health checks; the caller bounds the wait. A transport that cannot
+    /// probe reports every worker healthy (the default).
+    ///
+    /// # Errors
+    /// Why the worker failed the probe.
+    async fn probe(&self, _worker: &WorkerRecord) -> Result<(), TransportError> {
+        Ok(())
+    }
+
     /// `worker` left the fleet (deregistered: it drains, or its lease expired, or its Pod went
     /// away). A transport whose replies cannot notice a dead worker by themselves (NATS: no
     /// connection breaks) bounds the wait on that worker's requests still in flight, so a dead

@@ -1,5 +1,5 @@
 //! The decision of one attempt: the router's pick among the workers whose circuit breaker is
-//! not open, committed as `RequestRouted` (both legs of a prefill/decode pair, each with its
+//! not open and who pass their health checks, committed as `RequestRouted` (both legs of a prefill/decode pair, each with its
 //! role, so both count as load), and the [`Route`] the dispatcher drives.
 
 use super::Service;
@@ -69,10 +69,11 @@ pub(super) fn decide(
     let own = req.exclude.len();
     if direct.is_none() {
         let fleet = core.kernel.fleet();
-        let blocked = st
+        let mut blocked = st
             .inner
             .breaker
             .blocked(|w| fleet.worker(w).is_some(), metrics);
+        blocked.extend(st.inner.health.out());
         req.exclude.extend(blocked_ranks(fleet, &blocked));
     }
     let mut routed = core.kernel.route(req, direct, now);
@@ -80,7 +81,8 @@ pub(super) fn decide(
         req.exclude.truncate(own);
         if let Err(RouteError::NoWorker { .. }) = &routed {
             tracing::warn!(model = %req.model,
-                "every candidate's circuit breaker is open; routing as if none were");
+                "every candidate's circuit breaker is open or its health checks fail; \
+                 routing as if none were");
             routed = core.kernel.route(req, direct, now);
         }
     }

@@ -10,7 +10,9 @@
 //!
 //! Each attempt's outcome before the first byte feeds the circuit breaker ([`super::breaker`]): workers
 //! whose breaker is open are added to the request's exclusions when deciding, so no policy
-//! picks them until their cooldown ends (unless no other candidate is left).
+//! picks them until their cooldown ends (unless no other candidate is left). So are workers
+//! that fail their health checks ([`super::health`]); an attempt on a worker that leaves
+//! routing fails as a timeout at once, before or after its first byte.
 //!
 //! Each attempt is an [`Attempt`] that owns the request's load in the fleet: it appends
 //! `RequestPrefilled` at the first response byte — for a PD pair, when the prefill leg's answer
@@ -35,6 +37,7 @@ use super::Service;
 use super::attempt::{Attempt, Usage, status_of, usage_of};
 use super::breaker::{Judge, Outcome, answer_outcome, breaker_outcome};
 use super::decide::{Route, decide};
+use super::health;
 use super::metrics::{inc, route_key};
 use super::migrate::{self, Migration};
 use super::pd;
@@ -124,15 +127,23 @@ async fn forward(
                 let outbound =
                     Outbound::new(rank.worker.clone(), url, path, sent, stream, &base_id)
                         .with_dp_rank(dp_rank);
-                let outcome =
-                    transport
-                        .send(outbound)
-                        .await
-                        .map_err(|error| pd::LegError::Transport {
-                            role: Role::Mixed,
-                            rank: rank.clone(),
-                            error,
-                        });
+                // A worker that leaves routing (its health checks fail) fails this attempt
+                // over at once, before or after its first byte (see `health`).
+                let mut left = Box::pin(st.inner.health.left_routing(&rank.worker));
+                let sent = tokio::select! {
+                    sent = transport.send(outbound) => sent,
+                    () = &mut left => Err(health::left_error(&rank.worker)),
+                };
+                let outcome = sent
+                    .map(|mut resp| {
+                        resp.body = health::guard_body(resp.body, left, rank.worker.clone());
+                        resp
+                    })
+                    .map_err(|error| pd::LegError::Transport {
+                        role: Role::Mixed,
+                        rank: rank.clone(),
+                        error,
+                    });
                 (rank, outcome)
             }
             Route::Pd(pair) => {

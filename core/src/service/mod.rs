@@ -17,7 +17,7 @@
 //! to the transport. A connection failure, a 429 admission reject, a timeout or a 5xx before
 //! the first response byte finishes that attempt (`RequestFinished` with `worker_error`) and
 //! re-decides with the failed rank excluded (and every worker whose circuit breaker is open,
-//! see [`breaker`]), up to `request_max_retries` more times; each attempt has its own request
+//! see [`breaker`], or that failed its health checks, see [`health`]), up to `request_max_retries` more times; each attempt has its own request
 //! id (`<key>.<n>`, `n` unique to the service) so the fleet's in-flight accounting never mixes
 //! attempts, nor requests that share a client id. `RequestPrefilled` is appended at the first
 //! response byte (for a prefill/decode pair: when the prefill leg's answer has arrived) and
@@ -35,6 +35,7 @@ mod attempt;
 pub mod breaker;
 mod decide;
 mod dispatch;
+pub mod health;
 pub mod metrics;
 mod migrate;
 mod pd;
@@ -47,6 +48,7 @@ mod test_support;
 pub use attempt::{Attempt, Usage};
 pub use breaker::{BreakerConfig, BreakerState, PROBE_TIMEOUT};
 pub use decide::Route;
+pub use health::HealthConfig;
 pub use metrics::Metrics;
 pub use pd::{Leg, Pair};
 pub use prepare::{Prepared, RequestKeys};
@@ -130,6 +132,7 @@ pub(crate) struct Inner {
     pub(crate) sla_metrics: AtomicBool,
     pub(crate) meta_tap: Mutex<Option<taps::MetaTap>>,
     pub(crate) breaker: breaker::Breaker,
+    pub(crate) health: health::Health,
     pub(crate) migration_limit: AtomicU32,
 }
 
@@ -168,6 +171,7 @@ impl Service {
                 sla_metrics: AtomicBool::new(false),
                 meta_tap: Mutex::new(None),
                 breaker: breaker::Breaker::default(),
+                health: health::Health::default(),
                 migration_limit: AtomicU32::new(0),
             }),
         }

@@ -39,20 +39,13 @@ pub struct Fleet {
     _server: Proc,
 }
 
-/// The deadlines every fault's server runs with: short enough that a fault shows within a
-/// request's deadline, the rest at their defaults.
-pub const SERVER_EDGE: [&str; 10] = [
-    "--http-req-connect-timeout",
-    "1s",
-    "--http-req-first-byte-timeout",
-    "4s",
-    "--http-req-idle-timeout",
-    "4s",
-    "--nats-req-idle-timeout",
-    "4s",
-    "--migration-limit",
-    "2",
-];
+/// What every fault's server runs with besides its defaults: stream migration. No deadline
+/// flag: the defaults (a 900 s first byte, the active health checks) must carry every fault.
+pub const SERVER_EDGE: [&str; 2] = ["--migration-limit", "2"];
+
+/// What a NATS fleet's server adds: NATS workers are not health-checked yet, so a worker that
+/// hangs over NATS is bounded by the reply idle deadline.
+pub const NATS_EDGE: [&str; 2] = ["--nats-req-idle-timeout", "4s"];
 
 impl Fleet {
     pub async fn start(shape: &Shape) -> Fleet {
@@ -98,6 +91,9 @@ impl Fleet {
         );
         server_args.extend(wires);
         server_args.extend(SERVER_EDGE.map(str::to_owned));
+        if shape.transport == Transport::Nats {
+            server_args.extend(NATS_EDGE.map(str::to_owned));
+        }
         server_args.extend(shape.server.iter().cloned());
         let bin = env!("CARGO_BIN_EXE_infera");
         let cmd = match shape.fd_limit {

@@ -232,6 +232,25 @@ pub struct ServerArgs {
     )]
     pub breaker_max_cooldown_s: f64,
 
+    /// Active health checks: how often the server probes every worker (HTTP: `GET /health` on
+    /// its URL; NATS workers are not probed).
+    #[arg(long, env = "INFERA_HEALTH_CHECK_INTERVAL", default_value = "2s", value_name = "DURATION", help_heading = ROUTING)]
+    pub health_check_interval: HumanDuration,
+
+    /// The longest one health probe may take; a slower answer is a failed probe.
+    #[arg(long, env = "INFERA_HEALTH_CHECK_TIMEOUT", default_value = "2s", value_name = "DURATION", help_heading = ROUTING)]
+    pub health_check_timeout: HumanDuration,
+
+    /// Consecutive failed health probes that take a worker out of routing; the requests it
+    /// holds fail over at once (not yet streaming: retried elsewhere; streaming: migrated
+    /// where --migration-limit allows, else ended with an error event). 0 disables the checks.
+    #[arg(long, env = "INFERA_HEALTH_CHECK_UNHEALTHY_THRESHOLD", default_value_t = 3, value_name = "N", help_heading = ROUTING)]
+    pub health_check_unhealthy_threshold: u32,
+
+    /// Consecutive passed health probes that bring a worker back into routing.
+    #[arg(long, env = "INFERA_HEALTH_CHECK_HEALTHY_THRESHOLD", default_value_t = 2, value_name = "N", help_heading = ROUTING)]
+    pub health_check_healthy_threshold: u32,
+
     /// Continue a stream whose worker fails mid-stream on another worker (the text so far is
     /// carried in the prompt, the token budget reduced), at most N times per request and never
     /// on a worker that already failed it; mixed streams of one choice only. 0 disables.

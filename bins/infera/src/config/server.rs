@@ -207,6 +207,21 @@ pub struct WorkerEdgeConfig {
     pub breaker_max_cooldown_s: f64,
     /// Times one stream may move to another worker mid-stream; 0 is off.
     pub migration_limit: u32,
+    /// Between two rounds of health probes.
+    pub health_check_interval: HumanDuration,
+    /// The longest one probe may take.
+    pub health_check_timeout: HumanDuration,
+    /// Consecutive failed probes that take a worker out of routing; 0 disables the checks.
+    pub health_check_unhealthy_threshold: u32,
+    /// Consecutive passed probes that bring it back.
+    pub health_check_healthy_threshold: u32,
+}
+
+/// A duration that must not be zero.
+fn not_zero(flag: &'static str, value: HumanDuration) -> Result<HumanDuration, ConfigError> {
+    value
+        .non_zero()
+        .ok_or_else(|| ConfigError::new(flag, "must be greater than 0".to_owned()))
 }
 
 impl WorkerEdgeConfig {
@@ -228,6 +243,10 @@ impl WorkerEdgeConfig {
             breaker_cooldown_s: cooldown,
             breaker_max_cooldown_s: max,
             migration_limit: args.migration_limit,
+            health_check_interval: not_zero("--health-check-interval", args.health_check_interval)?,
+            health_check_timeout: not_zero("--health-check-timeout", args.health_check_timeout)?,
+            health_check_unhealthy_threshold: args.health_check_unhealthy_threshold,
+            health_check_healthy_threshold: args.health_check_healthy_threshold.max(1),
         })
     }
 }

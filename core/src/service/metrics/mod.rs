@@ -113,6 +113,10 @@ pub struct Metrics {
     pub(crate) pd_pair_errors: Counter,
     /// Circuit breakers that opened (see `breaker`).
     pub(crate) breaker_trips: Counter,
+    /// Workers that left routing for failing their health checks (see `health`).
+    pub(crate) health_ejections: Counter,
+    /// Workers out of routing for that now.
+    pub(crate) health_out: Gauge,
     /// Workers whose breaker is open now.
     pub(crate) breaker_open: Gauge,
     /// Workers whose breaker is half-open now.
@@ -180,6 +184,8 @@ impl Default for Metrics {
             pd_prefill_failures: Counter::default(),
             pd_pair_errors: Counter::default(),
             breaker_trips: Counter::default(),
+            health_ejections: Counter::default(),
+            health_out: Gauge::default(),
             breaker_open: Gauge::default(),
             breaker_half_open: Gauge::default(),
             migrations: Counter::default(),
@@ -422,6 +428,16 @@ impl Metrics {
         );
         self.models.register(r);
         r.register(
+            "infera_health_ejections",
+            "Workers that left routing for failing their health checks (--health-check-*)",
+            self.health_ejections.clone(),
+        );
+        r.register(
+            "infera_health_out_workers",
+            "Workers out of routing now for failing their health checks",
+            self.health_out.clone(),
+        );
+        r.register(
             "infera_breaker_open_workers",
             "Workers whose circuit breaker is open (excluded from routing until the cooldown)",
             self.breaker_open.clone(),
@@ -578,6 +594,8 @@ impl Service {
     /// each rank's active blocks and cached (GPU) blocks as the router sees them.
     pub fn render_metrics(&self) -> String {
         self.inner.metrics.render(|m| {
+            m.health_out
+                .set(i64::try_from(self.inner.health.out().len()).unwrap_or(i64::MAX));
             self.with_fleet(|f| {
                 m.active_workers.clear();
                 m.model_ranks.clear();

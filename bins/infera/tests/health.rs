@@ -1,0 +1,126 @@
+//! A wedged engine at the default flags, end to end: a real etcd, one `infera worker mock`, one
+//! registered worker whose engine answers its health checks until it wedges (it then accepts
+//! connections and never answers, as a hung GPU or a deadlocked scheduler does), and
+//! `infera server` with no timeout flag (its first-byte deadline is 900 s).
+//!
+//! What a user relies on: the wedged worker leaves routing within 10 s of the fault, every
+//! request it held is answered by the other worker, and none ends later than 15 s after the
+//! fault.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::tokenizer_dir;
+use common::{eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, server};
+use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _};
+use infera_backends::testing::{EtcdServer, sample_record};
+use serde_json::json;
+use std::io::{Read as _, Write as _};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// An engine that answers `GET /health` with 200 until `wedged` is set, and from then on reads
+/// what it is sent and never answers anything.
+fn engine(listener: TcpListener, wedged: Arc<AtomicBool>) {
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { continue };
+            let wedged = Arc::clone(&wedged);
+            std::thread::spawn(move || serve(conn, &wedged));
+        }
+    });
+}
+
+fn serve(mut conn: TcpStream, wedged: &AtomicBool) {
+    let mut buf = [0u8; 4096];
+    loop {
+        let Ok(n) = conn.read(&mut buf) else { return };
+        if n == 0 {
+            return;
+        }
+        if wedged.load(Ordering::SeqCst) {
+            continue;
+        }
+        let answer = if buf[..n].starts_with(b"GET /health") {
+            "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+        } else {
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n"
+        };
+        if conn.write_all(answer.as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wedged_engine_leaves_routing_and_its_requests_fail_over_at_the_defaults() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let tok = tokenizer_dir();
+    let _good = mock_worker(
+        &tok,
+        &etcd.endpoint(),
+        free_mock_port(),
+        &["--speedup", "1000"],
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let id = listener.local_addr().unwrap().to_string();
+    let wedged = Arc::new(AtomicBool::new(false));
+    engine(listener, Arc::clone(&wedged));
+    let mut record = sample_record(&id);
+    record.model_name = tok.clone();
+    record.kv_events_endpoint = None;
+    let discovery = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
+        .await
+        .unwrap();
+    let _registration = discovery.register(&record).await.unwrap();
+    let port = free_port();
+    let _server = server(&tok, &etcd.endpoint(), port, &[]);
+    eventually("both workers to be routed", || {
+        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 2)
+    });
+
+    // The fault, then six requests at once: about half are routed to the wedged engine.
+    wedged.store(true, Ordering::SeqCst);
+    let fault = Instant::now();
+    let clients: Vec<_> = (0..6)
+        .map(|i| {
+            let body = json!({"model": tok, "prompt": format!("request {i} of six"),
+                "max_tokens": 2})
+            .to_string();
+            std::thread::spawn(move || {
+                let (status, text) = http(port, "POST", "/v1/completions", &body).unwrap();
+                (status, text, fault.elapsed())
+            })
+        })
+        .collect();
+    let ejections = "infera_health_ejections_total";
+    eventually("the wedged worker to leave routing", || {
+        metric(port, ejections) == Some(1)
+    });
+    let out_after = fault.elapsed();
+    for client in clients {
+        let (status, text, ended) = client.join().unwrap();
+        assert_eq!(status, 200, "{text}");
+        assert!(
+            ended < Duration::from_secs(15),
+            "a request ended {ended:?} after the fault"
+        );
+    }
+    assert!(
+        out_after < Duration::from_secs(10),
+        "out of routing {out_after:?} after the fault"
+    );
+    assert!(
+        metric(port, "infera_router_retries_total").unwrap_or(0) > 0,
+        "the wedged worker's requests were failed over"
+    );
+    // Out of routing: the next request goes to the other worker at once.
+    let started = Instant::now();
+    let body = json!({"model": tok, "prompt": "after", "max_tokens": 2}).to_string();
+    let (status, _) = http(port, "POST", "/v1/completions", &body).unwrap();
+    assert_eq!(status, 200);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    eprintln!("out of routing {out_after:?} after the fault");
+}

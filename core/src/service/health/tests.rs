@@ -1,0 +1,200 @@
+use super::*;
+use crate::clock::SystemClock;
+use crate::event::WorkerRecord;
+use crate::fleet::FleetConfig;
+use crate::ids::RequestId;
+use crate::policy::{RouteRequest, RouterConfig};
+use crate::ports::transport::{Inbound, Outbound, RequestTransport};
+use crate::service::test_support::record;
+use crate::service::{ReplyBody, ServiceOptions};
+use bytes::Bytes;
+use futures::FutureExt as _;
+use std::sync::Arc;
+
+fn w(id: &str) -> WorkerId {
+    WorkerId::new(id)
+}
+
+fn health(unhealthy: u32, healthy: u32) -> Health {
+    let h = Health::default();
+    h.set_config(HealthConfig {
+        unhealthy_threshold: unhealthy,
+        healthy_threshold: healthy,
+        ..HealthConfig::default()
+    });
+    h
+}
+
+#[test]
+fn consecutive_failures_take_a_worker_out_and_passes_bring_it_back() {
+    let h = health(3, 2);
+    let a = w("a");
+    assert_eq!(h.record(&a, false), None);
+    assert_eq!(h.record(&a, true), None, "a pass resets the count");
+    assert_eq!(h.record(&a, false), None);
+    assert_eq!(h.record(&a, false), None);
+    assert!(h.out().is_empty());
+    assert_eq!(h.record(&a, false), Some(Change::Left));
+    assert_eq!(h.out(), std::slice::from_ref(&a));
+    assert_eq!(h.record(&a, false), None, "out once");
+    assert_eq!(h.record(&a, true), None);
+    assert_eq!(h.record(&a, true), Some(Change::Returned));
+    assert!(h.out().is_empty());
+    // A threshold of 0 never takes anyone out.
+    let off = health(0, 2);
+    for _ in 0..10 {
+        assert_eq!(off.record(&a, false), None);
+    }
+}
+
+#[test]
+fn a_request_sees_its_worker_leave_and_a_forgotten_worker_never_leaves() {
+    let h = health(1, 1);
+    let (a, b) = (w("a"), w("b"));
+    let mut left = Box::pin(h.left_routing(&a));
+    assert!((&mut left).now_or_never().is_none());
+    h.record(&a, false);
+    assert!(left.now_or_never().is_some(), "resolved when it left");
+    assert!(
+        h.left_routing(&a).now_or_never().is_some(),
+        "at once once out"
+    );
+    let mut gone = Box::pin(h.left_routing(&b));
+    h.retain(|x| x != &b);
+    assert!((&mut gone).now_or_never().is_none());
+    h.record(&b, false);
+    assert!(
+        gone.now_or_never().is_none(),
+        "a new entry is not the old one's"
+    );
+    h.retain(|x| x == &b);
+    assert_eq!(h.out(), [b], "the count follows what is kept");
+}
+
+/// A worker `wedged` that answers a stream's head and first chunk, or nothing at all, and
+/// fails its probes; every other worker answers `ok` and passes.
+#[derive(Debug)]
+struct Fake {
+    head_then_hang: bool,
+}
+
+#[async_trait::async_trait]
+impl RequestTransport for Fake {
+    fn name(&self) -> &'static str {
+        "fake"
+    }
+
+    async fn send(&self, req: Outbound) -> Result<Inbound, TransportError> {
+        if req.worker.as_str() != "wedged" {
+            let body = futures::stream::iter([Ok(Bytes::from_static(b"ok"))]).boxed();
+            return Ok(Inbound {
+                status: http::StatusCode::OK,
+                content_type: None,
+                body,
+            });
+        }
+        if !self.head_then_hang {
+            std::future::pending::<()>().await;
+        }
+        let first = futures::stream::iter([Ok(Bytes::from_static(b"data: 1\n\n"))]);
+        Ok(Inbound {
+            status: http::StatusCode::OK,
+            content_type: None,
+            body: first.chain(futures::stream::pending()).boxed(),
+        })
+    }
+
+    async fn probe(&self, worker: &WorkerRecord) -> Result<(), TransportError> {
+        if worker.worker_id.as_str() == "wedged" {
+            Err(TransportError::Failed("no answer".into()))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+fn service(head_then_hang: bool) -> Service {
+    let options = ServiceOptions {
+        router: RouterConfig::default(),
+        fleet: FleetConfig::default(),
+        request_max_retries: 1,
+        max_body_bytes: 1 << 16,
+    };
+    Service::new(
+        options,
+        Arc::new(Fake { head_then_hang }),
+        Arc::new(SystemClock),
+    )
+}
+
+fn request(st: &Service) -> RouteRequest {
+    RouteRequest {
+        request_id: RequestId::new(st.request_key("r")),
+        model: "m".into(),
+        prompt_tokens: 10,
+        hashes: Vec::new(),
+        retention: None,
+        per_worker: Default::default(),
+        exclude: Vec::new(),
+    }
+}
+
+#[tokio::test]
+async fn a_request_waiting_on_a_wedged_worker_fails_over_when_it_leaves_routing() {
+    let st = service(false);
+    st.register_worker(record("wedged"));
+    let forward = st.forward(request(&st), None, "/v1/completions", Bytes::new(), false);
+    let mut forward = Box::pin(forward);
+    assert!(
+        (&mut forward).now_or_never().is_none(),
+        "it waits on the wedged worker"
+    );
+    st.register_worker(record("good"));
+    for _ in 0..3 {
+        assert!((&mut forward).now_or_never().is_none());
+        st.check_health().await;
+    }
+    let reply = forward.await.expect("failed over to the good worker");
+    let ReplyBody::Full(body) = reply.body else {
+        panic!("a whole answer");
+    };
+    assert_eq!(&body[..], b"ok");
+    assert_eq!(st.inner.health.out(), [w("wedged")]);
+    assert!(
+        st.render_metrics()
+            .contains("infera_health_ejections_total 1")
+    );
+    // Out of routing: the next request goes to the good worker at once.
+    let next = st.forward(request(&st), None, "/v1/completions", Bytes::new(), false);
+    assert!(next.now_or_never().is_some_and(|r| r.is_ok()));
+}
+
+#[tokio::test]
+async fn a_stream_on_a_wedged_worker_ends_with_an_error_when_it_leaves_routing() {
+    let st = service(true);
+    st.register_worker(record("wedged"));
+    let reply = st
+        .forward(request(&st), None, "/v1/completions", Bytes::new(), true)
+        .await
+        .expect("the head came");
+    let ReplyBody::Stream(mut body) = reply.body else {
+        panic!("a stream");
+    };
+    let first = body
+        .next()
+        .await
+        .expect("a chunk")
+        .expect("the first chunk");
+    assert_eq!(&first[..], b"data: 1\n\n");
+    let mut next = Box::pin(body.next());
+    for _ in 0..3 {
+        assert!((&mut next).now_or_never().is_none(), "the stream hangs");
+        st.check_health().await;
+    }
+    let end = next
+        .await
+        .expect("an item")
+        .expect_err("an error, never a silent end");
+    assert!(end.to_string().contains("health checks"), "{end}");
+    assert!(matches!(end, TransportError::Timeout(_)));
+}
