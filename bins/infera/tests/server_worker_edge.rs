@@ -68,6 +68,9 @@ async fn a_hung_worker_is_failed_over_then_taken_out_of_routing_by_its_breaker()
             "3600",
             "--breaker-max-cooldown-s",
             "3600",
+            // The breaker alone: no health probe may connect to the hung worker.
+            "--health-check-unhealthy-threshold",
+            "0",
         ],
     );
     eventually("both workers to be discovered", || {
