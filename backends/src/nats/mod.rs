@@ -19,6 +19,9 @@
 //!           ours adds rs-seq: 0, 1, 2 … over the replies of one request; a reply whose seq
 //!           is not the next one ends the request with an error (a peer without rs-seq is
 //!           not checked)
+//! health    ours: a request of path /health (body null) is the server's health probe; our
+//!           worker answers it with the engine's GET /health (a Python worker POSTs it, and
+//!           the engine's 405 still shows it alive)
 //! cancel    server → infera.cancel.<token>, payload = the request's inbox
 //! jetstream with --nats-req-max-pending > 0 on servers and workers ([`jetstream`]): requests
 //!           go through the work-queue stream INFERA_REQUESTS (one durable consumer per worker,
@@ -55,6 +58,8 @@ use std::time::Duration;
 
 /// Reply header: `data`, `done` or `error`.
 pub const HDR_TYPE: &str = "rs-type";
+/// The path of the server's health probe (see the module docs).
+pub const HEALTH_PATH: &str = "/health";
 /// Reply header of `done`: the engine's HTTP status.
 pub const HDR_STATUS: &str = "rs-status";
 /// Reply header (ours): the reply's position in its request's reply stream, from 0.

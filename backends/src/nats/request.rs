@@ -48,7 +48,7 @@
 //! queue full is logged and dropped.
 
 use super::jetstream::{self as js, BACKLOG_TTL, HDR_INBOX};
-use super::{cancel_subject, encode_request, request_subject};
+use super::{HEALTH_PATH, cancel_subject, encode_request, request_subject};
 mod reply;
 
 use reply::{CancelOnDrop, Chunk, Reply};
@@ -60,6 +60,7 @@ use async_nats::jetstream::message::PublishMessage;
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt as _;
+use infera_core::event::WorkerRecord;
 use infera_core::ids::WorkerId;
 use infera_core::ports::transport::{Inbound, Outbound, RequestTransport, TransportError};
 use std::collections::HashMap;
@@ -349,6 +350,37 @@ impl RequestTransport for NatsTransport {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .remove(worker);
+        }
+    }
+
+    /// A request of path `/health` through the worker (see the module docs of `nats`): an
+    /// answer of 2xx, or the 405 of an engine that a Python worker POSTs it to, passes. In
+    /// JetStream mode requests wait in the worker's queue, so workers are not probed there.
+    async fn probe(&self, worker: &WorkerRecord) -> Result<(), TransportError> {
+        if self.queue.is_some() {
+            return Ok(());
+        }
+        let probe = Outbound::new(
+            worker.worker_id.clone(),
+            worker.url.clone(),
+            HEALTH_PATH,
+            Bytes::from_static(b"null"),
+            false,
+            "infera-health-probe",
+        );
+        let resp = self.send(probe).await?;
+        let mut body = resp.body;
+        while let Some(chunk) = body.next().await {
+            chunk?;
+        }
+        if resp.status.is_success() || resp.status == http::StatusCode::METHOD_NOT_ALLOWED {
+            Ok(())
+        } else {
+            Err(TransportError::Failed(format!(
+                "worker {} answered its health probe {}",
+                worker.worker_id.as_str(),
+                resp.status
+            )))
         }
     }
 

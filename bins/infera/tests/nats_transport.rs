@@ -406,3 +406,45 @@ async fn an_engine_that_sends_nothing_is_ended_at_the_workers_idle_timeout() {
     assert!(matches!(err, TransportError::Timeout(_)), "{err:?}");
     assert!(err.to_string().contains("--nats-req-idle-timeout"), "{err}");
 }
+
+/// A worker record of `WORKER`, as the server's health checks probe it.
+fn record() -> infera_core::event::WorkerRecord {
+    infera_backends::testing::sample_record(WORKER)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_health_probe_passes_through_a_live_worker_and_fails_on_a_silent_or_absent_one() {
+    let broker = NatsServer::start().await.unwrap();
+    let client = nats::connect(&broker.url(), "test").await.unwrap();
+    let transport = NatsTransport::new(client.clone(), NatsRequestConfig::default());
+    // No worker on the subject: no answer, or none within the server's probe timeout.
+    let bound = Duration::from_secs(2);
+    let absent = timeout(bound, transport.probe(&record())).await;
+    assert!(
+        !matches!(absent, Ok(Ok(()))),
+        "an absent worker is never healthy: {absent:?}"
+    );
+    // The mock engine's GET /health through the worker.
+    let (url, _stop, _engine) = engine(1000.0).await;
+    let live = responder(&client, &url).await;
+    timeout(DEADLINE, transport.probe(&record()))
+        .await
+        .expect("answered")
+        .expect("a live engine passes");
+    live.finish(Duration::from_secs(1)).await;
+    // An engine that accepts connections and never answers: no answer within the bound.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_url = format!("http://{}", silent.local_addr().unwrap());
+    let _held = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            conns.push(conn);
+        }
+    });
+    let _wedged = responder(&client, &silent_url).await;
+    let wedged = timeout(bound, transport.probe(&record())).await;
+    assert!(
+        !matches!(wedged, Ok(Ok(()))),
+        "a wedged engine fails its probe: {wedged:?}"
+    );
+}

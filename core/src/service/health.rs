@@ -4,7 +4,8 @@
 //! Nothing fails, so neither the breaker nor failover notices, and a first-byte deadline short
 //! enough to catch it would cut legitimate long prefills. So the server probes every worker on
 //! its own: each [`HealthConfig::interval`] it asks the transport to probe each registered
-//! worker ([`RequestTransport::probe`]: the engine's `/health` over HTTP), within
+//! worker ([`RequestTransport::probe`]: the engine's `/health`, over HTTP or through the NATS
+//! worker), within
 //! [`HealthConfig::timeout`]. After [`HealthConfig::unhealthy_threshold`] consecutive failures
 //! the worker leaves routing (its ranks are excluded like an open breaker's); after
 //! [`HealthConfig::healthy_threshold`] consecutive passes it returns. At the defaults (2 s, 2 s,
@@ -18,7 +19,7 @@
 //! work. Prefill/decode pairs are not raced yet.
 //!
 //! A worker no longer registered is forgotten at the next round. A transport that cannot probe
-//! (NATS) reports every worker healthy.
+//! (NATS in JetStream mode) reports every worker healthy.
 //!
 //! [`RequestTransport::probe`]: crate::ports::transport::RequestTransport::probe
 

@@ -4,7 +4,7 @@
 
 use super::{HttpClient, Inflight, ack};
 use crate::nats::{
-    HDR_SEQ, HDR_STATUS, HDR_TYPE, RequestPayload, TYPE_DATA, TYPE_DONE, TYPE_ERROR,
+    HDR_SEQ, HDR_STATUS, HDR_TYPE, HEALTH_PATH, RequestPayload, TYPE_DATA, TYPE_DONE, TYPE_ERROR,
 };
 use bytes::Bytes;
 use futures::StreamExt as _;
@@ -100,7 +100,13 @@ impl Job {
     async fn proxy(&self, payload: &[u8], seq: &mut u64) -> Result<(), Failure> {
         let req = RequestPayload::parse(payload).map_err(Failure::Other)?;
         let target = format!("{}{}", self.engine_url, req.path);
-        let mut builder = hyper::Request::post(&target);
+        // The server's health probe (see `RequestTransport::probe`): the engine's GET /health.
+        let probe = req.path == HEALTH_PATH;
+        let mut builder = if probe {
+            hyper::Request::get(&target)
+        } else {
+            hyper::Request::post(&target)
+        };
         let mut has_content_type = false;
         for (name, value) in req.headers.iter().flatten() {
             let lower = name.to_ascii_lowercase();
@@ -119,7 +125,11 @@ impl Job {
         if !has_content_type {
             builder = builder.header("content-type", "application/json");
         }
-        let body = serde_json::to_vec(&req.body).map_err(|e| Failure::Other(e.to_string()))?;
+        let body = if probe {
+            Vec::new()
+        } else {
+            serde_json::to_vec(&req.body).map_err(|e| Failure::Other(e.to_string()))?
+        };
         let request = builder.body(Full::new(Bytes::from(body))).map_err(|e| {
             Failure::Other(format!("cannot build the engine request to {target}: {e}"))
         })?;

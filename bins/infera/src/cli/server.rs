@@ -232,8 +232,8 @@ pub struct ServerArgs {
     )]
     pub breaker_max_cooldown_s: f64,
 
-    /// Active health checks: how often the server probes every worker (HTTP: `GET /health` on
-    /// its URL; NATS workers are not probed).
+    /// Active health checks: how often the server probes every worker's engine (`GET /health`;
+    /// over NATS through the worker; not in JetStream mode).
     #[arg(long, env = "INFERA_HEALTH_CHECK_INTERVAL", default_value = "2s", value_name = "DURATION", help_heading = ROUTING)]
     pub health_check_interval: HumanDuration,
 
