@@ -10,9 +10,10 @@
 
 mod common;
 
-use common::tokenizer_dir;
-use common::{eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, server};
-use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _};
+use common::{
+    eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, register_in_etcd,
+    server, tokenizer_dir,
+};
 use infera_backends::testing::{EtcdServer, sample_record};
 use serde_json::json;
 use std::io::{Read as _, Write as _};
@@ -71,10 +72,7 @@ async fn a_wedged_engine_leaves_routing_and_its_requests_fail_over_at_the_defaul
     let mut record = sample_record(&id);
     record.model_name = tok.clone();
     record.kv_events_endpoint = None;
-    let discovery = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
-        .await
-        .unwrap();
-    let _registration = discovery.register(&record).await.unwrap();
+    let _registration = register_in_etcd(&etcd.endpoint(), &record).await;
     let port = free_port();
     let _server = server(&tok, &etcd.endpoint(), port, &[]);
     eventually("both workers to be routed", || {

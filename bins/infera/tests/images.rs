@@ -10,7 +10,10 @@
 mod common;
 
 use base64::Engine as _;
-use common::{eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, server};
+use common::{
+    cached_blocks, eventually, free_mock_port, free_port, get_json, http, metric, mock_worker,
+    predicted_hits, server,
+};
 use infera_backends::testing::EtcdServer;
 use serde_json::{Value, json};
 use std::path::Path;
@@ -54,19 +57,7 @@ fn ask(port: u16, model: &str, image: &str, question: &str) -> u64 {
 
 /// The KV blocks the server's index holds, summed over workers.
 fn indexed(port: u16) -> u64 {
-    get_json(port, "/v1/workers").map_or(0, |w| {
-        w["data"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|w| w["load"][0]["cached_blocks"].as_u64().unwrap_or(0))
-            .sum()
-    })
-}
-
-/// The router's predicted cache hits so far (blocks, summed over picks).
-fn predicted(port: u16) -> u64 {
-    metric(port, "infera_router_pick_cache_hits_sum").unwrap_or(0)
+    cached_blocks(port).iter().sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -111,14 +102,14 @@ async fn a_repeated_image_reaches_its_holder_and_another_image_never_looks_cache
     // tokens) on the worker that holds them, and the engine there serves them from its cache.
     let mut hits = 0;
     for q in 0..6 {
-        let before = predicted(port);
+        let before = predicted_hits(port);
         let cached = ask(
             port,
             model,
             &photo,
             &format!("Question {q}: how many birds?"),
         );
-        if cached >= 880 && predicted(port) - before >= 55 {
+        if cached >= 880 && predicted_hits(port) - before >= 55 {
             hits += 1;
         }
     }
@@ -130,12 +121,16 @@ async fn a_repeated_image_reaches_its_holder_and_another_image_never_looks_cache
     // Another photo of the same size in the same place: the same placeholder tokens, but
     // another image's blocks, in the engine (nothing cached) and in the router (nothing
     // predicted past the text before it).
-    let before = predicted(port);
+    let before = predicted_hits(port);
     assert_eq!(
         ask(port, model, &png(1000, 700, 201), "What is in the picture?"),
         0
     );
-    assert_eq!(predicted(port), before, "no hit predicted across images");
+    assert_eq!(
+        predicted_hits(port),
+        before,
+        "no hit predicted across images"
+    );
 
     // An image the router cannot see (a remote URL) is routed by load, and says so.
     let skipped = "infera_cache_locality_skipped_total{reason=\"multimodal\"";

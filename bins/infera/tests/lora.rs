@@ -13,28 +13,11 @@
 mod common;
 
 use common::{
-    eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, server,
-    tokenizer_dir,
+    cached_blocks, eventually, free_mock_port, free_port, get_json, http, metric, mock_worker,
+    predicted_hits, server, tokenizer_dir,
 };
 use infera_backends::testing::EtcdServer;
 use serde_json::{Value, json};
-
-/// The KV blocks the server's index holds, per worker.
-fn cached_blocks(port: u16) -> Vec<u64> {
-    get_json(port, "/v1/workers").map_or_else(Vec::new, |w| {
-        w["data"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|w| w["load"][0]["cached_blocks"].as_u64().unwrap_or(0))
-            .collect()
-    })
-}
-
-/// The router's predicted cache hits so far (blocks, summed over picks).
-fn predicted_hits(port: u16) -> u64 {
-    metric(port, "infera_router_pick_cache_hits_sum").unwrap_or(0)
-}
 
 /// A completion of `prompt` for `model` (with `extra` body fields): the prompt tokens the
 /// engine served from its cache.

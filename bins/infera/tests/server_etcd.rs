@@ -11,10 +11,9 @@ mod common;
 
 use common::{
     DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, http_with_headers,
-    metric, mock_worker, open_stream, server, stored, tokenizer_dir,
+    metric, mock_worker, open_stream, register_in_etcd, server, stored, tokenizer_dir,
 };
 
-use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _};
 use infera_backends::testing::{EtcdServer, sample_record};
 use infera_backends::zmq::{KvEventPublisher, PublisherConfig};
 use serde_json::{Value, json};
@@ -580,10 +579,7 @@ async fn a_lost_zmq_kv_batch_is_replayed_from_the_engine_or_the_rank_rebuilt() {
     record.model_name = tok.clone();
     record.kv_events_endpoint = Some(live.endpoint().to_owned());
     record.set_kv_events_replay_endpoint(kept.replay_endpoint().map(str::to_owned));
-    let discovery = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
-        .await
-        .unwrap();
-    let _registration = discovery.register(&record).await.unwrap();
+    let _registration = register_in_etcd(&etcd.endpoint(), &record).await;
     let port = free_port();
     let _server = server(&tok, &etcd.endpoint(), port, &[]);
     let blocks = || load_of(port).and_then(|l| l["cached_blocks"].as_u64());

@@ -8,10 +8,9 @@
 mod common;
 
 use common::{
-    eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, server,
-    tokenizer_dir,
+    eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, register_in_etcd,
+    server, tokenizer_dir,
 };
-use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _};
 use infera_backends::testing::{EtcdServer, sample_record};
 use serde_json::json;
 use std::net::TcpListener;
@@ -45,10 +44,7 @@ async fn a_hung_worker_is_failed_over_then_taken_out_of_routing_by_its_breaker()
     let mut record = sample_record(&id);
     record.model_name = tok.clone();
     record.kv_events_endpoint = None;
-    let discovery = EtcdDiscovery::connect(EtcdConfig::new([etcd.endpoint()]))
-        .await
-        .unwrap();
-    let _registration = discovery.register(&record).await.unwrap();
+    let _registration = register_in_etcd(&etcd.endpoint(), &record).await;
 
     let worker_port = free_mock_port();
     let _worker = mock_worker(&tok, &etcd.endpoint(), worker_port, &["--speedup", "1000"]);

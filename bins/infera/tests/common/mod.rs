@@ -3,7 +3,8 @@
 //! HTTP/1.1 exchanges and bounded polling of another process's status pages.
 #![allow(dead_code, clippy::unwrap_used)] // each test binary uses its own subset
 
-use infera_core::event::Tier;
+use infera_backends::discovery::{EtcdConfig, EtcdDiscovery, Registrar as _, Registration};
+use infera_core::event::{Tier, WorkerRecord};
 use infera_core::ids::EngineHash;
 use infera_core::kv_events::{EngineBatch, EngineEvent};
 use serde_json::Value;
@@ -230,4 +231,30 @@ pub fn metric_in(text: &str, name: &str) -> Option<u64> {
 pub fn metric(port: u16, name: &str) -> Option<u64> {
     let (_, text) = http(port, "GET", "/metrics", "")?;
     metric_in(&text, name)
+}
+
+/// Registers `record` in the etcd at `endpoint`, as a worker launcher does; the registration
+/// lasts as long as the returned handle.
+pub async fn register_in_etcd(endpoint: &str, record: &WorkerRecord) -> Registration {
+    let discovery = EtcdDiscovery::connect(EtcdConfig::new([endpoint]))
+        .await
+        .unwrap();
+    discovery.register(record).await.unwrap()
+}
+
+/// The KV blocks the server on `port` indexes, per worker.
+pub fn cached_blocks(port: u16) -> Vec<u64> {
+    get_json(port, "/v1/workers").map_or_else(Vec::new, |w| {
+        w["data"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|w| w["load"][0]["cached_blocks"].as_u64().unwrap_or(0))
+            .collect()
+    })
+}
+
+/// The cache hits the router on `port` predicted so far (blocks, summed over picks).
+pub fn predicted_hits(port: u16) -> u64 {
+    metric(port, "infera_router_pick_cache_hits_sum").unwrap_or(0)
 }
