@@ -12,7 +12,7 @@
 //! (`vllm/multimodal/image.py`, `normalize_image`). An image behind an `http(s)` URL has no
 //! size the router knows: such a prompt is routed by load.
 
-use std::fmt;
+use std::fmt::{self, Write as _};
 
 use base64::Engine as _;
 use serde::de::{self, Deserializer, MapAccess, Visitor};
@@ -53,7 +53,7 @@ impl ImageRef {
         let mut id = String::with_capacity(7 + 32);
         id.push_str("sha256-");
         for b in &digest[..16] {
-            id.push_str(&format!("{b:02x}"));
+            let _ = write!(id, "{b:02x}");
         }
         Self {
             content_id: Some(id.into()),

@@ -49,6 +49,19 @@ async fn engine(speedup: f64) -> (String, oneshot::Sender<()>, JoinHandle<()>) {
     (url, stop, task)
 }
 
+/// An "engine" that accepts connections and never answers: its URL, and the task holding them.
+async fn silent_engine() -> (String, JoinHandle<()>) {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", silent.local_addr().unwrap());
+    let held = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            conns.push(conn);
+        }
+    });
+    (url, held)
+}
+
 async fn responder(client: &nats::Client, engine_url: &str) -> NatsResponder {
     bounded_responder(client, engine_url, |_| {}).await
 }
@@ -381,15 +394,7 @@ async fn a_request_pinned_to_a_dp_rank_reaches_the_engine_with_its_rank_header()
 async fn an_engine_that_sends_nothing_is_ended_at_the_workers_idle_timeout() {
     let broker = NatsServer::start().await.unwrap();
     let client = nats::connect(&broker.url(), "test").await.unwrap();
-    // An "engine" that accepts connections and never answers.
-    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", silent.local_addr().unwrap());
-    let _held = tokio::spawn(async move {
-        let mut conns = Vec::new();
-        while let Ok((conn, _)) = silent.accept().await {
-            conns.push(conn);
-        }
-    });
+    let (url, _held) = silent_engine().await;
     let _responder = bounded_responder(&client, &url, |c| {
         c.idle_timeout = Some(Duration::from_millis(500));
     })
@@ -433,14 +438,7 @@ async fn the_health_probe_passes_through_a_live_worker_and_fails_on_a_silent_or_
         .expect("a live engine passes");
     live.finish(Duration::from_secs(1)).await;
     // An engine that accepts connections and never answers: no answer within the bound.
-    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let silent_url = format!("http://{}", silent.local_addr().unwrap());
-    let _held = tokio::spawn(async move {
-        let mut conns = Vec::new();
-        while let Ok((conn, _)) = silent.accept().await {
-            conns.push(conn);
-        }
-    });
+    let (silent_url, _held) = silent_engine().await;
     let _wedged = responder(&client, &silent_url).await;
     let wedged = timeout(bound, transport.probe(&record())).await;
     assert!(

@@ -36,11 +36,10 @@ pub struct Attempt {
     model: String,
 }
 
-/// An attempt's SLA bookkeeping: its model, whether the client streams, and the stream's
-/// data frames (the output length when the engine reports no usage).
+/// An attempt's SLA bookkeeping: whether the client streams, and the stream's data frames (the
+/// output length when the engine reports no usage).
 #[derive(Debug)]
 struct Sla {
-    model: String,
     stream: bool,
     frames: u32,
 }
@@ -101,13 +100,9 @@ impl Attempt {
     }
 
     /// Records this attempt in the SLA histograms when it succeeds (`--enable-sla-metrics`).
-    pub(crate) fn observe_sla(&mut self, model: &str, stream: bool) {
+    pub(crate) fn observe_sla(&mut self, stream: bool) {
         if self.st.inner.sla_metrics.load(Ordering::Relaxed) {
-            self.sla = Some(Sla {
-                model: model.to_owned(),
-                stream,
-                frames: 0,
-            });
+            self.sla = Some(Sla { stream, frames: 0 });
         }
     }
 
@@ -222,7 +217,7 @@ impl Attempt {
                 input_tokens: usage.prompt_tokens.unwrap_or(self.prompt_tokens),
                 output_tokens: usage.completion_tokens.unwrap_or(sla.frames),
             };
-            m.sla.observe(self.router(), &sla.model, sample);
+            m.sla.observe(self.router(), &self.model, sample);
         }
         if let Some(worker) = self.decode_worker.take() {
             m.pd_dispatch_duration

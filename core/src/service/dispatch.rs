@@ -114,7 +114,7 @@ async fn forward(
         );
         let single = matches!(route, Route::Single { .. });
         let mut guard = Attempt::new(st, &req, !single);
-        guard.observe_sla(&req.model, stream);
+        guard.observe_sla(stream);
         let (rank, outcome) = match route {
             Route::Single { rank, url, dp_rank } => {
                 // A stream that may migrate asks its engine for token ids (see `migrate`).

@@ -157,16 +157,22 @@ impl Health {
     }
 
     /// Resolves when `worker` leaves routing (at once if it is out); never for a worker
-    /// forgotten meanwhile (it deregistered, which the transport handles).
+    /// forgotten meanwhile (it deregistered, which the transport handles), nor while the checks
+    /// are off (no round would forget an entry then, so none is made).
     pub(crate) fn left_routing(&self, worker: &WorkerId) -> impl Future<Output = ()> + use<> {
-        let mut rx = self
-            .workers()
-            .entry(worker.clone())
-            .or_default()
-            .out
-            .subscribe();
+        let rx = (self.config().unhealthy_threshold > 0).then(|| {
+            let mut workers = self.workers();
+            match workers.get(worker) {
+                Some(entry) => entry.out.subscribe(),
+                None => workers.entry(worker.clone()).or_default().out.subscribe(),
+            }
+        });
         async move {
-            if rx.wait_for(|out| *out).await.is_err() {
+            let left = match rx {
+                Some(mut rx) => rx.wait_for(|out| *out).await.is_ok(),
+                None => false,
+            };
+            if !left {
                 std::future::pending::<()>().await;
             }
         }

@@ -166,11 +166,28 @@ fn image_type() -> DataType {
 }
 
 /// The `images` column of `rows` (null for a prompt without images).
-fn images_array(rows: &[TraceRequest]) -> ListArray {
+///
+/// # Errors
+/// When the batch holds more than `i32::MAX` images or id bytes (write fewer rows per batch).
+fn images_array(rows: &[TraceRequest]) -> Result<ListArray, ArrowError> {
     use arrow_array::builder::{StringBuilder, StructBuilder, UInt32Builder};
-    let fields = image_fields();
+    let images = rows.iter().map(|r| r.images.len()).sum::<usize>();
+    let id_bytes = rows
+        .iter()
+        .flat_map(|r| &r.images)
+        .map(|i| i.id.len())
+        .sum::<usize>();
+    if images.max(id_bytes) > i32::MAX as usize {
+        return Err(ArrowError::InvalidArgumentError(format!(
+            "the images of one batch ({images} images, {id_bytes} id bytes) exceed Arrow's \
+             i32 offsets; write fewer rows per batch"
+        )));
+    }
+    let missing = |field: &str| {
+        ArrowError::SchemaError(format!("the images struct has no builder for `{field}`"))
+    };
     let items = StructBuilder::new(
-        fields.clone(),
+        image_fields(),
         vec![
             Box::new(UInt32Builder::new()),
             Box::new(UInt32Builder::new()),
@@ -188,21 +205,21 @@ fn images_array(rows: &[TraceRequest]) -> ListArray {
         for image in &r.images {
             items
                 .field_builder::<UInt32Builder>(0)
-                .expect("offset builder")
+                .ok_or_else(|| missing("offset"))?
                 .append_value(image.offset);
             items
                 .field_builder::<UInt32Builder>(1)
-                .expect("length builder")
+                .ok_or_else(|| missing("length"))?
                 .append_value(image.length);
             items
                 .field_builder::<StringBuilder>(2)
-                .expect("id builder")
+                .ok_or_else(|| missing("id"))?
                 .append_value(&image.id);
             items.append(true);
         }
         builder.append(true);
     }
-    builder.finish()
+    Ok(builder.finish())
 }
 
 /// Reads the `images` column (a `List` or `LargeList` of the image struct).
@@ -397,7 +414,7 @@ pub fn to_record_batch(rows: &[TraceRequest]) -> Result<RecordBatch, ArrowError>
         Arc::new(StringArray::from_iter(
             rows.iter().map(|r| r.cache_salt.as_deref()),
         )),
-        Arc::new(images_array(rows)),
+        Arc::new(images_array(rows)?),
     ];
     RecordBatch::try_new(trace_schema(), columns)
 }
