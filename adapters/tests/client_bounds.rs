@@ -40,7 +40,7 @@ fn options(client: ClientOptions) -> ServerOptions {
     ServerOptions {
         service: ServiceOptions {
             router: RouterConfig {
-                policy: PolicyKind::KvAware,
+                policy: PolicyKind::KV_AWARE,
                 ..RouterConfig::default()
             },
             fleet: FleetConfig::default(),

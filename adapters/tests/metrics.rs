@@ -153,7 +153,7 @@ fn python_bounds(bounds: &[f64]) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_infera_families_are_exported_with_their_names_types_labels_and_buckets() {
     let mut mocks = [Mock::start().await, Mock::start().await];
-    let front = Front::start(PolicyKind::KvAware, 1).await;
+    let front = Front::start(PolicyKind::KV_AWARE, 1).await;
     for mock in &mocks {
         front.state.register_worker(record(mock.addr));
     }
@@ -313,7 +313,7 @@ const SLA_FAMILIES: [(&str, &[f64]); 4] = [
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sla_metrics_record_streams_and_whole_answers_only_when_enabled() {
     let mock = Mock::start().await;
-    let front = Front::start(PolicyKind::KvAware, 1).await;
+    let front = Front::start(PolicyKind::KV_AWARE, 1).await;
     front.state.register_worker(record(mock.addr));
     let chat = |stream: bool| {
         json!({"model": MODEL, "max_tokens": 4, "stream": stream,

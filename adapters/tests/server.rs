@@ -45,7 +45,7 @@ fn error_status(v: &Value) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_are_relayed_streaming_and_not() {
     let mock = Mock::start().await;
-    let front = Front::start(PolicyKind::KvAware, 1).await;
+    let front = Front::start(PolicyKind::KV_AWARE, 1).await;
     front.state.register_worker(record(mock.addr));
 
     let (status, body) = post(
@@ -121,7 +121,7 @@ async fn repeated_prompt_goes_to_the_worker_holding_its_kv() {
         Mock::start().await,
         Mock::start().await,
     ];
-    let front = Front::start(PolicyKind::KvAware, 1).await;
+    let front = Front::start(PolicyKind::KV_AWARE, 1).await;
     for m in &mocks {
         front.state.register_worker(record(m.addr));
     }
@@ -170,7 +170,7 @@ async fn a_refusing_worker_is_retried_on_another() {
         let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         l.local_addr().expect("addr")
     };
-    let front = Front::start(PolicyKind::RoundRobin, 2).await;
+    let front = Front::start(PolicyKind::ROUND_ROBIN, 2).await;
     front.state.register_worker(record(dead));
     front.state.register_worker(record(mock.addr));
 
@@ -207,7 +207,7 @@ async fn a_refusing_worker_is_retried_on_another() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_honest_statuses() {
     let mock = Mock::start().await;
-    let front = Front::start(PolicyKind::KvAware, 1).await;
+    let front = Front::start(PolicyKind::KV_AWARE, 1).await;
     front.state.register_worker(record(mock.addr));
 
     let (status, body) = post_raw(front.addr, "/v1/completions", b"{not json".to_vec()).await;
@@ -297,7 +297,7 @@ async fn a_5xx_before_the_first_byte_fails_over_and_a_broken_stream_ends_with_an
         1,
     )
     .await;
-    let front = Front::start(PolicyKind::RoundRobin, 1).await;
+    let front = Front::start(PolicyKind::ROUND_ROBIN, 1).await;
     front.state.register_worker(record(failing));
     front.state.register_worker(record(mock.addr));
     // Round robin over [failing, mock] (by worker id) sends one of the two first requests to
@@ -326,7 +326,7 @@ async fn a_5xx_before_the_first_byte_fails_over_and_a_broken_stream_ends_with_an
         1,
     )
     .await;
-    let front = Front::start(PolicyKind::RoundRobin, 1).await;
+    let front = Front::start(PolicyKind::ROUND_ROBIN, 1).await;
     front.state.register_worker(record(broken));
     let req = json!({"model": MODEL, "prompt": "s", "max_tokens": 3, "stream": true});
     let (status, text) = exchange(
@@ -359,7 +359,7 @@ async fn a_5xx_before_the_first_byte_fails_over_and_a_broken_stream_ends_with_an
 async fn direct_mode_routes_to_the_worker_the_picker_named() {
     let a = Mock::start().await;
     let b = Mock::start().await;
-    let front = Front::start_with(PolicyKind::KvAware, 1, true).await;
+    let front = Front::start_with(PolicyKind::KV_AWARE, 1, true).await;
     front.state.register_worker(record(a.addr));
     front.state.register_worker(record(b.addr));
     let body = json!({"model": MODEL, "prompt": long_prompt("direct", 200), "max_tokens": 2});
@@ -423,7 +423,7 @@ async fn direct_mode_routes_to_the_worker_the_picker_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn anthropic_messages_are_served_through_the_same_pipeline() {
     let mock = Mock::start().await;
-    let front = Front::start(PolicyKind::KvAware, 1).await;
+    let front = Front::start(PolicyKind::KV_AWARE, 1).await;
     front.state.register_worker(record(mock.addr));
     let text = long_prompt("messages", 300);
     let req = json!({"model": MODEL, "max_tokens": 3, "system": "Be brief.",
@@ -498,7 +498,7 @@ async fn anthropic_messages_are_served_through_the_same_pipeline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prewarm_without_a_kv_cache_daemon_is_unavailable() {
-    let front = Front::start(PolicyKind::KvAware, 0).await;
+    let front = Front::start(PolicyKind::KV_AWARE, 0).await;
     let (status, body) = post(
         front.addr,
         "/v1/cache/prewarm",
@@ -540,7 +540,7 @@ async fn profiling_fans_out_to_the_chosen_engines_only_when_enabled() {
         .expect("bind")
         .local_addr()
         .expect("addr");
-    let front = Front::start(PolicyKind::KvAware, 0).await;
+    let front = Front::start(PolicyKind::KV_AWARE, 0).await;
     front.state.register_worker(record(engine));
     front.state.register_worker(record(gone));
 
@@ -596,7 +596,7 @@ fn dp_header(head: &str) -> Option<&str> {
 async fn a_worker_of_several_dp_ranks_is_pinned_to_the_chosen_rank() {
     let (multi, mut multi_heads, multi_task) = scripted_worker(ONE_TOKEN, 2).await;
     let (single, mut single_heads, single_task) = scripted_worker(ONE_TOKEN, 1).await;
-    let front = Front::start_with(PolicyKind::KvAware, 0, true).await;
+    let front = Front::start_with(PolicyKind::KV_AWARE, 0, true).await;
     // Ranks 4..8 behind one endpoint (a vLLM with --data-parallel-start-rank 4, say).
     let mut rec = record(multi);
     rec.dp_rank = 4;
@@ -668,7 +668,7 @@ async fn pd_legs_are_pinned_to_their_dp_ranks_and_the_decode_names_the_prefill_r
     ] {
         let prefill = Mock::start_pd(Role::Prefill, protocol).await;
         let decode = Mock::start_pd(Role::Decode, protocol).await;
-        let front = Front::start_with(PolicyKind::KvAware, 0, true).await;
+        let front = Front::start_with(PolicyKind::KV_AWARE, 0, true).await;
         front
             .state
             .register_worker(pd_record(&prefill, Role::Prefill, protocol, params));
@@ -782,7 +782,7 @@ async fn a_pd_request_is_prefilled_when_the_prefill_answers_not_at_the_first_byt
         bodies: std::sync::Mutex::new(vec![(p.clone(), p_rx), (d.clone(), d_rx)]),
     };
     let state = ServerState::with_transport(
-        options(PolicyKind::KvAware, 0, false),
+        options(PolicyKind::KV_AWARE, 0, false),
         tokenizer(),
         Arc::new(transport),
     );

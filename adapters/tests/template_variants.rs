@@ -76,7 +76,7 @@ async fn route_once(per_worker: bool) -> (f64, u64) {
     let (status, direct) = post(thinking.addr, "/v1/chat/completions", &chat()).await;
     assert_eq!(status, 200, "{direct}");
 
-    let mut opts = options(PolicyKind::KvAware, 0, false);
+    let mut opts = options(PolicyKind::KV_AWARE, 0, false);
     opts.per_worker_template_kwargs = per_worker;
     let front = Front::serve(ServerState::new(opts, tokenizer)).await;
     for mock in [&plain, &thinking] {

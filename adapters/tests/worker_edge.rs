@@ -169,7 +169,7 @@ impl Drop for Fake {
 /// The server front, round-robin over HTTP with `deadlines`, retrying `max_retries` times.
 async fn start_front(max_retries: u32, deadlines: HttpDeadlines) -> Front {
     let transport = Arc::new(HttpTransport::with_deadlines(deadlines));
-    let options = options(PolicyKind::RoundRobin, max_retries, false);
+    let options = options(PolicyKind::ROUND_ROBIN, max_retries, false);
     Front::serve(ServerState::with_transport(options, tokenizer(), transport)).await
 }
 

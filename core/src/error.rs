@@ -125,7 +125,7 @@ impl ServiceError for RouteError {
             | RouteError::Draining(_)
             | RouteError::UnknownRank { .. } => ErrorCode::Unavailable,
             RouteError::WrongModel { .. } => ErrorCode::BadRequest,
-            RouteError::MissingBlockSize(_) => ErrorCode::Internal,
+            RouteError::MissingBlockSize(_) | RouteError::BadPick { .. } => ErrorCode::Internal,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The routing-quality suite (`cargo xtask bench routing`): standard traces through the
 //! simulator under each policy, against two bounds, as one markdown table.
 //!
-//! For each [`SuiteTrace`], each [`POLICIES`] entry and `--tune`'s pick (the configuration
+//! For each [`SuiteTrace`], each of [`policies`] and `--tune`'s pick (the configuration
 //! [`crate::tune::recommend`] chooses from the [`crate::tune::default_axes`] grid, labelled with
 //! its flags) the suite reports the hit rate, TTFT p50 and p99 and the busiest worker's share over
 //! the mean, and measures the hit rate against:
@@ -34,41 +34,46 @@ pub struct SuiteTrace {
 }
 
 /// One policy the suite compares: its label and the router settings it changes.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Policy {
-    pub label: &'static str,
+    pub label: String,
     pub kind: PolicyKind,
     pub overlap_weight: f64,
     pub resident_weight: f64,
     pub balance_tokens: u32,
 }
 
-const fn kv_aware(label: &'static str, overlap: f64, resident: f64, balance: u32) -> Policy {
-    Policy {
+/// The policies compared: every registered policy at the default weights, then KV-aware at two
+/// higher weights, with resident conversations counted, and with recent picks balanced.
+pub fn policies() -> Vec<Policy> {
+    let at = |label: String, kind, overlap_weight, resident_weight, balance_tokens| Policy {
         label,
-        kind: PolicyKind::KvAware,
-        overlap_weight: overlap,
-        resident_weight: resident,
-        balance_tokens: balance,
+        kind,
+        overlap_weight,
+        resident_weight,
+        balance_tokens,
+    };
+    let mut out: Vec<Policy> = PolicyKind::all()
+        .map(|kind| {
+            let label = if kind == PolicyKind::default() {
+                format!("{kind} (default)")
+            } else {
+                kind.to_string()
+            };
+            at(label, kind, 1.0, 0.0, 0)
+        })
+        .collect();
+    let kv = PolicyKind::KV_AWARE;
+    for (label, overlap, resident, balance) in [
+        ("kv-aware, weight 4", 4.0, 0.0, 0),
+        ("kv-aware, weight 16", 16.0, 0.0, 0),
+        ("kv-aware, weight 4, resident weight 1", 4.0, 1.0, 0),
+        ("kv-aware, weight 16, balance 512 tokens", 16.0, 0.0, 512),
+    ] {
+        out.push(at(label.to_owned(), kv, overlap, resident, balance));
     }
+    out
 }
-
-/// The policies compared: round-robin, then KV-aware at the default weight and two higher ones,
-/// with resident conversations counted, and with recent picks balanced.
-pub const POLICIES: [Policy; 6] = [
-    Policy {
-        label: "round-robin",
-        kind: PolicyKind::RoundRobin,
-        overlap_weight: 1.0,
-        resident_weight: 0.0,
-        balance_tokens: 0,
-    },
-    kv_aware("kv-aware, weight 1 (default)", 1.0, 0.0, 0),
-    kv_aware("kv-aware, weight 4", 4.0, 0.0, 0),
-    kv_aware("kv-aware, weight 16", 16.0, 0.0, 0),
-    kv_aware("kv-aware, weight 4, resident weight 1", 4.0, 1.0, 0),
-    kv_aware("kv-aware, weight 16, balance 512 tokens", 16.0, 0.0, 512),
-];
 
 /// One line of the table.
 #[derive(Debug, Clone, PartialEq)]
@@ -91,7 +96,7 @@ pub fn pooled(base: &SimConfig) -> SimConfig {
     let mut c = base.clone();
     c.workers = 1;
     c.pd = None;
-    c.router.policy = PolicyKind::RoundRobin;
+    c.router.policy = PolicyKind::ROUND_ROBIN;
     c.engine.gpu_blocks = base.engine.gpu_blocks.saturating_mul(n);
     c.engine.max_batched_tokens = base
         .engine
@@ -104,7 +109,7 @@ pub fn pooled(base: &SimConfig) -> SimConfig {
     c
 }
 
-/// One simulation of the suite: trace `t`'s bound, one of its [`POLICIES`], or a point of its
+/// One simulation of the suite: trace `t`'s bound, one of its [`policies`], or a point of its
 /// `--tune` grid.
 enum Job {
     Bound,
@@ -126,10 +131,11 @@ struct Outcomes {
 /// # Errors
 /// The first configuration the simulator refuses, naming the trace.
 pub fn run(traces: &[SuiteTrace]) -> Result<Vec<SuiteRow>, SimError> {
+    let compared = policies();
     let mut jobs: Vec<(usize, Job)> = Vec::new();
     for (t, st) in traces.iter().enumerate() {
         jobs.push((t, Job::Bound));
-        jobs.extend((0..POLICIES.len()).map(|p| (t, Job::Policy(p))));
+        jobs.extend((0..compared.len()).map(|p| (t, Job::Policy(p))));
         let grid = sweep::grid(&st.base, &tune::default_axes(&st.base))
             .map_err(|e| SimError::Invalid(format!("{}: {e}", st.name)))?;
         jobs.extend(grid.into_iter().map(|p| (t, Job::Tune(Box::new(p)))));
@@ -141,7 +147,7 @@ pub fn run(traces: &[SuiteTrace]) -> Result<Vec<SuiteRow>, SimError> {
             let cfg = match job {
                 Job::Bound => pooled(&st.base),
                 Job::Policy(p) => {
-                    let policy = &POLICIES[*p];
+                    let policy = &compared[*p];
                     let mut c = st.base.clone();
                     c.router.policy = policy.kind;
                     c.router.overlap_weight = policy.overlap_weight;
@@ -162,7 +168,7 @@ pub fn run(traces: &[SuiteTrace]) -> Result<Vec<SuiteRow>, SimError> {
         let s = result?;
         match job {
             Job::Bound => by_trace[t].bound = s.hit_rate,
-            Job::Policy(p) => by_trace[t].policies.push((POLICIES[p].label.to_owned(), s)),
+            Job::Policy(p) => by_trace[t].policies.push((compared[p].label.clone(), s)),
             Job::Tune(point) => by_trace[t].grid.push((tune::flags(&point.values), s)),
         }
     }
@@ -272,9 +278,9 @@ mod tests {
             base,
         }])
         .expect("suite");
-        assert_eq!(rows.len(), POLICIES.len() + 1);
+        assert_eq!(rows.len(), policies().len() + 1);
         assert!(
-            rows[POLICIES.len()]
+            rows[policies().len()]
                 .policy
                 .starts_with("--tune's pick: --kv-overlap-weight ")
         );
@@ -282,12 +288,17 @@ mod tests {
             assert!(r.hit_rate <= r.ideal + 1e-9, "{r:?}");
             assert!(r.bound > 0.0 && r.bound <= r.ideal + 1e-9, "{r:?}");
         }
+        let row = |label: &str| {
+            rows.iter()
+                .find(|r| r.policy == label)
+                .unwrap_or_else(|| panic!("no {label} row"))
+        };
         assert!(
-            rows[1].hit_rate > rows[0].hit_rate,
+            row("kv-aware (default)").hit_rate > row("round-robin").hit_rate,
             "kv-aware beats round-robin"
         );
         let table = markdown(&rows);
-        assert_eq!(table.lines().count(), 3 + POLICIES.len());
+        assert_eq!(table.lines().count(), 3 + policies().len());
         assert!(table.contains("| agentic | 2 | round-robin |"), "{table}");
     }
 }

@@ -120,17 +120,11 @@ pub fn apply(cfg: &mut SimConfig, key: &str, value: &str) -> Result<(), SweepErr
         "router-resident-weight" => cfg.router.resident_weight = num(key, value, false)?,
         "router-balance-tokens" => cfg.router.balance_tokens = num(key, value, false)?,
         "router-policy" => {
-            cfg.router.policy = match value {
-                "kv-aware" => PolicyKind::KvAware,
-                "round-robin" => PolicyKind::RoundRobin,
-                _ => {
-                    return Err(SweepError::BadValue {
-                        key: key.into(),
-                        value: value.into(),
-                        why: "expected kv-aware or round-robin".into(),
-                    });
-                }
-            }
+            cfg.router.policy = PolicyKind::parse(value).map_err(|e| SweepError::BadValue {
+                key: key.into(),
+                value: value.into(),
+                why: e.to_string(),
+            })?
         }
         "workers" => cfg.workers = num(key, value, true)?,
         "prefill-workers" => {

@@ -44,7 +44,7 @@ fn workers_by_session(trace: &Trace, r: &SimResult) -> HashMap<String, Vec<Strin
 #[test]
 fn a_turn_leaves_after_its_predecessor_finished_plus_its_think_time_mixed_or_pd() {
     let trace = agentic();
-    let mut cfg = config(PolicyKind::KvAware, Playback::Sessions);
+    let mut cfg = config(PolicyKind::KV_AWARE, Playback::Sessions);
     cfg.speedup = 2.0;
     let pd = SimConfig {
         pd: Some((1, 2)),
@@ -54,7 +54,7 @@ fn a_turn_leaves_after_its_predecessor_finished_plus_its_think_time_mixed_or_pd(
         check_session_timing(&trace, &cfg);
     }
 
-    let open = sim::run(&trace, &config(PolicyKind::KvAware, Playback::Timeline)).expect("run");
+    let open = sim::run(&trace, &config(PolicyKind::KV_AWARE, Playback::Timeline)).expect("run");
     for (row, out) in trace.requests.iter().zip(&open.requests) {
         assert_eq!(out.arrival_us, row.arrival_us, "{}", row.request_id);
     }
@@ -108,7 +108,7 @@ fn one_conversation_at_a_time_stays_on_one_worker_under_kv_aware() {
         ..SynthConfig::default()
     })
     .expect("trace");
-    let kv = sim::run(&trace, &config(PolicyKind::KvAware, Playback::Sessions)).expect("run");
+    let kv = sim::run(&trace, &config(PolicyKind::KV_AWARE, Playback::Sessions)).expect("run");
     // Precondition: the conversations do not overlap (each starts after the last one ended).
     let mut by_arrival: Vec<_> = kv.requests.iter().collect();
     by_arrival.sort_by_key(|o| o.arrival_us);
@@ -125,7 +125,7 @@ fn one_conversation_at_a_time_stays_on_one_worker_under_kv_aware() {
             "{s} moved between workers: {workers:?}"
         );
     }
-    let rr = sim::run(&trace, &config(PolicyKind::RoundRobin, Playback::Sessions)).expect("run");
+    let rr = sim::run(&trace, &config(PolicyKind::ROUND_ROBIN, Playback::Sessions)).expect("run");
     let ideal = summarize(&trace).ideal_hit_rate;
     let (kv, rr) = (Summary::of(&kv, ideal), Summary::of(&rr, ideal));
     assert!(
@@ -140,8 +140,8 @@ fn one_conversation_at_a_time_stays_on_one_worker_under_kv_aware() {
 fn under_load_kv_aware_keeps_more_turns_in_place_and_hits_more_than_round_robin() {
     let trace = agentic();
     let ideal = summarize(&trace).ideal_hit_rate;
-    let kv = sim::run(&trace, &config(PolicyKind::KvAware, Playback::Sessions)).expect("run");
-    let rr = sim::run(&trace, &config(PolicyKind::RoundRobin, Playback::Sessions)).expect("run");
+    let kv = sim::run(&trace, &config(PolicyKind::KV_AWARE, Playback::Sessions)).expect("run");
+    let rr = sim::run(&trace, &config(PolicyKind::ROUND_ROBIN, Playback::Sessions)).expect("run");
     let (kv_stay, rr_stay) = (stay_rate(&trace, &kv), stay_rate(&trace, &rr));
     assert!(
         kv_stay > rr_stay,

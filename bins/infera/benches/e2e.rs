@@ -262,7 +262,7 @@ fn body(text: &str) -> Bytes {
 
 fn cold(c: &mut Criterion) {
     let tok = tokenizer();
-    let fleet = fleet(PolicyKind::KvAware, &tok, None, Engines::Instant);
+    let fleet = fleet(PolicyKind::KV_AWARE, &tok, None, Engines::Instant);
     let mut group = c.benchmark_group("e2e/cold");
     group
         .sample_size(20)
@@ -366,7 +366,7 @@ fn concurrent(fleet: &Fleet, target: SocketAddr, bodies: &[Bytes], iters: u64) -
 fn throughput(c: &mut Criterion) {
     let tok = tokenizer();
     // Distinct 1k-token prompts, cycled: the kv-aware router hashes each of them.
-    let kv = fleet(PolicyKind::KvAware, &tok, None, Engines::Mock);
+    let kv = fleet(PolicyKind::KV_AWARE, &tok, None, Engines::Mock);
     let prompts: Vec<Bytes> = (0..256)
         .map(|i| body(&prompt(&tok, &format!("tp{i}"), 1_000)))
         .collect();
@@ -387,9 +387,9 @@ fn throughput(c: &mut Criterion) {
     // over 12 s: the recent-pick window kept every finished request and each log compaction
     // dumped them all. It keeps per-bucket charges now; see `infera_core::fleet`.)
     drop(kv);
-    let kv = fleet(PolicyKind::KvAware, &tok, None, Engines::Mock);
+    let kv = fleet(PolicyKind::KV_AWARE, &tok, None, Engines::Mock);
     let dir = tempfile::tempdir().expect("tempdir");
-    let recorded = fleet(PolicyKind::KvAware, &tok, Some(dir.path()), Engines::Mock);
+    let recorded = fleet(PolicyKind::KV_AWARE, &tok, Some(dir.path()), Engines::Mock);
     let mut ratios = Vec::new();
     group.bench_function("kv-aware-1k-c32-recorded", |b| {
         b.iter_custom(|iters| {
@@ -412,7 +412,7 @@ fn throughput(c: &mut Criterion) {
     }
     drop((kv, recorded));
 
-    let rr = fleet(PolicyKind::RoundRobin, &tok, None, Engines::Instant);
+    let rr = fleet(PolicyKind::ROUND_ROBIN, &tok, None, Engines::Instant);
     let short = vec![body("a request the router need not tokenize")];
     group.bench_function("round-robin-c32", |b| {
         b.iter_custom(|iters| concurrent(&rr, rr.front, &short, iters));

@@ -2,11 +2,10 @@
 //! (import, inspect and synthesize traces). Flag parsing and wiring only; the work is in
 //! `infera-replay`.
 
-use crate::cli::replay::{PlaybackArg, PolicyArg, ReplayArgs};
+use crate::cli::replay::{PlaybackArg, ReplayArgs};
 use crate::cli::trace::{TraceArgs, TraceCmd};
 use anyhow::{Context, bail};
 use infera_core::engine::TimingModel;
-use infera_core::policy::PolicyKind;
 use infera_replay::plot;
 use infera_replay::report::{self, Row, Summary};
 use infera_replay::rules::RetentionRule;
@@ -83,10 +82,7 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
         .collect::<Result<Vec<_>, _>>()
         .context("--retention-rule")?;
     let mut cfg = SimConfig::default();
-    cfg.router.policy = match a.router_policy {
-        PolicyArg::KvAware => PolicyKind::KvAware,
-        PolicyArg::RoundRobin => PolicyKind::RoundRobin,
-    };
+    cfg.router.policy = a.router_policy;
     cfg.router.overlap_weight = a.kv_overlap_weight;
     cfg.router.prefill_overlap_weight = a.kv_prefill_overlap_weight;
     cfg.router.decode_overlap_weight = a.kv_decode_overlap_weight;

@@ -25,7 +25,7 @@
 //! A durable `--event-log` is attached through [`infera_adapters::server::attach_event_log`];
 //! `--record-trace DIR` (and `--record-prompts`) records through [`crate::record`].
 
-use crate::config::server::{RouterMode, RouterPolicy};
+use crate::config::server::RouterMode;
 use crate::config::{DiscoveryConfig, ServerConfig};
 use crate::record::Recording;
 use crate::signals::Signals;
@@ -145,16 +145,13 @@ pub(crate) fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {
 
 /// The kernel's router configuration for `--router-policy` and the `--kv-*-overlap-weight`s.
 pub(crate) fn router_config(
-    policy: RouterPolicy,
+    policy: PolicyKind,
     overlap_weight: f64,
     prefill_overlap_weight: Option<f64>,
     decode_overlap_weight: Option<f64>,
 ) -> RouterConfig {
     RouterConfig {
-        policy: match policy {
-            RouterPolicy::KvAware => PolicyKind::KvAware,
-            RouterPolicy::RoundRobin => PolicyKind::RoundRobin,
-        },
+        policy,
         overlap_weight,
         prefill_overlap_weight,
         decode_overlap_weight,

@@ -22,7 +22,6 @@
 //! SIGTERM or Ctrl-C stops the server (in-flight requests finish), then the mocks (their engine
 //! loops are joined, which drops their sinks), then the forwarders end. Nothing is detached.
 
-use crate::config::server::RouterPolicy;
 use crate::kvd_store::KvdBlockStore;
 use crate::net::socket_addr;
 use crate::signals::Signals;
@@ -100,8 +99,8 @@ pub struct UpArgs {
     pub kv_overlap_weight: f64,
 
     /// Routing policy, as `infera server`.
-    #[arg(long, value_enum, default_value = "kv-aware")]
-    pub router_policy: RouterPolicy,
+    #[arg(long, value_parser = crate::cli::policy_parser(), default_value_t)]
+    pub router_policy: PolicyKind,
 
     /// KV blocks of simulated GPU memory per mock.
     #[arg(long, default_value_t = 16384, value_name = "N")]
@@ -223,10 +222,7 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
     let options = ServerOptions {
         service: ServiceOptions {
             router: RouterConfig {
-                policy: match args.router_policy {
-                    RouterPolicy::KvAware => PolicyKind::KvAware,
-                    RouterPolicy::RoundRobin => PolicyKind::RoundRobin,
-                },
+                policy: args.router_policy,
                 overlap_weight: args.kv_overlap_weight,
                 ..RouterConfig::default()
             },

@@ -32,10 +32,14 @@
 //! - `round-robin`: rotates through each distinct candidate set independently.
 //! - direct mode ([`resolve_direct`]): the worker named by the request's headers, no failover.
 //!
+//! Each policy is a [`Policy`] in a module of its own, registered by name in [`POLICIES`].
+//!
 //! The [`Router`] is the only code that decides, live and in replay; it reads a [`FleetState`] and
 //! returns a [`RequestRouted`] event for the caller to append to the log. It never mutates state.
 
 mod cost;
+mod kv_aware;
+mod round_robin;
 
 pub use cost::{Scored, Scratch, Weights, score_candidates};
 
@@ -43,26 +47,155 @@ use crate::clock::Micros;
 use crate::event::{CandidateScore, RequestRouted, Retention, Role, RoutedLeg};
 use crate::fleet::{Candidate, FleetState};
 use crate::ids::{BlockHash, RequestId, WorkerId, WorkerRank};
-use crate::rng::Rng;
-use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
-/// `--router-policy`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum PolicyKind {
-    #[default]
-    KvAware,
-    RoundRobin,
+/// A routing policy's entry in [`POLICIES`].
+#[derive(Debug)]
+pub struct PolicySpec {
+    /// Its `--router-policy` value.
+    pub name: &'static str,
+    /// One line for `--help`.
+    pub about: &'static str,
+    /// Whether it reads the prompt's cached prefix; the service does not tokenize requests for
+    /// a policy that does not.
+    pub needs_prefix: bool,
+    /// A fresh instance for `config`.
+    pub build: fn(&RouterConfig) -> Box<dyn Policy>,
 }
 
+/// Every routing policy, the default first. A new policy is a module of this directory and its
+/// line here; the CLI, `infera replay`, its sweeps and its suite read this list
+/// (`docs/extending.md` walks through one).
+pub static POLICIES: &[PolicySpec] = &[kv_aware::SPEC, round_robin::SPEC];
+
+/// A policy: picks one of a leg's candidates. One instance lives as long as its [`Router`], so
+/// it may keep state between decisions (cursors, a seeded random source, scratch buffers).
+pub trait Policy: Send + Sync + std::fmt::Debug {
+    /// Picks one of `leg.candidates` (never empty).
+    ///
+    /// # Errors
+    /// A [`RouteError`] when the request cannot be routed (a missing block size, say).
+    fn pick(&mut self, leg: &Leg<'_>) -> Result<Pick, RouteError>;
+}
+
+/// What a policy decides one leg from.
+#[derive(Debug)]
+pub struct Leg<'a> {
+    pub fleet: &'a FleetState,
+    pub req: &'a RouteRequest,
+    /// The model's workers of the leg's role, the request's failed ones left out; never empty.
+    pub candidates: &'a [Candidate],
+    pub role: Role,
+    /// `--kv-overlap-weight` for the leg's role, scaled by the request's retention hint.
+    pub overlap_weight: f64,
+    pub now_us: Micros,
+}
+
+/// A policy's choice.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pick {
+    /// Index into [`Leg::candidates`].
+    pub candidate: usize,
+    /// The chosen candidate's cached prefix in blocks, where the policy computed it; the router
+    /// computes it otherwise.
+    pub overlap_blocks: Option<u32>,
+    /// The best-scored candidates, for the `RequestRouted` event (empty for a policy that does
+    /// not score).
+    pub top: Vec<CandidateScore>,
+}
+
+/// `--router-policy`: one of [`POLICIES`], by name.
+#[derive(Clone, Copy)]
+pub struct PolicyKind(&'static PolicySpec);
+
 impl PolicyKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PolicyKind::KvAware => "kv-aware",
-            PolicyKind::RoundRobin => "round-robin",
-        }
+    /// The default policy.
+    pub const KV_AWARE: PolicyKind = PolicyKind(&kv_aware::SPEC);
+    pub const ROUND_ROBIN: PolicyKind = PolicyKind(&round_robin::SPEC);
+
+    /// The registered policy called `name`.
+    ///
+    /// # Errors
+    /// [`UnknownPolicy`], naming the registered ones.
+    pub fn parse(name: &str) -> Result<Self, UnknownPolicy> {
+        POLICIES
+            .iter()
+            .find(|p| p.name == name)
+            .map(PolicyKind)
+            .ok_or_else(|| UnknownPolicy(name.to_owned()))
     }
+
+    /// Every registered policy, the default first.
+    pub fn all() -> impl Iterator<Item = PolicyKind> {
+        POLICIES.iter().map(PolicyKind)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        self.0.name
+    }
+
+    pub fn spec(self) -> &'static PolicySpec {
+        self.0
+    }
+}
+
+impl Default for PolicyKind {
+    fn default() -> Self {
+        PolicyKind(&POLICIES[0])
+    }
+}
+
+impl PartialEq for PolicyKind {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.name == other.0.name
+    }
+}
+
+impl Eq for PolicyKind {}
+
+impl std::fmt::Debug for PolicyKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.name)
+    }
+}
+
+impl std::fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.name)
+    }
+}
+
+impl std::str::FromStr for PolicyKind {
+    type Err = UnknownPolicy;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+impl Serialize for PolicyKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.0.name)
+    }
+}
+
+impl<'de> Deserialize<'de> for PolicyKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        Self::parse(&name).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A `--router-policy` no policy is registered under.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown routing policy {0:?}; registered: {names}", names = policy_names())]
+pub struct UnknownPolicy(pub String);
+
+fn policy_names() -> String {
+    POLICIES
+        .iter()
+        .map(|p| p.name)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Everything that shapes a decision (from `infera server`'s or `infera replay`'s flags).
@@ -94,7 +227,7 @@ pub struct RouterConfig {
 impl Default for RouterConfig {
     fn default() -> Self {
         Self {
-            policy: PolicyKind::KvAware,
+            policy: PolicyKind::default(),
             overlap_weight: 1.0,
             prefill_overlap_weight: None,
             decode_overlap_weight: None,
@@ -262,6 +395,13 @@ pub enum RouteError {
     /// The request was hashed at none of the candidates' block sizes (a caller bug; → 500).
     #[error("request was not hashed at block size {0}")]
     MissingBlockSize(u32),
+    /// A policy picked outside its candidates (a policy bug; → 500).
+    #[error("policy {policy} picked candidate {index} of {candidates}")]
+    BadPick {
+        policy: &'static str,
+        index: usize,
+        candidates: usize,
+    },
 }
 
 impl RouteError {
@@ -271,24 +411,17 @@ impl RouteError {
     }
 }
 
-/// The decider. Holds only the policy's own state (seeded RNG, round-robin cursors).
-#[derive(Debug, Clone)]
+/// The decider. Holds only the policy's own state (see [`Policy`]).
+#[derive(Debug)]
 pub struct Router {
     config: RouterConfig,
-    rng: Rng,
-    rr_cursors: FxHashMap<u64, u64>,
-    scratch: cost::Scratch,
+    policy: Box<dyn Policy>,
 }
 
 impl Router {
     pub fn new(config: RouterConfig) -> Self {
-        let rng = Rng::new(config.seed);
-        Self {
-            config,
-            rng,
-            rr_cursors: FxHashMap::default(),
-            scratch: cost::Scratch::default(),
-        }
+        let policy = (config.policy.spec().build)(&config);
+        Self { config, policy }
     }
 
     pub fn config(&self) -> &RouterConfig {
@@ -421,72 +554,40 @@ impl Router {
                 role: role.as_str(),
             });
         }
-        let weight = self.config.weight_for(role) * retention_scale(req.retention);
-        match self.config.policy {
-            PolicyKind::RoundRobin => {
-                let key = candidate_set_key(cands);
-                let cursor = self.rr_cursors.entry(key).or_default();
-                let c = &cands[(*cursor % cands.len() as u64) as usize];
-                *cursor = cursor.wrapping_add(1);
-                let blocks = req
-                    .blocks_for(&c.rank.worker, c.block_size)
-                    .ok_or(RouteError::MissingBlockSize(c.block_size))?;
-                let mut ov = Vec::with_capacity(1);
-                fleet
-                    .index()
-                    .overlap(crate::event::Tier::Gpu, blocks, &[c.slot], &mut ov);
-                let indexed = ov.first().copied().unwrap_or(0);
-                let overlap_blocks = fleet.expected_overlap_at(c.slot, blocks, indexed);
-                let leg = RoutedLeg {
-                    worker: c.rank.clone(),
-                    role,
-                    overlap_blocks,
-                };
-                Ok((leg, blocks, Vec::new(), weight))
-            }
-            PolicyKind::KvAware => {
-                let weights = Weights {
-                    overlap: weight,
-                    resident: self.config.resident_weight,
-                    balance_tokens: f64::from(self.config.balance_tokens),
-                };
-                let scored =
-                    score_candidates(fleet, req, cands, weights, now_us, &mut self.scratch)?;
-                let pick = cost::choose(&scored, self.config.temperature, &mut self.rng);
-                let chosen = &scored[pick];
-                let blocks = req
-                    .blocks_for(&chosen.candidate.rank.worker, chosen.candidate.block_size)
-                    .ok_or(RouteError::MissingBlockSize(chosen.candidate.block_size))?;
-                let leg = RoutedLeg {
-                    worker: chosen.candidate.rank.clone(),
-                    role,
-                    overlap_blocks: chosen.overlap,
-                };
-                let mut order: Vec<usize> = (0..scored.len()).collect();
-                order.sort_by(|a, b| scored[*a].cost.total_cmp(&scored[*b].cost));
-                let top = order
-                    .into_iter()
-                    .take(self.config.record_top)
-                    .map(|i| CandidateScore {
-                        worker: scored[i].candidate.rank.clone(),
-                        overlap_blocks: scored[i].overlap,
-                        cost: scored[i].cost,
-                    })
-                    .collect();
-                Ok((leg, blocks, top, weight))
-            }
-        }
+        let overlap_weight = self.config.weight_for(role) * retention_scale(req.retention);
+        let pick = self.policy.pick(&Leg {
+            fleet,
+            req,
+            candidates: cands,
+            role,
+            overlap_weight,
+            now_us,
+        })?;
+        let Some(c) = cands.get(pick.candidate) else {
+            return Err(RouteError::BadPick {
+                policy: self.config.policy.as_str(),
+                index: pick.candidate,
+                candidates: cands.len(),
+            });
+        };
+        let blocks = req
+            .blocks_for(&c.rank.worker, c.block_size)
+            .ok_or(RouteError::MissingBlockSize(c.block_size))?;
+        let overlap_blocks = pick.overlap_blocks.unwrap_or_else(|| {
+            let mut ov = Vec::with_capacity(1);
+            fleet
+                .index()
+                .overlap(crate::event::Tier::Gpu, blocks, &[c.slot], &mut ov);
+            let indexed = ov.first().copied().unwrap_or(0);
+            fleet.expected_overlap_at(c.slot, blocks, indexed)
+        });
+        let leg = RoutedLeg {
+            worker: c.rank.clone(),
+            role,
+            overlap_blocks,
+        };
+        Ok((leg, blocks, pick.top, overlap_weight))
     }
-}
-
-fn candidate_set_key(cands: &[Candidate]) -> u64 {
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
-    for c in cands {
-        h.update(c.rank.worker.as_str().as_bytes());
-        h.update(&c.rank.dp_rank.to_le_bytes());
-        h.update(&[0xff]);
-    }
-    h.digest()
 }
 
 /// The workers an external picker (a Gateway API Inference Extension EPP) named for a request:

@@ -207,7 +207,7 @@ fn round_robin_rotates_per_candidate_set() {
         ("c:1", Role::Mixed),
     ]);
     let mut r = Router::new(RouterConfig {
-        policy: PolicyKind::RoundRobin,
+        policy: PolicyKind::ROUND_ROBIN,
         ..Default::default()
     });
     let picks: Vec<String> = (0..6)
@@ -572,4 +572,75 @@ fn sequential_turns_stay_on_their_worker_with_balance_on() {
             "{balance_tokens} tokens: turns moved: {picks:?}"
         );
     }
+}
+
+/// What every registered policy owes its callers: a pick among the candidates, never an excluded
+/// rank, both legs of a disaggregated model, and its name on the event.
+#[test]
+fn every_registered_policy_routes_among_the_candidates() {
+    for kind in PolicyKind::all() {
+        let mut w = World::new(&[
+            ("a:1", Role::Mixed),
+            ("b:1", Role::Mixed),
+            ("c:1", Role::Mixed),
+        ]);
+        let mut r = Router::new(RouterConfig {
+            policy: kind,
+            ..Default::default()
+        });
+        for i in 0..12 {
+            let mut req = request(&format!("r{i}"), &[1, 2, 3, 4, 5, 6, 7, 8]);
+            req.exclude = vec![WorkerRank::new("b:1", 0)];
+            let d = r.decide(&w.fleet, &req, 0).expect("decision");
+            assert_eq!(d.policy, kind.as_str());
+            assert_eq!(d.legs.len(), 1, "{kind}");
+            assert_ne!(d.legs[0].worker.worker.as_str(), "b:1", "{kind}");
+            w.apply(Event::RequestRouted(d));
+        }
+        let mut pd = World::new(&[("p:1", Role::Prefill), ("d:1", Role::Decode)]);
+        let mut r = Router::new(RouterConfig {
+            policy: kind,
+            ..Default::default()
+        });
+        let d = r
+            .decide(&pd.fleet, &request("pd", &[1, 2, 3, 4]), 0)
+            .expect("decision");
+        let legs: Vec<(&str, Role)> = d
+            .legs
+            .iter()
+            .map(|l| (l.worker.worker.as_str(), l.role))
+            .collect();
+        assert_eq!(
+            legs,
+            [("p:1", Role::Prefill), ("d:1", Role::Decode)],
+            "{kind}"
+        );
+        pd.apply(Event::RequestRouted(d));
+    }
+}
+
+#[test]
+fn policies_are_named_as_registered_and_unknown_names_list_them() {
+    let mut names: Vec<&str> = PolicyKind::all().map(PolicyKind::as_str).collect();
+    assert_eq!(names[0], "kv-aware", "the default comes first");
+    names.sort_unstable();
+    let registered = names.len();
+    names.dedup();
+    assert_eq!(names.len(), registered, "names are unique");
+    assert_eq!(PolicyKind::default(), PolicyKind::KV_AWARE);
+    assert_eq!(
+        "round-robin".parse::<PolicyKind>(),
+        Ok(PolicyKind::ROUND_ROBIN)
+    );
+    let err = PolicyKind::parse("fastest").expect_err("unknown");
+    assert!(
+        err.to_string()
+            .starts_with("unknown routing policy \"fastest\"; registered: kv-aware, round-robin"),
+        "{err}"
+    );
+    let json = serde_json::to_string(&PolicyKind::ROUND_ROBIN).expect("ser");
+    assert_eq!(json, "\"round-robin\"");
+    let back: PolicyKind = serde_json::from_str(&json).expect("de");
+    assert_eq!(back, PolicyKind::ROUND_ROBIN);
+    assert!(serde_json::from_str::<PolicyKind>("\"fastest\"").is_err());
 }

@@ -15,7 +15,7 @@ use crate::event::Retention;
 use crate::hashing::identity::MmRun;
 use crate::hashing::{KvIdentity, hash_prompt_blocks};
 use crate::ids::RequestId;
-use crate::policy::{PolicyKind, RouteError, RouteRequest, WorkerHashes};
+use crate::policy::{RouteError, RouteRequest, WorkerHashes};
 use crate::ports::tokenize::{Tokenize, TokenizeError, Tokens};
 
 /// A request ready to decide: its [`RouteRequest`] and the prompt's token ids.
@@ -82,8 +82,7 @@ impl Service {
             self.metrics().locality_skipped("multimodal");
             return Ok(Self::by_load(model, key, retention));
         }
-        let policy = self.inner.options.router.policy;
-        if !direct && policy == PolicyKind::RoundRobin {
+        if !direct && !self.inner.options.router.policy.spec().needs_prefix {
             return Ok(Self::by_load(model, key, retention));
         }
         let renderings = tokenizer.renderings(&prompt, &model);
@@ -179,6 +178,7 @@ mod tests {
     use crate::error::ErrorCode;
     use crate::event::WorkerRecord;
     use crate::ids::WorkerId;
+    use crate::policy::PolicyKind;
     use crate::ports::tokenize::Rendering;
     use crate::service::test_support::{record, state_with};
     use async_trait::async_trait;
@@ -247,7 +247,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_prompt_is_hashed_at_each_block_size_and_each_workers_own_rendering() {
-        let st = state_with(PolicyKind::KvAware);
+        let st = state_with(PolicyKind::KV_AWARE);
         st.register_worker(sized("a", 16));
         st.register_worker(sized("b", 32));
         let fake = Fake {
@@ -281,7 +281,7 @@ mod tests {
     #[tokio::test]
     async fn no_prefix_is_tokenized_for_round_robin_an_image_or_an_unknown_model() {
         let fake = Fake::default();
-        let rr = state_with(PolicyKind::RoundRobin);
+        let rr = state_with(PolicyKind::ROUND_ROBIN);
         rr.register_worker(record("a"));
         let p = rr
             .prepare(&fake, "k#1", "m".into(), prompt(), RequestKeys::default())
@@ -296,7 +296,7 @@ mod tests {
         assert!(p.tokenized);
         assert_eq!(fake.calls.lock().unwrap().len(), 1);
 
-        let kv = state_with(PolicyKind::KvAware);
+        let kv = state_with(PolicyKind::KV_AWARE);
         kv.register_worker(record("a"));
         let image = (prompt().0, true);
         let p = kv
@@ -328,7 +328,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_images_run_keys_the_blocks_it_covers_and_no_earlier_one() {
-        let st = state_with(PolicyKind::KvAware);
+        let st = state_with(PolicyKind::KV_AWARE);
         st.register_worker(sized("a", 16));
         let hashes = |mm: Vec<crate::hashing::identity::MmRun>| {
             let st = st.clone();
@@ -364,7 +364,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_adapter_or_a_salt_keys_the_blocks_and_an_unknown_name_lists_what_is_served() {
-        let st = state_with(PolicyKind::KvAware);
+        let st = state_with(PolicyKind::KV_AWARE);
         let mut a = record("a");
         a.set_lora_adapters(&["sql".to_owned()]);
         st.register_worker(a);
@@ -428,7 +428,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_refused_prompt_is_the_clients_error_and_counted() {
-        let st = state_with(PolicyKind::KvAware);
+        let st = state_with(PolicyKind::KV_AWARE);
         st.register_worker(record("a"));
         let fake = Fake {
             refuse: true,

@@ -90,7 +90,7 @@ fn kv_aware_keeps_sessions_on_their_cache_and_beats_round_robin() {
     let trace = conversations(15, 8, 50_000);
     let kv = run(&trace, &cfg(4, 80)).expect("run");
     let mut rr_cfg = cfg(4, 80);
-    rr_cfg.router.policy = PolicyKind::RoundRobin;
+    rr_cfg.router.policy = PolicyKind::ROUND_ROBIN;
     let rr = run(&trace, &rr_cfg).expect("run");
     assert!(
         hit_rate(&kv) > hit_rate(&rr) + 0.1,

@@ -6,8 +6,8 @@
 //! rest.
 
 use crate::config::KvEventTransport;
-use crate::config::server::RouterPolicy;
 use clap::Args;
+use infera_core::policy::PolicyKind;
 use std::path::PathBuf;
 
 const ROUTING: &str = "Routing";
@@ -69,8 +69,8 @@ pub struct GaieArgs {
     pub discovery: super::DiscoveryArgs,
 
     /// Routing policy.
-    #[arg(long, value_enum, default_value = "kv-aware", help_heading = ROUTING)]
-    pub router_policy: RouterPolicy,
+    #[arg(long, value_parser = super::policy_parser(), default_value_t, help_heading = ROUTING)]
+    pub router_policy: PolicyKind,
 
     /// How KV-cache events reach the picker.
     #[arg(long, value_enum, default_value = "nats", help_heading = ROUTING)]

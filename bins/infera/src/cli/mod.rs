@@ -19,6 +19,7 @@ pub mod worker;
 use crate::config::DiscoveryBackend;
 use crate::up_cmd;
 use clap::{Args, CommandFactory, Parser, Subcommand};
+use infera_core::policy::{POLICIES, PolicyKind};
 use std::ffi::OsString;
 
 /// Help heading of the discovery flags.
@@ -26,6 +27,17 @@ const DISCOVERY: &str = "Discovery";
 
 /// Help heading of the routing flags.
 const ROUTING: &str = "Routing";
+
+/// `--router-policy`: a name registered in core's [`POLICIES`], with its help line.
+pub(crate) fn policy_parser() -> impl clap::builder::TypedValueParser<Value = PolicyKind> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser as _};
+    PossibleValuesParser::new(
+        POLICIES
+            .iter()
+            .map(|p| PossibleValue::new(p.name).help(p.about)),
+    )
+    .try_map(|name| PolicyKind::parse(&name))
+}
 
 /// The KV-aware policy's overlap weights, shared by the server and `infera gaie`.
 #[derive(Debug, Clone, Args)]

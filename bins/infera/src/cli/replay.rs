@@ -1,15 +1,9 @@
 //! Flags of `infera replay`; `crate::replay_cmd` runs them.
 
 use clap::{Args, ValueEnum};
+use infera_core::policy::PolicyKind;
 use infera_replay::sim::DEFAULT_FRONTEND_US;
 use std::path::PathBuf;
-
-/// `--router-policy` values.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum PolicyArg {
-    KvAware,
-    RoundRobin,
-}
 
 /// `--playback` values.
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -33,8 +27,8 @@ pub struct ReplayArgs {
     pub trace: PathBuf,
 
     /// Routing policy, as `infera server --router-policy`.
-    #[arg(long, value_enum, default_value = "kv-aware")]
-    pub router_policy: PolicyArg,
+    #[arg(long, value_parser = super::policy_parser(), default_value_t)]
+    pub router_policy: PolicyKind,
     /// KV-aware: cache locality vs load balance, as `infera server`.
     #[arg(long, default_value_t = 1.0)]
     pub kv_overlap_weight: f64,

@@ -3,10 +3,11 @@
 //! Only the shape of the command line lives here: names, defaults, help and the syntax of
 //! each value. Everything else is checked by `TryFrom<ServerArgs> for ServerConfig`.
 
-use crate::config::server::{RouterMode, RouterPolicy};
+use crate::config::server::RouterMode;
 use crate::config::units::{ByteSize, HumanDuration};
 use crate::config::{KvEventTransport, RequestTransport};
 use clap::Args;
+use infera_core::policy::PolicyKind;
 use std::path::PathBuf;
 
 const EXTENSIONS: &str = "Infera extensions";
@@ -136,8 +137,8 @@ pub struct ServerArgs {
     pub default_retention: DefaultRetention,
 
     /// Routing policy used when --router-mode auto.
-    #[arg(long, value_enum, default_value = "kv-aware", help_heading = ROUTING)]
-    pub router_policy: RouterPolicy,
+    #[arg(long, value_parser = super::policy_parser(), default_value_t, help_heading = ROUTING)]
+    pub router_policy: PolicyKind,
 
     #[command(flatten)]
     pub weights: super::OverlapWeightArgs,

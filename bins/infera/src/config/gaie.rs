@@ -6,8 +6,9 @@
 //! `--secure-serving` / `--no-secure-serving` over `INFERA_EPP_SECURE`.
 
 use crate::cli::gaie::GaieArgs;
-use crate::config::server::{RouterPolicy, tokenizer};
+use crate::config::server::tokenizer;
 use crate::config::{ConfigError, DiscoveryConfig, KvEventTransport};
+use infera_core::policy::PolicyKind;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -36,7 +37,7 @@ pub struct GaieRouterConfig {
     /// The tokenizer.json file it resolved to (checked readable, not yet loaded).
     pub tokenizer_file: PathBuf,
     /// The policy.
-    pub policy: RouterPolicy,
+    pub policy: PolicyKind,
     /// Weight of blocks to prefill against load.
     pub kv_overlap_weight: f64,
     /// Prefill-role weight in PD mode; `None` uses `kv_overlap_weight`.

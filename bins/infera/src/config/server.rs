@@ -18,6 +18,7 @@ use crate::config::{
 use crate::wiring::{
     Backend, EventLogConfig, InvalidEventLogSpec, JetStreamLogConfig, SqliteLogConfig,
 };
+use infera_core::policy::PolicyKind;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -36,16 +37,6 @@ pub enum RouterMode {
     Auto,
     /// An external endpoint picker, through the x-worker-instance-id header.
     Direct,
-}
-
-/// The in-process routing policy (`--router-policy`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum RouterPolicy {
-    /// Lowest cost: blocks to prefill (weighted) plus current load.
-    KvAware,
-    /// Each worker in turn.
-    RoundRobin,
 }
 
 /// Where and what the server records for `infera replay`.
@@ -145,7 +136,7 @@ pub struct RouterConfig {
     /// Who picks the worker.
     pub mode: RouterMode,
     /// The in-process policy.
-    pub policy: RouterPolicy,
+    pub policy: PolicyKind,
     /// Weight of blocks to prefill against load.
     pub kv_overlap_weight: f64,
     /// Prefill-role weight in PD mode; `None` uses `kv_overlap_weight`.

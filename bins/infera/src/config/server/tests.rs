@@ -34,7 +34,7 @@ fn defaults_match_the_seed() {
     assert_eq!(config.http.port, 8000);
     assert_eq!(config.http.max_body_bytes, ByteSize(32 << 20));
     assert_eq!(config.router.mode, RouterMode::Auto);
-    assert_eq!(config.router.policy, RouterPolicy::KvAware);
+    assert_eq!(config.router.policy, PolicyKind::KV_AWARE);
     assert_eq!(config.router.kv_overlap_weight, 1.0);
     assert_eq!(config.router.kv_prefill_overlap_weight, None);
     assert_eq!(config.router.temperature, 0.0);
