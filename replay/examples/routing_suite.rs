@@ -1,5 +1,5 @@
 //! The routing-quality suite: the standard traces through the simulator under each policy,
-//! printed as the markdown table of the README's benchmark section (see
+//! printed as the markdown table of docs/benchmarks.md's routing-quality section (see
 //! `infera_replay::suite` for what each column measures).
 //!
 //! ```text

@@ -1,6 +1,6 @@
 //! `cargo xtask layers`: the workspace's dependency rules, checked on `cargo metadata`.
 //!
-//! Dependencies point inward (see the README's architecture section):
+//! Dependencies point inward (see ARCHITECTURE.md):
 //! - `infera-core` depends on no workspace crate;
 //! - `infera-adapters`, `infera-backends`, `infera-replay` and `infera-kvd` depend on
 //!   `infera-core` only (a crate may name itself, to turn on its own test features);

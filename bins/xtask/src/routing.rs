@@ -2,7 +2,7 @@
 //!
 //! Builds and runs `infera-replay`'s `routing_suite` example in release mode (the simulator is
 //! an order of magnitude slower unoptimised), which replays the standard traces under each policy
-//! and prints the markdown table quoted in the README's benchmark section. `ARGS` go to the
+//! and prints the markdown table quoted in docs/benchmarks.md. `ARGS` go to the
 //! example: `--threads N`, `--out FILE.md`.
 
 use std::ffi::OsString;

@@ -104,7 +104,7 @@ pub struct ReplayArgs {
     /// request through the router to its engine (HTTP, parsing, hashing, routing) and the first
     /// token's way back. Added to every request's TTFT and finish time; the engines and the
     /// routing are not affected. The default was measured through `infera up` on loopback
-    /// (README, "Benchmarks": the fidelity bench); 0 reports the engines alone.
+    /// (docs/benchmarks.md: the fidelity bench); 0 reports the engines alone.
     #[arg(long, default_value_t = DEFAULT_FRONTEND_US as f64 / 1000.0)]
     pub frontend_ms: f64,
     /// Model a router that ignores adapters (`lora`), cache salts (`cache_salt`) and images
