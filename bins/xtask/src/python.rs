@@ -13,14 +13,13 @@
 //! 2. `cargo build -p infera` (the daemon the tests start), then `maturin develop` (the
 //!    extension, debug profile, into the venv; the Rust dependencies are the workspace's own).
 //! 3. `pytest kvd/python/tests`, with `INFERA_BIN` naming the daemon binary.
-//! 4. The wheel a Python Infera user installs (`amd-infera`, see `kvd/python/README.md`): the
-//!    debug `infera` binary, stripped of its debug info (521 MB to 97 MB), is staged into the
-//!    package, `maturin build --strip` packs it with the extension (a 29 MB wheel) and the
-//!    staged copy is removed; the wheel is installed with `--no-deps` into a fresh venv without
-//!    pip (`target/py-wheel-venv`, made again every run) and `pytest kvd/python/wheel-tests`
-//!    runs its entry points. The step adds about 12 s to a run on a loaded 2-core machine
-//!    (strip 0.6 s, wheel 7 s, venv and install 2.5 s, tests 2 s) and rebuilds nothing that
-//!    `maturin develop` built.
+//! 4. The package a Python Infera user installs (`amd-infera`, see `kvd/python/README.md`), the
+//!    way they install it: `pip install ./kvd/python` into a fresh venv
+//!    (`target/py-wheel-venv`, made again every run), through the package's build backend
+//!    (maturin's, which stages the `infera` binary first). The step hands it the debug binary
+//!    stripped of its debug info (`INFERA_WHEEL_BINARY`) and the debug profile for the extension
+//!    (`MATURIN_PEP517_ARGS`), so it rebuilds nothing; then `pytest kvd/python/wheel-tests` runs
+//!    the installed entry points.
 
 use anyhow::{Context, bail};
 use std::path::{Path, PathBuf};
@@ -72,32 +71,50 @@ pub fn test(root: &Path, cargo: impl Fn() -> Command) -> anyhow::Result<()> {
         .env("INFERA_BIN", root.join("target/debug/infera"));
     crate::run_step("python step: pytest kvd/python/tests", &mut pytest)?;
 
-    let wheel = build_wheel(root, &venv)?;
+    let binary = stripped_binary(root)?;
     let fresh = root.join(WHEEL_VENV);
     if fresh.exists() {
         std::fs::remove_dir_all(&fresh).with_context(|| format!("cannot remove {WHEEL_VENV}"))?;
     }
-    // The base interpreter of the pinned venv; without pip: the wheel is all it will hold.
+    // The base interpreter of the pinned venv, with the pip it bundles.
     let mut create = Command::new(bin.join("python"));
-    create
-        .current_dir(root)
-        .args(["-m", "venv", "--without-pip", WHEEL_VENV]);
+    create.current_dir(root).args(["-m", "venv", WHEEL_VENV]);
     crate::run_step("python step: a fresh venv for the wheel", &mut create)?;
-    let mut install = Command::new(bin.join("python"));
+    // The build requirement (maturin, pinned in the test requirements), fetched once.
+    let deps = root.join(WHEEL_OUT).join("build-deps");
+    let maturin = requirements
+        .lines()
+        .find(|line| line.starts_with("maturin=="))
+        .context("kvd/python/requirements-test.txt pins no maturin")?;
+    let version = maturin.trim_start_matches("maturin==");
+    let fetched = std::fs::read_dir(&deps).is_ok_and(|entries| {
+        entries.filter_map(Result::ok).any(|entry| {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            name.starts_with(&format!("maturin-{version}-")) && name.ends_with(".whl")
+        })
+    });
+    if !fetched {
+        let mut fetch = Command::new(bin.join("python"));
+        fetch
+            .args(["-m", "pip", "download", "--quiet", "--no-deps", "--dest"])
+            .arg(&deps)
+            .arg(maturin);
+        crate::run_step("python step: maturin for the build", &mut fetch)?;
+    }
+    // What a user runs, `pip install ./kvd/python` (build isolation, maturin from the folder
+    // above), with the binary and the extension of the debug profile, already built above,
+    // instead of a release build.
+    let mut install = Command::new(fresh.join("bin/python"));
     install
         .current_dir(root)
-        .args(["-m", "pip", "--python"])
-        .arg(fresh.join("bin/python"))
-        .args([
-            "install",
-            "--no-deps",
-            "--no-index",
-            "--no-cache-dir",
-            "--disable-pip-version-check",
-            "--quiet",
-        ])
-        .arg(&wheel);
-    crate::run_step("python step: install the wheel", &mut install)?;
+        .args(["-m", "pip", "install", "--no-index", "--find-links"])
+        .arg(&deps)
+        .args(["--disable-pip-version-check", "--quiet", "./kvd/python"])
+        .env("INFERA_WHEEL_BINARY", &binary)
+        .env("MATURIN_PEP517_ARGS", "--profile dev")
+        .env("CARGO_TARGET_DIR", root.join("target"));
+    crate::run_step("python step: pip install ./kvd/python", &mut install)?;
 
     let mut pytest = Command::new(bin.join("python"));
     pytest
@@ -108,46 +125,19 @@ pub fn test(root: &Path, cargo: impl Fn() -> Command) -> anyhow::Result<()> {
     crate::run_step("python step: pytest kvd/python/wheel-tests", &mut pytest)
 }
 
-/// Stages the stripped debug binary, builds the wheel into [`WHEEL_OUT`] and unstages the
-/// binary; returns the wheel's path.
-fn build_wheel(root: &Path, venv: &Path) -> anyhow::Result<PathBuf> {
-    let staged = root.join(STAGED_BINARY);
-    if let Some(dir) = staged.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    }
+/// The debug binary stripped of its debug info, for the wheel; returns its path.
+pub(crate) fn stripped_binary(root: &Path) -> anyhow::Result<PathBuf> {
+    let out = root.join(WHEEL_OUT);
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {WHEEL_OUT}"))?;
+    let stripped = out.join("infera");
     let mut strip = Command::new("strip");
     strip
+        .arg("--strip-debug")
         .arg("-o")
-        .arg(&staged)
+        .arg(&stripped)
         .arg(root.join("target/debug/infera"));
-    crate::run_step("python step: stage the binary", &mut strip)?;
-
-    let out = root.join(WHEEL_OUT);
-    if out.exists() {
-        std::fs::remove_dir_all(&out).with_context(|| format!("cannot remove {WHEEL_OUT}"))?;
-    }
-    let mut build = Command::new(venv.join("bin/maturin"));
-    build
-        .current_dir(root.join("kvd/python"))
-        .args(["build", "--quiet", "--strip", "--interpreter"])
-        .arg(venv.join("bin/python"))
-        .arg("--out")
-        .arg(&out)
-        .env("VIRTUAL_ENV", venv)
-        .env("CARGO_TARGET_DIR", root.join("target"));
-    let built = crate::run_step("python step: the wheel", &mut build);
-    remove_staged_binary(root)?;
-    built?;
-
-    let wheels: Vec<PathBuf> = std::fs::read_dir(&out)
-        .with_context(|| format!("cannot read {WHEEL_OUT}"))?
-        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
-        .filter(|path| path.extension().is_some_and(|ext| ext == "whl"))
-        .collect();
-    match wheels.as_slice() {
-        [wheel] => Ok(wheel.clone()),
-        _ => bail!("python step: expected one wheel in {WHEEL_OUT}, found {wheels:?}"),
-    }
+    crate::run_step("python step: strip the binary", &mut strip)?;
+    Ok(stripped)
 }
 
 /// Removes the staged binary, if any.
