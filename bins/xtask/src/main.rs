@@ -13,6 +13,8 @@
 //!   injected into a real fleet on loopback under steady load, as a markdown table; fails when
 //!   a fault leaves a request hung or wrong. `ARGS` go to `cargo bench` (e.g. `--profile dev`
 //!   to reuse the test build instead of building in release).
+//! - `cargo xtask image [-- --binary PATH] [--tag TAG]`: the container image, built and started
+//!   (see [`image`]); `test` does the same with the debug binary, where a Docker engine answers.
 //! - `cargo xtask tools`: only the tool check and installation.
 //! - `cargo xtask commits [-- RANGE]`: the commit messages of `RANGE` (default the last
 //!   commit) against CONTRIBUTING.md (see [`commits`]).
@@ -25,6 +27,7 @@
 // Tests may unwrap; the non-test build still denies it everywhere.
 
 mod commits;
+mod image;
 mod layers;
 mod python;
 mod routing;
@@ -35,8 +38,8 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
-const USAGE: &str =
-    "usage: cargo xtask <test|bench|bench routing|chaos|tools|layers|commits> [-- extra arguments]";
+const USAGE: &str = "usage: cargo xtask \
+    <test|bench|bench routing|chaos|image|tools|layers|commits> [-- extra arguments]";
 
 fn main() -> ExitCode {
     match run(std::env::args_os().skip(1).collect()) {
@@ -67,6 +70,10 @@ fn run(args: Vec<OsString>) -> anyhow::Result<()> {
         Some("bench") if routing => routing::run(&root, &extra),
         Some("bench") => bench(&root, &extra),
         Some("chaos") => chaos(&root, &extra),
+        Some("image") => {
+            let tag = image::build(&root, &image::Args::parse(&extra)?, || cargo(&root))?;
+            image::smoke(&root, &tag)
+        }
         Some("tools") if extra.is_empty() => tools::ensure().map(drop),
         Some("layers") if extra.is_empty() => layers::check(&root),
         Some("commits") if extra.len() <= 1 => {
@@ -111,9 +118,39 @@ fn test(root: &Path, extra: &[OsString]) -> anyhow::Result<()> {
     }
     if scope == [OsString::from("--workspace")] {
         python::test(root, || cargo(root))?;
+        image_step(root)?;
     }
     println!("xtask: all tests passed and all benchmarks compiled");
     Ok(())
+}
+
+/// The image built from the stripped debug binary and started (see [`image`]); skipped, saying
+/// so, where no Docker engine answers.
+fn image_step(root: &Path) -> anyhow::Result<()> {
+    let engine = Command::new("docker")
+        .args(["version", "--format", "{{.Server.Version}}"])
+        .output();
+    match engine {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => {
+            let why = String::from_utf8_lossy(&out.stderr);
+            println!(
+                "xtask: image step SKIPPED: no Docker engine answers ({})",
+                why.trim()
+            );
+            return Ok(());
+        }
+        Err(error) => {
+            println!("xtask: image step SKIPPED: no docker command ({error})");
+            return Ok(());
+        }
+    }
+    let args = image::Args {
+        binary: Some(python::stripped_binary(root)?),
+        tag: Some("infera:test".into()),
+    };
+    let tag = image::build(root, &args, || cargo(root))?;
+    image::smoke(root, &tag)
 }
 
 /// The package selection in `extra` (`-p NAME`, `--package NAME`, `--package=NAME`), or
