@@ -425,7 +425,7 @@ fn map_err(connection: &Connection, op: Op, e: &kube::Error) -> DiscoveryError {
             403 => rejected(format!(
                 "forbidden: this service account may not {verb} pods in namespace {ns:?}; grant \
                  verb {verb:?} on resource \"pods\" with a Role and RoleBinding (the server needs \
-                 get, list, watch; workers need get, patch: see bins/deploy/kubernetes/rbac.yaml). \
+                 get, list, watch; workers need get, patch: see bins/deploy/kubernetes/base/rbac.yaml). \
                  API server: {msg}",
                 verb = op.verb,
                 msg = status.message
