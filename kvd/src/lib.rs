@@ -41,20 +41,23 @@ pub(crate) mod wire;
 pub use client::{ClientError, KvdClient};
 pub use long::{LongBackendConfig, LongStore};
 pub use proto::{Namespace, SetAck, SetItem};
-pub use server::{KvdError, KvdOptions, KvdServer, ShutdownHandle};
+pub use server::{KvdError, KvdOptions, KvdServer, ShutdownHandle, StatsReader};
 pub use stats::{Stats, metrics_text};
 pub use tablespace::{IoMode, TablespaceConfig};
 
 use tokio::signal::unix::{SignalKind, signal};
 
-/// Runs the daemon until SIGTERM or SIGINT, then shuts down gracefully.
+/// Runs the daemon until SIGTERM or SIGINT, then shuts down gracefully. `on_bound` sees the
+/// bound daemon before it serves (on the daemon's runtime: it may spawn tasks, such as an
+/// exporter of its [`StatsReader`]).
 ///
 /// # Errors
 /// The errors of [`KvdServer::bind`] and of installing the signal handlers.
-pub async fn run(options: KvdOptions) -> Result<(), KvdError> {
+pub async fn run(options: KvdOptions, on_bound: impl FnOnce(&KvdServer)) -> Result<(), KvdError> {
     let mut terminate = signal(SignalKind::terminate()).map_err(KvdError::Runtime)?;
     let mut interrupt = signal(SignalKind::interrupt()).map_err(KvdError::Runtime)?;
     let server = KvdServer::bind(options).await?;
+    on_bound(&server);
     let stop = server.shutdown_handle();
     let serving = server.serve();
     tokio::pin!(serving);
@@ -71,11 +74,14 @@ pub async fn run(options: KvdOptions) -> Result<(), KvdError> {
 ///
 /// # Errors
 /// As [`run`], and [`KvdError::Runtime`] when the runtime cannot start.
-pub fn run_blocking(options: KvdOptions) -> Result<(), KvdError> {
+pub fn run_blocking(
+    options: KvdOptions,
+    on_bound: impl FnOnce(&KvdServer),
+) -> Result<(), KvdError> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("infera-kvd")
         .build()
         .map_err(KvdError::Runtime)?
-        .block_on(run(options))
+        .block_on(run(options, on_bound))
 }

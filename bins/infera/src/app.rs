@@ -104,10 +104,21 @@ pub fn run(cli: Cli) -> Result<(), AppError> {
             if check {
                 return finish("kvd", Ok(config));
             }
-            infera_kvd::run_blocking(config.into()).map_err(|error| AppError::Failed {
+            let failed = |error: anyhow::Error| AppError::Failed {
                 command: "kvd",
-                error: error.into(),
+                error,
+            };
+            let metrics = config
+                .metrics_bind
+                .map(crate::kvd_metrics::bind)
+                .transpose()
+                .map_err(failed)?;
+            infera_kvd::run_blocking(config.into(), |server| {
+                if let Some(listener) = metrics {
+                    crate::kvd_metrics::spawn(listener, server.stats_reader());
+                }
             })
+            .map_err(|error| failed(error.into()))
         }
         Command::Gaie(args) => {
             let check = args.check_config;

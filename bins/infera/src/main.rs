@@ -8,6 +8,7 @@ mod bench;
 mod cli;
 mod config;
 mod gaie;
+mod kvd_metrics;
 mod kvd_store;
 mod net;
 mod prewarm;

@@ -30,7 +30,7 @@ mod conn;
 use crate::arena::Arena;
 use crate::long::{self, LongBackendConfig, LongOpenError};
 use crate::proto::{self, Namespace};
-use crate::stats::metrics_text;
+use crate::stats::{Stats, metrics_text};
 use crate::store::Store;
 use bytes::Bytes;
 use std::io;
@@ -210,6 +210,22 @@ struct Shared {
     next_conn: AtomicU64,
 }
 
+/// Reads a daemon's statistics while it serves (see [`KvdServer::stats_reader`]).
+#[derive(Debug, Clone)]
+pub struct StatsReader(Arc<Shared>);
+
+impl StatsReader {
+    /// The statistics now.
+    pub fn snapshot(&self) -> Stats {
+        self.0.store.stats()
+    }
+
+    /// [`StatsReader::snapshot`] in the Prometheus text format ([`metrics_text`]).
+    pub fn metrics_text(&self) -> String {
+        metrics_text(&self.snapshot())
+    }
+}
+
 /// A bound, not yet serving daemon.
 #[derive(Debug)]
 pub struct KvdServer {
@@ -306,6 +322,11 @@ impl KvdServer {
     }
 
     /// The socket path.
+    /// A reader of the daemon's statistics, for an exporter outside it.
+    pub fn stats_reader(&self) -> StatsReader {
+        StatsReader(Arc::clone(&self.shared))
+    }
+
     pub fn socket_path(&self) -> &Path {
         &self.path
     }

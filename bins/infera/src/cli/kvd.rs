@@ -45,6 +45,11 @@ pub struct KvdArgs {
     #[arg(long, overrides_with = "shared_arena_pin")]
     pub no_shared_arena_pin: bool,
 
+    /// Serve the daemon's counters in the Prometheus text format at http://ADDR/metrics (the
+    /// `infera_kvd_*` families the daemon also logs). [default: off]
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_bind: Option<std::net::SocketAddr>,
+
     /// Back the shared arena with 2 MiB hugepages (MFD_HUGETLB; its size rounded up to 2 MiB).
     /// The pages must be reserved (sysctl vm.nr_hugepages): with too few free, kvd stops at
     /// startup saying how many it needs; a kernel without hugetlb memfds gets a warning and

@@ -273,6 +273,9 @@ pub struct KvdConfig {
     pub l4_tier: Option<L4TierConfig>,
     /// Per-connection bounds.
     pub limits: ConnectionLimits,
+    /// Where `/metrics` is served (`--metrics-bind`); omitted when off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_bind: Option<std::net::SocketAddr>,
     /// The log filter when `RUST_LOG` is unset (`--log-level`).
     pub log_level: LogLevel,
     /// Python kvd flags given that have no effect here; omitted when none is.
@@ -368,6 +371,7 @@ impl TryFrom<KvdArgs> for KvdConfig {
             long_tier,
             l4_tier,
             limits,
+            metrics_bind: args.metrics_bind,
             log_level: args.log_level,
             inert_flags: inert,
         })

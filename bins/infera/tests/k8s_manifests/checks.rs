@@ -486,6 +486,7 @@ pub(super) fn kvd_problems(fleet: &Fleet) -> Vec<String> {
         ));
         return problems;
     };
+    problems.extend(kvd_monitor_problems(fleet, kvd, &kvd_args));
     let kvd_user = run_as_user(kvd_spec, kvd_container);
     let mut wired = 0;
     for (name, (deployment, engine)) in workers(fleet) {
@@ -526,6 +527,62 @@ pub(super) fn kvd_problems(fleet: &Fleet) -> Vec<String> {
     }
     if wired == 0 {
         problems.push("no vLLM worker uses kvd".to_owned());
+    }
+    problems
+}
+
+/// The PodMonitor scrapes `/metrics` on a named container port of kvd's Pods, the port of its
+/// `--metrics-bind`.
+pub(super) fn kvd_monitor_problems(
+    fleet: &Fleet,
+    kvd: &DaemonSet,
+    kvd_args: &[String],
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let [monitor] = fleet.pod_monitors.values().collect::<Vec<_>>()[..] else {
+        return vec![format!(
+            "one kvd PodMonitor expected: {:?}",
+            fleet.pod_monitors.keys().collect::<Vec<_>>()
+        )];
+    };
+    let template = daemon_set_template(kvd);
+    let selector: BTreeMap<String, String> =
+        serde_json::from_value(monitor["spec"]["selector"]["matchLabels"].clone())
+            .unwrap_or_default();
+    if selector.is_empty() || !matches(&selector, &labels_of(template)) {
+        problems.push(format!(
+            "the PodMonitor's selector {selector:?} misses kvd's Pods"
+        ));
+    }
+    let bind_port = flag(kvd_args, "--metrics-bind")
+        .and_then(|bind| bind.rsplit_once(':'))
+        .and_then(|(_, port)| port.parse::<i32>().ok());
+    let endpoints = monitor["spec"]["podMetricsEndpoints"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    if endpoints.is_empty() {
+        problems.push("the PodMonitor has no endpoint".to_owned());
+    }
+    for endpoint in endpoints {
+        let name = endpoint["port"].as_str().unwrap_or_default();
+        let port = pod_container(template)
+            .ports
+            .iter()
+            .flatten()
+            .find(|p| p.name.as_deref() == Some(name))
+            .map(|p| p.container_port);
+        if port.is_none() || port != bind_port {
+            problems.push(format!(
+                "the PodMonitor scrapes port {name:?} ({port:?}), kvd serves metrics on {bind_port:?}"
+            ));
+        }
+        if endpoint["path"].as_str() != Some("/metrics") {
+            problems.push(format!(
+                "the PodMonitor scrapes {}, not /metrics",
+                endpoint["path"]
+            ));
+        }
     }
     problems
 }

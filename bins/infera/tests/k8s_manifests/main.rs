@@ -447,7 +447,8 @@ fn the_checks_catch_mistakes() {
         "selects the Pods of Deployment infera-worker-vllm-prefill",
     );
 
-    // kvd: the worker given another socket; kvd's socket outside the shared host folder.
+    // kvd: the worker given another socket; kvd's socket outside the shared host folder; its
+    // metrics port or Pods missed by the PodMonitor.
     let kvd = render(&overlay_dir("kvd"));
     assert!(kvd_problems(&classify(&kvd)).is_empty());
     found(
@@ -478,6 +479,18 @@ fn the_checks_catch_mistakes() {
             container_of(o)["securityContext"]["runAsUser"] = 1000.into();
         })),
         "the 0700 socket refuses it",
+    );
+    found(
+        kvd_problems(&broken(&kvd, "infera-kvd", |o| {
+            set_arg(o, "--metrics-bind", "0.0.0.0:9500");
+        })),
+        "kvd serves metrics on Some(9500)",
+    );
+    found(
+        kvd_problems(&broken(&kvd, "infera-kvd-metrics", |o| {
+            o["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] = "server".into();
+        })),
+        "misses kvd's Pods",
     );
 }
 

@@ -238,6 +238,7 @@ pub(super) struct Fleet {
     pub(super) services: BTreeMap<String, Service>,
     pub(super) claims: BTreeMap<String, PersistentVolumeClaim>,
     pub(super) service_monitors: BTreeMap<String, Value>,
+    pub(super) pod_monitors: BTreeMap<String, Value>,
     pub(super) pools: BTreeMap<String, Value>,
 }
 
@@ -283,6 +284,9 @@ pub(super) fn classify(objects: &[Value]) -> Fleet {
             }
             "ServiceMonitor" => {
                 fleet.service_monitors.insert(name, object.clone());
+            }
+            "PodMonitor" => {
+                fleet.pod_monitors.insert(name, object.clone());
             }
             "InferencePool" => {
                 fleet.pools.insert(name, object.clone());
