@@ -83,8 +83,7 @@ impl Default for SimConfig {
 /// streamed back) on the 2-core development VM, shared with other builds. Measured by
 /// `cargo bench -p infera --bench fidelity` (1,000 requests at `--speedup 5`) as the clients' mean
 /// TTFT minus the mocks' own mean TTFT (`vllm:time_to_first_token_seconds`, from the handler's
-/// start to the first token): 1.82, 1.38 and 1.44 ms in three runs, median 1.44 ms, rounded to
-/// 1.4 ms. It covers the request's way through the server to its engine and the first token's way
+/// start to the first token), the median of three runs rounded (`docs/benchmarks.md`). It covers the request's way through the server to its engine and the first token's way
 /// back, CPU contention with the fleet's own streaming included; a faster machine or a separate
 /// router host changes it, so measure yours the same way and pass `--frontend-ms`.
 pub const DEFAULT_FRONTEND_US: u64 = 1_400;

@@ -46,11 +46,8 @@ const MIN_STAGING: usize = 64 << 20;
 /// The bytes of one pipelined put or get command at most (see [`plan`]): a whole L4 batch of
 /// the default size. Each command is a call of the store's client, whose wait spins a CPU (in
 /// `wait_for_completion`), so a put staged while the sidecar's last one is in flight gains
-/// little on two cores. One call per batch against 16 MiB commands (medians of the ratio to
-/// the binding's fastest way; eleven or seven runs against five): puts of 1 MiB / 4 MiB
-/// blocks about the same, 80 / 80 % against 81 / 78 % (single runs 67 to 92 %), gets higher,
-/// 142 / 151 % against 115 / 136 %. 16 MiB had moved 16 blocks of 1 MiB faster than 8 (gets
-/// from 88–90 to 121–123 %), a small first command slower (puts 61 %).
+/// little on two cores; one call per batch reads faster than 16 MiB commands and writes as fast
+/// (measured in `kvd/benches/README.md`, "Command size").
 const CHUNK: u64 = 32 << 20;
 // A chunk fits in half of the smallest staging area (see [`plan`]).
 const _: () = assert!(CHUNK <= MIN_STAGING as u64 / 2);
