@@ -71,8 +71,7 @@ fn run(args: Vec<OsString>) -> anyhow::Result<()> {
         Some("bench") => bench(&root, &extra),
         Some("chaos") => chaos(&root, &extra),
         Some("image") => {
-            let tag = image::build(&root, &image::Args::parse(&extra)?, || cargo(&root))?;
-            image::smoke(&root, &tag)
+            image::build_and_check(&root, &image::Args::parse(&extra)?, || cargo(&root))
         }
         Some("tools") if extra.is_empty() => tools::ensure().map(drop),
         Some("layers") if extra.is_empty() => layers::check(&root),
@@ -148,9 +147,12 @@ fn image_step(root: &Path) -> anyhow::Result<()> {
     let args = image::Args {
         binary: Some(python::stripped_binary(root)?),
         tag: Some("infera:test".into()),
+        package: Some(image::PackageBuild {
+            python: python::venv_python(root),
+            maturin_args: "--profile dev".into(),
+        }),
     };
-    let tag = image::build(root, &args, || cargo(root))?;
-    image::smoke(root, &tag)
+    image::build_and_check(root, &args, || cargo(root))
 }
 
 /// The package selection in `extra` (`-p NAME`, `--package NAME`, `--package=NAME`), or

@@ -125,6 +125,11 @@ pub fn test(root: &Path, cargo: impl Fn() -> Command) -> anyhow::Result<()> {
     crate::run_step("python step: pytest kvd/python/wheel-tests", &mut pytest)
 }
 
+/// The pinned venv's interpreter (with maturin), made by [`test`].
+pub(crate) fn venv_python(root: &Path) -> PathBuf {
+    root.join(VENV).join("bin/python")
+}
+
 /// The debug binary stripped of its debug info, for the wheel; returns its path.
 pub(crate) fn stripped_binary(root: &Path) -> anyhow::Result<PathBuf> {
     let out = root.join(WHEEL_OUT);

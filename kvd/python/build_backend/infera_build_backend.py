@@ -10,7 +10,8 @@ Environment:
 
 - ``INFERA_WHEEL_PROFILE``: the cargo profile of the binary (default ``release``, which
   carries no debug info); ``MATURIN_PEP517_ARGS`` sets the extension's (``--profile dev``).
-- ``INFERA_WHEEL_BINARY``: pack this already-built binary instead of building one.
+- ``INFERA_WHEEL_BINARY``: pack this already-built binary (an absolute path) instead of
+  building one.
 - ``CARGO``, ``CARGO_TARGET_DIR``: as cargo reads them.
 """
 
@@ -42,7 +43,10 @@ def _built_binary() -> Path:
     if given:
         path = Path(given)
         if not path.is_file():
-            raise RuntimeError(f"INFERA_WHEEL_BINARY={given}: no such file")
+            raise RuntimeError(
+                f"INFERA_WHEEL_BINARY={given}: no such file (pip runs this backend in "
+                f"{Path.cwd()}: give an absolute path)"
+            )
         return path
     if not (_WORKSPACE / "bins" / "infera" / "Cargo.toml").is_file():
         raise RuntimeError(
