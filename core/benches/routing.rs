@@ -24,7 +24,9 @@ use infera_core::hashing::{KvIdentity, hash_blocks, hash_prompt_blocks, syntheti
 use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
 use infera_core::policy::{RouteRequest, Router, RouterConfig};
 use infera_core::projection::Projection;
+use infera_core::service::{FirstByte, Prefill};
 use std::hint::black_box;
+use std::time::Duration;
 
 const WORKERS: usize = 64;
 const BS: usize = 16;
@@ -203,5 +205,31 @@ fn parts(c: &mut Criterion) {
     });
 }
 
-criterion_group!(routing, benches, parts);
+/// What the first-byte deadline adds to a request: its derivation at dispatch and the rate
+/// sample at the first byte, on a fleet of 64 measured workers.
+fn first_byte(c: &mut Criterion) {
+    let fb = FirstByte::default();
+    let workers: Vec<WorkerId> = (0..WORKERS)
+        .map(|w| WorkerId::new(format!("w{w}:1")))
+        .collect();
+    for w in &workers {
+        fb.observe(w, 4_096, Duration::from_millis(300));
+    }
+    let work = Prefill {
+        uncached_tokens: 2_048,
+        queued_tokens: 8_192,
+    };
+    let mut i = 0usize;
+    c.bench_function("decision/first_byte_deadline_and_sample", |b| {
+        b.iter(|| {
+            let w = &workers[i % workers.len()];
+            i += 1;
+            let d = fb.deadline(black_box(w), work);
+            fb.observe(w, 2_048, Duration::from_millis(150));
+            black_box(d)
+        })
+    });
+}
+
+criterion_group!(routing, benches, parts, first_byte);
 criterion_main!(routing);

@@ -9,7 +9,10 @@
 //! - `first_byte`: from sending the request to the first byte of the response *body* (the head
 //!   alone is not enough: a streaming engine sends it before its first token). Past it the
 //!   attempt is [`TransportError::Timeout`]; the relay may still try another worker, since the
-//!   client has seen nothing.
+//!   client has seen nothing. Unless a fixed one is configured, each request's own deadline
+//!   applies ([`Outbound::first_byte_deadline`], which the service derives from the prompt's
+//!   uncached tokens and the worker's prefill rate), or [`UNDERIVED_FIRST_BYTE`] for a request
+//!   it derived none for.
 //! - `idle`: the longest gap between two body chunks after the first (and before the first when
 //!   `first_byte` is off). Past it the body stream ends with [`TransportError::Timeout`].
 //! - `max_duration`: the whole response, head to last byte.
@@ -31,17 +34,36 @@ use infera_core::ports::transport::{
 use std::time::Duration;
 use tokio::time::Instant;
 
+/// The first-byte deadline of a request the service derived none for (a PD leg, a migration).
+pub const UNDERIVED_FIRST_BYTE: Duration = Duration::from_secs(900);
+
 /// The deadlines of requests to workers. See the module docs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HttpDeadlines {
     /// TCP connect (`--http-req-connect-timeout`).
     pub connect: Option<Duration>,
-    /// Request sent → first body byte (`--http-req-first-byte-timeout`).
+    /// Request sent → first body byte, fixed (`--http-req-first-byte-timeout`).
     pub first_byte: Option<Duration>,
+    /// Without a fixed `first_byte`: whether each request's derived deadline applies (else
+    /// none does: `--http-req-first-byte-timeout 0`).
+    pub derived_first_byte: bool,
     /// Gap between body chunks (`--http-req-idle-timeout`).
     pub idle: Option<Duration>,
     /// The whole response (`--http-req-max-duration`).
     pub max_duration: Option<Duration>,
+}
+
+impl Default for HttpDeadlines {
+    /// Derived first-byte deadlines, no other.
+    fn default() -> Self {
+        Self {
+            connect: None,
+            first_byte: None,
+            derived_first_byte: true,
+            idle: None,
+            max_duration: None,
+        }
+    }
 }
 
 /// The HTTP request transport. See the module docs.
@@ -115,6 +137,8 @@ struct BodyDeadlines {
     deadlines: HttpDeadlines,
     /// When the first body byte is due (from the request's start), until it came.
     first_byte: Option<Instant>,
+    /// What set `first_byte`, for the error message.
+    first_byte_flag: &'static str,
     /// When the whole response is due.
     end: Option<Instant>,
     started: bool,
@@ -130,7 +154,7 @@ impl BodyDeadlines {
             self.first_byte
         };
         let flag = if !self.started && self.first_byte.is_some() {
-            "--http-req-first-byte-timeout"
+            self.first_byte_flag
         } else {
             "--http-req-idle-timeout"
         };
@@ -180,7 +204,20 @@ impl RequestTransport for HttpTransport {
 
     async fn send(&self, req: Outbound) -> Result<Inbound, TransportError> {
         let start = Instant::now();
-        let first_byte = self.deadlines.first_byte.map(|d| start + d);
+        let first_byte = match self.deadlines.first_byte {
+            Some(fixed) => Some(fixed),
+            None if self.deadlines.derived_first_byte => {
+                Some(req.first_byte_deadline.unwrap_or(UNDERIVED_FIRST_BYTE))
+            }
+            None => None,
+        };
+        let first_byte_flag = if self.deadlines.first_byte.is_some() {
+            "--http-req-first-byte-timeout"
+        } else {
+            "the first-byte deadline derived from the prompt; \
+             --http-req-first-byte-timeout fixes one"
+        };
+        let first_byte = first_byte.map(|d| start + d);
         let end = self.deadlines.max_duration.map(|d| start + d);
         let target = format!("{}{}", req.url, req.path);
         let mut builder = Request::post(&target).header(header::CONTENT_TYPE, "application/json");
@@ -194,7 +231,7 @@ impl RequestTransport for HttpTransport {
         let Some(sent) = until(earliest(first_byte, end), self.client.request(http_req)).await
         else {
             let flag = if earliest(first_byte, end) == first_byte {
-                "--http-req-first-byte-timeout"
+                first_byte_flag
             } else {
                 "--http-req-max-duration"
             };
@@ -218,6 +255,7 @@ impl RequestTransport for HttpTransport {
                 BodyDeadlines {
                     deadlines: self.deadlines,
                     first_byte,
+                    first_byte_flag,
                     end,
                     started: false,
                     worker,

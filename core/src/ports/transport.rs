@@ -50,6 +50,10 @@ pub struct Outbound {
     pub stream: bool,
     /// The headers every transport sends with the request (see the module docs).
     pub headers: HeaderMap,
+    /// How long the worker may take to its first byte, derived by the service from the
+    /// request's work (see `service::deadline`); a transport configured with a fixed deadline
+    /// applies that one instead. `None`: the service derived none (a PD leg, a migration).
+    pub first_byte_deadline: Option<std::time::Duration>,
 }
 
 impl Outbound {
@@ -74,7 +78,15 @@ impl Outbound {
             body,
             stream,
             headers,
+            first_byte_deadline: None,
         }
+    }
+
+    /// Sets [`Outbound::first_byte_deadline`].
+    #[must_use]
+    pub fn with_first_byte_deadline(mut self, deadline: std::time::Duration) -> Self {
+        self.first_byte_deadline = Some(deadline);
+        self
     }
 
     /// Adds the engine's own request id (`X-Request-Id`); an invalid value is left out.

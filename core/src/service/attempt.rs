@@ -34,6 +34,9 @@ pub struct Attempt {
     sla: Option<Sla>,
     /// The model the request named, for the per-model families.
     model: String,
+    /// A single worker's attempt: the worker and the prompt tokens it prefills, a sample of its
+    /// prefill rate at the first byte (see `deadline`).
+    prefill_sample: Option<(crate::ids::WorkerId, u32)>,
 }
 
 /// An attempt's SLA bookkeeping: whether the client streams, and the stream's data frames (the
@@ -95,6 +98,7 @@ impl Attempt {
             decode_worker: None,
             sla: None,
             model: req.model.clone(),
+            prefill_sample: None,
         }
         .counted()
     }
@@ -165,12 +169,21 @@ impl Attempt {
         }
     }
 
+    /// Marks the attempt as `worker` prefilling `uncached_tokens`: its first byte teaches the
+    /// service the worker's prefill rate.
+    pub(crate) fn prefilling(&mut self, worker: crate::ids::WorkerId, uncached_tokens: u32) {
+        self.prefill_sample = Some((worker, uncached_tokens));
+    }
+
     /// The client's first byte: the TTFT; for one leg, the prompt is processed too.
     pub fn first_byte(&mut self) {
         if self.ttft_us.is_some() {
             return;
         }
         let elapsed = self.started.elapsed();
+        if let Some((worker, tokens)) = self.prefill_sample.take() {
+            self.st.inner.first_byte.observe(&worker, tokens, elapsed);
+        }
         self.ttft_us = Some(elapsed.as_micros() as u64);
         self.st
             .inner

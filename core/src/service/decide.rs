@@ -4,6 +4,7 @@
 
 use super::Service;
 use super::attempt::Attempt;
+use super::deadline::Prefill;
 use super::metrics::route_key;
 use super::pd;
 use crate::event::{Event, Role, RoutedLeg};
@@ -22,6 +23,8 @@ pub enum Route {
         rank: WorkerRank,
         url: String,
         dp_rank: Option<u32>,
+        /// What the worker must prefill before the first byte (see [`super::deadline`]).
+        prefill: Prefill,
     },
     /// A prefill and a decode worker, driven by their PD protocol.
     Pd(Box<pd::Pair>),
@@ -117,6 +120,15 @@ pub(super) fn decide(
             rank: leg.worker.clone(),
             url: w.url.trim_end_matches('/').to_owned(),
             dp_rank: engine_dp_rank(&leg.worker, w),
+            prefill: Prefill {
+                uncached_tokens: req
+                    .prompt_tokens
+                    .saturating_sub(leg.overlap_blocks.saturating_mul(w.kv_block_size)),
+                queued_tokens: fleet
+                    .index()
+                    .slot(&leg.worker)
+                    .map_or(0, |s| fleet.queued_prefill_tokens_at(s)),
+            },
         }),
         [] => None,
     };
@@ -172,7 +184,9 @@ pub(crate) fn decide_single(
     req: &mut RouteRequest,
 ) -> Result<Option<(WorkerRank, String, Option<u32>)>, RouteError> {
     match decide(st, req, None)? {
-        Route::Single { rank, url, dp_rank } => Ok(Some((rank, url, dp_rank))),
+        Route::Single {
+            rank, url, dp_rank, ..
+        } => Ok(Some((rank, url, dp_rank))),
         Route::Pd(_) => {
             drop(Attempt::new(st, req, true));
             Ok(None)

@@ -116,7 +116,12 @@ async fn forward(
         let mut guard = Attempt::new(st, &req, !single);
         guard.observe_sla(stream);
         let (rank, outcome) = match route {
-            Route::Single { rank, url, dp_rank } => {
+            Route::Single {
+                rank,
+                url,
+                dp_rank,
+                prefill,
+            } => {
                 // A stream that may migrate asks its engine for token ids (see `migrate`).
                 asked_ids = if stream && direct.is_none() {
                     migrate::asking_ids(st, &rank, path, &body)
@@ -124,9 +129,12 @@ async fn forward(
                     None
                 };
                 let sent = asked_ids.clone().unwrap_or_else(|| body.clone());
+                let deadline = st.inner.first_byte.deadline(&rank.worker, prefill);
+                guard.prefilling(rank.worker.clone(), prefill.uncached_tokens);
                 let outbound =
                     Outbound::new(rank.worker.clone(), url, path, sent, stream, &base_id)
-                        .with_dp_rank(dp_rank);
+                        .with_dp_rank(dp_rank)
+                        .with_first_byte_deadline(deadline);
                 // A worker that leaves routing (its health checks fail) fails this attempt
                 // over at once, before or after its first byte (see `health`).
                 let mut left = Box::pin(st.inner.health.left_routing(&rank.worker));

@@ -33,6 +33,7 @@
 
 mod attempt;
 pub mod breaker;
+pub mod deadline;
 mod decide;
 mod dispatch;
 pub mod health;
@@ -47,6 +48,7 @@ mod test_support;
 
 pub use attempt::{Attempt, Usage};
 pub use breaker::{BreakerConfig, BreakerState, PROBE_TIMEOUT};
+pub use deadline::{FirstByte, FirstByteConfig, Prefill};
 pub use decide::Route;
 pub use health::HealthConfig;
 pub use metrics::Metrics;
@@ -133,6 +135,7 @@ pub(crate) struct Inner {
     pub(crate) meta_tap: Mutex<Option<taps::MetaTap>>,
     pub(crate) breaker: breaker::Breaker,
     pub(crate) health: health::Health,
+    pub(crate) first_byte: deadline::FirstByte,
     pub(crate) migration_limit: AtomicU32,
 }
 
@@ -172,6 +175,7 @@ impl Service {
                 meta_tap: Mutex::new(None),
                 breaker: breaker::Breaker::default(),
                 health: health::Health::default(),
+                first_byte: deadline::FirstByte::default(),
                 migration_limit: AtomicU32::new(0),
             }),
         }

@@ -192,8 +192,10 @@ pub struct ServerArgs {
     /// HTTP requests to workers: longest wait from sending a request to the first byte of its
     /// response body (time to first token; a whole non-streamed answer); past it the request
     /// is cancelled and tried on another worker within --request-max-retries (0 = forever).
-    #[arg(long, default_value = "900s", value_name = "DURATION", help_heading = TRANSPORT)]
-    pub http_req_first_byte_timeout: HumanDuration,
+    /// [default: derived per request: 30 s plus 4 times the time its uncached prompt tokens
+    /// and the worker's queue take at the worker's measured prefill rate, at most 900 s]
+    #[arg(long, value_name = "DURATION", help_heading = TRANSPORT)]
+    pub http_req_first_byte_timeout: Option<HumanDuration>,
 
     /// HTTP requests to workers: longest gap between response chunks once the first came; past
     /// it the stream ends with an error event (504) and the request is cancelled (0 = forever).

@@ -177,6 +177,19 @@ pub struct NatsConfig {
     pub req_max_pending: Option<u32>,
 }
 
+/// `--http-req-first-byte-timeout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FirstByteTimeout {
+    /// Each request's own, from its uncached prompt tokens and the worker's prefill rate (the
+    /// default; see `infera_core::service::deadline`).
+    Derived,
+    /// Waits forever (`0`).
+    Off,
+    /// The same for every request.
+    Fixed(HumanDuration),
+}
+
 /// Deadlines of HTTP requests to workers, the circuit breaker and stream migration
 /// (`--http-req-*`, `--breaker-*`, `--migration-limit`); a `None` deadline is off.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -184,8 +197,8 @@ pub struct NatsConfig {
 pub struct WorkerEdgeConfig {
     /// TCP connect to a worker; `None` leaves it to the OS.
     pub connect_timeout: Option<HumanDuration>,
-    /// Request sent → first response body byte; `None` waits forever.
-    pub first_byte_timeout: Option<HumanDuration>,
+    /// Request sent → first response body byte.
+    pub first_byte_timeout: FirstByteTimeout,
     /// Longest gap between response chunks; `None` waits forever.
     pub idle_timeout: Option<HumanDuration>,
     /// Longest whole request; `None` is unlimited.
@@ -227,7 +240,12 @@ impl WorkerEdgeConfig {
         }
         Ok(Self {
             connect_timeout: args.http_req_connect_timeout.non_zero(),
-            first_byte_timeout: args.http_req_first_byte_timeout.non_zero(),
+            first_byte_timeout: match args.http_req_first_byte_timeout {
+                None => FirstByteTimeout::Derived,
+                Some(d) => d
+                    .non_zero()
+                    .map_or(FirstByteTimeout::Off, FirstByteTimeout::Fixed),
+            },
             idle_timeout: args.http_req_idle_timeout.non_zero(),
             max_duration: args.http_req_max_duration.non_zero(),
             breaker_failure_threshold: args.breaker_failure_threshold,

@@ -7,6 +7,7 @@
 #[cfg(not(feature = "zmq"))]
 use super::Backend;
 use super::NatsLink;
+use crate::config::server::FirstByteTimeout;
 use crate::config::{ConfigError, KvEventTransport, RequestTransport, ServerConfig};
 use anyhow::Context as _;
 use infera_adapters::server::{HttpDeadlines, HttpTransport};
@@ -51,7 +52,11 @@ pub async fn server_ports(config: &ServerConfig) -> anyhow::Result<ServerPorts> 
             let edge = &config.worker_edge;
             Arc::new(HttpTransport::with_deadlines(HttpDeadlines {
                 connect: edge.connect_timeout.map(|d| d.0),
-                first_byte: edge.first_byte_timeout.map(|d| d.0),
+                first_byte: match edge.first_byte_timeout {
+                    FirstByteTimeout::Fixed(d) => Some(d.0),
+                    FirstByteTimeout::Derived | FirstByteTimeout::Off => None,
+                },
+                derived_first_byte: edge.first_byte_timeout == FirstByteTimeout::Derived,
                 idle: edge.idle_timeout.map(|d| d.0),
                 max_duration: edge.max_duration.map(|d| d.0),
             }))
