@@ -44,6 +44,7 @@ use super::pd;
 use super::reply::{Reply, ReplyBody, RequestError};
 use crate::error::{ErrorCode, ServiceError};
 use crate::event::{RequestStatus, Role};
+use crate::ids::WorkerRank;
 use crate::policy::{DirectPick, RouteError, RouteRequest};
 use crate::ports::transport::{BodyStream, Inbound, Outbound, TransportError};
 use bytes::Bytes;
@@ -144,7 +145,11 @@ async fn forward(
                 };
                 let outcome = sent
                     .map(|mut resp| {
-                        resp.body = health::guard_body(resp.body, left, rank.worker.clone());
+                        let worker = rank.worker.clone();
+                        resp.body = health::guard_body(resp.body, async move {
+                            left.await;
+                            worker
+                        });
                         resp
                     })
                     .map_err(|error| pd::LegError::Transport {
@@ -173,7 +178,7 @@ async fn forward(
                             route_key(&pair.prefill.record, &pair.prefill.rank),
                             route_key(&pair.decode.record, &pair.decode.rank),
                         );
-                        pd::send(
+                        let sent = pd::send(
                             transport,
                             shape,
                             path,
@@ -182,8 +187,26 @@ async fn forward(
                             &req.request_id.0,
                             max,
                             prefilled,
-                        )
-                        .await
+                        );
+                        // Either leg's worker leaving routing fails the pair over, before the
+                        // first byte (dropping the legs aborts them) or after (the decode
+                        // stream ends; the prefill leg's KV may never come).
+                        let health = &st.inner.health;
+                        let (p, d) = (&pair.prefill.rank, &pair.decode.rank);
+                        let mut left = Box::pin(left_either(health, p, d));
+                        tokio::select! {
+                            sent = sent => sent.map(|mut resp| {
+                                resp.body = health::guard_body(resp.body, async move {
+                                    left.await.worker
+                                });
+                                resp
+                            }),
+                            rank = &mut left => Err(pd::LegError::Transport {
+                                role: if rank == *p { Role::Prefill } else { Role::Decode },
+                                error: health::left_error(&rank.worker),
+                                rank,
+                            }),
+                        }
                     }
                     Err(e) => Err(pd::LegError::Pd(e)),
                 };
@@ -478,6 +501,25 @@ impl StreamRelay {
                     self.usage = u;
                 }
             }
+        }
+    }
+}
+
+/// Resolves with the rank of whichever of a pair's workers leaves routing first (see `health`).
+fn left_either(
+    health: &health::Health,
+    prefill: &WorkerRank,
+    decode: &WorkerRank,
+) -> impl std::future::Future<Output = WorkerRank> + Send + use<> {
+    let (p, d) = (prefill.clone(), decode.clone());
+    let (left_p, left_d) = (
+        health.left_routing(&p.worker),
+        health.left_routing(&d.worker),
+    );
+    async move {
+        tokio::select! {
+            () = left_p => p,
+            () = left_d => d,
         }
     }
 }

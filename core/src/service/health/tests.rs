@@ -198,3 +198,44 @@ async fn a_stream_on_a_wedged_worker_ends_with_an_error_when_it_leaves_routing()
     assert!(end.to_string().contains("health checks"), "{end}");
     assert!(matches!(end, TransportError::Timeout(_)));
 }
+
+/// A prefill/decode worker of the MoRI-write protocol (both legs at once, no hand-off to read).
+fn pd_record(id: &str, role: crate::event::Role) -> WorkerRecord {
+    let mut r = record(id);
+    r.disagg_mode = role;
+    let ports = serde_json::json!({"kv_connector_extra_config":
+        {"handshake_port": 6301, "notify_port": 6401, "tp_size": 1}});
+    r.disagg_meta = Some(serde_json::json!({"protocol": "vllm-mori-write", "params": ports}));
+    r
+}
+
+#[tokio::test]
+async fn a_pd_pair_waiting_on_a_wedged_prefill_fails_over_when_it_leaves_routing() {
+    use crate::event::Role;
+    let st = service(false);
+    st.register_worker(pd_record("wedged", Role::Prefill));
+    st.register_worker(pd_record("decode", Role::Decode));
+    let body = Bytes::from_static(br#"{"model": "m", "prompt": "x", "max_tokens": 4}"#);
+    let forward = st.forward(request(&st), None, "/v1/completions", body, false);
+    let mut forward = Box::pin(forward);
+    if let Some(r) = (&mut forward).now_or_never() {
+        panic!(
+            "it waits on the wedged prefill leg, not {:?}",
+            r.map(|r| r.status)
+        );
+    }
+    st.register_worker(pd_record("prefill", Role::Prefill));
+    for _ in 0..3 {
+        assert!((&mut forward).now_or_never().is_none());
+        st.check_health().await;
+    }
+    let reply = tokio::time::timeout(std::time::Duration::from_secs(10), forward)
+        .await
+        .expect("the pair ended once its prefill worker left routing")
+        .expect("failed over to the other prefill worker");
+    let ReplyBody::Full(body) = reply.body else {
+        panic!("a whole answer");
+    };
+    assert_eq!(&body[..], b"ok");
+    assert_eq!(st.inner.health.out(), [w("wedged")]);
+}
