@@ -220,6 +220,7 @@ async fn serve_all(
         timeout: edge.health_check_timeout.0,
         unhealthy_threshold: edge.health_check_unhealthy_threshold,
         healthy_threshold: edge.health_check_healthy_threshold,
+        max_ejection_percent: edge.max_ejection_percent,
     });
     let health = {
         let service = state.service().clone();

@@ -5,7 +5,7 @@
 use super::Service;
 use super::attempt::Attempt;
 use super::deadline::Prefill;
-use super::metrics::route_key;
+use super::metrics::{inc, route_key};
 use super::pd;
 use crate::event::{Event, Role, RoutedLeg};
 use crate::ids::WorkerRank;
@@ -72,12 +72,19 @@ pub(super) fn decide(
     let own = req.exclude.len();
     if direct.is_none() {
         let fleet = core.kernel.fleet();
-        let mut blocked = st
+        let open = st
             .inner
             .breaker
             .blocked(|w| fleet.worker(w).is_some(), metrics);
-        blocked.extend(st.inner.health.out());
-        req.exclude.extend(blocked_ranks(fleet, &blocked));
+        let out = st.inner.health.out();
+        if !(open.is_empty() && out.is_empty()) {
+            let percent = st.inner.health.config().max_ejection_percent;
+            let (blocked, released) = capped(fleet, &req.model, out, open, percent);
+            if released > 0 {
+                inc(&metrics.ejections_capped, released as u64);
+            }
+            req.exclude.extend(blocked_ranks(fleet, &blocked));
+        }
     }
     let mut routed = core.kernel.route(req, direct, now);
     if req.exclude.len() > own {
@@ -161,6 +168,31 @@ pub(super) fn decide(
     drop(core);
     metrics.events_applied(applied as u64);
     Ok(route)
+}
+
+/// The ejected workers (out of routing by their health checks, `out`, or by an open breaker,
+/// `open`) to exclude for a request of `model`: of the model's own, at most `percent` of its
+/// workers (at least one), the health checks' first; how many were released past the cap.
+pub(super) fn capped(
+    fleet: &crate::fleet::FleetState,
+    model: &str,
+    out: Vec<crate::ids::WorkerId>,
+    open: Vec<crate::ids::WorkerId>,
+    percent: u32,
+) -> (Vec<crate::ids::WorkerId>, usize) {
+    let serves = |w: &crate::ids::WorkerId| fleet.worker(w).is_some_and(|r| r.serves(model));
+    let mut ejected = out;
+    for w in open {
+        if !ejected.contains(&w) {
+            ejected.push(w);
+        }
+    }
+    ejected.retain(|w| serves(w));
+    let workers = fleet.workers().filter(|r| r.serves(model)).count();
+    let cap = (workers * percent as usize / 100).max(1);
+    let released = ejected.len().saturating_sub(cap);
+    ejected.truncate(cap);
+    (ejected, released)
 }
 
 /// Every rank of the registered workers in `workers`.

@@ -45,16 +45,22 @@ pub struct HealthConfig {
     pub unhealthy_threshold: u32,
     /// Consecutive passed probes that bring it back.
     pub healthy_threshold: u32,
+    /// The most of a model's workers kept out of routing at once, by their health checks and
+    /// their circuit breakers together, in percent (at least one worker): past it, the
+    /// workers ejected last are routed again, so a fleet-wide slowdown never ejects everyone.
+    pub max_ejection_percent: u32,
 }
 
 impl Default for HealthConfig {
-    /// 2 s, 2 s, 3 failures, 2 passes: a wedged engine is out within about 8 s.
+    /// 2 s, 2 s, 3 failures, 2 passes: a wedged engine is out within about 8 s; at most half a
+    /// model's workers out at once.
     fn default() -> Self {
         Self {
             interval: Duration::from_secs(2),
             timeout: Duration::from_secs(2),
             unhealthy_threshold: 3,
             healthy_threshold: 2,
+            max_ejection_percent: 50,
         }
     }
 }

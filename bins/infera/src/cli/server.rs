@@ -254,6 +254,12 @@ pub struct ServerArgs {
     #[arg(long, env = "INFERA_HEALTH_CHECK_HEALTHY_THRESHOLD", default_value_t = 2, value_name = "N", help_heading = ROUTING)]
     pub health_check_healthy_threshold: u32,
 
+    /// The most of a model's workers kept out of routing at once, by health checks and circuit
+    /// breakers together, in percent (at least one worker): past it the workers ejected last
+    /// are routed again, so a fleet-wide slowdown never ejects every worker.
+    #[arg(long, env = "INFERA_MAX_EJECTION_PERCENT", default_value_t = 50, value_name = "PERCENT", value_parser = clap::value_parser!(u32).range(0..=100), help_heading = ROUTING)]
+    pub max_ejection_percent: u32,
+
     /// Continue a stream whose worker fails mid-stream on another worker (the text so far is
     /// carried in the prompt, the token budget reduced), at most N times per request and never
     /// on a worker that already failed it; mixed streams of one choice only. 0 disables.

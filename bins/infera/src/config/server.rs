@@ -219,6 +219,8 @@ pub struct WorkerEdgeConfig {
     pub health_check_unhealthy_threshold: u32,
     /// Consecutive passed probes that bring it back.
     pub health_check_healthy_threshold: u32,
+    /// The most of a model's workers out of routing at once, in percent.
+    pub max_ejection_percent: u32,
 }
 
 /// A duration that must not be zero.
@@ -256,6 +258,7 @@ impl WorkerEdgeConfig {
             health_check_timeout: not_zero("--health-check-timeout", args.health_check_timeout)?,
             health_check_unhealthy_threshold: args.health_check_unhealthy_threshold,
             health_check_healthy_threshold: args.health_check_healthy_threshold.max(1),
+            max_ejection_percent: args.max_ejection_percent,
         })
     }
 }

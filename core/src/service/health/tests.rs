@@ -239,3 +239,35 @@ async fn a_pd_pair_waiting_on_a_wedged_prefill_fails_over_when_it_leaves_routing
     assert_eq!(&body[..], b"ok");
     assert_eq!(st.inner.health.out(), [w("wedged")]);
 }
+
+#[test]
+fn at_most_the_capped_share_of_a_models_workers_is_ejected() {
+    use crate::service::decide::capped;
+    let st = service(false);
+    for id in ["a", "b", "c", "d"] {
+        st.register_worker(record(id));
+    }
+    let mut other = record("x");
+    other.model_name = "other".into();
+    st.register_worker(other);
+    let ids = |v: &[&str]| v.iter().map(|i| w(i)).collect::<Vec<_>>();
+    st.with_fleet(|f| {
+        // Three of four out, at most half: the health checks' two first, the breaker's after.
+        let (kept, released) = capped(f, "m", ids(&["a", "b"]), ids(&["b", "c", "x"]), 50);
+        assert_eq!((kept, released), (ids(&["a", "b"]), 1));
+        // Under the cap everything stays out; another model's worker never counts.
+        assert_eq!(
+            capped(f, "m", ids(&["a"]), ids(&["x"]), 50),
+            (ids(&["a"]), 0)
+        );
+        // At least one, whatever the share.
+        assert_eq!(
+            capped(f, "m", ids(&["d", "c"]), Vec::new(), 10),
+            (ids(&["d"]), 1)
+        );
+        assert_eq!(
+            capped(f, "m", ids(&["a", "b", "c", "d"]), Vec::new(), 100).1,
+            0
+        );
+    });
+}

@@ -117,6 +117,7 @@ pub struct Metrics {
     pub(crate) health_ejections: Counter,
     /// Workers out of routing for that now.
     pub(crate) health_out: Gauge,
+    pub(crate) ejections_capped: Counter,
     /// Workers whose breaker is open now.
     pub(crate) breaker_open: Gauge,
     /// Workers whose breaker is half-open now.
@@ -186,6 +187,7 @@ impl Default for Metrics {
             breaker_trips: Counter::default(),
             health_ejections: Counter::default(),
             health_out: Gauge::default(),
+            ejections_capped: Counter::default(),
             breaker_open: Gauge::default(),
             breaker_half_open: Gauge::default(),
             migrations: Counter::default(),
@@ -436,6 +438,12 @@ impl Metrics {
             "infera_health_out_workers",
             "Workers out of routing now for failing their health checks",
             self.health_out.clone(),
+        );
+        r.register(
+            "infera_ejections_capped",
+            "Ejected workers routed anyway because more of their model's workers were out than \
+             --max-ejection-percent allows, summed over requests",
+            self.ejections_capped.clone(),
         );
         r.register(
             "infera_breaker_open_workers",
