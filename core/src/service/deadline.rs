@@ -97,7 +97,9 @@ impl FirstByte {
         let tokens = f64::from(work.uncached_tokens) + work.queued_tokens as f64;
         let expected =
             Duration::try_from_secs_f64(c.factor * tokens / rate.max(1.0)).unwrap_or(c.cap);
-        (c.floor + expected).clamp(c.floor, c.cap.max(c.floor))
+        c.floor
+            .saturating_add(expected)
+            .clamp(c.floor, c.cap.max(c.floor))
     }
 
     /// Learns from an attempt on `worker` that prefilled `uncached_tokens` and answered its
@@ -182,6 +184,11 @@ mod tests {
         };
         assert_eq!(fb.deadline(&w, queued), c.floor + Duration::from_secs(40));
         assert_eq!(fb.deadline(&w, work(u32::MAX)), c.cap);
+        let flood = Prefill {
+            uncached_tokens: u32::MAX,
+            queued_tokens: u64::MAX,
+        };
+        assert_eq!(fb.deadline(&w, flood), c.cap, "no overflow at any queue");
     }
 
     #[test]
