@@ -54,7 +54,10 @@ fn help_lists_the_deadlines_and_breaker_flags_with_their_defaults() {
     let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
     for (flag, default) in [
         ("--http-req-connect-timeout", "[default: 10s]"),
-        ("--http-req-first-byte-timeout", "[default: 900s]"),
+        (
+            "--http-req-first-byte-timeout",
+            "[default: derived per request",
+        ),
         ("--http-req-idle-timeout", "[default: 900s]"),
         ("--http-req-max-duration", "[default: 0]"),
         ("--breaker-failure-threshold", "[default: 3]"),
@@ -65,6 +68,7 @@ fn help_lists_the_deadlines_and_breaker_flags_with_their_defaults() {
         ("--health-check-timeout", "[default: 2s]"),
         ("--health-check-unhealthy-threshold", "[default: 3]"),
         ("--health-check-healthy-threshold", "[default: 2]"),
+        ("--max-ejection-percent", "[default: 50]"),
     ] {
         let at = help
             .find(&format!("{flag} <"))
@@ -85,7 +89,7 @@ fn defaults_and_values_resolve_into_the_configuration() {
         edge_config(&[]),
         json!({
             "connect_timeout": "10s",
-            "first_byte_timeout": "15m",
+            "first_byte_timeout": "derived",
             "idle_timeout": "15m",
             "max_duration": null,
             "breaker_failure_threshold": 3,
@@ -96,6 +100,7 @@ fn defaults_and_values_resolve_into_the_configuration() {
             "health_check_timeout": "2s",
             "health_check_unhealthy_threshold": 3,
             "health_check_healthy_threshold": 2,
+            "max_ejection_percent": 50,
         })
     );
     // The Python launcher passes floats; 0 turns a deadline off, and the breaker.
@@ -120,9 +125,11 @@ fn defaults_and_values_resolve_into_the_configuration() {
         "500ms",
         "--health-check-unhealthy-threshold",
         "0",
+        "--max-ejection-percent",
+        "100",
     ]);
     assert_eq!(config["connect_timeout"], Value::Null);
-    assert_eq!(config["first_byte_timeout"], "2m");
+    assert_eq!(config["first_byte_timeout"], json!({"fixed": "2m"}));
     assert_eq!(config["idle_timeout"], "30s");
     assert_eq!(config["max_duration"], "1h");
     assert_eq!(config["breaker_failure_threshold"], 0);
@@ -131,6 +138,9 @@ fn defaults_and_values_resolve_into_the_configuration() {
     assert_eq!(config["migration_limit"], 2);
     assert_eq!(config["health_check_interval"], "500ms");
     assert_eq!(config["health_check_unhealthy_threshold"], 0);
+    assert_eq!(config["max_ejection_percent"], 100);
+    let off = edge_config(&["--http-req-first-byte-timeout", "0"]);
+    assert_eq!(off["first_byte_timeout"], "off");
 }
 
 #[test]
@@ -154,6 +164,10 @@ fn bad_values_fail_on_one_line_naming_the_flag() {
         (
             &["--breaker-failure-threshold", "x"][..],
             "--breaker-failure-threshold",
+        ),
+        (
+            &["--max-ejection-percent", "101"][..],
+            "--max-ejection-percent",
         ),
         (
             &["--health-check-timeout", "0"][..],
