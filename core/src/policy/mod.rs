@@ -504,12 +504,7 @@ impl Router {
                 continue;
             };
             if let Some(slot) = fleet.index().slot(&leg.worker) {
-                let mut overlap = Vec::with_capacity(1);
-                fleet
-                    .index()
-                    .overlap(crate::event::Tier::Gpu, leg_blocks, &[slot], &mut overlap);
-                let indexed = overlap.first().copied().unwrap_or(0);
-                leg.overlap_blocks = fleet.expected_overlap_at(slot, leg_blocks, indexed);
+                leg.overlap_blocks = cached_overlap(fleet, slot, leg_blocks);
             }
             if blocks.is_empty() {
                 blocks = leg_blocks.to_vec();
@@ -573,14 +568,9 @@ impl Router {
         let blocks = req
             .blocks_for(&c.rank.worker, c.block_size)
             .ok_or(RouteError::MissingBlockSize(c.block_size))?;
-        let overlap_blocks = pick.overlap_blocks.unwrap_or_else(|| {
-            let mut ov = Vec::with_capacity(1);
-            fleet
-                .index()
-                .overlap(crate::event::Tier::Gpu, blocks, &[c.slot], &mut ov);
-            let indexed = ov.first().copied().unwrap_or(0);
-            fleet.expected_overlap_at(c.slot, blocks, indexed)
-        });
+        let overlap_blocks = pick
+            .overlap_blocks
+            .unwrap_or_else(|| cached_overlap(fleet, c.slot, blocks));
         let leg = RoutedLeg {
             worker: c.rank.clone(),
             role,
@@ -588,6 +578,17 @@ impl Router {
         };
         Ok((leg, blocks, pick.top, overlap_weight))
     }
+}
+
+/// The leading `blocks` the worker at `slot` holds or is computing (the index, extended by its
+/// requests in flight: [`FleetState::expected_overlap_at`]).
+fn cached_overlap(fleet: &FleetState, slot: crate::index::WorkerSlot, blocks: &[BlockHash]) -> u32 {
+    let mut overlap = Vec::with_capacity(1);
+    fleet
+        .index()
+        .overlap(crate::event::Tier::Gpu, blocks, &[slot], &mut overlap);
+    let indexed = overlap.first().copied().unwrap_or(0);
+    fleet.expected_overlap_at(slot, blocks, indexed)
 }
 
 /// The workers an external picker (a Gateway API Inference Extension EPP) named for a request:
