@@ -138,25 +138,19 @@ async fn forward(
                         .with_first_byte_deadline(deadline);
                 // A worker that leaves routing (its health checks fail) fails this attempt
                 // over at once, before or after its first byte (see `health`).
-                let mut left = Box::pin(st.inner.health.left_routing(&rank.worker));
-                let sent = tokio::select! {
-                    sent = transport.send(outbound) => sent,
-                    () = &mut left => Err(health::left_error(&rank.worker)),
-                };
-                let outcome = sent
-                    .map(|mut resp| {
-                        let worker = rank.worker.clone();
-                        resp.body = health::guard_body(resp.body, async move {
-                            left.await;
-                            worker
-                        });
-                        resp
-                    })
-                    .map_err(|error| pd::LegError::Transport {
+                let left = left_rank(&st.inner.health, &rank);
+                let outcome = match unless_left(transport.send(outbound), left).await {
+                    Ok(sent) => sent.map_err(|error| pd::LegError::Transport {
                         role: Role::Mixed,
                         rank: rank.clone(),
                         error,
-                    });
+                    }),
+                    Err(gone) => Err(pd::LegError::Transport {
+                        role: Role::Mixed,
+                        error: health::left_error(&gone.worker),
+                        rank: gone,
+                    }),
+                };
                 (rank, outcome)
             }
             Route::Pd(pair) => {
@@ -193,18 +187,23 @@ async fn forward(
                         // stream ends; the prefill leg's KV may never come).
                         let health = &st.inner.health;
                         let (p, d) = (&pair.prefill.rank, &pair.decode.rank);
-                        let mut left = Box::pin(left_either(health, p, d));
-                        tokio::select! {
-                            sent = sent => sent.map(|mut resp| {
-                                resp.body = health::guard_body(resp.body, async move {
-                                    left.await.worker
-                                });
-                                resp
-                            }),
-                            rank = &mut left => Err(pd::LegError::Transport {
-                                role: if rank == *p { Role::Prefill } else { Role::Decode },
-                                error: health::left_error(&rank.worker),
-                                rank,
+                        let (left_p, left_d) = (left_rank(health, p), left_rank(health, d));
+                        let left = async move {
+                            tokio::select! {
+                                gone = left_p => gone,
+                                gone = left_d => gone,
+                            }
+                        };
+                        match unless_left(sent, left).await {
+                            Ok(sent) => sent,
+                            Err(gone) => Err(pd::LegError::Transport {
+                                role: if gone == *p {
+                                    Role::Prefill
+                                } else {
+                                    Role::Decode
+                                },
+                                error: health::left_error(&gone.worker),
+                                rank: gone,
                             }),
                         }
                     }
@@ -505,21 +504,30 @@ impl StreamRelay {
     }
 }
 
-/// Resolves with the rank of whichever of a pair's workers leaves routing first (see `health`).
-fn left_either(
+/// Resolves with `rank` once its worker leaves routing (see [`health::Health::left_routing`]).
+fn left_rank(
     health: &health::Health,
-    prefill: &WorkerRank,
-    decode: &WorkerRank,
+    rank: &WorkerRank,
 ) -> impl std::future::Future<Output = WorkerRank> + Send + use<> {
-    let (p, d) = (prefill.clone(), decode.clone());
-    let (left_p, left_d) = (
-        health.left_routing(&p.worker),
-        health.left_routing(&d.worker),
-    );
+    let (rank, left) = (rank.clone(), health.left_routing(&rank.worker));
     async move {
-        tokio::select! {
-            () = left_p => p,
-            () = left_d => d,
-        }
+        left.await;
+        rank
+    }
+}
+
+/// Races an attempt's `sent` against `left` (one of its workers leaving routing): the response,
+/// whose body ends with the health error if a worker leaves later; or the rank that left first.
+async fn unless_left<E>(
+    sent: impl std::future::Future<Output = Result<Inbound, E>>,
+    left: impl std::future::Future<Output = WorkerRank> + Send + 'static,
+) -> Result<Result<Inbound, E>, WorkerRank> {
+    let mut left = Box::pin(left);
+    tokio::select! {
+        sent = sent => Ok(sent.map(|mut resp| {
+            resp.body = health::guard_body(resp.body, async move { left.await.worker });
+            resp
+        })),
+        gone = &mut left => Err(gone),
     }
 }

@@ -16,7 +16,7 @@
 //! as a timeout and is retried elsewhere (within `--request-max-retries`); a stream that
 //! already started ends with a timeout error, which migrates it where `--migration-limit`
 //! allows and otherwise ends it with an error event. The dropped reply cancels the engine's
-//! work. Prefill/decode pairs are not raced yet.
+//! work. A prefill/decode pair races both of its workers the same way.
 //!
 //! A worker no longer registered is forgotten at the next round. A transport that cannot probe
 //! (NATS in JetStream mode) reports every worker healthy.
@@ -243,9 +243,9 @@ impl Service {
     pub async fn check_health(&self) {
         let config = self.inner.health.config();
         let workers: Vec<_> = self.with_fleet(|f| f.workers().cloned().collect());
-        self.inner
-            .health
-            .retain(|w| workers.iter().any(|r| &r.worker_id == w));
+        let registered: std::collections::HashSet<&WorkerId> =
+            workers.iter().map(|r| &r.worker_id).collect();
+        self.inner.health.retain(|w| registered.contains(w));
         let transport = &self.inner.transport;
         let probes = workers.iter().map(|record| async move {
             let passed = match tokio::time::timeout(config.timeout, transport.probe(record)).await {
