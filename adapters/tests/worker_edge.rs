@@ -18,7 +18,7 @@ use common::fleet::{Front, MODEL, options, tokenizer};
 use common::{TIMEOUT, exchange, get, post};
 use futures::StreamExt as _;
 use infera_adapters::server::{
-    BreakerConfig, BreakerState, HttpDeadlines, HttpTransport, ServerState,
+    BreakerConfig, BreakerState, FirstByteDeadline, HttpDeadlines, HttpTransport, ServerState,
 };
 use infera_core::clock::VirtualClock;
 use infera_core::event::{Engine, WorkerRecord};
@@ -205,7 +205,7 @@ async fn a_worker_that_never_answers_is_cancelled_at_the_first_byte_deadline_and
     let good = Fake::start(Behaviour::Answer).await;
     let deadlines = HttpDeadlines {
         connect: Some(Duration::from_secs(5)),
-        first_byte: Some(Duration::from_millis(200)),
+        first_byte: FirstByteDeadline::Fixed(Duration::from_millis(200)),
         ..HttpDeadlines::default()
     };
     let front = start_front(2, deadlines).await;
@@ -261,7 +261,7 @@ async fn a_worker_that_never_answers_is_cancelled_at_the_first_byte_deadline_and
 async fn a_worker_that_goes_silent_mid_stream_ends_the_stream_with_an_error_event() {
     let mut silent = Fake::start(Behaviour::OneEventThenHang).await;
     let deadlines = HttpDeadlines {
-        first_byte: Some(Duration::from_secs(10)),
+        first_byte: FirstByteDeadline::Fixed(Duration::from_secs(10)),
         idle: Some(Duration::from_millis(200)),
         ..HttpDeadlines::default()
     };

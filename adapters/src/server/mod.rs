@@ -72,7 +72,7 @@ pub use infera_core::service::{
 pub use lora::LoraLoading;
 pub use pick::{Pick, PickError};
 pub use prewarm::{DEFAULT_DEADLINE_MS, MAX_KEYS};
-pub use transport::{HttpDeadlines, HttpTransport};
+pub use transport::{FirstByteDeadline, HttpDeadlines, HttpTransport};
 
 use crate::tokenize::{ChatTemplate, TemplateKwargs, Tokenizer};
 use infera_core::clock::{Clock, SystemClock};

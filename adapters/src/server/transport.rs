@@ -37,33 +37,29 @@ use tokio::time::Instant;
 /// The first-byte deadline of a request the service derived none for (a PD leg, a migration).
 pub const UNDERIVED_FIRST_BYTE: Duration = Duration::from_secs(900);
 
+/// Request sent → first body byte (`--http-req-first-byte-timeout`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FirstByteDeadline {
+    /// Each request's own ([`Outbound::first_byte_deadline`], else [`UNDERIVED_FIRST_BYTE`]).
+    #[default]
+    Derived,
+    /// None: the wait is unbounded (`0`).
+    Off,
+    /// The same for every request.
+    Fixed(Duration),
+}
+
 /// The deadlines of requests to workers. See the module docs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HttpDeadlines {
     /// TCP connect (`--http-req-connect-timeout`).
     pub connect: Option<Duration>,
-    /// Request sent → first body byte, fixed (`--http-req-first-byte-timeout`).
-    pub first_byte: Option<Duration>,
-    /// Without a fixed `first_byte`: whether each request's derived deadline applies (else
-    /// none does: `--http-req-first-byte-timeout 0`).
-    pub derived_first_byte: bool,
+    /// Request sent → first body byte.
+    pub first_byte: FirstByteDeadline,
     /// Gap between body chunks (`--http-req-idle-timeout`).
     pub idle: Option<Duration>,
     /// The whole response (`--http-req-max-duration`).
     pub max_duration: Option<Duration>,
-}
-
-impl Default for HttpDeadlines {
-    /// Derived first-byte deadlines, no other.
-    fn default() -> Self {
-        Self {
-            connect: None,
-            first_byte: None,
-            derived_first_byte: true,
-            idle: None,
-            max_duration: None,
-        }
-    }
 }
 
 /// The HTTP request transport. See the module docs.
@@ -204,18 +200,14 @@ impl RequestTransport for HttpTransport {
 
     async fn send(&self, req: Outbound) -> Result<Inbound, TransportError> {
         let start = Instant::now();
-        let first_byte = match self.deadlines.first_byte {
-            Some(fixed) => Some(fixed),
-            None if self.deadlines.derived_first_byte => {
-                Some(req.first_byte_deadline.unwrap_or(UNDERIVED_FIRST_BYTE))
-            }
-            None => None,
-        };
-        let first_byte_flag = if self.deadlines.first_byte.is_some() {
-            "--http-req-first-byte-timeout"
-        } else {
-            "the first-byte deadline derived from the prompt; \
-             --http-req-first-byte-timeout fixes one"
+        let (first_byte, first_byte_flag) = match self.deadlines.first_byte {
+            FirstByteDeadline::Fixed(fixed) => (Some(fixed), "--http-req-first-byte-timeout"),
+            FirstByteDeadline::Derived => (
+                Some(req.first_byte_deadline.unwrap_or(UNDERIVED_FIRST_BYTE)),
+                "the first-byte deadline derived from the prompt; \
+                 --http-req-first-byte-timeout fixes one",
+            ),
+            FirstByteDeadline::Off => (None, "--http-req-first-byte-timeout"),
         };
         let first_byte = first_byte.map(|d| start + d);
         let end = self.deadlines.max_duration.map(|d| start + d);

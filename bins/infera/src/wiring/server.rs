@@ -10,7 +10,7 @@ use super::NatsLink;
 use crate::config::server::FirstByteTimeout;
 use crate::config::{ConfigError, KvEventTransport, RequestTransport, ServerConfig};
 use anyhow::Context as _;
-use infera_adapters::server::{HttpDeadlines, HttpTransport};
+use infera_adapters::server::{FirstByteDeadline, HttpDeadlines, HttpTransport};
 use infera_backends::log::{EventLogConfig, open_event_log_with};
 #[cfg(feature = "zmq")]
 use infera_backends::zmq::ZmqKvSource;
@@ -53,10 +53,10 @@ pub async fn server_ports(config: &ServerConfig) -> anyhow::Result<ServerPorts> 
             Arc::new(HttpTransport::with_deadlines(HttpDeadlines {
                 connect: edge.connect_timeout.map(|d| d.0),
                 first_byte: match edge.first_byte_timeout {
-                    FirstByteTimeout::Fixed(d) => Some(d.0),
-                    FirstByteTimeout::Derived | FirstByteTimeout::Off => None,
+                    FirstByteTimeout::Derived => FirstByteDeadline::Derived,
+                    FirstByteTimeout::Off => FirstByteDeadline::Off,
+                    FirstByteTimeout::Fixed(d) => FirstByteDeadline::Fixed(d.0),
                 },
-                derived_first_byte: edge.first_byte_timeout == FirstByteTimeout::Derived,
                 idle: edge.idle_timeout.map(|d| d.0),
                 max_duration: edge.max_duration.map(|d| d.0),
             }))
