@@ -328,8 +328,8 @@ fn is_executable(path: &Path) -> bool {
         .is_ok_and(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
 }
 
-/// Runs an installation command, showing its output only if it fails.
-fn run_quiet(name: &str, command: &mut Command) -> anyhow::Result<()> {
+/// Runs a command, showing its output only if it fails.
+pub(crate) fn run_quiet(name: &str, command: &mut Command) -> anyhow::Result<()> {
     println!("xtask: running {}", describe(command));
     let output: Output = command
         .output()

@@ -21,7 +21,7 @@ const READY_WITHIN: Duration = Duration::from_secs(60);
 pub fn serves(root: &Path, tag: &str) -> anyhow::Result<()> {
     let name = format!("infera-smoke-{}", std::process::id());
     let _cleanup = Cleanup(name.clone());
-    run(
+    crate::tools::run_quiet(
         "image smoke: a private network",
         Command::new("docker").args(["network", "create", &name]),
     )?;
@@ -49,7 +49,7 @@ pub fn serves(root: &Path, tag: &str) -> anyhow::Result<()> {
             "8000",
         ])
         .args(["--router-tokenizer-path", "/tokenizer"]);
-    run("image smoke: infera up in a container", &mut start)?;
+    crate::tools::run_quiet("image smoke: infera up in a container", &mut start)?;
     let port = output(Command::new("docker").args(["port", &name, "8000/tcp"]))?;
     let address = port
         .lines()
@@ -158,9 +158,4 @@ pub fn runs_python_entry_points(tag: &str) -> anyhow::Result<()> {
         version.trim()
     );
     Ok(())
-}
-
-fn run(name: &str, command: &mut Command) -> anyhow::Result<()> {
-    command.stdout(std::process::Stdio::null());
-    crate::run_step(name, command)
 }
