@@ -12,7 +12,8 @@
 //! left their tips (32 per worker, the most kept); `…_balance` the same with
 //! `--router-balance-tokens 512`, counting the 2,304 picks the fleet remembers.
 //! `decision/hash_only_8k_tokens_adapter` hashes the same prompt for a LoRA adapter's request
-//! (every block keyed by the adapter's name).
+//! (every block keyed by the adapter's name). `decision/route_only_…_session` routes a request
+//! whose session is pinned (one of the 2,048 finished conversations'), against `route_only`.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use infera_core::event::{
@@ -21,7 +22,7 @@ use infera_core::event::{
 };
 use infera_core::fleet::{FleetConfig, FleetState};
 use infera_core::hashing::{KvIdentity, hash_blocks, hash_prompt_blocks, synthetic_block_tokens};
-use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
+use infera_core::ids::{BlockHash, EngineHash, RequestId, SessionKey, WorkerId, WorkerRank};
 use infera_core::policy::{RouteRequest, Router, RouterConfig};
 use infera_core::projection::Projection;
 use infera_core::service::{FirstByte, Prefill};
@@ -59,6 +60,7 @@ fn request(id: String, toks: &[u32]) -> RouteRequest {
         retention: None,
         per_worker: Default::default(),
         exclude: vec![],
+        session: None,
     }
 }
 
@@ -133,9 +135,12 @@ fn setup() -> Setup {
         }
     }
     let mut router = Router::new(RouterConfig::default());
-    // Finished conversations, each leaving a tip on its worker.
+    // Finished conversations, each leaving a tip on its worker and its session's pin.
     for i in 0..(WORKERS * 32) as u64 {
-        let req = request(format!("done{i}"), &prompt(i % APPS, 8_000_000 + i));
+        let req = RouteRequest {
+            session: Some(SessionKey(i)),
+            ..request(format!("done{i}"), &prompt(i % APPS, 8_000_000 + i))
+        };
         if let Ok(d) = router.decide(&s.fleet, &req, 0) {
             s.apply(Event::RequestRouted(d));
             s.apply(Event::RequestFinished(RequestFinished {
@@ -201,6 +206,13 @@ fn parts(c: &mut Criterion) {
     let req = request("r".into(), &toks);
     let mut router = Router::new(RouterConfig::default());
     c.bench_function("decision/route_only_512_blocks_64_workers", |b| {
+        b.iter(|| black_box(router.decide(&s.fleet, &req, 1_000_000).is_ok()))
+    });
+    let req = RouteRequest {
+        session: Some(SessionKey(7)),
+        ..req
+    };
+    c.bench_function("decision/route_only_512_blocks_64_workers_session", |b| {
         b.iter(|| black_box(router.decide(&s.fleet, &req, 1_000_000).is_ok()))
     });
 }

@@ -176,7 +176,33 @@ pub const KV_EVENTS_REPLAY_ENDPOINT: &str = "kv_events_replay_endpoint";
 /// engine's list changes.
 pub const LORA_ADAPTERS: &str = "lora_adapters";
 
+/// Our registration field (in [`WorkerRecord::extra`]): the prompt tokens the engine prefills
+/// in one step (vLLM's `--max-num-batched-tokens`, SGLang's `--chunked-prefill-size`), the
+/// unit in which the router's queue measures a worker's saturation.
+pub const MAX_NUM_BATCHED_TOKENS: &str = "max_num_batched_tokens";
+
+/// The prefill budget of a worker that registers none: vLLM's default `max_num_batched_tokens`
+/// for its OpenAI server.
+pub const DEFAULT_PREFILL_BUDGET: u32 = 8192;
+
 impl WorkerRecord {
+    /// The prompt tokens the engine prefills in one step ([`MAX_NUM_BATCHED_TOKENS`], else
+    /// [`DEFAULT_PREFILL_BUDGET`]).
+    pub fn prefill_budget(&self) -> u32 {
+        self.extra
+            .get(MAX_NUM_BATCHED_TOKENS)
+            .and_then(serde_json::Value::as_u64)
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|n| *n > 0)
+            .unwrap_or(DEFAULT_PREFILL_BUDGET)
+    }
+
+    /// Advertises the engine's prefill budget.
+    pub fn set_prefill_budget(&mut self, tokens: u32) {
+        self.extra
+            .insert(MAX_NUM_BATCHED_TOKENS.to_owned(), tokens.into());
+    }
+
     /// A mixed (non-PD) worker of one DP rank reached over HTTP, with nothing else registered:
     /// the record a plain engine's launcher writes, and the base the others change.
     pub fn mixed(
@@ -463,6 +489,14 @@ pub struct RequestRouted {
     /// When the decision was made (microseconds on the router's clock); load decay is computed
     /// from this, so a rebuilt state decays exactly like the original.
     pub at_us: Micros,
+    /// The tenant the request was admitted for (`--api-keys`; absent without a key file):
+    /// replicas sharing a durable log charge each other's requests to their tenants' limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// The request's conversation, when the client named one: every replica pins the session to
+    /// the legs' ranks (see `fleet::sessions`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<crate::ids::SessionKey>,
 }
 
 /// The request's prompt has been processed (first token produced): it no longer queues prefill.

@@ -41,6 +41,11 @@
 //! conversation. The router charges a rank for its picks above the candidates' mean only with
 //! `--router-balance-tokens` above 0. Like tips, the window is soft state.
 //!
+//! # Sessions
+//! A request that names its conversation pins it to the ranks it was routed to
+//! ([`FleetState::session_pin`], see [`sessions`]); the router keeps a session there by
+//! `--router-session-affinity`. Soft state too.
+//!
 //! # Draining
 //! A `WorkerDraining` marks a registered worker as shutting down: it stays listed
 //! ([`FleetState::workers`], [`FleetState::worker`]), keeps its index entries and the load of its
@@ -62,11 +67,12 @@ use crate::event::{
     Envelope, Event, RequestFinished, RequestPrefilled, RequestRouted, Role, WorkerDraining,
     WorkerRecord, WorkerRegistered,
 };
-use crate::ids::{BlockHash, RequestId, WorkerId, WorkerRank};
+use crate::ids::{BlockHash, RequestId, SessionKey, WorkerId, WorkerRank};
 use crate::index::{KvIndex, WorkerSlot};
 use crate::projection::Projection;
 use recent::{PromptEnd, RecentPicks};
 use rustc_hash::FxHashMap;
+use sessions::Sessions;
 use std::collections::{BTreeMap, VecDeque};
 
 /// Tunables of the load accounting. It has none today: the load is what is in flight, exactly
@@ -81,6 +87,8 @@ pub struct Candidate {
     pub slot: WorkerSlot,
     pub role: Role,
     pub block_size: u32,
+    /// The prompt tokens its engine prefills in one step ([`WorkerRecord::prefill_budget`]).
+    pub prefill_budget: u32,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -174,6 +182,7 @@ pub struct FleetState {
     /// Routable ranks (the recent-pick window keeps a number of picks per rank).
     ranks: usize,
     recent: RecentPicks,
+    sessions: Sessions,
 }
 
 impl FleetState {
@@ -270,6 +279,7 @@ impl FleetState {
                         slot,
                         role,
                         block_size: w.kv_block_size,
+                        prefill_budget: w.prefill_budget(),
                     };
                     // A name that is also a base model is served as the base model.
                     let adapters = w
@@ -310,6 +320,29 @@ impl FleetState {
         self.load_at(slot)
             .map(|l| l.queued_prefill_tokens)
             .unwrap_or(0)
+    }
+
+    /// Whether `c` is saturated at `threshold`: the prompt tokens routed to it and not yet
+    /// prefilled are at least `threshold` of its prefill budgets.
+    pub fn saturated(&self, c: &Candidate, threshold: f64) -> bool {
+        self.queued_prefill_tokens_at(c.slot) as f64 >= threshold * f64::from(c.prefill_budget)
+    }
+
+    /// The slot `session`'s `role` leg was last routed to, if that was at most `ttl_us` before
+    /// `now_us` (see [`sessions`]).
+    pub fn session_pin(
+        &self,
+        session: SessionKey,
+        role: Role,
+        now_us: Micros,
+        ttl_us: Micros,
+    ) -> Option<WorkerSlot> {
+        self.sessions.pinned(session, role, now_us, ttl_us)
+    }
+
+    /// Sessions pinned (live or lapsed, not yet dropped).
+    pub fn sessions_pinned(&self) -> usize {
+        self.sessions.len()
     }
 
     /// Distinct blocks of in-flight requests on `rank`.
@@ -495,6 +528,9 @@ impl FleetState {
                 continue;
             };
             self.recent.push(slot, &r.blocks, self.ranks);
+            if let Some(session) = r.session {
+                self.sessions.pin(session, leg.role, slot, r.at_us);
+            }
             let load = self.load_mut(slot);
             load.tips.retain(|t| !t.end.continued_by(&r.blocks));
             for b in &r.blocks {
@@ -670,5 +706,6 @@ impl PartialEq for FleetState {
 }
 
 mod recent;
+pub mod sessions;
 #[cfg(test)]
 mod tests;

@@ -1,4 +1,5 @@
-//! Identifiers shared by every crate: workers, data-parallel ranks, requests, block hashes.
+//! Identifiers shared by every crate: workers, data-parallel ranks, requests, sessions, block
+//! hashes.
 //!
 //! Block hashes come in two kinds that must never be confused: [`BlockHash`] is the router's own
 //! chained XXH3-64 of a block's tokens (see [`crate::hashing`]); [`EngineHash`] is whatever opaque key
@@ -120,6 +121,19 @@ fn split_request_id(id: &str) -> Option<(&str, usize)> {
 impl fmt::Display for RequestId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
+    }
+}
+
+/// A conversation's key: the XXH3-64 of the client's session id (`x-session-id`, or the body's
+/// `prompt_cache_key` or `session_id`), so that events and traces never hold the id itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct SessionKey(pub u64);
+
+impl SessionKey {
+    /// The key of session id `id`; every replica computes the same one.
+    pub fn of(id: &str) -> Self {
+        Self(xxhash_rust::xxh3::xxh3_64(id.as_bytes()))
     }
 }
 

@@ -77,6 +77,11 @@ impl Kernel {
     }
 
     /// The fleet projection.
+    /// The decider's configuration.
+    pub fn router_config(&self) -> &RouterConfig {
+        self.router.config()
+    }
+
     pub fn fleet(&self) -> &FleetState {
         &self.fleet
     }
@@ -231,6 +236,8 @@ mod tests {
             top: Vec::new(),
             retention: None,
             at_us,
+            tenant: None,
+            session: None,
         }))
     }
 

@@ -12,6 +12,8 @@
 //! - [`service`]: the request pipeline as an application service on the kernel and the ports:
 //!   decide, dispatch with failover (and prefill/decode pairs), relay, record; its circuit
 //!   breaker, taps and metrics. The HTTP front in `infera-adapters` is the adapter before it.
+//! - [`tenancy`]: tenants (API keys, weights, priorities), their limits and the fair order of
+//!   the router's queue.
 //! - [`engine`]: the engine simulation model (paged KV cache, batch scheduler, timing) shared by
 //!   `infera replay` and the mock engine.
 //! - [`retention`]: retention-class eviction (the kvd tiers' policy, also simulated by replay).
@@ -41,3 +43,4 @@ pub mod projection;
 pub mod retention;
 pub mod rng;
 pub mod service;
+pub mod tenancy;

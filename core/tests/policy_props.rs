@@ -121,6 +121,7 @@ fn req(id: String, blocks: Vec<BlockHash>) -> RouteRequest {
         retention: None,
         per_worker: Default::default(),
         exclude: vec![],
+        session: None,
     }
 }
 

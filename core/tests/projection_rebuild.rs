@@ -111,6 +111,8 @@ fn to_event(op: &Op) -> Event {
             top: vec![],
             retention: None,
             at_us: t,
+            tenant: None,
+            session: None,
         }),
         Op::Prefill(i) => Event::RequestPrefilled(RequestPrefilled { request_id: id(i) }),
         Op::Finish(i) => Event::RequestFinished(RequestFinished {

@@ -146,10 +146,13 @@ pub(super) struct Parsed {
     pub retention: Option<Retention>,
     /// What the engine gets: the client's bytes with the retention stamp.
     pub forward: Bytes,
-    /// `session_id`, when a string.
+    /// The conversation: `prompt_cache_key` (OpenAI's), else `session_id`, when a non-empty
+    /// string (the Python Infera reads the same two, in that order).
     pub session_id: Option<String>,
     /// vLLM's `cache_salt`: the engine keys the prompt's first block (and so all of them) by it.
     pub cache_salt: Option<Box<str>>,
+    /// vLLM's `priority` (lower is more urgent), for the router's queue.
+    pub priority: Option<i32>,
 }
 
 /// Which array the prompt is read from.
@@ -180,7 +183,11 @@ struct Fields<'a> {
     #[serde(default, borrow, deserialize_with = "present")]
     session_id: Option<&'a RawValue>,
     #[serde(default, borrow, deserialize_with = "present")]
+    prompt_cache_key: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
     cache_salt: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    priority: Option<&'a RawValue>,
     // What a chat template renders besides the messages (see `ChatExtras`).
     #[serde(default, borrow, deserialize_with = "present")]
     tools: Option<&'a RawValue>,
@@ -270,15 +277,23 @@ pub(super) fn parse(bytes: Bytes, shape: Shape, default: Retention) -> Result<Pa
             ),
         },
     };
-    let session_id = fields
-        .session_id
-        .and_then(|raw| serde_json::from_str::<String>(raw.get()).ok());
+    let session_id = [fields.prompt_cache_key, fields.session_id]
+        .into_iter()
+        .flatten()
+        .filter_map(|raw| serde_json::from_str::<String>(raw.get()).ok())
+        .map(|s| s.trim().to_owned())
+        .find(|s| !s.is_empty());
     let cache_salt = match fields.cache_salt {
         None => None,
         Some(raw) => serde_json::from_str::<Option<String>>(raw.get())
             .map_err(|_| bad("`cache_salt` must be a string"))?
             .filter(|s| !s.is_empty())
             .map(Box::from),
+    };
+    let priority = match fields.priority {
+        None => None,
+        Some(raw) => serde_json::from_str::<Option<i32>>(raw.get())
+            .map_err(|_| bad("`priority` must be an integer"))?,
     };
     let (retention, edit) = retention(&fields, &bytes, default)?;
     let mut splices = match (&input, fields.messages) {
@@ -309,6 +324,7 @@ pub(super) fn parse(bytes: Bytes, shape: Shape, default: Retention) -> Result<Pa
         forward,
         session_id,
         cache_salt,
+        priority,
     })
 }
 
@@ -658,6 +674,20 @@ mod tests {
         assert!(parsed.stream);
         assert_eq!(parsed.session_id.as_deref(), Some("s1"));
         assert!(matches!(parsed.input, Input::Chat(m, _) if m.len() == 1));
+        let session = |extra: &str| {
+            let body = format!(r#"{{"model":"m",{extra}"prompt":"hi"}}"#);
+            parse(Bytes::from(body), Shape::Prompt, Retention::Long)
+                .unwrap()
+                .session_id
+        };
+        let both = r#""session_id":"s1","prompt_cache_key":" k1 ","#;
+        assert_eq!(session(both).as_deref(), Some("k1"), "OpenAI's key first");
+        assert_eq!(
+            session(r#""prompt_cache_key":"","session_id":"s1","#).as_deref(),
+            Some("s1")
+        );
+        assert_eq!(session(r#""session_id":7,"#), None);
+        assert_eq!(session(""), None);
     }
 
     #[test]

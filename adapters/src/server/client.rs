@@ -34,6 +34,9 @@ pub struct ClientOptions {
     pub parse_budget: ParseBudget,
     /// The retention stamped on a request that asks for none (`--default-retention`).
     pub default_retention: Retention,
+    /// The tenants and their keys (`--api-keys`); `None`: no key is asked for, every request
+    /// is the anonymous tenant's.
+    pub api_keys: Option<super::tenants::KeyStore>,
 }
 
 /// A bearer token; never printed.

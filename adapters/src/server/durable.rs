@@ -10,7 +10,8 @@
 //!   this replica's source, `router/<replica id>`. The request path never waits for it.
 //! - **Sharing.** A tail task follows the durable log from where it stood at attach time and
 //!   applies other replicas' `RequestRouted` / `RequestPrefilled` / `RequestFinished` to this
-//!   server's fleet, so every replica's load accounting includes its peers' requests. Peers' KV
+//!   server's fleet, so every replica's load accounting includes its peers' requests, and
+//!   charges them to the tenants' limits (see the `tenants` module). Peers' KV
 //!   and discovery events are not applied: each replica consumes those from the source itself.
 //! - **Restore.** At attach time the durable log's snapshot and tail are folded into a fleet of
 //!   their own; a worker that registers again with the same record gets its KV index back
@@ -41,6 +42,7 @@ use infera_core::ids::{WorkerId, WorkerRank};
 use infera_core::log::{EventLog, LogError, NewEvent, Snapshot};
 use infera_core::projection::Projection;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -54,6 +56,8 @@ pub const COMPACT_EVERY: u64 = 1 << 16;
 const TAP_CAPACITY: usize = 1 << 16;
 /// Source worker ids of router replicas start with this.
 pub const REPLICA_PREFIX: &str = "router/";
+/// A peer replica counts toward the limits' share this long after its last request event.
+const PEERS_SEEN_US: u64 = 600_000_000;
 
 /// A worker's state as the durable log left it: its record, its KV index, and the last engine
 /// sequence number logged for each of its dp ranks.
@@ -111,6 +115,8 @@ pub(crate) struct Counters {
     compactions: Counter,
     restored_workers: Counter,
     restored_ranks_cleared: Counter,
+    /// 1 while tenant limits are shared with the peers; N: cut off, one of N replicas.
+    limit_share: Gauge,
 }
 
 impl Counters {
@@ -151,6 +157,12 @@ impl Counters {
         for (name, help, counter) in families {
             r.register(name, help, counter.clone());
         }
+        r.register(
+            "infera_tenant_limit_share",
+            "1 while this replica charges its peers' requests to the tenants' limits; N when \
+             cut off from them, each admission costing N (one of N replicas)",
+            self.limit_share.clone(),
+        );
     }
 }
 
@@ -194,6 +206,7 @@ impl ServerState {
 /// The log cannot be read (its snapshot or tail).
 pub async fn attach(state: &ServerState, log: Arc<dyn EventLog>) -> Result<DurableLog, LogError> {
     let counters = Arc::new(Counters::default());
+    counters.limit_share.set(1);
     state.service().register_metrics(|r| counters.register(r));
     let (restored, tip) = restore(log.as_ref()).await?;
     tracing::info!(
@@ -435,6 +448,10 @@ async fn follow_peers(
     stop: CancellationToken,
 ) {
     let me = state.replica_id();
+    let keys = state.inner.options.client.api_keys.clone();
+    let mut charges = super::tenants::PeerCharges::default();
+    // Peer replicas by when their last request event was seen (µs), for the limits' share.
+    let mut peers: HashMap<String, u64> = HashMap::new();
     let mut backoff = Duration::from_millis(50);
     loop {
         let mut stream = log.subscribe(next);
@@ -456,6 +473,13 @@ async fn follow_peers(
                         && is_request(&env.event)
                     {
                         counters.peer_events.inc();
+                        if let Some(keys) = &keys {
+                            let now = state.service().clock().now_us();
+                            keys.set_share(1);
+                            counters.limit_share.set(1);
+                            peers.insert(source.worker.as_str().to_owned(), now);
+                            keys.charge_peer(&mut charges, &env.event, now);
+                        }
                         state
                             .service()
                             .apply(vec![NewEvent::from_source(source.clone(), env.event)]);
@@ -472,6 +496,14 @@ async fn follow_peers(
                 }
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, ?backoff, "following the durable event log failed; resubscribing");
+                    if let Some(keys) = &keys {
+                        // Cut off: keep to this replica's share among those seen lately.
+                        let now = state.service().clock().now_us();
+                        peers.retain(|_, at| now.saturating_sub(*at) < PEERS_SEEN_US);
+                        let replicas = u32::try_from(peers.len() + 1).unwrap_or(u32::MAX);
+                        keys.set_share(replicas);
+                        counters.limit_share.set(i64::from(replicas));
+                    }
                     break;
                 }
                 None => break,

@@ -17,13 +17,15 @@ use futures::StreamExt as _;
 use futures::stream::BoxStream;
 use infera_core::error::{ErrorCode, ServiceError as _};
 use infera_core::hashing::KvIdentity;
-use infera_core::ids::WorkerRank;
+use infera_core::ids::{SessionKey, WorkerRank};
 use infera_core::policy::{DirectPick, RouteError};
 use infera_core::ports::transport::TransportError;
 use infera_core::service::metrics::text;
-use infera_core::service::{Prepared, Reply, ReplyBody, RequestError, RequestKeys};
+use infera_core::service::{Prepared, Reply, ReplyBody, RequestError, RequestKeys, Share};
+use infera_core::tenancy::Tenant;
 use serde::Deserialize as _;
 use serde_json::{Value, json};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The request-id header, echoed or generated.
@@ -34,6 +36,8 @@ const WORKER_INSTANCE_ID: &str = "x-worker-instance-id";
 const PREFILL_INSTANCE_ID: &str = "x-prefill-instance-id";
 /// Direct mode: the dp rank on the named worker.
 const DP_RANK: &str = "x-dp-rank";
+/// The request's priority in the router's queue when the body has no `priority`.
+const PRIORITY: &str = "x-infera-priority";
 
 /// An error answered to the client.
 #[derive(Debug, Clone)]
@@ -204,7 +208,15 @@ fn request_id(st: &ServerState, headers: &HeaderMap) -> String {
 
 async fn handle(st: ServerState, ep: Endpoint, headers: HeaderMap, body: Body) -> Response {
     let id = request_id(&st, &headers);
-    let mut resp = match pipeline(&st, ep, &headers, body, &id).await {
+    let tenant = match &st.inner.options.client.api_keys {
+        None => Ok(Arc::clone(&st.inner.anonymous)),
+        Some(keys) => keys.authenticate(&headers),
+    };
+    let answered = match &tenant {
+        Ok(tenant) => pipeline(&st, ep, &headers, body, &id, tenant).await,
+        Err(e) => Err(e.clone()),
+    };
+    let mut resp = match answered {
         Ok(r) => r,
         Err(e) => {
             tracing::debug!(request_id = %id, status = %e.status, error = %e.message, "request rejected");
@@ -218,6 +230,17 @@ async fn handle(st: ServerState, ep: Endpoint, headers: HeaderMap, body: Body) -
     };
     if let Ok(v) = HeaderValue::from_str(&id) {
         resp.headers_mut().insert(REQUEST_ID, v);
+    }
+    match tenant {
+        Ok(t) if t.limits.any() => {
+            let now = st.service().clock().now_us();
+            super::tenants::rate_headers(resp.headers_mut(), t.usage.standing(now));
+        }
+        Ok(_) => {}
+        Err(_) => {
+            resp.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
     }
     resp
 }
@@ -237,6 +260,7 @@ async fn pipeline(
     headers: &HeaderMap,
     body: Body,
     id: &str,
+    tenant: &Arc<Tenant>,
 ) -> Result<Response, ApiError> {
     let options = &st.inner.options;
     let (bytes, mut parse_charge) = super::body::read_limited(
@@ -272,6 +296,7 @@ async fn pipeline(
         forward: forward_body,
         session_id,
         cache_salt,
+        priority,
     } = super::body::parse(bytes, shape, options.client.default_retention)?;
     let seen = retention.map_or("none", infera_core::event::Retention::as_str);
     st.service().metrics().retention_seen(seen);
@@ -283,6 +308,14 @@ async fn pipeline(
 
     st.ensure_served(&model).await?;
     let key = st.service().request_key(id);
+    // The conversation: the `x-session-id` header, else the body's (see `body::Parsed`).
+    let session_id = headers
+        .get("x-session-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .or(session_id);
     let Prepared {
         req,
         tokens,
@@ -302,22 +335,17 @@ async fn pipeline(
                     salt: cache_salt.clone(),
                     ..KvIdentity::default()
                 },
+                session: session_id.as_deref().map(SessionKey::of),
             },
         )
         .await?;
     if let Some(with_tokens) = st.service().meta_wants_tokens() {
-        let session_id = headers
-            .get("x-session-id")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-            .or(session_id)
-            .filter(|s| !s.is_empty() && s.len() <= 256);
         let base = st
             .service()
             .with_fleet(|f| f.served(&req.model).and_then(|s| s.parent.clone()));
         st.service().feed_meta(super::RequestMeta {
             request_id: key,
-            session_id,
+            session_id: session_id.filter(|s| s.len() <= 256),
             token_ids: (with_tokens && tokenized).then_some(tokens),
             adapter: base.map(|base| (req.model.clone(), base)),
             cache_salt: cache_salt.map(String::from),
@@ -326,10 +354,36 @@ async fn pipeline(
     }
     // Parsed: the body's charge to the parse budget ends here.
     drop(parse_charge);
+    let permit = if tenant.limits.any() {
+        // Round-robin does not tokenize: its prompts are counted at 4 bytes a token.
+        let prompt = if tokenized {
+            u64::from(req.prompt_tokens)
+        } else {
+            forward_body.len() as u64 / 4
+        };
+        let now = st.service().clock().now_us();
+        let share = options.client.api_keys.as_ref().map_or(1, |k| k.share());
+        match tenant.usage.admit(now, prompt, share) {
+            Ok(p) => Some(p),
+            Err(refusal) => {
+                st.service().rate_limited(&tenant.name, refusal.limit);
+                return Err(super::tenants::limited(tenant, refusal));
+            }
+        }
+    } else {
+        None
+    };
+    let asked = priority.or_else(|| {
+        headers
+            .get(PRIORITY)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse().ok())
+    });
+    let share = Share::of(tenant, tenant.priority(asked), permit);
     let model = req.model.clone();
     let reply = st
         .service()
-        .forward(req, direct, ep.path(), forward_body, stream)
+        .forward(req, direct, share, ep.path(), forward_body, stream)
         .await?;
     let resp = reply_response(reply);
     Ok(if ep == Endpoint::Messages {

@@ -57,6 +57,7 @@ mod prewarm;
 mod profile;
 mod prompt;
 mod scale;
+mod tenants;
 #[cfg(test)]
 mod test_support;
 mod tokens;
@@ -72,6 +73,7 @@ pub use infera_core::service::{
 pub use lora::LoraLoading;
 pub use pick::{Pick, PickError};
 pub use prewarm::{DEFAULT_DEADLINE_MS, MAX_KEYS};
+pub use tenants::{KeyStore, RELOAD_EVERY};
 pub use transport::{FirstByteDeadline, HttpDeadlines, HttpTransport};
 
 use crate::tokenize::{ChatTemplate, TemplateKwargs, Tokenizer};
@@ -136,6 +138,8 @@ pub(crate) struct Inner {
     pub(crate) profiling: std::sync::atomic::AtomicBool,
     /// On-demand adapter loads in progress (see `lora`).
     pub(crate) lora_loads: lora::Loads,
+    /// Every request's tenant without `--api-keys`.
+    pub(crate) anonymous: Arc<infera_core::tenancy::Tenant>,
 }
 
 /// A cheap, cloneable handle on the server's state. See the module docs.
@@ -170,6 +174,7 @@ impl ServerState {
                 variants,
                 profiling: std::sync::atomic::AtomicBool::new(false),
                 lora_loads: lora::Loads::default(),
+                anonymous: infera_core::tenancy::Tenant::anonymous(),
             }),
         }
     }

@@ -17,6 +17,7 @@ use super::http::route_error;
 use axum::body::Bytes;
 use infera_core::event::RequestStatus;
 use infera_core::hashing::KvIdentity;
+use infera_core::ids::SessionKey;
 use infera_core::service::{Attempt, Prepared, RequestKeys, Route, Usage};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -108,6 +109,7 @@ impl ServerState {
                         salt: parsed.cache_salt,
                         ..KvIdentity::default()
                     },
+                    session: parsed.session_id.as_deref().map(SessionKey::of),
                 },
             )
             .await

@@ -19,6 +19,21 @@ pub(crate) fn state() -> ServerState {
 
 /// [`state`] with `models` tokenized by their own tokenizers.
 pub(crate) fn state_with_models(models: BTreeMap<String, Arc<Tokenizer>>) -> ServerState {
+    built(models, super::ClientOptions::default())
+}
+
+/// [`state`] whose tenants are `keys`' (`--api-keys`).
+pub(crate) fn state_with_keys(keys: super::KeyStore) -> ServerState {
+    built(
+        BTreeMap::new(),
+        super::ClientOptions {
+            api_keys: Some(keys),
+            ..super::ClientOptions::default()
+        },
+    )
+}
+
+fn built(models: BTreeMap<String, Arc<Tokenizer>>, client: super::ClientOptions) -> ServerState {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tokenizers/deepseek-v4");
     let tokenizer = Tokenizer::from_path(&dir).expect("fixture tokenizer");
     let options = ServerOptions {
@@ -34,7 +49,7 @@ pub(crate) fn state_with_models(models: BTreeMap<String, Arc<Tokenizer>>) -> Ser
         model_tokenizers: models,
         lora_loading: None,
         direct: false,
-        client: super::ClientOptions::default(),
+        client,
     };
     ServerState::new(options, Arc::new(tokenizer))
 }

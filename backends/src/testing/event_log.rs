@@ -18,7 +18,7 @@ use infera_core::event::{
     WorkerRecord, WorkerRegistered,
 };
 use infera_core::fleet::{FleetConfig, FleetState};
-use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
+use infera_core::ids::{BlockHash, EngineHash, RequestId, SessionKey, WorkerId, WorkerRank};
 use infera_core::log::{EventLog, LogError, NewEvent, SeqRange, Snapshot, rebuild};
 use infera_core::projection::Projection;
 use std::sync::Arc;
@@ -133,6 +133,11 @@ pub fn routed(id: &str, worker: usize, overlap: u32, at_us: u64) -> NewEvent {
         top: vec![],
         retention: None,
         at_us,
+        // Half of them name a tenant and a third a session: the stores keep them, or their absence.
+        tenant: n.is_multiple_of(2).then(|| format!("tenant-{}", n % 3)),
+        session: n
+            .is_multiple_of(3)
+            .then(|| SessionKey::of(&format!("s{}", n % 5))),
     }))
 }
 

@@ -20,6 +20,10 @@
 //! * `e2e/throughput/{round-robin-c32,direct-c32}`: a request the router need not tokenize
 //!   (round-robin), and the same requests sent to the engine directly; target ≥ 20,000 req/s
 //!   and ≤ 150 µs added p50 (`e2e/added/{round-robin,direct}` at one connection).
+//!   `e2e/added/round-robin-keys` sends them with an API key, to a front with `--api-keys` and
+//!   every limit set (never reached); after it, five alternating rounds time the engine alone,
+//!   the plain front and the keyed one request by request, and the median of the rounds' ratio
+//!   of added p50s (keyed over plain) is printed: target within 10 %.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -34,7 +38,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use infera_adapters::mock::{MockConfig, MockServer};
-use infera_adapters::server::{ServerOptions, ServerState, serve};
+use infera_adapters::server::{KeyStore, ServerOptions, ServerState, serve};
 use infera_adapters::tokenize::Tokenizer;
 use infera_core::clock::Clock as _;
 use infera_core::engine::EngineConfig;
@@ -190,6 +194,17 @@ fn fleet(
     recording: Option<&std::path::Path>,
     engines: Engines,
 ) -> Fleet {
+    fleet_with(policy, tok, recording, engines, None)
+}
+
+/// [`fleet`], its front asking for the keys of `api_keys` (a key file).
+fn fleet_with(
+    policy: PolicyKind,
+    tok: &Arc<Tokenizer>,
+    recording: Option<&std::path::Path>,
+    engines: Engines,
+    api_keys: Option<&Path>,
+) -> Fleet {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -211,7 +226,10 @@ fn fleet(
             model_tokenizers: Default::default(),
             lora_loading: None,
             direct: false,
-            client: infera_adapters::server::ClientOptions::default(),
+            client: infera_adapters::server::ClientOptions {
+                api_keys: api_keys.map(|p| KeyStore::load(p).expect("key file")),
+                ..Default::default()
+            },
         };
         let state = ServerState::new(options, Arc::clone(tok));
         if let Some(dir) = recording {
@@ -247,10 +265,22 @@ fn fleet(
 }
 
 async fn complete(client: &Client<HttpConnector, Full<Bytes>>, target: SocketAddr, body: Bytes) {
-    let req = hyper::Request::post(format!("http://{target}/v1/completions"))
-        .header("content-type", "application/json")
-        .body(Full::new(body))
-        .expect("request");
+    complete_as(client, target, body, None).await;
+}
+
+/// [`complete`] with `key` as its bearer token.
+async fn complete_as(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    target: SocketAddr,
+    body: Bytes,
+    key: Option<&str>,
+) {
+    let mut req = hyper::Request::post(format!("http://{target}/v1/completions"))
+        .header("content-type", "application/json");
+    if let Some(key) = key {
+        req = req.header("authorization", format!("Bearer {key}"));
+    }
+    let req = req.body(Full::new(body)).expect("request");
     let resp = client.request(req).await.expect("response");
     assert_eq!(resp.status(), 200);
     resp.into_body().collect().await.expect("body");
@@ -434,7 +464,73 @@ fn throughput(c: &mut Criterion) {
             });
         });
     }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let keys = dir.path().join("keys.json");
+    let file = serde_json::json!({"tenants": [{"name": "bench", "keys": [KEY], "limits": {
+        "requests_per_minute": 1_000_000_000u64, "prompt_tokens_per_minute": 1_000_000_000_000u64,
+        "generated_tokens_per_minute": 1_000_000_000_000u64, "concurrent_requests": 1_000_000}}]});
+    std::fs::write(&keys, file.to_string()).expect("key file");
+    let keyed = fleet_with(
+        PolicyKind::ROUND_ROBIN,
+        &tok,
+        None,
+        Engines::Instant,
+        Some(&keys),
+    );
+    group.bench_function("round-robin-keys", |b| {
+        b.iter(|| {
+            keyed.rt.block_on(complete_as(
+                &keyed.client,
+                keyed.front,
+                short[0].clone(),
+                Some(KEY),
+            ));
+        });
+    });
     group.finish();
+    keys_against_none(&rr, &keyed, &short[0]);
+}
+
+const KEY: &str = "sk-bench-0123456789abcdef";
+
+/// The router's added p50 with keys and limits on (`keyed`) against off (`plain`): five rounds,
+/// each timing 400 requests to the engine alone, the plain front and the keyed one, taken in
+/// turn request by request; prints the median of the rounds' ratios.
+fn keys_against_none(plain: &Fleet, keyed: &Fleet, body: &Bytes) {
+    let time = |fleet: &Fleet, target: SocketAddr, key: Option<&str>| {
+        let start = Instant::now();
+        fleet
+            .rt
+            .block_on(complete_as(&fleet.client, target, body.clone(), key));
+        start.elapsed().as_secs_f64() * 1e6
+    };
+    let p50 = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut rounds = Vec::new();
+    for _ in 0..5 {
+        let (mut engine, mut off, mut on) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..400 {
+            engine.push(time(plain, plain.workers[0], None));
+            off.push(time(plain, plain.front, None));
+            on.push(time(keyed, keyed.front, Some(KEY)));
+        }
+        let engine = p50(engine);
+        rounds.push((p50(off) - engine, p50(on) - engine));
+    }
+    let mut ratios: Vec<f64> = rounds.iter().map(|(off, on)| on / off).collect();
+    ratios.sort_by(f64::total_cmp);
+    println!(
+        "e2e/added: keys and limits on against off, added p50 per round (µs): {}; median \
+         ratio {:.3}",
+        rounds
+            .iter()
+            .map(|(off, on)| format!("{on:.1} vs {off:.1}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        ratios[ratios.len() / 2]
+    );
 }
 
 criterion_group!(benches, cold, throughput);

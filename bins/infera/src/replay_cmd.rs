@@ -89,6 +89,8 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
     cfg.router.temperature = a.router_temperature;
     cfg.router.resident_weight = a.router_resident_weight;
     cfg.router.balance_tokens = a.router_balance_tokens;
+    cfg.router.sessions.mode = a.router_session_affinity;
+    cfg.router.sessions.ttl_s = a.router_session_ttl;
     cfg.router.seed = a.seed;
     cfg.workers = a.workers;
     cfg.pd = a.prefill_workers.zip(a.decode_workers);

@@ -40,11 +40,11 @@ use infera_core::event::WorkerRecord;
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
 use infera_core::kv_events::pipeline;
-use infera_core::policy::{PolicyKind, RouterConfig};
+use infera_core::policy::{PolicyKind, RouterConfig, SessionAffinity};
 use infera_core::ports::discovery::{DiscoveryChange, DiscoveryStream};
 use infera_core::ports::kv_events::KvEventSource;
-use infera_core::service::HealthConfig;
 use infera_core::service::ServiceOptions;
+use infera_core::service::{HealthConfig, QueueConfig};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -66,12 +66,24 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
         )?)),
         None => None,
     };
+    let api_keys = (config.http.api_keys.as_deref())
+        .map(infera_adapters::server::KeyStore::load)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
     let options = ServerOptions {
         service: ServiceOptions {
             router: RouterConfig {
                 temperature: config.router.temperature,
                 resident_weight: config.router.resident_weight,
                 balance_tokens: config.router.balance_tokens,
+                sessions: SessionAffinity {
+                    mode: config.router.session_affinity,
+                    ttl_s: config.router.session_ttl.0.as_secs(),
+                    saturation: config
+                        .router
+                        .queue_threshold
+                        .unwrap_or(SessionAffinity::default().saturation),
+                },
                 ..router_config(
                     config.router.policy,
                     config.router.kv_overlap_weight,
@@ -119,6 +131,7 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
                 usize::try_from(config.http.parse_budget.bytes()).unwrap_or(usize::MAX),
             ),
             default_retention: config.router.default_retention,
+            api_keys: api_keys.clone(),
         },
     };
     tokio::runtime::Builder::new_multi_thread()
@@ -184,6 +197,7 @@ async fn serve_all(
     options: ServerOptions,
     tokenizer: Arc<Tokenizer>,
 ) -> anyhow::Result<()> {
+    let api_keys = options.client.api_keys.clone();
     let addr = crate::net::socket_addr(&config.http.host, config.http.port);
     let listener = TcpListener::bind(&addr)
         .await
@@ -226,6 +240,18 @@ async fn serve_all(
         let service = state.service().clone();
         tokio::spawn(async move { service.run_health_checks().await })
     };
+    state.service().set_queue(QueueConfig {
+        threshold: config.router.queue_threshold,
+        timeout: config.router.queue_timeout.0,
+        max_waiting: config.router.queue_max as usize,
+    });
+    let key_reload = api_keys.as_ref().map(|keys| {
+        tracing::info!(
+            tenants = keys.tenants().all().len(),
+            "data-plane requests need an API key"
+        );
+        keys.watch()
+    });
     if let Some(path) = &config.kvd_socket_path {
         state.set_prefetch(Arc::new(crate::prewarm::KvdPrefetch::new(path.clone())));
         tracing::info!(socket = %path.display(), "POST /v1/cache/prewarm hints the KV-cache daemon");
@@ -252,6 +278,9 @@ async fn serve_all(
     .await;
     shutdown.cancel();
     health.abort();
+    if let Some(task) = key_reload {
+        task.abort();
+    }
     if let Err(e) = discovery.await {
         tracing::error!(error = %e, "discovery task failed");
     }

@@ -457,6 +457,30 @@ fn server_validation_failures_name_the_flag() {
         "--record-prompts",
         "--record-trace",
     );
+    assert_invalid(
+        &[
+            "server",
+            "--router-tokenizer-path",
+            tok,
+            "--api-keys",
+            path_str(&missing),
+        ],
+        "--api-keys",
+        "missing",
+    );
+    let keys = empty.path().join("keys.json");
+    std::fs::write(&keys, r#"{"tenants": [{"name": "a", "keys": ["short"]}]}"#).unwrap();
+    assert_invalid(
+        &[
+            "server",
+            "--router-tokenizer-path",
+            tok,
+            "--api-keys",
+            path_str(&keys),
+        ],
+        "--api-keys",
+        "at least 16 printable",
+    );
 }
 
 #[test]
@@ -805,9 +829,22 @@ fn server_defaults_and_units_resolve() {
             "client_write_timeout": "1m",
             "max_connections": null,
             "parse_budget": "512MiB",
-            "admin_token": null
+            "admin_token": null,
+            "api_keys": null
         })
     );
+    // The router's queue is on at Dynamo's default threshold.
+    assert_eq!(config["router"]["queue_threshold"], json!(4.0));
+    assert_eq!(config["router"]["queue_timeout"], json!("1m"));
+    assert_eq!(config["router"]["queue_max"], json!(10_000));
+    let off = check_config(&[
+        "server",
+        "--router-tokenizer-path",
+        tok,
+        "--router-queue-threshold",
+        "off",
+    ]);
+    assert_eq!(off["router"]["queue_threshold"], Value::Null);
     assert_eq!(
         config["nats"],
         json!({

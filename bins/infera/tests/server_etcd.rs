@@ -480,6 +480,75 @@ async fn replicas_sharing_a_jetstream_event_log_see_each_others_requests() {
     assert!(metric(a, "infera_event_log_peer_events_total") >= Some(2));
 }
 
+/// A tenant's limit holds for the fleet, not per replica: two replicas sharing a JetStream event
+/// log charge each other's requests, so requests sent to both in turn pass at the limit's rate
+/// once, not twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_sharing_an_event_log_hold_a_tenants_limit_together() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let nats = infera_backends::testing::NatsServer::start()
+        .await
+        .expect("nats-server starts");
+    let tok = tokenizer_dir();
+    let tok = tok.as_str();
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.json");
+    const LIMIT: u64 = 60;
+    let file = json!({"tenants": [{"name": "team", "keys": ["sk-team-0123456789abcdef"],
+        "limits": {"requests_per_minute": LIMIT}}]});
+    std::fs::write(&keys, file.to_string()).unwrap();
+    let keys = keys.to_str().unwrap();
+    let log = format!("{}?stream=LIMITS&max_bytes=64MiB", nats.url());
+    let worker_port = free_mock_port();
+    let _worker = mock_worker(tok, &etcd.endpoint(), worker_port, &["--speedup", "1000"]);
+    let (a, b) = (free_port(), free_port());
+    let flags = ["--event-log", log.as_str(), "--api-keys", keys];
+    let _a = server(tok, &etcd.endpoint(), a, &flags);
+    let _b = server(tok, &etcd.endpoint(), b, &flags);
+    for port in [a, b] {
+        eventually("the worker to be discovered", || {
+            get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
+        });
+    }
+    let started = std::time::Instant::now();
+    let mut passed = 0u64;
+    for i in 0..2 * LIMIT {
+        let port = if i % 2 == 0 { a } else { b };
+        let body = json!({"model": tok, "prompt": format!("hello {i}"), "max_tokens": 1});
+        let (status, raw) = http_with_headers(
+            port,
+            "POST",
+            "/v1/completions",
+            &[("authorization", "Bearer sk-team-0123456789abcdef")],
+            &body.to_string(),
+        )
+        .expect("an answer");
+        match status {
+            200 => passed += 1,
+            429 => assert!(raw.contains("retry-after"), "{raw}"),
+            other => panic!("{other}: {raw}"),
+        }
+    }
+    // The bucket refills while the test runs: the limit is a minute's allowance plus that.
+    let allowed = LIMIT as f64 * (1.0 + started.elapsed().as_secs_f64() / 60.0);
+    eprintln!(
+        "two replicas: {passed} of {} passed, {allowed:.1} allowed",
+        2 * LIMIT
+    );
+    assert!(
+        (passed as f64) <= allowed * 1.05,
+        "{passed} passed through two replicas, allowed {allowed:.1}"
+    );
+    assert!(
+        passed as f64 >= allowed * 0.95 - 1.0,
+        "{passed} of {allowed:.1}"
+    );
+    for port in [a, b] {
+        assert!(metric(port, "infera_tenant_rate_limited_total").is_some_and(|n| n > 0));
+        assert_eq!(metric(port, "infera_tenant_limit_share"), Some(1));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prewarm_hints_reach_the_kv_cache_daemon() {
     let etcd = EtcdServer::start().await.expect("etcd starts");

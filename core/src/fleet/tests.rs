@@ -48,6 +48,8 @@ fn routed(id: &str, rank: &WorkerRank, blocks: &[u64], at_us: u64) -> Event {
         top: vec![],
         retention: None,
         at_us,
+        tenant: None,
+        session: None,
     })
 }
 

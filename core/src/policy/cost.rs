@@ -119,9 +119,15 @@ pub fn score_candidates(
 /// Relative tolerance under which two costs are a tie.
 const TIE_EPS: f64 = 1e-9;
 
-/// Picks an index into `scored` (non-empty). Temperature 0: the cheapest, ties to the lower load,
-/// then uniformly at random. Above 0: softmax over costs normalised by the cost range.
-pub(super) fn choose(scored: &[Scored], temperature: f64, rng: &mut Rng) -> usize {
+/// Picks an index into `scored` (non-empty). Temperature 0: the cheapest, ties to `session` (the
+/// candidate the request's session is pinned to), then to the lower load, then uniformly at
+/// random. Above 0: softmax over costs normalised by the cost range.
+pub(super) fn choose(
+    scored: &[Scored],
+    temperature: f64,
+    session: Option<usize>,
+    rng: &mut Rng,
+) -> usize {
     let min = scored.iter().map(|s| s.cost).fold(f64::INFINITY, f64::min);
     let max = scored
         .iter()
@@ -147,6 +153,9 @@ pub(super) fn choose(scored: &[Scored], temperature: f64, rng: &mut Rng) -> usiz
     let tied: Vec<usize> = (0..scored.len())
         .filter(|i| scored[*i].cost <= min + tol)
         .collect();
+    if let Some(s) = session.filter(|s| tied.contains(s)) {
+        return s;
+    }
     let min_load = tied
         .iter()
         .map(|i| scored[*i].load)

@@ -49,7 +49,7 @@ impl Policy for KvAware {
             leg.now_us,
             &mut self.scratch,
         )?;
-        let candidate = cost::choose(&scored, self.temperature, &mut self.rng);
+        let candidate = cost::choose(&scored, self.temperature, leg.session, &mut self.rng);
         let mut order: Vec<usize> = (0..scored.len()).collect();
         order.sort_by(|a, b| scored[*a].cost.total_cmp(&scored[*b].cost));
         let top = order

@@ -37,16 +37,18 @@
 //! The [`Router`] is the only code that decides, live and in replay; it reads a [`FleetState`] and
 //! returns a [`RequestRouted`] event for the caller to append to the log. It never mutates state.
 
+mod affinity;
 mod cost;
 mod kv_aware;
 mod round_robin;
 
+pub use affinity::{AffinityMode, SessionAffinity};
 pub use cost::{Scored, Scratch, Weights, score_candidates};
 
 use crate::clock::Micros;
 use crate::event::{CandidateScore, RequestRouted, Retention, Role, RoutedLeg};
 use crate::fleet::{Candidate, FleetState};
-use crate::ids::{BlockHash, RequestId, WorkerId, WorkerRank};
+use crate::ids::{BlockHash, RequestId, SessionKey, WorkerId, WorkerRank};
 use serde::{Deserialize, Serialize};
 
 /// A routing policy's entry in [`POLICIES`].
@@ -89,6 +91,9 @@ pub struct Leg<'a> {
     /// `--kv-overlap-weight` for the leg's role, scaled by the request's retention hint.
     pub overlap_weight: f64,
     pub now_us: Micros,
+    /// The candidate the request's session is pinned to, which wins the policy's ties
+    /// (`--router-session-affinity tie-break`, see [`affinity`]).
+    pub session: Option<usize>,
 }
 
 /// A policy's choice.
@@ -222,6 +227,9 @@ pub struct RouterConfig {
     /// above the candidates' mean costs it (0: not counted).
     #[serde(default)]
     pub balance_tokens: u32,
+    /// `--router-session-affinity` and `--router-session-ttl`.
+    #[serde(default)]
+    pub sessions: SessionAffinity,
 }
 
 impl Default for RouterConfig {
@@ -236,6 +244,7 @@ impl Default for RouterConfig {
             record_top: 4,
             resident_weight: 0.0,
             balance_tokens: 0,
+            sessions: SessionAffinity::default(),
         }
     }
 }
@@ -274,6 +283,8 @@ pub struct RouteRequest {
     pub retention: Option<Retention>,
     /// Ranks that already failed this request (retries go elsewhere).
     pub exclude: Vec<WorkerRank>,
+    /// The conversation the client named, if any (see [`affinity`]).
+    pub session: Option<SessionKey>,
 }
 
 impl RouteError {
@@ -468,6 +479,8 @@ impl Router {
             top,
             retention: req.retention,
             at_us: now_us,
+            tenant: None,
+            session: req.session,
         })
     }
 
@@ -521,6 +534,8 @@ impl Router {
             top: Vec::new(),
             retention: req.retention,
             at_us: now_us,
+            tenant: None,
+            session: req.session,
         })
     }
 
@@ -550,14 +565,29 @@ impl Router {
             });
         }
         let overlap_weight = self.config.weight_for(role) * retention_scale(req.retention);
-        let pick = self.policy.pick(&Leg {
-            fleet,
-            req,
-            candidates: cands,
-            role,
-            overlap_weight,
-            now_us,
-        })?;
+        let pinned = self
+            .config
+            .sessions
+            .pinned(fleet, req.session, role, cands, now_us);
+        let pick = match pinned {
+            affinity::Pinned::Take(candidate) => Pick {
+                candidate,
+                overlap_blocks: None,
+                top: Vec::new(),
+            },
+            affinity::Pinned::TieBreak(_) | affinity::Pinned::None => self.policy.pick(&Leg {
+                fleet,
+                req,
+                candidates: cands,
+                role,
+                overlap_weight,
+                now_us,
+                session: match pinned {
+                    affinity::Pinned::TieBreak(i) => Some(i),
+                    _ => None,
+                },
+            })?,
+        };
         let Some(c) = cands.get(pick.candidate) else {
             return Err(RouteError::BadPick {
                 policy: self.config.policy.as_str(),

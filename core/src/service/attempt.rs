@@ -37,6 +37,8 @@ pub struct Attempt {
     /// A single worker's attempt: the worker and the prompt tokens it prefills, a sample of its
     /// prefill rate at the first byte (see `deadline`).
     prefill_sample: Option<(crate::ids::WorkerId, u32)>,
+    /// Whose request it is: the tenant's metrics and its generated-token limit.
+    share: Option<super::Share>,
 }
 
 /// An attempt's SLA bookkeeping: whether the client streams, and the stream's data frames (the
@@ -99,8 +101,14 @@ impl Attempt {
             sla: None,
             model: req.model.clone(),
             prefill_sample: None,
+            share: None,
         }
         .counted()
+    }
+
+    /// Charges this attempt's outcome and generated tokens to `share`'s tenant.
+    pub(crate) fn charge_to(&mut self, share: &super::Share) {
+        self.share = Some(share.clone());
     }
 
     /// Records this attempt in the SLA histograms when it succeeds (`--enable-sla-metrics`).
@@ -213,6 +221,18 @@ impl Attempt {
         };
         m.requests.get_or_create(&[("status", ours)]).inc();
         m.models.finished(&self.model, ours);
+        if let Some(share) = self.share.take() {
+            let generated = u64::from(usage.completion_tokens.unwrap_or(0));
+            if let Some(permit) = &share.permit {
+                permit.generated(self.st.inner.clock.now_us(), generated);
+            }
+            let prompt = if status == RequestStatus::Ok {
+                u64::from(self.prompt_tokens)
+            } else {
+                0
+            };
+            m.tenants.finished(&share.tenant, ours, prompt, generated);
+        }
         let took = self.started.elapsed().as_secs_f64();
         m.request_duration
             .get_or_create(&[("router", self.router()), ("outcome", theirs)])

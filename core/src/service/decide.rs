@@ -55,14 +55,16 @@ impl Service {
         req: &mut RouteRequest,
         direct: Option<&DirectPick>,
     ) -> Result<Route, RouteError> {
-        decide(self, req, direct)
+        decide(self, req, direct, None)
     }
 }
 
+/// [`Service::decide`]; `tenant` is stamped on the `RequestRouted` it commits.
 pub(super) fn decide(
     st: &Service,
     req: &mut RouteRequest,
     direct: Option<&DirectPick>,
+    tenant: Option<&str>,
 ) -> Result<Route, RouteError> {
     let now = st.inner.clock.now_us();
     let metrics = &st.inner.metrics;
@@ -96,7 +98,7 @@ pub(super) fn decide(
             routed = core.kernel.route(req, direct, now);
         }
     }
-    let routed = match routed {
+    let mut routed = match routed {
         Ok(r) => r,
         Err(e) => {
             metrics.decision(match &e {
@@ -164,10 +166,41 @@ pub(super) fn decide(
             routed.blocks.len(),
         );
     }
+    if let (Some(session), Some(first)) = (req.session, routed.legs.first()) {
+        metrics
+            .sessions
+            .get_or_create(&[(
+                "outcome",
+                session_outcome(&core.kernel, session, first, now),
+            )])
+            .inc();
+    }
+    routed.tenant = tenant.map(str::to_owned);
     let applied = core.commit(vec![NewEvent::new(Event::RequestRouted(routed))]);
     drop(core);
     metrics.events_applied(applied as u64);
     Ok(route)
+}
+
+/// Whether the session's first leg stayed where it was pinned: `new` (no live pin), `kept` or
+/// `moved`.
+fn session_outcome(
+    kernel: &crate::kernel::Kernel,
+    session: crate::ids::SessionKey,
+    leg: &RoutedLeg,
+    now: crate::clock::Micros,
+) -> &'static str {
+    let fleet = kernel.fleet();
+    let ttl_us = kernel
+        .router_config()
+        .sessions
+        .ttl_s
+        .saturating_mul(1_000_000);
+    match fleet.session_pin(session, leg.role, now, ttl_us) {
+        None => "new",
+        Some(slot) if fleet.index().slot(&leg.worker) == Some(slot) => "kept",
+        Some(_) => "moved",
+    }
 }
 
 /// The ejected workers (out of routing by their health checks, `out`, or by an open breaker,
@@ -215,7 +248,7 @@ pub(crate) fn decide_single(
     st: &Service,
     req: &mut RouteRequest,
 ) -> Result<Option<(WorkerRank, String, Option<u32>)>, RouteError> {
-    match decide(st, req, None)? {
+    match decide(st, req, None, None)? {
         Route::Single {
             rank, url, dp_rank, ..
         } => Ok(Some((rank, url, dp_rank))),

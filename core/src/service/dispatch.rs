@@ -34,6 +34,7 @@
 //! registration lacks a parameter, the prefill's answer lacks the hand-off) is not retried.
 
 use super::Service;
+use super::admission::Share;
 use super::attempt::{Attempt, Usage, status_of, usage_of};
 use super::breaker::{Judge, Outcome, answer_outcome, breaker_outcome};
 use super::decide::{Route, decide};
@@ -52,21 +53,24 @@ use futures::StreamExt as _;
 use serde_json::{Map, Value};
 
 impl Service {
-    /// Decides and forwards, failing over before the first response byte. See the module docs.
+    /// Waits its turn in the router's queue when the model's workers are saturated (see
+    /// [`super::admission`]; a direct pick does not wait), then decides and forwards, failing
+    /// over before the first response byte. See the module docs.
     ///
     /// # Errors
-    /// A decision that cannot be made, a PD pair that cannot be driven, or every attempt
-    /// failing before its first byte (429 when every one was refused for load, 504 when the
-    /// last timed out, else 502).
+    /// The queue's 503, a decision that cannot be made, a PD pair that cannot be driven, or
+    /// every attempt failing before its first byte (429 when every one was refused for load,
+    /// 504 when the last timed out, else 502).
     pub async fn forward(
         &self,
         req: RouteRequest,
         direct: Option<DirectPick>,
+        share: Share,
         path: &'static str,
         body: Bytes,
         stream: bool,
     ) -> Result<Reply, RequestError> {
-        forward(self, req, direct, path, body, stream).await
+        forward(self, req, direct, share, path, body, stream).await
     }
 }
 
@@ -74,10 +78,18 @@ async fn forward(
     st: &Service,
     mut req: RouteRequest,
     direct: Option<DirectPick>,
+    share: Share,
     path: &'static str,
     body: Bytes,
     stream: bool,
 ) -> Result<Reply, RequestError> {
+    let mut admitted = match direct {
+        Some(_) => None,
+        None => {
+            st.admit(&req.model, &share, u64::from(req.prompt_tokens))
+                .await?
+        }
+    };
     // `req.request_id` is the request's key (see `RequestId`); the engine and the logs see the
     // client's own id.
     let key = req.request_id.0.clone();
@@ -100,7 +112,12 @@ async fn forward(
         if attempt > 0 {
             inc(&st.inner.metrics.retries, 1);
         }
-        let route = match decide(st, &mut req, direct.as_ref()) {
+        let tenant = (share.permit.is_some() || *share.tenant != *crate::tenancy::ANONYMOUS)
+            .then_some(&*share.tenant);
+        let decided = decide(st, &mut req, direct.as_ref(), tenant);
+        // The decision is committed: the queue's next waiter may go.
+        drop(admitted.take());
+        let route = match decided {
             Ok(x) => x,
             Err(RouteError::NoWorker { .. }) if last_error.is_some() => break,
             Err(e) => return Err(RequestError::of(&e)),
@@ -116,6 +133,7 @@ async fn forward(
         let single = matches!(route, Route::Single { .. });
         let mut guard = Attempt::new(st, &req, !single);
         guard.observe_sla(stream);
+        guard.charge_to(&share);
         let (rank, outcome) = match route {
             Route::Single {
                 rank,

@@ -31,6 +31,7 @@
 //! With a [`DirectPick`](crate::policy::DirectPick) the decision is [`Kernel::route`]'s direct one on the worker an
 //! external endpoint picker named; it is not failed over.
 
+mod admission;
 mod attempt;
 pub mod breaker;
 pub mod deadline;
@@ -46,6 +47,7 @@ pub mod taps;
 #[cfg(test)]
 mod test_support;
 
+pub use admission::{Admitted, QueueConfig, Share};
 pub use attempt::{Attempt, Usage};
 pub use breaker::{BreakerConfig, BreakerState, PROBE_TIMEOUT};
 pub use deadline::{FirstByte, FirstByteConfig, Prefill};
@@ -137,6 +139,7 @@ pub(crate) struct Inner {
     pub(crate) health: health::Health,
     pub(crate) first_byte: deadline::FirstByte,
     pub(crate) migration_limit: AtomicU32,
+    pub(crate) admission: admission::Admission,
 }
 
 /// A cheap, cloneable handle on the service. See the module docs.
@@ -177,6 +180,7 @@ impl Service {
                 health: health::Health::default(),
                 first_byte: deadline::FirstByte::default(),
                 migration_limit: AtomicU32::new(0),
+                admission: admission::Admission::default(),
             }),
         }
     }
@@ -197,6 +201,9 @@ impl Service {
         }
         let applied = self.lock().commit(events);
         self.inner.metrics.events_applied(applied as u64);
+        if self.inner.admission.len() > 0 {
+            self.pump();
+        }
         applied
     }
 

@@ -14,7 +14,7 @@ use super::reply::RequestError;
 use crate::event::Retention;
 use crate::hashing::identity::MmRun;
 use crate::hashing::{KvIdentity, hash_prompt_blocks};
-use crate::ids::RequestId;
+use crate::ids::{RequestId, SessionKey};
 use crate::policy::{RouteError, RouteRequest, WorkerHashes};
 use crate::ports::tokenize::{Tokenize, TokenizeError, Tokens};
 
@@ -39,6 +39,8 @@ pub struct RequestKeys {
     pub direct: bool,
     /// The request's cache salt and multimodal items; the adapter is filled in from the model.
     pub identity: KvIdentity,
+    /// The conversation the client named.
+    pub session: Option<SessionKey>,
 }
 
 impl Service {
@@ -61,6 +63,7 @@ impl Service {
             retention,
             direct,
             mut identity,
+            session,
         } = request;
         let served = self.with_fleet(|f| {
             f.served(&model)
@@ -80,10 +83,10 @@ impl Service {
         let base = parent.as_deref().unwrap_or(&model).to_owned();
         if tokenizer.unkeyed(&prompt, &base) {
             self.metrics().locality_skipped("multimodal");
-            return Ok(Self::by_load(model, key, retention));
+            return Ok(Self::by_load(model, key, retention, session));
         }
         if !direct && !self.inner.options.router.policy.spec().needs_prefix {
-            return Ok(Self::by_load(model, key, retention));
+            return Ok(Self::by_load(model, key, retention, session));
         }
         let renderings = tokenizer.renderings(&prompt, &model);
         let mut per_worker = WorkerHashes::default();
@@ -122,6 +125,7 @@ impl Service {
             retention,
             per_worker,
             exclude: Vec::new(),
+            session,
         };
         Ok(Prepared {
             req,
@@ -132,7 +136,12 @@ impl Service {
     }
 
     /// A request routed by load alone: no tokens, no hashes.
-    fn by_load(model: String, key: &str, retention: Option<Retention>) -> Prepared {
+    fn by_load(
+        model: String,
+        key: &str,
+        retention: Option<Retention>,
+        session: Option<SessionKey>,
+    ) -> Prepared {
         Prepared {
             req: RouteRequest {
                 request_id: RequestId::new(key),
@@ -142,6 +151,7 @@ impl Service {
                 retention,
                 per_worker: WorkerHashes::default(),
                 exclude: Vec::new(),
+                session,
             },
             tokens: Vec::new(),
             images: Vec::new(),

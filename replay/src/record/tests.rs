@@ -57,6 +57,8 @@ fn routed(id: &str, worker: &str, at_us: u64, prompt_tokens: u32) -> Event {
         top: Vec::new(),
         retention: None,
         at_us,
+        tenant: None,
+        session: None,
     })
 }
 

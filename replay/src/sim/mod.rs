@@ -36,7 +36,7 @@ use infera_core::event::{
     Engine, Event, KvBlocksRemoved, KvBlocksStored, RequestFinished, RequestPrefilled,
     RequestStatus, RequestTransport, Retention, Role, Tier, WorkerRecord, WorkerRegistered,
 };
-use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
+use infera_core::ids::{BlockHash, EngineHash, RequestId, SessionKey, WorkerId, WorkerRank};
 use infera_core::kernel::{Compaction, Kernel};
 use infera_core::log::NewEvent;
 use infera_core::policy::RouteRequest;
@@ -353,6 +353,7 @@ impl Sim<'_> {
             retention,
             per_worker: Default::default(),
             exclude: Vec::new(),
+            session: r.session_id.as_deref().map(SessionKey::of),
         };
         let out = &mut self.out[i];
         out.index = i;

@@ -1,5 +1,6 @@
 use super::*;
-use crate::server::test_support::{record, state};
+use crate::server::KeyStore;
+use crate::server::test_support::{record, state, state_with_keys};
 use infera_core::clock::SystemClock;
 use infera_core::event::{KvBlocksStored, Role, Tier, WorkerRegistered};
 use infera_core::ids::{BlockHash, EngineHash};
@@ -138,6 +139,8 @@ async fn commits_are_written_behind_and_peers_requests_are_applied() {
         top: Vec::new(),
         retention: None,
         at_us: 1,
+        tenant: None,
+        session: None,
     });
     a.service().apply(vec![NewEvent::new(routed)]);
     // B learns of A's request through the durable log.
@@ -175,4 +178,129 @@ async fn commits_are_written_behind_and_peers_requests_are_applied() {
         .filter(|e| matches!(e.event, Event::RequestRouted(_)))
         .count();
     assert_eq!(routed, 1);
+}
+
+/// A shared log whose subscriptions fail, at their next event, while `cut` is set.
+#[derive(Debug)]
+struct CutLog {
+    inner: MemoryLog,
+    cut: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl EventLog for CutLog {
+    async fn append(&self, batch: Vec<NewEvent>) -> Result<infera_core::log::SeqRange, LogError> {
+        self.inner.append(batch).await
+    }
+    async fn read(&self, from: u64, max: usize) -> Result<Vec<Envelope>, LogError> {
+        self.inner.read(from, max).await
+    }
+    async fn last_seq(&self) -> Result<u64, LogError> {
+        self.inner.last_seq().await
+    }
+    async fn snapshot(&self) -> Result<Option<Snapshot>, LogError> {
+        self.inner.snapshot().await
+    }
+    async fn compact(&self, snapshot: Snapshot) -> Result<(), LogError> {
+        self.inner.compact(snapshot).await
+    }
+    fn subscribe(
+        &self,
+        from: u64,
+    ) -> futures::stream::BoxStream<'static, Result<Envelope, LogError>> {
+        let cut = Arc::clone(&self.cut);
+        self.inner
+            .subscribe(from)
+            .map(move |item| {
+                if cut.load(std::sync::atomic::Ordering::SeqCst) {
+                    Err(LogError::Backend("cut off".into()))
+                } else {
+                    item
+                }
+            })
+            .boxed()
+    }
+}
+
+fn team_routed(id: &str) -> NewEvent {
+    NewEvent::new(Event::RequestRouted(infera_core::event::RequestRouted {
+        request_id: infera_core::ids::RequestId::new(id),
+        model: "m".into(),
+        legs: vec![infera_core::event::RoutedLeg {
+            worker: WorkerRank::new("w", 0),
+            role: Role::Mixed,
+            overlap_blocks: 0,
+        }],
+        blocks: Vec::new(),
+        prompt_tokens: 100,
+        policy: "kv-aware".into(),
+        weights: Vec::new(),
+        top: Vec::new(),
+        retention: None,
+        at_us: 1,
+        tenant: Some("team".into()),
+        session: None,
+    }))
+}
+
+/// Waits, without a timer, until `done` holds (bounded by a generous timeout).
+async fn until(what: &str, done: impl Fn() -> bool) {
+    let wait = async {
+        while !done() {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), wait)
+        .await
+        .unwrap_or_else(|_| panic!("{what}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_requests_are_charged_and_a_cut_off_replica_keeps_to_its_share() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("keys.json");
+    let file = r#"{"tenants": [{"name": "team", "keys": ["sk-team-0123456789abcdef"],
+        "limits": {"requests_per_minute": 60, "prompt_tokens_per_minute": 6000}}]}"#;
+    std::fs::write(&path, file).expect("key file");
+    let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let log: Arc<dyn EventLog> = Arc::new(CutLog {
+        inner: MemoryLog::new(Arc::new(SystemClock)),
+        cut: Arc::clone(&cut),
+    });
+    let a = state_with_keys(KeyStore::load(&path).expect("keys"));
+    let keys_b = KeyStore::load(&path).expect("keys");
+    let b = state_with_keys(keys_b.clone());
+    let da = attach(&a, log.clone()).await.expect("attach a");
+    let db = attach(&b, log.clone()).await.expect("attach b");
+    let standing = || {
+        let team = keys_b.tenants().named("team").cloned().expect("team");
+        team.usage.standing(b.service().clock().now_us())
+    };
+    // A's request, and its retry, are charged to B's tenant once: 59 requests left, 5,900 tokens.
+    a.service()
+        .apply(vec![team_routed("r1#0.1"), team_routed("r1#0.2")]);
+    until("B charges A's request", || {
+        standing().requests.is_some_and(|(_, left, _)| left == 59)
+    })
+    .await;
+    assert_eq!(standing().tokens.map(|t| t.1), Some(5_900));
+    assert_eq!(keys_b.share(), 1);
+
+    // Cut off, B keeps to its share: one of the two replicas it has seen.
+    cut.store(true, std::sync::atomic::Ordering::SeqCst);
+    a.service().apply(vec![team_routed("r2#0.1")]);
+    until("B notices it is cut off", || keys_b.share() == 2).await;
+    let metrics = b.service().render_metrics();
+    assert!(metrics.contains("infera_tenant_limit_share 2"), "{metrics}");
+    // Back in touch, the request it missed is charged and the share is 1 again.
+    cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    until("B reads the log again", || keys_b.share() == 1).await;
+    until("B charges the missed request", || {
+        standing().requests.is_some_and(|(_, left, _)| left == 58)
+    })
+    .await;
+    a.service().close_taps();
+    b.service().close_taps();
+    da.close(Duration::from_secs(5)).await;
+    db.close(Duration::from_secs(5)).await;
 }

@@ -1,7 +1,7 @@
 //! Flags of `infera replay`; `crate::replay_cmd` runs them.
 
 use clap::{Args, ValueEnum};
-use infera_core::policy::PolicyKind;
+use infera_core::policy::{AffinityMode, PolicyKind};
 use infera_replay::sim::DEFAULT_FRONTEND_US;
 use std::path::PathBuf;
 
@@ -50,6 +50,14 @@ pub struct ReplayArgs {
     /// as `infera server` (Infera extension).
     #[arg(long, default_value_t = 0)]
     pub router_balance_tokens: u32,
+    /// How a trace's sessions keep to their workers, as `infera server`: tie-break, override
+    /// or off (Infera extension).
+    #[arg(long, default_value = "tie-break", value_name = "MODE")]
+    pub router_session_affinity: AffinityMode,
+    /// How long after its last request a session stays with its worker, in seconds, as
+    /// `infera server` (Infera extension).
+    #[arg(long, default_value_t = 600, value_name = "SECONDS")]
+    pub router_session_ttl: u64,
 
     /// Mixed (non-PD) workers in the simulated fleet.
     #[arg(long, default_value_t = 8)]

@@ -7,7 +7,7 @@ use crate::config::server::RouterMode;
 use crate::config::units::{ByteSize, HumanDuration};
 use crate::config::{KvEventTransport, RequestTransport};
 use clap::Args;
-use infera_core::policy::PolicyKind;
+use infera_core::policy::{AffinityMode, PolicyKind};
 use std::path::PathBuf;
 
 const EXTENSIONS: &str = "Infera extensions";
@@ -75,6 +75,14 @@ pub struct ServerArgs {
         help_heading = EXTENSIONS
     )]
     pub admin_token: Option<String>,
+
+    /// Infera extension: the tenants' API keys, weights, priorities and limits (JSON; see
+    /// docs/tenants.md), reloaded when the file changes. With it, /v1/completions,
+    /// /v1/chat/completions and /v1/messages need a key (Authorization: Bearer or x-api-key;
+    /// 401 without one), and a tenant over a limit is answered 429. [default: unset, no key is
+    /// asked and every request is one anonymous tenant's]
+    #[arg(long, env = "INFERA_API_KEYS", value_name = "FILE", help_heading = EXTENSIONS)]
+    pub api_keys: Option<PathBuf>,
 
     /// Tokenizer for prefix hashing (required): a directory containing tokenizer.json, a
     /// tokenizer.json file, or a Hugging Face model id (e.g. Qwen/Qwen3-0.6B) from the local
@@ -328,6 +336,36 @@ pub struct ServerArgs {
     #[arg(long, default_value = "0", value_name = "TOKENS", help_heading = EXTENSIONS)]
     pub router_balance_tokens: u32,
 
+    /// Infera extension: how a conversation the client names (`x-session-id` header, or the
+    /// body's `prompt_cache_key` or `session_id`) keeps to the worker its last request went to,
+    /// fleet-wide: tie-break (the routing policy decides; among equally good workers the
+    /// session's wins), override (the session's worker while it is healthy and below
+    /// --router-queue-threshold; the policy otherwise) or off.
+    #[arg(long, env = "INFERA_ROUTER_SESSION_AFFINITY", default_value = "tie-break", value_name = "MODE", help_heading = EXTENSIONS)]
+    pub router_session_affinity: AffinityMode,
+
+    /// Infera extension: how long after its last request a session stays with its worker.
+    #[arg(long, env = "INFERA_ROUTER_SESSION_TTL", default_value = "10m", value_name = "DURATION", help_heading = EXTENSIONS)]
+    pub router_session_ttl: HumanDuration,
+
+    /// Infera extension: queue requests in the router, instead of piling them onto the
+    /// engines, while every worker of their model has this many prefill budgets of prompt
+    /// tokens routed and not yet prefilled (a budget: the max_num_batched_tokens its launcher
+    /// registered, 8192 when none); waiters leave by priority, then by weighted fair share
+    /// between tenants. `off` never queues.
+    #[arg(long, env = "INFERA_ROUTER_QUEUE_THRESHOLD", default_value = "4", value_name = "BUDGETS", value_parser = queue_threshold, help_heading = EXTENSIONS)]
+    pub router_queue_threshold: QueueThreshold,
+
+    /// Infera extension: the longest a request waits in the router's queue; then it is
+    /// answered 503 with Retry-After.
+    #[arg(long, env = "INFERA_ROUTER_QUEUE_TIMEOUT", default_value = "60s", value_name = "DURATION", help_heading = EXTENSIONS)]
+    pub router_queue_timeout: HumanDuration,
+
+    /// Infera extension: requests waiting in the router's queue at most, over all models;
+    /// past it a request is answered 503 with Retry-After at once.
+    #[arg(long, env = "INFERA_ROUTER_QUEUE_MAX", default_value_t = 10_000, value_name = "N", help_heading = EXTENSIONS)]
+    pub router_queue_max: u32,
+
     /// Infera extension: where router events are kept, so a restarted server keeps its KV
     /// index and replicas share load: memory, nats (JetStream on --nats-server),
     /// nats://HOST:PORT[?stream=NAME&max_age=7d&max_bytes=8GiB], sqlite:PATH or
@@ -420,4 +458,18 @@ fn python_truthy(value: &str) -> Result<bool, std::convert::Infallible> {
         value.trim().to_ascii_lowercase().as_str(),
         "1" | "true" | "yes"
     ))
+}
+
+/// `--router-queue-threshold`: a positive number of prefill budgets, or `off` (`None`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QueueThreshold(pub Option<f64>);
+
+fn queue_threshold(text: &str) -> Result<QueueThreshold, String> {
+    if text.eq_ignore_ascii_case("off") {
+        return Ok(QueueThreshold(None));
+    }
+    match text.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(QueueThreshold(Some(x))),
+        _ => Err(format!("`{text}` is neither a positive number nor `off`")),
+    }
 }

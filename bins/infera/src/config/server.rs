@@ -18,7 +18,7 @@ use crate::config::{
 use crate::wiring::{
     Backend, EventLogConfig, InvalidEventLogSpec, JetStreamLogConfig, SqliteLogConfig,
 };
-use infera_core::policy::PolicyKind;
+use infera_core::policy::{AffinityMode, PolicyKind};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -78,6 +78,9 @@ pub struct HttpConfig {
     /// Bearer token of the admin endpoints and `/v1/workers`; `None` leaves them open.
     #[serde(default)]
     pub admin_token: Option<AdminToken>,
+    /// `--api-keys`: the key file (checked to parse; reloaded by the server as it changes).
+    #[serde(default)]
+    pub api_keys: Option<PathBuf>,
 }
 
 /// `--admin-token`: printed and serialized as `<redacted>`.
@@ -116,6 +119,15 @@ fn admin_token(token: Option<String>) -> Result<Option<AdminToken>, ConfigError>
         }
         t => Ok(t.map(AdminToken)),
     }
+}
+
+/// `--api-keys` must name a valid key file (the server loads it again at start).
+fn api_keys(path: PathBuf) -> Result<PathBuf, ConfigError> {
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| ConfigError::new("--api-keys", format!("{}: {e}", path.display())))?;
+    infera_core::tenancy::Tenants::parse(&text, None, 0)
+        .map_err(|e| ConfigError::new("--api-keys", format!("{}: {e}", path.display())))?;
+    Ok(path)
 }
 
 /// Routing: tokenizer, policy and its weights.
@@ -161,6 +173,17 @@ pub struct RouterConfig {
     /// `--kv-per-worker-template-kwargs`: each SGLang worker's own defaults, probed at
     /// registration, win over `default_chat_template_kwargs` for its chats.
     pub per_worker_template_kwargs: bool,
+    /// `--router-queue-threshold`: prefill budgets per worker before requests queue; `None`
+    /// never queues.
+    pub queue_threshold: Option<f64>,
+    /// `--router-queue-timeout`.
+    pub queue_timeout: HumanDuration,
+    /// `--router-queue-max`.
+    pub queue_max: u32,
+    /// `--router-session-affinity`.
+    pub session_affinity: AffinityMode,
+    /// `--router-session-ttl`.
+    pub session_ttl: HumanDuration,
 }
 
 /// The NATS broker and the limits of NATS requests.
@@ -343,6 +366,11 @@ impl TryFrom<ServerArgs> for ServerConfig {
                 args.kv_default_chat_template_kwargs.as_deref(),
             )?,
             per_worker_template_kwargs: !args.no_kv_per_worker_template_kwargs,
+            queue_threshold: args.router_queue_threshold.0,
+            queue_timeout: not_zero("--router-queue-timeout", args.router_queue_timeout)?,
+            queue_max: positive("--router-queue-max", args.router_queue_max)?,
+            session_affinity: args.router_session_affinity,
+            session_ttl: not_zero("--router-session-ttl", args.router_session_ttl)?,
         };
         let http = HttpConfig {
             host: args.host,
@@ -359,6 +387,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
                 .transpose()?,
             parse_budget: args.parse_budget,
             admin_token: admin_token(args.admin_token)?,
+            api_keys: args.api_keys.map(api_keys).transpose()?,
         };
         let event_log = event_log(&args.event_log, &args.nats_server)?;
         Ok(Self {

@@ -81,6 +81,10 @@ pub struct LaunchPlan {
     pub disagg_meta: Option<Value>,
     /// The engine's KV block size from its command line, or the engine's default.
     pub kv_block_size: Option<u32>,
+    /// The prompt tokens the engine prefills per step, when its command line sets them
+    /// (vLLM's and ATOM's `--max-num-batched-tokens`, SGLang's `--chunked-prefill-size`);
+    /// registered for the router's queue, which assumes 8192 otherwise.
+    pub prefill_budget: Option<u32>,
     /// First data-parallel rank served by this worker.
     pub dp_rank: u32,
     /// Data-parallel ranks behind this worker's one HTTP port.
@@ -192,6 +196,13 @@ pub fn plan(
         EngineKind::Vllm | EngineKind::Atom => Some(16),
         EngineKind::Sglang | EngineKind::Mock => None,
     });
+    let budget_flag = match engine {
+        EngineKind::Sglang => "--chunked-prefill-size",
+        EngineKind::Vllm | EngineKind::Atom | EngineKind::Mock => "--max-num-batched-tokens",
+    };
+    let prefill_budget = engine_value(engine, &args, &[budget_flag])
+        .and_then(|v| v.parse::<u32>().ok())
+        .filter(|n| *n > 0);
     Ok(LaunchPlan {
         program: program.clone(),
         args,
@@ -202,6 +213,7 @@ pub fn plan(
         role,
         disagg_meta,
         kv_block_size,
+        prefill_budget,
         dp_rank,
         dp_size,
         kvd_socket,

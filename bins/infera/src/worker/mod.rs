@@ -204,6 +204,7 @@ async fn run_mock(
     record.kv_events_endpoint = kv_events_endpoint;
     record.kv_block_size = engine.block_size;
     record.extra = running.registration_extra();
+    record.set_prefill_budget(engine.max_batched_tokens);
     record.set_kv_events_replay_endpoint(kv_events_replay_endpoint);
     if let Some(pd) = &engine.pd {
         record.disagg_mode = pd.role;
@@ -378,6 +379,9 @@ pub fn process_record(
     record.kv_block_size = block_size.unwrap_or(0);
     record.dp_rank = plan.dp_rank;
     record.dp_size = plan.dp_size;
+    if let Some(budget) = plan.prefill_budget {
+        record.set_prefill_budget(budget);
+    }
     if plan.kvd_socket.is_some() {
         let field = infera_core::ports::kv_store::KVD_BACKED_FIELD;
         record.extra.insert(field.into(), true.into());

@@ -279,24 +279,86 @@ pub(super) fn service_monitor_problems(fleet: &Fleet) -> Vec<String> {
 }
 
 /// Replaces `$(VAR)` as the kubelet would, and `/models` by `models`.
-pub(super) fn as_run_by_the_kubelet(args: &[String], models: &Path) -> Vec<String> {
+pub(super) fn as_run_by_the_kubelet(
+    args: &[String],
+    models: &Path,
+    mounts: &[(String, PathBuf)],
+) -> Vec<String> {
     args.iter()
         .map(|arg| {
             let arg = arg.replace("$(POD_IP)", "10.1.0.7");
-            match arg.strip_prefix("/models/") {
-                Some(rest) => models.join(rest).display().to_string(),
-                None => arg,
+            if let Some(rest) = arg.strip_prefix("/models/") {
+                return models.join(rest).display().to_string();
             }
+            for (mount, dir) in mounts {
+                if let Some(rest) = arg.strip_prefix(mount.as_str()) {
+                    return dir.join(rest.trim_start_matches('/')).display().to_string();
+                }
+            }
+            arg
         })
         .collect()
 }
 
-/// `infera <args> --check-config` for `container`; its resolved configuration.
-pub(super) fn check_config(owner: &str, container: &Container) -> Value {
+/// The Secret volumes `container` mounts in `template`, as the kubelet lays them out: each
+/// mount path with the Secret's files (`stringData`, or `data` decoded).
+pub(super) fn secret_files(
+    fleet: &Fleet,
+    template: &PodTemplateSpec,
+    container: &Container,
+) -> Vec<(String, BTreeMap<String, Vec<u8>>)> {
+    let volumes = pod_spec(template).volumes.clone().unwrap_or_default();
+    let mut out = Vec::new();
+    for mount in container.volume_mounts.iter().flatten() {
+        let Some(secret) = volumes
+            .iter()
+            .find(|v| v.name == mount.name)
+            .and_then(|v| v.secret.as_ref())
+        else {
+            continue;
+        };
+        let name = secret
+            .secret_name
+            .as_deref()
+            .expect("a secret volume names its Secret");
+        let object = fleet.secrets.get(name).unwrap_or_else(|| {
+            panic!(
+                "the volume {} mounts a Secret {name} not in the fleet",
+                mount.name
+            )
+        });
+        let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        for (k, v) in object.data.iter().flatten() {
+            files.insert(k.clone(), v.0.clone());
+        }
+        for (k, v) in object.string_data.iter().flatten() {
+            files.insert(k.clone(), v.clone().into_bytes());
+        }
+        out.push((mount.mount_path.clone(), files));
+    }
+    out
+}
+
+/// `infera <args> --check-config` for `container`, with the Secret files it mounts; its
+/// resolved configuration.
+pub(super) fn check_config(
+    owner: &str,
+    container: &Container,
+    secrets: &[(String, BTreeMap<String, Vec<u8>>)],
+) -> Value {
     let models = tempfile::tempdir().expect("temp dir");
     std::fs::write(models.path().join("tokenizer.json"), b"{}").expect("tokenizer");
     std::fs::create_dir(models.path().join("model")).expect("model dir");
-    let mut argv = as_run_by_the_kubelet(&args(container), models.path());
+    let mut mounts = Vec::new();
+    for (i, (path, files)) in secrets.iter().enumerate() {
+        let dir = models.path().join(format!("secret-{i}"));
+        std::fs::create_dir(&dir).expect("secret dir");
+        for (name, content) in files {
+            std::fs::write(dir.join(name), content).expect("secret file");
+        }
+        mounts.push((path.clone(), dir));
+    }
+    let mut argv = as_run_by_the_kubelet(&args(container), models.path(), &mounts);
     argv.push("--check-config".to_owned());
     let output = Command::new(env!("CARGO_BIN_EXE_infera"))
         .args(&argv)
@@ -322,7 +384,7 @@ pub(super) fn check_config(owner: &str, container: &Container) -> Value {
 pub(super) fn assert_binary_accepts(fleet: &Fleet) {
     for (owner, template, _) in templates(fleet) {
         let container = pod_container(template);
-        let config = check_config(&owner, container);
+        let config = check_config(&owner, container, &secret_files(fleet, template, container));
         if args(container).first().map(String::as_str) != Some("kvd") {
             assert!(
                 config.to_string().contains("\"kubernetes\""),

@@ -1,5 +1,6 @@
 //! The Kustomize deployments of `bins/deploy/kubernetes/`: every overlay under `overlays/`, and
-//! the compositions the README documents (the SGLang and ATOM workers, kvd on a PD fleet), are
+//! the compositions the README documents (the SGLang and ATOM workers, kvd on a PD fleet, the
+//! tenants' key file from a Secret), are
 //! rendered with `kubectl kustomize` and checked three ways:
 //!
 //! 1. The built-in kinds go through `kubectl apply --dry-run=client -o json` against the
@@ -35,7 +36,7 @@ use infera_backends::discovery::kubernetes::k8s_openapi;
 use infera_backends::testing::kube_api::KubeApiServer;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
-    Container, Namespace, PersistentVolumeClaim, PodSpec, PodTemplateSpec, Probe, Service,
+    Container, Namespace, PersistentVolumeClaim, PodSpec, PodTemplateSpec, Probe, Secret, Service,
     ServiceAccount,
 };
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
@@ -201,6 +202,36 @@ async fn kvd_on_a_pd_fleet_wires_the_prefill_leg_only() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tenants_component_gives_the_server_its_key_file_from_a_secret() {
+    let fleet = checked_composition(&["overlays/dev-mock"], &["tenants"]).await;
+    let server = server(&fleet);
+    let c = container(server);
+    let path = flag(&args(c), "--api-keys").expect("--api-keys").to_owned();
+    let mounted = secret_files(&fleet, deployment_template(server), c);
+    let (mount, files) = mounted
+        .iter()
+        .find(|(m, _)| path.starts_with(&format!("{m}/")))
+        .expect("the key file is on a Secret volume");
+    let how = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| &m.mount_path == mount)
+        .expect("the mount");
+    assert!(
+        how.sub_path.is_none(),
+        "a subPath mount never sees the Secret change"
+    );
+    let name = path.rsplit('/').next().expect("a file name");
+    let text = std::str::from_utf8(&files[name]).expect("utf-8");
+    let tenants = infera_core::tenancy::Tenants::parse(text, None, 0).expect("a valid key file");
+    let a = tenants
+        .find(b"sk-example-team-a-0000")
+        .expect("the example key");
+    assert_eq!(&*a.name, "team-a");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_and_atom_workers_join_the_base_fleet() {
     let fleet = checked_composition(&["base", "workers/sglang", "workers/atom"], &[]).await;
     assert_eq!(
@@ -307,7 +338,7 @@ async fn gaie_overlay_picks_among_the_fleets_workers() {
     }
 
     // The binary serves the picker over TLS, on the pool's port.
-    let config = check_config("infera-gaie", picker);
+    let config = check_config("infera-gaie", picker, &[]);
     assert_eq!(
         config["grpc"]["secure_serving"], true,
         "TLS, as gateways connect"

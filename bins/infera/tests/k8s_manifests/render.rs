@@ -237,6 +237,7 @@ pub(super) struct Fleet {
     pub(super) daemon_sets: BTreeMap<String, DaemonSet>,
     pub(super) services: BTreeMap<String, Service>,
     pub(super) claims: BTreeMap<String, PersistentVolumeClaim>,
+    pub(super) secrets: BTreeMap<String, Secret>,
     pub(super) service_monitors: BTreeMap<String, Value>,
     pub(super) pod_monitors: BTreeMap<String, Value>,
     pub(super) pools: BTreeMap<String, Value>,
@@ -281,6 +282,9 @@ pub(super) fn classify(objects: &[Value]) -> Fleet {
             }
             "PersistentVolumeClaim" => {
                 fleet.claims.insert(name, typed(object));
+            }
+            "Secret" => {
+                fleet.secrets.insert(name, typed(object));
             }
             "ServiceMonitor" => {
                 fleet.service_monitors.insert(name, object.clone());

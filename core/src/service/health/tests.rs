@@ -6,7 +6,7 @@ use crate::ids::RequestId;
 use crate::policy::{RouteRequest, RouterConfig};
 use crate::ports::transport::{Inbound, Outbound, RequestTransport};
 use crate::service::test_support::record;
-use crate::service::{ReplyBody, ServiceOptions};
+use crate::service::{ReplyBody, ServiceOptions, Share};
 use bytes::Bytes;
 use futures::FutureExt as _;
 use std::sync::Arc;
@@ -136,6 +136,7 @@ fn request(st: &Service) -> RouteRequest {
         retention: None,
         per_worker: Default::default(),
         exclude: Vec::new(),
+        session: None,
     }
 }
 
@@ -143,7 +144,14 @@ fn request(st: &Service) -> RouteRequest {
 async fn a_request_waiting_on_a_wedged_worker_fails_over_when_it_leaves_routing() {
     let st = service(false);
     st.register_worker(record("wedged"));
-    let forward = st.forward(request(&st), None, "/v1/completions", Bytes::new(), false);
+    let forward = st.forward(
+        request(&st),
+        None,
+        Share::default(),
+        "/v1/completions",
+        Bytes::new(),
+        false,
+    );
     let mut forward = Box::pin(forward);
     assert!(
         (&mut forward).now_or_never().is_none(),
@@ -165,7 +173,14 @@ async fn a_request_waiting_on_a_wedged_worker_fails_over_when_it_leaves_routing(
             .contains("infera_health_ejections_total 1")
     );
     // Out of routing: the next request goes to the good worker at once.
-    let next = st.forward(request(&st), None, "/v1/completions", Bytes::new(), false);
+    let next = st.forward(
+        request(&st),
+        None,
+        Share::default(),
+        "/v1/completions",
+        Bytes::new(),
+        false,
+    );
     assert!(next.now_or_never().is_some_and(|r| r.is_ok()));
 }
 
@@ -174,7 +189,14 @@ async fn a_stream_on_a_wedged_worker_ends_with_an_error_when_it_leaves_routing()
     let st = service(true);
     st.register_worker(record("wedged"));
     let reply = st
-        .forward(request(&st), None, "/v1/completions", Bytes::new(), true)
+        .forward(
+            request(&st),
+            None,
+            Share::default(),
+            "/v1/completions",
+            Bytes::new(),
+            true,
+        )
         .await
         .expect("the head came");
     let ReplyBody::Stream(mut body) = reply.body else {
@@ -216,7 +238,14 @@ async fn a_pd_pair_waiting_on_a_wedged_prefill_fails_over_when_it_leaves_routing
     st.register_worker(pd_record("wedged", Role::Prefill));
     st.register_worker(pd_record("decode", Role::Decode));
     let body = Bytes::from_static(br#"{"model": "m", "prompt": "x", "max_tokens": 4}"#);
-    let forward = st.forward(request(&st), None, "/v1/completions", body, false);
+    let forward = st.forward(
+        request(&st),
+        None,
+        Share::default(),
+        "/v1/completions",
+        body,
+        false,
+    );
     let mut forward = Box::pin(forward);
     if let Some(r) = (&mut forward).now_or_never() {
         panic!(

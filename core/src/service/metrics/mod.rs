@@ -9,7 +9,8 @@
 //!   disaggregation mode, the policy's per-worker active blocks and cache view, retention hints
 //!   seen and cache locality skipped.
 //! - **Ours**, beside them: decisions by outcome, retries, requests by status, per-model
-//!   traffic, first bytes and cache hits ([`models`]), event intake,
+//!   traffic, first bytes and cache hits ([`models`]), per-tenant traffic, limits and the
+//!   router's queue ([`tenants`]), event intake,
 //!   transport errors, KV-event gaps, PD pair errors, breaker totals, exact migrations; the
 //!   event taps, the durable log and the trace recorder register theirs through
 //!   [`Service::register_metrics`].
@@ -33,10 +34,12 @@ use std::sync::{Mutex, PoisonError};
 
 mod models;
 mod sla;
+mod tenants;
 pub mod text;
 
 pub(crate) use models::ModelFamilies;
 pub(crate) use sla::{SlaFamilies, SlaSample};
+pub(crate) use tenants::TenantFamilies;
 
 /// One label.
 pub type Label = [(&'static str, &'static str); 1];
@@ -95,7 +98,12 @@ pub struct Metrics {
     pub(crate) sla: SlaFamilies,
     // Ours.
     pub(crate) models: ModelFamilies,
+    pub(crate) tenants: TenantFamilies,
     pub(crate) decisions: Family<Label, Counter>,
+    /// Requests naming a session, by whether it stayed on its worker (see `policy::affinity`).
+    pub(crate) sessions: Family<Label, Counter>,
+    /// Sessions pinned now.
+    pub(crate) sessions_pinned: Gauge,
     pub(crate) retries: Counter,
     pub(crate) requests: Family<Label, Counter>,
     pub(crate) events_applied: Counter,
@@ -168,7 +176,10 @@ impl Default for Metrics {
             cache_locality_skipped: Family::default(),
             sla: SlaFamilies::default(),
             models: ModelFamilies::default(),
+            tenants: TenantFamilies::default(),
             decisions: Family::default(),
+            sessions: Family::default(),
+            sessions_pinned: Gauge::default(),
             retries: Counter::default(),
             requests: Family::default(),
             events_applied: Counter::default(),
@@ -424,11 +435,23 @@ impl Metrics {
             self.decisions.clone(),
         );
         r.register(
+            "infera_router_session_requests",
+            "Routed requests that named a session, by outcome: new (no live pin), kept (on the \
+             worker it was pinned to), moved (elsewhere)",
+            self.sessions.clone(),
+        );
+        r.register(
+            "infera_router_sessions",
+            "Sessions pinned to a worker (live or within their TTL, at most 1,048,576)",
+            self.sessions_pinned.clone(),
+        );
+        r.register(
             "infera_requests",
             "Finished requests by status",
             self.requests.clone(),
         );
         self.models.register(r);
+        self.tenants.register(r);
         r.register(
             "infera_health_ejections",
             "Workers that left routing for failing their health checks (--health-check-*)",
@@ -604,7 +627,16 @@ impl Service {
         self.inner.metrics.render(|m| {
             m.health_out
                 .set(i64::try_from(self.inner.health.out().len()).unwrap_or(i64::MAX));
+            m.tenants.queue_waiting.clear();
+            for (tenant, n) in self.inner.admission.by_tenant() {
+                m.tenants
+                    .queue_waiting
+                    .get_or_create(&[("tenant", tenant.to_string())])
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
+            }
             self.with_fleet(|f| {
+                m.sessions_pinned
+                    .set(i64::try_from(f.sessions_pinned()).unwrap_or(i64::MAX));
                 m.active_workers.clear();
                 m.model_ranks.clear();
                 for (model, served) in f.models() {

@@ -17,6 +17,7 @@ fn migration(
         retention: None,
         per_worker: Default::default(),
         exclude: Vec::new(),
+        session: None,
     };
     let body = Bytes::from(body.to_string());
     Migration::new(st, &req, path, &body, rank("w:1"), "r", asked_ids)

@@ -81,6 +81,7 @@ fn request(id: &str, tokens: &[u32]) -> RouteRequest {
         retention: None,
         per_worker: Default::default(),
         exclude: vec![],
+        session: None,
     }
 }
 
@@ -381,15 +382,24 @@ fn a_worker_that_renders_its_own_way_is_scored_and_charged_with_its_own_hashes()
 
 /// Routes `tokens` at `t_us` with `r`, then finishes it a millisecond later; the worker picked.
 fn turn(w: &mut World, r: &mut Router, id: &str, tokens: &[u32], t_us: u64) -> WorkerRank {
-    let d = r
-        .decide(&w.fleet, &request(id, tokens), t_us)
-        .expect("decision");
+    serve(w, r, &request(id, tokens), t_us)
+}
+
+/// Routes `req` at `t_us` and finishes it a millisecond later; the worker it went to.
+fn serve(w: &mut World, r: &mut Router, req: &RouteRequest, t_us: u64) -> WorkerRank {
+    let d = r.decide(&w.fleet, req, t_us).expect("decision");
     let picked = d.legs[0].worker.clone();
     w.apply_at(t_us, Event::RequestRouted(d));
+    finish(w, &req.request_id, t_us + 1_000);
+    picked
+}
+
+/// Request `id` finished at `t_us`.
+fn finish(w: &mut World, id: &RequestId, t_us: u64) {
     w.apply_at(
-        t_us + 1_000,
+        t_us,
         Event::RequestFinished(crate::event::RequestFinished {
-            request_id: RequestId::new(id),
+            request_id: id.clone(),
             status: crate::event::RequestStatus::Ok,
             ttft_us: None,
             tokens_in: 0,
@@ -397,7 +407,6 @@ fn turn(w: &mut World, r: &mut Router, id: &str, tokens: &[u32], t_us: u64) -> W
             cached_tokens: None,
         }),
     );
-    picked
 }
 
 /// A shared system prompt of 32 tokens (8 blocks), then the session's own text.
@@ -644,3 +653,5 @@ fn policies_are_named_as_registered_and_unknown_names_list_them() {
     assert_eq!(back, PolicyKind::ROUND_ROBIN);
     assert!(serde_json::from_str::<PolicyKind>("\"fastest\"").is_err());
 }
+
+mod sessions;
