@@ -9,6 +9,9 @@
 //! - `cargo xtask bench [-- ARGS]`: `cargo bench --workspace ARGS`.
 //! - `cargo xtask bench routing [-- ARGS]`: the routing-quality suite (see [`routing`]): the
 //!   standard traces through the replay under each policy, as a markdown table.
+//! - `cargo xtask bench e2e [--against REF] [--rounds N] [-- ARGS]`: the end-to-end bench, or
+//!   the tree and `REF` built apart and run in alternating rounds, their ratios as a markdown
+//!   table (see [`against`]).
 //! - `cargo xtask chaos [-- ARGS]`: the chaos suite (`bins/infera/benches/chaos/`): each fault
 //!   injected into a real fleet on loopback under steady load, as a markdown table; fails when
 //!   a fault leaves a request hung or wrong. `ARGS` go to `cargo bench` (e.g. `--profile dev`
@@ -26,6 +29,7 @@
 
 // Tests may unwrap; the non-test build still denies it everywhere.
 
+mod against;
 mod commits;
 mod image;
 mod layers;
@@ -39,7 +43,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 const USAGE: &str = "usage: cargo xtask \
-    <test|bench|bench routing|chaos|image|tools|layers|commits> [-- extra arguments]";
+    <test|bench|bench routing|bench e2e|chaos|image|tools|layers|commits> [-- extra arguments]";
 
 fn main() -> ExitCode {
     match run(std::env::args_os().skip(1).collect()) {
@@ -55,6 +59,10 @@ fn run(args: Vec<OsString>) -> anyhow::Result<()> {
     let Some((task, rest)) = args.split_first() else {
         bail!("no task given\n{USAGE}");
     };
+    if task == "bench" && rest.first().is_some_and(|a| a == "e2e") {
+        let root = workspace_root();
+        return against::run(&root, &against::Args::parse(&rest[1..])?, cargo);
+    }
     let routing = task == "bench" && rest.first().is_some_and(|a| a == "routing");
     let rest = if routing { &rest[1..] } else { rest };
     let extra: Vec<OsString> = match rest.split_first() {
