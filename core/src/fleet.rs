@@ -328,6 +328,19 @@ impl FleetState {
         self.queued_prefill_tokens_at(c.slot) as f64 >= threshold * f64::from(c.prefill_budget)
     }
 
+    /// Whether the router's queue lets a request for `model` through at `threshold`: some
+    /// candidate (of the prefill role, when disaggregated) is not [`saturated`](Self::saturated),
+    /// or none exists (the decision then says why).
+    pub fn has_room(&self, model: &str, threshold: f64) -> bool {
+        let role = if self.is_disaggregated(model) {
+            Role::Prefill
+        } else {
+            Role::Mixed
+        };
+        let candidates = self.candidates(model, role);
+        candidates.is_empty() || candidates.iter().any(|c| !self.saturated(c, threshold))
+    }
+
     /// The slot `session`'s `role` leg was last routed to, if that was at most `ttl_us` before
     /// `now_us` (see [`sessions`]).
     pub fn session_pin(

@@ -531,6 +531,8 @@ pub fn to_sim_result(records: &[RequestRecord]) -> SimResult {
                 tpot_us,
                 retention: None,
                 rejected: r.status != Status::Ok,
+                tenant: None,
+                router_queue_us: 0,
             }
         })
         .collect();

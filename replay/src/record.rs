@@ -384,6 +384,7 @@ impl Recorder {
                 lora: None,
                 cache_salt: None,
                 images: Vec::new(),
+                tenant: r.tenant.clone(),
             },
             worker: first.worker.worker.as_str().to_owned(),
             dp_rank: first.worker.dp_rank,

@@ -55,6 +55,20 @@ pub struct Summary {
     pub shares: Vec<(String, f64)>,
     pub imbalance: f64,
     pub makespan_s: f64,
+    /// Per tenant, when the trace names tenants (by name).
+    pub by_tenant: Vec<TenantStats>,
+}
+
+/// One tenant's requests.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TenantStats {
+    pub tenant: String,
+    pub requests: u64,
+    pub prompt_tokens: u64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    /// Time in the router's queue.
+    pub router_queue_p99_ms: f64,
 }
 
 pub fn class_slot(c: Option<Retention>) -> usize {
@@ -165,8 +179,64 @@ impl Summary {
             imbalance: if mean > 0.0 { max / mean } else { 0.0 },
             shares,
             makespan_s: span_s,
+            by_tenant: by_tenant(&reqs),
         }
     }
+}
+
+/// [`TenantStats`] of the requests that name a tenant, by name.
+fn by_tenant(reqs: &[&RequestOutcome]) -> Vec<TenantStats> {
+    let mut groups: std::collections::BTreeMap<&str, Vec<&RequestOutcome>> = Default::default();
+    for r in reqs {
+        if let Some(t) = &r.tenant {
+            groups.entry(t).or_default().push(r);
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(tenant, rs)| {
+            let ms = |f: &dyn Fn(&RequestOutcome) -> u64| {
+                let mut v: Vec<f64> = rs.iter().map(|r| f(r) as f64 / 1000.0).collect();
+                v.sort_by(f64::total_cmp);
+                v
+            };
+            let ttft = ms(&|r| r.ttft_us);
+            TenantStats {
+                tenant: tenant.to_owned(),
+                requests: rs.len() as u64,
+                prompt_tokens: rs.iter().map(|r| u64::from(r.input_tokens)).sum(),
+                ttft_p50_ms: percentile(&ttft, 0.5),
+                ttft_p99_ms: percentile(&ttft, 0.99),
+                router_queue_p99_ms: percentile(&ms(&|r| r.router_queue_us), 0.99),
+            }
+        })
+        .collect()
+}
+
+/// The tenants' table of one configuration (empty when the trace names none).
+pub fn tenant_table(s: &Summary) -> String {
+    if s.by_tenant.is_empty() {
+        return String::new();
+    }
+    let mut cells = vec![vec![
+        "tenant".to_string(),
+        "requests".into(),
+        "prompt tokens".into(),
+        "ttft p50".into(),
+        "ttft p99".into(),
+        "router queue p99".into(),
+    ]];
+    for t in &s.by_tenant {
+        cells.push(vec![
+            t.tenant.clone(),
+            t.requests.to_string(),
+            t.prompt_tokens.to_string(),
+            format!("{:.0}ms", t.ttft_p50_ms),
+            format!("{:.0}ms", t.ttft_p99_ms),
+            format!("{:.0}ms", t.router_queue_p99_ms),
+        ]);
+    }
+    render(&cells)
 }
 
 /// One row of the comparison table: a label for the configuration and its summary.

@@ -327,6 +327,7 @@ fn request_strategy() -> impl Strategy<Value = (u64, TraceRequest)> {
                         lora: None,
                         cache_salt: None,
                         images: Vec::new(),
+                        tenant: None,
                     },
                 )
             },
@@ -739,6 +740,7 @@ fn sample_rows(n: u64) -> Vec<TraceRequest> {
             lora: None,
             cache_salt: None,
             images: Vec::new(),
+            tenant: None,
         })
         .collect()
 }

@@ -120,6 +120,8 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
     cfg.kv_event_delay_us = (a.kv_event_delay_ms * 1000.0) as u64;
     cfg.frontend_us = (a.frontend_ms * 1000.0).round() as u64;
     cfg.identity_blind = a.identity_blind;
+    cfg.queue_threshold = a.router_queue_threshold.0;
+    cfg.tenant_weights = a.tenant_weights.clone();
     cfg.engine.validate().context("engine settings")?;
     Ok(cfg)
 }
@@ -224,6 +226,9 @@ fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
     if let Some(n) = args.limit {
         tr.requests.truncate(n);
     }
+    for (tenant, factor) in &args.tenant_scales {
+        tr.scale_tenant(tenant, *factor);
+    }
 
     let trace_bs = tr.requests.first().map(|r| r.block_size).unwrap_or(16);
     let mut base = base_config(&args, trace_bs)?;
@@ -316,6 +321,11 @@ fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
     if best.2.by_class[..4].iter().any(|c| c.requests > 0) {
         println!("hits by retention class:");
         print!("{classes}");
+    }
+    let tenants = report::tenant_table(&best.2);
+    if !tenants.is_empty() {
+        println!("per tenant:");
+        print!("{tenants}");
     }
     let shares: Vec<String> = best
         .2

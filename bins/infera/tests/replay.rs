@@ -336,3 +336,79 @@ fn every_trace_command_takes_the_trace_block_size() {
         text(&out.stderr)
     );
 }
+
+/// A trace whose tenant `a` floods two workers while `b` sends a short prompt now and then.
+fn tenants_trace(path: &Path) {
+    use infera_replay::trace::{Trace, TraceRequest};
+    let req = |i: u64, at: u64, tenant: &str, blocks: u64| TraceRequest {
+        arrival_us: at,
+        request_id: format!("{tenant}-{i}"),
+        model: "m".into(),
+        input_length: blocks as u32 * 16,
+        output_length: 8,
+        block_size: 16,
+        block_hashes: (0..blocks).map(|b| (i + 1) * 1_000_000 + b).collect(),
+        token_ids: None,
+        session_id: None,
+        retention: None,
+        ttl_seconds: None,
+        think_time_us: None,
+        lora: None,
+        cache_salt: None,
+        images: Vec::new(),
+        tenant: Some(tenant.to_owned()),
+    };
+    let mut requests: Vec<TraceRequest> = (0..300).map(|i| req(i, i * 2_000, "a", 128)).collect();
+    requests.extend((0..30).map(|i| req(10_000 + i, 5_000 + i * 20_000, "b", 4)));
+    requests.sort_by_key(|r| r.arrival_us);
+    let trace = Trace {
+        requests,
+        source: "tenants".into(),
+        notes: Vec::new(),
+    };
+    infera_replay::trace::parquet::write_parquet(&trace, path).expect("write the trace");
+}
+
+/// The quiet tenant's TTFT p99 in milliseconds, from the per-tenant table.
+fn quiet_p99(stdout: &str) -> f64 {
+    let row = stdout
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some("b"))
+        .unwrap_or_else(|| panic!("no row for tenant b: {stdout}"));
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    cells[4].trim_end_matches("ms").parse().expect("a p99")
+}
+
+#[test]
+fn replay_answers_what_a_tenant_doubling_does_to_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tenants.parquet");
+    tenants_trace(&path);
+    let path = path.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["replay", path, "--workers", "2"];
+        args.extend_from_slice(extra);
+        let out = infera(&args);
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+        assert!(stdout.contains("per tenant:"), "{stdout}");
+        stdout
+    };
+    let base = run(&[]);
+    let doubled = run(&["--tenant-scale", "a=2"]);
+    assert!(
+        doubled.contains("--tenant-scale a=2: 300 of its requests became 600"),
+        "{doubled}"
+    );
+    let unqueued = run(&["--router-queue-threshold", "off"]);
+    let (base, doubled, unqueued) = (quiet_p99(&base), quiet_p99(&doubled), quiet_p99(&unqueued));
+    eprintln!("tenant b's ttft p99: {base} ms; a doubled: {doubled} ms; no queue: {unqueued} ms");
+    assert!(doubled > base, "a's doubling costs b: {base} -> {doubled}");
+    assert!(
+        unqueued > base,
+        "the queue protects b: {base} vs {unqueued}"
+    );
+    let bad = infera(&["replay", path, "--tenant-scale", "a"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(text(&bad.stderr).contains("NAME=FACTOR"));
+}

@@ -24,9 +24,7 @@
 use super::Service;
 use super::reply::RequestError;
 use crate::error::ErrorCode;
-use crate::event::Role;
-use crate::fleet::FleetState;
-use crate::tenancy::queue::{FairQueue, Place};
+use crate::tenancy::queue::{FairQueue, Place, QUANTUM};
 use crate::tenancy::{Permit, Tenant};
 use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -44,12 +42,6 @@ pub struct QueueConfig {
     pub timeout: Duration,
     /// Waiters at most, over all models; past it a request is answered 503 at once.
     pub max_waiting: usize,
-}
-
-impl QueueConfig {
-    /// The credit a tenant's lane gets per turn, per unit of weight, in prompt tokens: small
-    /// against a prefill budget, so tenants' requests interleave finely.
-    const QUANTUM: u64 = 512;
 }
 
 impl Default for QueueConfig {
@@ -155,17 +147,6 @@ impl Admission {
     }
 }
 
-/// Whether some rank of `model` has room (or none exists: the decision then says why).
-fn has_room(fleet: &FleetState, model: &str, threshold: f64) -> bool {
-    let role = if fleet.is_disaggregated(model) {
-        Role::Prefill
-    } else {
-        Role::Mixed
-    };
-    let candidates = fleet.candidates(model, role);
-    candidates.is_empty() || candidates.iter().any(|c| !fleet.saturated(c, threshold))
-}
-
 /// A request let through the queue, or waiting in it. Dropping it before the request's
 /// decision is committed gives its turn to the next waiter.
 #[derive(Debug)]
@@ -243,7 +224,7 @@ impl Service {
                 .models
                 .get(model)
                 .is_some_and(|m| m.released.is_some() || !m.queue.is_empty());
-            if !busy && has_room(plane.kernel.fleet(), model, threshold) {
+            if !busy && plane.kernel.fleet().has_room(model, threshold) {
                 return Ok(None);
             }
             if adm.len() >= config.max_waiting {
@@ -258,7 +239,7 @@ impl Service {
                 .models
                 .entry(model.to_owned())
                 .or_insert_with(|| ModelQueue {
-                    queue: FairQueue::new(QueueConfig::QUANTUM),
+                    queue: FairQueue::new(QUANTUM),
                     released: None,
                 });
             let place = mq
@@ -301,7 +282,7 @@ impl Service {
         let fleet = plane.kernel.fleet();
         let mut w = adm.waiting();
         for (model, mq) in &mut w.models {
-            while mq.released.is_none() && !mq.queue.is_empty() && has_room(fleet, model, threshold)
+            while mq.released.is_none() && !mq.queue.is_empty() && fleet.has_room(model, threshold)
             {
                 let Some((place, tx)) = mq.queue.pop_with_place() else {
                     break;

@@ -18,6 +18,11 @@ use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
+/// The credit a tenant's lane gets per turn, per unit of weight, in prompt tokens, in the
+/// router's queue and `infera replay`'s: small against a prefill budget, so tenants' requests
+/// interleave finely.
+pub const QUANTUM: u64 = 512;
+
 /// A queued request's handle, for [`FairQueue::remove`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Place(u64);

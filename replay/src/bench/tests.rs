@@ -17,6 +17,7 @@ fn req(input_length: u32, hashes: &[u64]) -> TraceRequest {
         lora: None,
         cache_salt: None,
         images: Vec::new(),
+        tenant: None,
     }
 }
 

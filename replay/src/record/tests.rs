@@ -127,7 +127,11 @@ impl Rig {
 fn rows_come_out_in_arrival_order_whatever_order_requests_finish_in() {
     let mut rig = Rig::new(|_| {});
     rig.feed(10, routed("a", "w1", 10, 64));
-    rig.feed(20, routed("b", "w2", 20, 40));
+    let mut b = routed("b", "w2", 20, 40);
+    if let Event::RequestRouted(r) = &mut b {
+        r.tenant = Some("team-b".into());
+    }
+    rig.feed(20, b);
     rig.feed(30, routed("c", "w1", 30, 16));
     rig.feed(40, finished("c", RequestStatus::Ok));
     rig.feed(50, finished("b", RequestStatus::Ok));
@@ -145,6 +149,8 @@ fn rows_come_out_in_arrival_order_whatever_order_requests_finish_in() {
     );
     assert_eq!(a.block_hashes, vec![0, 1, 2, 3]);
     assert_eq!(a.token_ids, None, "prompts are never recorded");
+    let tenants: Vec<Option<&str>> = trace.requests.iter().map(|r| r.tenant.as_deref()).collect();
+    assert_eq!(tenants, [None, Some("team-b"), None]);
     let stats = rig.rec.stats();
     assert_eq!((stats.rows_written, stats.segments_written), (3, 1));
 }

@@ -77,6 +77,7 @@ mod tests {
             lora: None,
             cache_salt: None,
             images: Vec::new(),
+            tenant: None,
         }
     }
 

@@ -53,6 +53,13 @@ pub struct SimConfig {
     /// keyed blocks by identity): it hashes and indexes blocks by their tokens alone while the
     /// engines key them by identity, so it predicts hits the engines cannot give.
     pub identity_blind: bool,
+    /// The router's queue, as `infera server --router-queue-threshold`: while every worker of
+    /// a request's model has this many prefill budgets of prompt tokens routed and not yet
+    /// prefilled, requests wait in the router, leaving by weighted fair share between the
+    /// trace's tenants (`tenant` column); `None` never queues.
+    pub queue_threshold: Option<f64>,
+    /// Each tenant's weight in the queue (as in `--api-keys`); 1 for one not named.
+    pub tenant_weights: Vec<(String, u32)>,
 }
 
 impl Default for SimConfig {
@@ -74,6 +81,8 @@ impl Default for SimConfig {
             step_by_step: false,
             playback: Playback::default(),
             identity_blind: false,
+            queue_threshold: Some(4.0),
+            tenant_weights: Vec::new(),
         }
     }
 }
@@ -124,6 +133,10 @@ pub struct RequestOutcome {
     pub tpot_us: f64,
     pub retention: Option<Retention>,
     pub rejected: bool,
+    /// The trace's tenant of the request.
+    pub tenant: Option<String>,
+    /// Time spent in the router's queue before routing.
+    pub router_queue_us: u64,
 }
 
 /// Everything a run produced.

@@ -15,6 +15,11 @@
 //! decode engine with the prompt's KV transferred. Under [`Playback::Sessions`] a session's turn
 //! arrives when its predecessor finished plus its think time instead (see [`sessions`]).
 //!
+//! The router's queue ([`SimConfig::queue_threshold`]) is the server's: a request that arrives
+//! while every worker of its model is saturated, or while others wait, waits in a
+//! [`FairQueue`] (by tenant, deficit round robin on prompt tokens) and is routed when an event
+//! leaves a worker below the threshold; its TTFT counts the wait.
+//!
 //! Conservation laws checked by the tests: every request finishes exactly once; per engine, blocks
 //! stored = blocks resident + blocks removed.
 
@@ -40,6 +45,7 @@ use infera_core::ids::{BlockHash, EngineHash, RequestId, SessionKey, WorkerId, W
 use infera_core::kernel::{Compaction, Kernel};
 use infera_core::log::NewEvent;
 use infera_core::policy::RouteRequest;
+use infera_core::tenancy::queue::{FairQueue, QUANTUM};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
@@ -92,6 +98,9 @@ struct Sim<'a> {
     /// With [`SimConfig::identity_blind`]: each engine block's id as the blind router hashes
     /// it (identity-free), to translate the engines' KV events into its view.
     blind_view: rustc_hash::FxHashMap<BlockHash, BlockHash>,
+    /// The router's queue, per model (see the module docs), and how many wait in it.
+    waiting: rustc_hash::FxHashMap<String, FairQueue<usize>>,
+    waiters: usize,
 }
 
 /// Runs one configuration over `trace`.
@@ -170,6 +179,8 @@ pub fn run(trace: &Trace, cfg: &SimConfig) -> Result<SimResult, SimError> {
         block_size,
         links: SessionLinks::new(&trace.requests, cfg.playback),
         blind_view: rustc_hash::FxHashMap::default(),
+        waiting: rustc_hash::FxHashMap::default(),
+        waiters: 0,
     };
     let mut registrations = Vec::new();
     for (role, count) in pools {
@@ -190,6 +201,7 @@ pub fn run(trace: &Trace, cfg: &SimConfig) -> Result<SimResult, SimError> {
                 kv: None,
                 extra: Default::default(),
             };
+            record.set_prefill_budget(engine_cfg.max_batched_tokens);
             // Every worker serves every adapter of the trace.
             record.set_lora_adapters(&trace_adapters(trace));
             registrations.push(NewEvent::new(Event::WorkerRegistered(WorkerRegistered {
@@ -292,7 +304,10 @@ impl Sim<'_> {
             };
             match ev {
                 Ev::Arrive(i) => self.arrive(i),
-                Ev::StepDone(w) => self.step_done(w),
+                Ev::StepDone(w) => {
+                    self.step_done(w);
+                    self.pump();
+                }
                 Ev::QuietDone(w, generation) => self.quiet_done(w, generation),
                 Ev::KvVisible(b) => {
                     if let Some(batch) = self.kv_batches.get_mut(b).and_then(Option::take) {
@@ -319,7 +334,60 @@ impl Sim<'_> {
         }
     }
 
+    /// Request `i` arrives: it is routed, or waits in the router's queue.
     fn arrive(&mut self, i: usize) {
+        let now = self.now();
+        let r = &self.trace.requests[i];
+        let out = &mut self.out[i];
+        out.arrival_us = now;
+        out.tenant = r.tenant.clone();
+        if let Some(threshold) = self.cfg.queue_threshold {
+            // An adapter's request names the adapter.
+            let model = r.lora.as_deref().unwrap_or(&r.model);
+            let busy = self.waiting.get(model).is_some_and(|q| !q.is_empty());
+            if busy || !self.kernel.fleet().has_room(model, threshold) {
+                let tenant: Arc<str> = Arc::from(r.tenant.as_deref().unwrap_or("anonymous"));
+                let weight = self
+                    .cfg
+                    .tenant_weights
+                    .iter()
+                    .find(|(t, _)| **t == *tenant)
+                    .map_or(1, |(_, w)| *w);
+                let queue = self
+                    .waiting
+                    .entry(model.to_owned())
+                    .or_insert_with(|| FairQueue::new(QUANTUM));
+                queue.push(0, &tenant, weight, u64::from(r.input_length), i);
+                self.waiters += 1;
+                return;
+            }
+        }
+        self.route(i);
+    }
+
+    /// Routes the waiters of every model that has room again, in the queue's order.
+    fn pump(&mut self) {
+        let Some(threshold) = self.cfg.queue_threshold else {
+            return;
+        };
+        if self.waiters == 0 {
+            return;
+        }
+        let mut models: Vec<String> = self.waiting.keys().cloned().collect();
+        models.sort();
+        for model in models {
+            while self.kernel.fleet().has_room(&model, threshold) {
+                let Some(i) = self.waiting.get_mut(&model).and_then(FairQueue::pop) else {
+                    break;
+                };
+                self.waiters -= 1;
+                self.route(i);
+            }
+        }
+    }
+
+    /// Routes request `i` and submits it to its engine(s).
+    fn route(&mut self, i: usize) {
         let now = self.now();
         let r = &self.trace.requests[i];
         let blocks = complete_blocks(r);
@@ -358,7 +426,7 @@ impl Sim<'_> {
         let out = &mut self.out[i];
         out.index = i;
         out.request_id = r.request_id.clone();
-        out.arrival_us = now;
+        out.router_queue_us = now - out.arrival_us;
         out.blocks = r.block_hashes.len() as u32;
         out.input_tokens = r.input_length;
         out.output_tokens = r.output_length;

@@ -103,6 +103,7 @@ mod tests {
             lora: None,
             cache_salt: None,
             images: Vec::new(),
+            tenant: None,
         }
     }
 

@@ -25,6 +25,7 @@ fn conversations(sessions: u64, turns: u64, gap_us: u64) -> Trace {
                 lora: None,
                 cache_salt: None,
                 images: Vec::new(),
+                tenant: None,
             });
         }
     }
@@ -324,3 +325,5 @@ fn adapters_are_cached_apart_and_a_blind_router_predicts_what_engines_cannot_ser
     );
     assert!(shared > keyed, "{shared} {keyed}");
 }
+
+mod tenants;

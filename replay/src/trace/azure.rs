@@ -138,6 +138,7 @@ pub fn import(path: &Path, opts: &LoadOptions) -> Result<Trace, TraceError> {
             lora: None,
             cache_salt: None,
             images: Vec::new(),
+            tenant: None,
         });
     }
     if requests.is_empty() {

@@ -29,6 +29,7 @@ pub mod azure;
 mod error;
 pub mod mooncake;
 pub mod parquet;
+mod scale;
 pub mod schema;
 pub mod spread;
 pub mod summary;
@@ -80,6 +81,10 @@ pub struct TraceRequest {
     /// engines key them by.
     #[serde(default)]
     pub images: Vec<TraceImage>,
+    /// The tenant whose key the request was sent with (`infera server --api-keys`), if any:
+    /// the replay's router queue shares a saturated fleet between tenants.
+    #[serde(default)]
+    pub tenant: Option<String>,
 }
 
 /// One image of a request's prompt (see `infera_core::hashing::identity::MmRun`).
@@ -346,6 +351,7 @@ mod tests {
             lora: None,
             cache_salt: None,
             images: Vec::new(),
+            tenant: None,
         }
     }
 

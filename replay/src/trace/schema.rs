@@ -19,6 +19,7 @@
 //! | `lora` | `Utf8` | yes | the LoRA adapter the request named (then `model` is its base model) |
 //! | `cache_salt` | `Utf8` | yes | the request's `cache_salt` |
 //! | `images` | `List<Struct<offset: UInt32, length: UInt32, id: Utf8>>` | yes | the prompt's images: placeholder run and identifier |
+//! | `tenant` | `Utf8` | yes | the tenant whose API key sent the request |
 //!
 //! The engines key an adapter's, a salted request's or an image's blocks by the adapter, salt or
 //! image as well ([`TraceRequest::engine_blocks`]): the replay and the ideal hit rate count them
@@ -73,9 +74,10 @@ pub mod col {
     pub const LORA: &str = "lora";
     pub const CACHE_SALT: &str = "cache_salt";
     pub const IMAGES: &str = "images";
+    pub const TENANT: &str = "tenant";
 
     /// Every column, in schema order.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         ARRIVAL_US,
         REQUEST_ID,
         MODEL,
@@ -91,6 +93,7 @@ pub mod col {
         LORA,
         CACHE_SALT,
         IMAGES,
+        TENANT,
     ];
 }
 
@@ -147,6 +150,7 @@ pub fn trace_schema() -> SchemaRef {
         Field::new(col::LORA, Utf8, true),
         Field::new(col::CACHE_SALT, Utf8, true),
         Field::new(col::IMAGES, list_type(image_type()), true),
+        Field::new(col::TENANT, Utf8, true),
     ]))
 }
 
@@ -415,6 +419,9 @@ pub fn to_record_batch(rows: &[TraceRequest]) -> Result<RecordBatch, ArrowError>
             rows.iter().map(|r| r.cache_salt.as_deref()),
         )),
         Arc::new(images_array(rows)?),
+        Arc::new(StringArray::from_iter(
+            rows.iter().map(|r| r.tenant.as_deref()),
+        )),
     ];
     RecordBatch::try_new(trace_schema(), columns)
 }
@@ -436,7 +443,8 @@ fn accepts(column: &str, dt: &DataType) -> bool {
         | col::SESSION_ID
         | col::RETENTION
         | col::LORA
-        | col::CACHE_SALT => string,
+        | col::CACHE_SALT
+        | col::TENANT => string,
         col::INPUT_LENGTH | col::OUTPUT_LENGTH | col::BLOCK_SIZE | col::TTL_SECONDS => {
             *dt == DataType::UInt32
         }
@@ -566,6 +574,10 @@ pub fn from_record_batch(batch: &RecordBatch) -> Result<Vec<TraceRequest>, Colum
         Some(a) => strings(col::CACHE_SALT, a)?,
         None => vec![None; n],
     };
+    let tenant = match optional(col::TENANT) {
+        Some(a) => strings(col::TENANT, a)?,
+        None => vec![None; n],
+    };
     let mut images = match optional(col::IMAGES) {
         Some(a) => images_column(a)?,
         None => vec![Vec::new(); n],
@@ -608,6 +620,7 @@ pub fn from_record_batch(batch: &RecordBatch) -> Result<Vec<TraceRequest>, Colum
             lora: lora[row].map(str::to_owned),
             cache_salt: salt[row].map(str::to_owned),
             images: images.next().unwrap_or_default(),
+            tenant: tenant[row].map(str::to_owned),
         });
     }
     Ok(out)
@@ -641,6 +654,7 @@ mod tests {
                     id: format!("sha256-{i}{k}"),
                 })
                 .collect(),
+            tenant: (i % 5 == 2).then(|| format!("team-{}", i % 2)),
         }
     }
 

@@ -309,6 +309,7 @@ pub fn synthesize(cfg: &SynthConfig) -> Result<Trace, TraceError> {
                 lora: lora.clone(),
                 cache_salt: None,
                 images: images.clone(),
+                tenant: None,
             });
             let tool = rng.next_f64() < cfg.tool_call_fraction;
             let (input, pause_us) = if tool {

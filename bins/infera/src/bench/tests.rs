@@ -62,6 +62,7 @@ fn session_turns_leave_the_timeline_and_follow_their_predecessor() {
         lora: None,
         cache_salt: None,
         images: Vec::new(),
+        tenant: None,
     };
     let trace = vec![
         req(0, "a", None),
@@ -100,6 +101,7 @@ fn the_plan_follows_the_trace_timeline() {
         lora: None,
         cache_salt: None,
         images: Vec::new(),
+        tenant: None,
     };
     let trace: Vec<TraceRequest> = [5_000_000, 6_000_000, 9_000_000, 25_000_000]
         .into_iter()

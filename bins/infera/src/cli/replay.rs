@@ -58,6 +58,23 @@ pub struct ReplayArgs {
     /// `infera server` (Infera extension).
     #[arg(long, default_value_t = 600, value_name = "SECONDS")]
     pub router_session_ttl: u64,
+    /// The router's queue, as `infera server`: while every worker has this many prefill
+    /// budgets (--max-batched-tokens) of prompt tokens routed and not yet prefilled, requests
+    /// wait in the router and leave by weighted fair share between the trace's tenants
+    /// (`tenant` column); `off` never queues (Infera extension).
+    #[arg(long, default_value = "4", value_name = "BUDGETS", value_parser = super::server::queue_threshold)]
+    pub router_queue_threshold: super::server::QueueThreshold,
+    /// A tenant's weight in the router's queue, as its `weight` in `--api-keys`: NAME=WEIGHT,
+    /// repeatable; 1 for the others (Infera extension).
+    #[arg(long = "tenant-weight", value_name = "NAME=WEIGHT", value_parser = tenant_weight)]
+    pub tenant_weights: Vec<(String, u32)>,
+    /// Scale a tenant's traffic before the replay: NAME=FACTOR, repeatable. Above 1 each of its
+    /// requests gets copies spread until its next request, each copy a new prompt of the same
+    /// shape (sharing its prefixes with the other copies of its rank, not with the original),
+    /// its sessions new sessions; below 1 a deterministic share of its requests is kept
+    /// (Infera extension: "what does B's TTFT become if A doubles").
+    #[arg(long = "tenant-scale", value_name = "NAME=FACTOR", value_parser = tenant_scale)]
+    pub tenant_scales: Vec<(String, f64)>,
 
     /// Mixed (non-PD) workers in the simulated fleet.
     #[arg(long, default_value_t = 8)]
@@ -157,4 +174,28 @@ pub struct ReplayArgs {
     /// Pareto front.
     #[arg(long, value_name = "FILE.svg|FILE.png")]
     pub plot: Option<PathBuf>,
+}
+
+/// `--tenant-weight NAME=WEIGHT`.
+fn tenant_weight(text: &str) -> Result<(String, u32), String> {
+    let (name, weight) = text
+        .split_once('=')
+        .ok_or_else(|| format!("`{text}` is not NAME=WEIGHT"))?;
+    match weight.parse::<u32>() {
+        Ok(w) if w > 0 && !name.is_empty() => Ok((name.to_owned(), w)),
+        _ => Err(format!(
+            "`{text}`: the weight is a whole number of at least 1"
+        )),
+    }
+}
+
+/// `--tenant-scale NAME=FACTOR`.
+fn tenant_scale(text: &str) -> Result<(String, f64), String> {
+    let (name, factor) = text
+        .split_once('=')
+        .ok_or_else(|| format!("`{text}` is not NAME=FACTOR"))?;
+    match factor.parse::<f64>() {
+        Ok(f) if (0.0..=100.0).contains(&f) && !name.is_empty() => Ok((name.to_owned(), f)),
+        _ => Err(format!("`{text}`: the factor is a number from 0 to 100")),
+    }
 }

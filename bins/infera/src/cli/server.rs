@@ -464,7 +464,7 @@ fn python_truthy(value: &str) -> Result<bool, std::convert::Infallible> {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct QueueThreshold(pub Option<f64>);
 
-fn queue_threshold(text: &str) -> Result<QueueThreshold, String> {
+pub(crate) fn queue_threshold(text: &str) -> Result<QueueThreshold, String> {
     if text.eq_ignore_ascii_case("off") {
         return Ok(QueueThreshold(None));
     }
