@@ -348,15 +348,8 @@ fn tenants_trace(path: &Path) {
         output_length: 8,
         block_size: 16,
         block_hashes: (0..blocks).map(|b| (i + 1) * 1_000_000 + b).collect(),
-        token_ids: None,
-        session_id: None,
-        retention: None,
-        ttl_seconds: None,
-        think_time_us: None,
-        lora: None,
-        cache_salt: None,
-        images: Vec::new(),
         tenant: Some(tenant.to_owned()),
+        ..TraceRequest::default()
     };
     let mut requests: Vec<TraceRequest> = (0..300).map(|i| req(i, i * 2_000, "a", 128)).collect();
     requests.extend((0..30).map(|i| req(10_000 + i, 5_000 + i * 20_000, "b", 4)));

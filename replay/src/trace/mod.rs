@@ -46,7 +46,7 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// One request of a trace: when it arrived and what its prompt looked like to the KV cache.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TraceRequest {
     /// Microseconds since the start of the trace.
     pub arrival_us: u64,

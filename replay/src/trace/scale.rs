@@ -93,15 +93,9 @@ mod tests {
             block_size: 16,
             // A shared system block, then the request's own.
             block_hashes: vec![7, 100 + i, 200 + i, 300 + i],
-            token_ids: None,
             session_id: session,
-            retention: None,
-            ttl_seconds: None,
-            think_time_us: None,
-            lora: None,
-            cache_salt: None,
-            images: Vec::new(),
             tenant: Some(tenant.to_owned()),
+            ..TraceRequest::default()
         };
         let mut requests = Vec::new();
         for i in 0..200 {

@@ -16,15 +16,8 @@ fn flood() -> Trace {
             output_length: 8,
             block_size: 16,
             block_hashes: (0..blocks).map(|b| (i + 1) * 1_000_000 + b).collect(),
-            token_ids: None,
-            session_id: None,
-            retention: None,
-            ttl_seconds: None,
-            think_time_us: None,
-            lora: None,
-            cache_salt: None,
-            images: Vec::new(),
             tenant: Some(tenant.to_owned()),
+            ..TraceRequest::default()
         });
     };
     for i in 0..600 {
