@@ -75,6 +75,22 @@ async fn complete(front: &Front, key: &str, body: Vec<u8>) -> (u16, Duration, St
     (status, head, text)
 }
 
+/// Sends one Anthropic Messages request with `key` as the Anthropic SDK sends it (`x-api-key`);
+/// returns the status and the body.
+async fn messages(front: &Front, key: &str) -> (u16, String) {
+    let body = json!({"model": MODEL, "max_tokens": 1,
+        "messages": [{"role": "user", "content": "hi"}]});
+    let ex = request_with(
+        front.addr,
+        "POST",
+        "/v1/messages",
+        &[("x-api-key", key)],
+        body.to_string().into_bytes(),
+    )
+    .await;
+    body_of(ex).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_are_asked_for_checked_and_reloaded_and_limits_answer_429() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -98,17 +114,7 @@ async fn keys_are_asked_for_checked_and_reloaded_and_limits_answer_429() {
     assert_eq!(status, 401);
 
     // The Anthropic clients send x-api-key.
-    let messages = json!({"model": MODEL, "max_tokens": 1,
-        "messages": [{"role": "user", "content": "hi"}]});
-    let ex = request_with(
-        front.addr,
-        "POST",
-        "/v1/messages",
-        &[("x-api-key", NOISY_KEY)],
-        messages.to_string().into_bytes(),
-    )
-    .await;
-    let (status, text) = body_of(ex).await;
+    let (status, text) = messages(&front, NOISY_KEY).await;
     assert_eq!(status, 200, "{text}");
 
     // The quiet tenant may send two a minute: the third is refused, with the headers.
@@ -157,15 +163,7 @@ async fn keys_are_asked_for_checked_and_reloaded_and_limits_answer_429() {
         Some("1m0s")
     );
     // The Anthropic endpoint answers in its own shape.
-    let ex = request_with(
-        front.addr,
-        "POST",
-        "/v1/messages",
-        &[("x-api-key", QUIET_KEY)],
-        messages.to_string().into_bytes(),
-    )
-    .await;
-    let (status, text) = body_of(ex).await;
+    let (status, text) = messages(&front, QUIET_KEY).await;
     assert_eq!(status, 429);
     assert!(text.contains("rate_limit_error"), "{text}");
     let metrics = common::get(front.addr, "/metrics").await.1;

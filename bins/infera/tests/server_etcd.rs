@@ -11,7 +11,7 @@ mod common;
 
 use common::{
     DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, http_with_headers,
-    metric, mock_worker, open_stream, register_in_etcd, server, stored, tokenizer_dir,
+    metric, mock_worker, open_stream, register_in_etcd, replicas, server, stored, tokenizer_dir,
 };
 
 use infera_backends::testing::{EtcdServer, sample_record};
@@ -412,27 +412,11 @@ async fn a_restarted_server_gets_the_kv_index_back_from_its_sqlite_event_log() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_sharing_a_jetstream_event_log_see_each_others_requests() {
-    let etcd = EtcdServer::start().await.expect("etcd starts");
-    let nats = infera_backends::testing::NatsServer::start()
-        .await
-        .expect("nats-server starts");
     let tok = tokenizer_dir();
     let tok = tok.as_str();
-    let log = format!("{}?stream=REPLICAS&max_bytes=64MiB", nats.url());
     // Real-time decoding: a long completion stays in flight while the test looks.
-    let ports = [free_mock_port(), free_mock_port()];
-    let _workers: Vec<Proc> = ports
-        .iter()
-        .map(|p| mock_worker(tok, &etcd.endpoint(), *p, &["--speedup", "1"]))
-        .collect();
-    let (a, b) = (free_port(), free_port());
-    let _a = server(tok, &etcd.endpoint(), a, &["--event-log", &log]);
-    let _b = server(tok, &etcd.endpoint(), b, &["--event-log", &log]);
-    for port in [a, b] {
-        eventually("both workers to be discovered", || {
-            get_json(port, "/health").is_some_and(|h| h["active_workers"] == 2)
-        });
-    }
+    let fleet = replicas(tok, "REPLICAS", 2, &["--speedup", "1"], &[]).await;
+    let [a, b] = fleet.ports;
     // In-flight requests per worker, as the server at `port` counts them.
     let inflight = |port: u16| -> Vec<u64> {
         let mut v: Vec<u64> = get_json(port, "/v1/workers")
@@ -485,10 +469,6 @@ async fn replicas_sharing_a_jetstream_event_log_see_each_others_requests() {
 /// once, not twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_sharing_an_event_log_hold_a_tenants_limit_together() {
-    let etcd = EtcdServer::start().await.expect("etcd starts");
-    let nats = infera_backends::testing::NatsServer::start()
-        .await
-        .expect("nats-server starts");
     let tok = tokenizer_dir();
     let tok = tok.as_str();
     let dir = tempfile::tempdir().unwrap();
@@ -498,18 +478,15 @@ async fn replicas_sharing_an_event_log_hold_a_tenants_limit_together() {
         "limits": {"requests_per_minute": LIMIT}}]});
     std::fs::write(&keys, file.to_string()).unwrap();
     let keys = keys.to_str().unwrap();
-    let log = format!("{}?stream=LIMITS&max_bytes=64MiB", nats.url());
-    let worker_port = free_mock_port();
-    let _worker = mock_worker(tok, &etcd.endpoint(), worker_port, &["--speedup", "1000"]);
-    let (a, b) = (free_port(), free_port());
-    let flags = ["--event-log", log.as_str(), "--api-keys", keys];
-    let _a = server(tok, &etcd.endpoint(), a, &flags);
-    let _b = server(tok, &etcd.endpoint(), b, &flags);
-    for port in [a, b] {
-        eventually("the worker to be discovered", || {
-            get_json(port, "/health").is_some_and(|h| h["active_workers"] == 1)
-        });
-    }
+    let fleet = replicas(
+        tok,
+        "LIMITS",
+        1,
+        &["--speedup", "1000"],
+        &["--api-keys", keys],
+    )
+    .await;
+    let [a, b] = fleet.ports;
     let started = std::time::Instant::now();
     let mut passed = 0u64;
     for i in 0..2 * LIMIT {

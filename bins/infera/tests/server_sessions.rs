@@ -7,11 +7,7 @@
 
 mod common;
 
-use common::{
-    Proc, eventually, free_mock_port, free_port, get_json, http_with_headers, metric, mock_worker,
-    server, tokenizer_dir,
-};
-use infera_backends::testing::EtcdServer;
+use common::{eventually, get_json, http_with_headers, metric, replicas, tokenizer_dir};
 use serde_json::json;
 
 /// A conversation named by `x-session-id` keeps to its worker whichever replica routes it, at
@@ -19,28 +15,10 @@ use serde_json::json;
 /// only the session's pin, shared through the log, breaks the tie.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_keeps_to_its_worker_across_replicas() {
-    let etcd = EtcdServer::start().await.expect("etcd starts");
-    let nats = infera_backends::testing::NatsServer::start()
-        .await
-        .expect("nats-server starts");
     let tok = tokenizer_dir();
     let tok = tok.as_str();
-    let log = format!("{}?stream=SESSIONS&max_bytes=64MiB", nats.url());
-    let workers = [free_mock_port(), free_mock_port()];
-    let _workers: Vec<Proc> = workers
-        .iter()
-        .map(|p| mock_worker(tok, &etcd.endpoint(), *p, &["--speedup", "1000"]))
-        .collect();
-    let replicas = [free_port(), free_port()];
-    let _servers: Vec<Proc> = replicas
-        .iter()
-        .map(|p| server(tok, &etcd.endpoint(), *p, &["--event-log", &log]))
-        .collect();
-    for port in replicas {
-        eventually("both workers to be discovered", || {
-            get_json(port, "/health").is_some_and(|h| h["active_workers"] == 2)
-        });
-    }
+    let fleet = replicas(tok, "SESSIONS", 2, &["--speedup", "1000"], &[]).await;
+    let (workers, replicas) = (&fleet.workers, fleet.ports);
     // Requests in flight, over the workers, as the replica at `port` counts them.
     let inflight = |port: u16| -> u64 {
         get_json(port, "/v1/workers").map_or(u64::MAX, |w| {

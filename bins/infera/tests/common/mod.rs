@@ -183,6 +183,62 @@ pub fn server(tok: &str, etcd: &str, port: u16, extra: &[&str]) -> Proc {
     )
 }
 
+/// Two `infera server` replicas sharing a JetStream event log, in front of mock workers, all
+/// discovered through one etcd; everything stops when this is dropped.
+pub struct Replicas {
+    pub etcd: infera_backends::testing::EtcdServer,
+    pub nats: infera_backends::testing::NatsServer,
+    /// The mock workers' ports.
+    pub workers: Vec<u16>,
+    /// The servers' ports.
+    pub ports: [u16; 2],
+    _procs: Vec<Proc>,
+}
+
+/// Starts etcd, nats-server, `workers` mock workers with `worker_flags`, and two servers whose
+/// event log is JetStream stream `stream`, with `server_flags`; returns once both servers see
+/// every worker.
+pub async fn replicas(
+    tok: &str,
+    stream: &str,
+    workers: usize,
+    worker_flags: &[&str],
+    server_flags: &[&str],
+) -> Replicas {
+    let etcd = infera_backends::testing::EtcdServer::start()
+        .await
+        .expect("etcd starts");
+    let nats = infera_backends::testing::NatsServer::start()
+        .await
+        .expect("nats-server starts");
+    let log = format!("{}?stream={stream}&max_bytes=64MiB", nats.url());
+    let worker_ports: Vec<u16> = (0..workers).map(|_| free_mock_port()).collect();
+    let mut procs: Vec<Proc> = worker_ports
+        .iter()
+        .map(|p| mock_worker(tok, &etcd.endpoint(), *p, worker_flags))
+        .collect();
+    let ports = [free_port(), free_port()];
+    let mut flags = vec!["--event-log", log.as_str()];
+    flags.extend_from_slice(server_flags);
+    procs.extend(
+        ports
+            .iter()
+            .map(|p| server(tok, &etcd.endpoint(), *p, &flags)),
+    );
+    for port in ports {
+        eventually("every worker to be discovered", || {
+            get_json(port, "/health").is_some_and(|h| h["active_workers"] == workers)
+        });
+    }
+    Replicas {
+        etcd,
+        nats,
+        workers: worker_ports,
+        ports,
+        _procs: procs,
+    }
+}
+
 /// A vLLM-shaped batch storing `blocks` blocks with engine hashes `first..first + blocks`.
 pub fn stored(first: u64, blocks: u64) -> EngineBatch {
     EngineBatch {
