@@ -25,6 +25,7 @@ use infera_core::hashing::{KvIdentity, hash_blocks, hash_prompt_blocks, syntheti
 use infera_core::ids::{BlockHash, EngineHash, RequestId, SessionKey, WorkerId, WorkerRank};
 use infera_core::policy::{RouteRequest, Router, RouterConfig};
 use infera_core::projection::Projection;
+use infera_core::service::outlier::Outliers;
 use infera_core::service::{FirstByte, Prefill};
 use std::hint::black_box;
 use std::time::Duration;
@@ -243,5 +244,32 @@ fn first_byte(c: &mut Criterion) {
     });
 }
 
-criterion_group!(routing, benches, parts, first_byte);
+/// What outlier detection adds to a request: its outcome and its time to first byte kept on
+/// its worker, on a fleet of 64 workers whose rings are full; and the check every decision
+/// makes when no worker is ejected.
+fn outliers(c: &mut Criterion) {
+    let o = Outliers::default();
+    let workers: Vec<WorkerId> = (0..WORKERS)
+        .map(|w| WorkerId::new(format!("w{w}:1")))
+        .collect();
+    for (t, w) in workers.iter().enumerate() {
+        for _ in 0..20 {
+            o.outcome(w, false, t as u64);
+            o.first_byte(w, 4_096, Duration::from_millis(300), t as u64);
+        }
+    }
+    let mut i = 0usize;
+    c.bench_function("decision/outlier_samples_and_check", |b| {
+        b.iter(|| {
+            let w = &workers[i % workers.len()];
+            i += 1;
+            let out = o.ejected();
+            o.outcome(black_box(w), false, i as u64);
+            o.first_byte(w, 2_048, Duration::from_millis(150), i as u64);
+            black_box(out)
+        })
+    });
+}
+
+criterion_group!(routing, benches, parts, first_byte, outliers);
 criterion_main!(routing);

@@ -479,6 +479,7 @@ async fn health(State(st): State<ServerState>) -> Response {
 }
 
 async fn workers(State(st): State<ServerState>) -> Response {
+    let (health_out, outliers) = st.service().ejected_workers();
     let data: Vec<Value> = st.service().with_fleet(|f| {
         f.workers()
             .map(|w| {
@@ -500,6 +501,8 @@ async fn workers(State(st): State<ServerState>) -> Response {
                     "draining": draining.is_some(),
                     "drain_reason": draining,
                     "breaker": st.service().breaker_state(&w.worker_id).as_str(),
+                    "health_out": health_out.contains(&w.worker_id),
+                    "outlier_ejected": outliers.contains(&w.worker_id),
                     "load": ranks,
                 })
             })

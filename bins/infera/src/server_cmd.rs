@@ -236,9 +236,10 @@ async fn serve_all(
         healthy_threshold: edge.health_check_healthy_threshold,
         max_ejection_percent: edge.max_ejection_percent,
     });
+    state.service().set_outliers(edge.outliers.config());
     let health = {
         let service = state.service().clone();
-        tokio::spawn(async move { service.run_health_checks().await })
+        tokio::spawn(async move { service.run_ejection().await })
     };
     state.service().set_queue(QueueConfig {
         threshold: config.router.queue_threshold,

@@ -281,10 +281,11 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
         tracing::info!(addr = %server_addr, workers = workers.len(), "infera up: fleet serving");
     }
 
-    // The server's active health checks, at their defaults (see `infera server`).
+    // The server's active health checks and outlier ejection, at their defaults (see `infera
+    // server`).
     let health = {
         let service = state.service().clone();
-        tokio::spawn(async move { service.run_health_checks().await })
+        tokio::spawn(async move { service.run_ejection().await })
     };
     let served = match started {
         Ok(()) => serve(listener, state, async move {

@@ -122,3 +122,94 @@ async fn a_wedged_engine_leaves_routing_and_its_requests_fail_over_at_the_defaul
     assert!(started.elapsed() < Duration::from_secs(5));
     eprintln!("out of routing {out_after:?} after the fault");
 }
+
+/// The picks of the worker whose URL ends in `:port`, from `/metrics`.
+fn picks_of(port: u16, worker_port: u16) -> u64 {
+    let (_, text) = http(port, "GET", "/metrics", "").unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("infera_router_picks_total{"))
+        .filter(|l| l.contains(&format!(":{worker_port}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// A worker that answers its health checks but serves at a hundredth of its peers' speed is
+/// ejected at the defaults, its peers are not, and no request is lost on the way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_far_slower_than_its_peers_is_ejected_at_the_defaults() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let tok = tokenizer_dir();
+    let (fast, slow) = ([free_mock_port(), free_mock_port()], free_mock_port());
+    let _workers: Vec<_> = fast
+        .iter()
+        .map(|p| (*p, "10"))
+        .chain([(slow, "0.1")])
+        .map(|(p, speedup)| mock_worker(&tok, &etcd.endpoint(), p, &["--speedup", speedup]))
+        .collect();
+    let port = free_port();
+    let _server = server(&tok, &etcd.endpoint(), port, &[]);
+    eventually("three workers to be routed", || {
+        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 3)
+    });
+
+    // Four closed-loop clients until the slow worker is ejected.
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let clients: Vec<_> = (0..4)
+        .map(|c| {
+            let (tok, stop) = (tok.clone(), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut statuses = Vec::new();
+                for i in 0.. {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let body = json!({"model": tok, "prompt": format!("client {c} asks {i}"),
+                        "max_tokens": 2})
+                    .to_string();
+                    statuses.push(http(port, "POST", "/v1/completions", &body).map(|r| r.0));
+                }
+                statuses
+            })
+        })
+        .collect();
+    eventually("the slow worker to be ejected", || {
+        metric(port, "infera_outlier_ejections_total{reason=\"ttft\"").is_some_and(|n| n > 0)
+    });
+    let ejected_after = started.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    for client in clients {
+        let statuses = client.join().unwrap();
+        assert!(
+            statuses.iter().all(|s| *s == Some(200)),
+            "every request answered: {statuses:?}"
+        );
+    }
+    let workers = get_json(port, "/v1/workers").unwrap();
+    let ejected: Vec<&str> = workers["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["outlier_ejected"] == true)
+        .map(|w| w["record"]["url"].as_str().unwrap())
+        .collect();
+    assert_eq!(ejected.len(), 1, "{workers}");
+    assert!(ejected[0].ends_with(&format!(":{slow}")), "{ejected:?}");
+    assert_eq!(metric(port, "infera_outlier_ejected_workers"), Some(1));
+    // The first evaluation that has the samples ejects it: within two intervals of 10 s.
+    assert!(
+        ejected_after < Duration::from_secs(25),
+        "ejected {ejected_after:?} after the traffic started"
+    );
+
+    // Out of routing: every next request goes to a fast worker.
+    let before = picks_of(port, slow);
+    for i in 0..20 {
+        let body = json!({"model": tok, "prompt": format!("after {i}"), "max_tokens": 2});
+        let (status, _) = http(port, "POST", "/v1/completions", &body.to_string()).unwrap();
+        assert_eq!(status, 200);
+    }
+    assert_eq!(picks_of(port, slow), before);
+    assert!(fast.iter().map(|p| picks_of(port, *p)).sum::<u64>() >= 20);
+    eprintln!("slow worker ejected {ejected_after:?} after the traffic started");
+}

@@ -69,6 +69,12 @@ fn help_lists_the_deadlines_and_breaker_flags_with_their_defaults() {
         ("--health-check-unhealthy-threshold", "[default: 3]"),
         ("--health-check-healthy-threshold", "[default: 2]"),
         ("--max-ejection-percent", "[default: 50]"),
+        ("--outlier-interval", "[default: 10s]"),
+        ("--outlier-min-requests", "[default: 10]"),
+        ("--outlier-ttft-factor", "[default: 5]"),
+        ("--outlier-error-margin", "[default: 50]"),
+        ("--outlier-base-ejection-time", "[default: 30s]"),
+        ("--outlier-max-ejection-time", "[default: 300s]"),
     ] {
         let at = help
             .find(&format!("{flag} <"))
@@ -101,6 +107,14 @@ fn defaults_and_values_resolve_into_the_configuration() {
             "health_check_unhealthy_threshold": 3,
             "health_check_healthy_threshold": 2,
             "max_ejection_percent": 50,
+            "outliers": {
+                "interval": "10s",
+                "min_requests": 10,
+                "ttft_factor": 5.0,
+                "error_margin_percent": 50,
+                "base_ejection_time": "30s",
+                "max_ejection_time": "5m",
+            },
         })
     );
     // The Python launcher passes floats; 0 turns a deadline off, and the breaker.
@@ -127,6 +141,12 @@ fn defaults_and_values_resolve_into_the_configuration() {
         "0",
         "--max-ejection-percent",
         "100",
+        "--outlier-ttft-factor",
+        "0",
+        "--outlier-error-margin",
+        "20",
+        "--outlier-base-ejection-time",
+        "1m",
     ]);
     assert_eq!(config["connect_timeout"], Value::Null);
     assert_eq!(config["first_byte_timeout"], json!({"fixed": "2m"}));
@@ -139,6 +159,9 @@ fn defaults_and_values_resolve_into_the_configuration() {
     assert_eq!(config["health_check_interval"], "500ms");
     assert_eq!(config["health_check_unhealthy_threshold"], 0);
     assert_eq!(config["max_ejection_percent"], 100);
+    assert_eq!(config["outliers"]["ttft_factor"], 0.0);
+    assert_eq!(config["outliers"]["error_margin_percent"], 20);
+    assert_eq!(config["outliers"]["base_ejection_time"], "1m");
     let off = edge_config(&["--http-req-first-byte-timeout", "0"]);
     assert_eq!(off["first_byte_timeout"], "off");
 }
@@ -173,6 +196,19 @@ fn bad_values_fail_on_one_line_naming_the_flag() {
             &["--health-check-timeout", "0"][..],
             "--health-check-timeout",
         ),
+        (
+            &["--outlier-max-ejection-time", "10s"][..],
+            "--outlier-max-ejection-time",
+        ),
+        (
+            &["--outlier-ttft-factor", "-1"][..],
+            "--outlier-ttft-factor",
+        ),
+        (
+            &["--outlier-min-requests", "21"][..],
+            "--outlier-min-requests",
+        ),
+        (&["--outlier-interval", "0"][..], "--outlier-interval"),
     ] {
         let output = server(args);
         let message = String::from_utf8_lossy(&output.stderr);

@@ -5,6 +5,7 @@
 //! ([`usage_of`]). `RequestPrefilled` never follows `RequestFinished`.
 
 use super::Service;
+use super::deadline::Prefill;
 use super::metrics::SlaSample;
 use crate::event::{Event, RequestFinished, RequestPrefilled, RequestStatus};
 use crate::ids::RequestId;
@@ -36,7 +37,7 @@ pub struct Attempt {
     model: String,
     /// A single worker's attempt: the worker and the prompt tokens it prefills, a sample of its
     /// prefill rate at the first byte (see `deadline`).
-    prefill_sample: Option<(crate::ids::WorkerId, u32)>,
+    prefill_sample: Option<(crate::ids::WorkerId, Prefill)>,
     /// Whose request it is: the tenant's metrics and its generated-token limit.
     share: Option<super::Share>,
 }
@@ -177,10 +178,11 @@ impl Attempt {
         }
     }
 
-    /// Marks the attempt as `worker` prefilling `uncached_tokens`: its first byte teaches the
-    /// service the worker's prefill rate.
-    pub(crate) fn prefilling(&mut self, worker: crate::ids::WorkerId, uncached_tokens: u32) {
-        self.prefill_sample = Some((worker, uncached_tokens));
+    /// Marks the attempt as `worker` doing `work` before its first byte, which teaches the
+    /// service the worker's prefill rate and is a sample of its time to first byte (see
+    /// `outlier`).
+    pub(crate) fn prefilling(&mut self, worker: crate::ids::WorkerId, work: Prefill) {
+        self.prefill_sample = Some((worker, work));
     }
 
     /// The client's first byte: the TTFT; for one leg, the prompt is processed too.
@@ -189,8 +191,15 @@ impl Attempt {
             return;
         }
         let elapsed = self.started.elapsed();
-        if let Some((worker, tokens)) = self.prefill_sample.take() {
-            self.st.inner.first_byte.observe(&worker, tokens, elapsed);
+        if let Some((worker, work)) = self.prefill_sample.take() {
+            let inner = &self.st.inner;
+            inner
+                .first_byte
+                .observe(&worker, work.uncached_tokens, elapsed);
+            let tokens = u64::from(work.uncached_tokens).saturating_add(work.queued_tokens);
+            inner
+                .outliers
+                .first_byte(&worker, tokens, elapsed, inner.clock.now_us());
         }
         self.ttft_us = Some(elapsed.as_micros() as u64);
         self.st

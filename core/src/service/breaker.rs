@@ -288,8 +288,7 @@ pub(crate) fn answer_outcome(status: StatusCode) -> Outcome {
 /// one (the client went away first).
 #[derive(Debug)]
 pub(crate) struct Judge<'a> {
-    breaker: &'a Breaker,
-    metrics: &'a Metrics,
+    st: &'a super::Service,
     /// The attempt's workers (both legs of a PD pair); none under `--router-mode direct`.
     workers: Vec<WorkerId>,
     done: bool,
@@ -301,24 +300,31 @@ impl<'a> Judge<'a> {
             st.inner.breaker.picked(w);
         }
         Self {
-            breaker: &st.inner.breaker,
-            metrics: &st.inner.metrics,
+            st,
             workers,
             done: false,
         }
     }
 
-    /// Records `outcome` for the worker of `rank`; the attempt's other worker (a PD pair's)
-    /// gets a success when this is one, else only its probe slot back.
+    /// Records `outcome` for the worker of `rank`, with the breaker and as an outlier sample;
+    /// the attempt's other worker (a PD pair's) gets a success when this is one, else only its
+    /// probe slot back.
     pub(crate) fn record(mut self, rank: &WorkerRank, outcome: Outcome) {
         self.done = true;
+        let inner = &self.st.inner;
+        let now = (!self.workers.is_empty()).then(|| inner.clock.now_us());
         for w in &self.workers {
             let o = if *w == rank.worker || outcome == Outcome::Success {
                 outcome
             } else {
                 Outcome::Neutral
             };
-            self.breaker.record(w, o, self.metrics);
+            inner.breaker.record(w, o, &inner.metrics);
+            if let Some(now) = now
+                && o != Outcome::Neutral
+            {
+                inner.outliers.outcome(w, o == Outcome::Failure, now);
+            }
         }
     }
 
@@ -330,7 +336,8 @@ impl Drop for Judge<'_> {
     fn drop(&mut self) {
         if !self.done {
             for w in &self.workers {
-                self.breaker.record(w, Outcome::Neutral, self.metrics);
+                let inner = &self.st.inner;
+                inner.breaker.record(w, Outcome::Neutral, &inner.metrics);
             }
         }
     }

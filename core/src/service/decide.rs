@@ -1,6 +1,7 @@
 //! The decision of one attempt: the router's pick among the workers whose circuit breaker is
-//! not open and who pass their health checks, committed as `RequestRouted` (both legs of a prefill/decode pair, each with its
-//! role, so both count as load), and the [`Route`] the dispatcher drives.
+//! not open, who pass their health checks and are not ejected as outliers, committed as
+//! `RequestRouted` (both legs of a prefill/decode pair, each with its role, so both count as
+//! load), and the [`Route`] the dispatcher drives.
 
 use super::Service;
 use super::attempt::Attempt;
@@ -78,7 +79,8 @@ pub(super) fn decide(
             .inner
             .breaker
             .blocked(|w| fleet.worker(w).is_some(), metrics);
-        let out = st.inner.health.out();
+        let mut out = st.inner.health.out();
+        out.extend(st.inner.outliers.ejected());
         if !(open.is_empty() && out.is_empty()) {
             let percent = st.inner.health.config().max_ejection_percent;
             let (blocked, released) = capped(fleet, &req.model, out, open, percent);
@@ -203,9 +205,9 @@ fn session_outcome(
     }
 }
 
-/// The ejected workers (out of routing by their health checks, `out`, or by an open breaker,
-/// `open`) to exclude for a request of `model`: of the model's own, at most `percent` of its
-/// workers (at least one), the health checks' first; how many were released past the cap.
+/// The ejected workers (out of routing by their health checks or as outliers, `out`, or by an
+/// open breaker, `open`) to exclude for a request of `model`: of the model's own, at most
+/// `percent` of its workers (at least one), `out` first; how many were released past the cap.
 pub(super) fn capped(
     fleet: &crate::fleet::FleetState,
     model: &str,
@@ -214,8 +216,8 @@ pub(super) fn capped(
     percent: u32,
 ) -> (Vec<crate::ids::WorkerId>, usize) {
     let serves = |w: &crate::ids::WorkerId| fleet.worker(w).is_some_and(|r| r.serves(model));
-    let mut ejected = out;
-    for w in open {
+    let mut ejected = Vec::with_capacity(out.len() + open.len());
+    for w in out.into_iter().chain(open) {
         if !ejected.contains(&w) {
             ejected.push(w);
         }

@@ -149,7 +149,7 @@ async fn forward(
                 };
                 let sent = asked_ids.clone().unwrap_or_else(|| body.clone());
                 let deadline = st.inner.first_byte.deadline(&rank.worker, prefill);
-                guard.prefilling(rank.worker.clone(), prefill.uncached_tokens);
+                guard.prefilling(rank.worker.clone(), prefill);
                 let outbound =
                     Outbound::new(rank.worker.clone(), url, path, sent, stream, &base_id)
                         .with_dp_rank(dp_rank)

@@ -276,9 +276,14 @@ impl Service {
         }
     }
 
+    /// Runs the health checks and outlier detection (see [`super::outlier`]) until dropped.
+    pub async fn run_ejection(&self) {
+        tokio::join!(self.run_health_checks(), self.run_outlier_detection());
+    }
+
     /// Probes the fleet every [`HealthConfig::interval`] until dropped (a probe round that
     /// overruns delays the next one; none overlap). Returns at once when the checks are off.
-    pub async fn run_health_checks(&self) {
+    async fn run_health_checks(&self) {
         let config = self.inner.health.config();
         if config.unhealthy_threshold == 0 {
             return;

@@ -17,9 +17,10 @@
 //! to the transport. A connection failure, a 429 admission reject, a timeout or a 5xx before
 //! the first response byte finishes that attempt (`RequestFinished` with `worker_error`) and
 //! re-decides with the failed rank excluded (and every worker whose circuit breaker is open,
-//! see [`breaker`], or that failed its health checks, see [`health`]), up to `request_max_retries` more times; each attempt has its own request
-//! id (`<key>.<n>`, `n` unique to the service) so the fleet's in-flight accounting never mixes
-//! attempts, nor requests that share a client id. `RequestPrefilled` is appended at the first
+//! see [`breaker`], that failed its health checks, see [`health`], or that serves far worse
+//! than its peers, see [`outlier`]), up to `request_max_retries` more times; each attempt has
+//! its own request id (`<key>.<n>`, `n` unique to the service) so the fleet's in-flight
+//! accounting never mixes attempts, nor requests that share a client id. `RequestPrefilled` is appended at the first
 //! response byte (for a prefill/decode pair: when the prefill leg's answer has arrived) and
 //! `RequestFinished` at the end (or when the client goes away: `cancelled`), never
 //! `RequestPrefilled` after it ([`Attempt`]). A worker registered with `dp_size > 1` fronts
@@ -40,6 +41,7 @@ mod dispatch;
 pub mod health;
 pub mod metrics;
 mod migrate;
+pub mod outlier;
 mod pd;
 mod prepare;
 mod reply;
@@ -54,6 +56,7 @@ pub use deadline::{FirstByte, FirstByteConfig, Prefill};
 pub use decide::Route;
 pub use health::HealthConfig;
 pub use metrics::Metrics;
+pub use outlier::OutlierConfig;
 pub use pd::{Leg, Pair};
 pub use prepare::{Prepared, RequestKeys};
 pub use reply::{Reply, ReplyBody, RequestError};
@@ -138,6 +141,7 @@ pub(crate) struct Inner {
     pub(crate) breaker: breaker::Breaker,
     pub(crate) health: health::Health,
     pub(crate) first_byte: deadline::FirstByte,
+    pub(crate) outliers: outlier::Outliers,
     pub(crate) migration_limit: AtomicU32,
     pub(crate) admission: admission::Admission,
 }
@@ -179,6 +183,7 @@ impl Service {
                 breaker: breaker::Breaker::default(),
                 health: health::Health::default(),
                 first_byte: deadline::FirstByte::default(),
+                outliers: outlier::Outliers::default(),
                 migration_limit: AtomicU32::new(0),
                 admission: admission::Admission::default(),
             }),

@@ -262,11 +262,43 @@ pub struct ServerArgs {
     #[arg(long, env = "INFERA_HEALTH_CHECK_HEALTHY_THRESHOLD", default_value_t = 2, value_name = "N", help_heading = ROUTING)]
     pub health_check_healthy_threshold: u32,
 
-    /// The most of a model's workers kept out of routing at once, by health checks and circuit
-    /// breakers together, in percent (at least one worker): past it the workers ejected last
+    /// The most of a model's workers kept out of routing at once, by health checks, outlier
+    /// ejection and circuit breakers together, in percent (at least one worker): past it the workers ejected last
     /// are routed again, so a fleet-wide slowdown never ejects every worker.
     #[arg(long, env = "INFERA_MAX_EJECTION_PERCENT", default_value_t = 50, value_name = "PERCENT", value_parser = clap::value_parser!(u32).range(0..=100), help_heading = ROUTING)]
     pub max_ejection_percent: u32,
+
+    /// Outlier ejection: how often each worker is compared with its peers (same model and
+    /// role) by its time to first byte per unit of work and its failure rate, over its last 20
+    /// requests of the last three intervals. An outlier leaves routing; the requests it holds
+    /// go on.
+    #[arg(long, env = "INFERA_OUTLIER_INTERVAL", default_value = "10s", value_name = "DURATION", help_heading = ROUTING)]
+    pub outlier_interval: HumanDuration,
+
+    /// Requests a worker, and each peer it is compared with, needs within the window to be
+    /// judged.
+    #[arg(long, env = "INFERA_OUTLIER_MIN_REQUESTS", default_value_t = 10, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=20), help_heading = ROUTING)]
+    pub outlier_min_requests: u32,
+
+    /// A worker whose median time to first byte per unit of work (its uncached and queued
+    /// prompt tokens plus 1,024) is more than FACTOR times its peers' median is an outlier.
+    /// 0 turns the rule off.
+    #[arg(long, env = "INFERA_OUTLIER_TTFT_FACTOR", default_value_t = 5.0, value_name = "FACTOR", allow_negative_numbers = true, help_heading = ROUTING)]
+    pub outlier_ttft_factor: f64,
+
+    /// A worker whose failure rate (connection errors, timeouts and 5xx before the first byte)
+    /// is at least PERCENT points above its peers' median is an outlier. 0 turns the rule off.
+    #[arg(long, env = "INFERA_OUTLIER_ERROR_MARGIN", default_value_t = 50, value_name = "PERCENT", value_parser = clap::value_parser!(u32).range(0..=100), help_heading = ROUTING)]
+    pub outlier_error_margin: u32,
+
+    /// How long an outlier's first ejection lasts; the n-th lasts n times as long, and each
+    /// interval in routing without one takes one off n.
+    #[arg(long, env = "INFERA_OUTLIER_BASE_EJECTION_TIME", default_value = "30s", value_name = "DURATION", help_heading = ROUTING)]
+    pub outlier_base_ejection_time: HumanDuration,
+
+    /// The longest ejection.
+    #[arg(long, env = "INFERA_OUTLIER_MAX_EJECTION_TIME", default_value = "300s", value_name = "DURATION", help_heading = ROUTING)]
+    pub outlier_max_ejection_time: HumanDuration,
 
     /// Continue a stream whose worker fails mid-stream on another worker (the text so far is
     /// carried in the prompt, the token budget reduced), at most N times per request and never

@@ -19,6 +19,7 @@ use crate::wiring::{
     Backend, EventLogConfig, InvalidEventLogSpec, JetStreamLogConfig, SqliteLogConfig,
 };
 use infera_core::policy::{AffinityMode, PolicyKind};
+use infera_core::service::OutlierConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -244,6 +245,64 @@ pub struct WorkerEdgeConfig {
     pub health_check_healthy_threshold: u32,
     /// The most of a model's workers out of routing at once, in percent.
     pub max_ejection_percent: u32,
+    /// How outliers are found and ejected.
+    pub outliers: OutlierSettings,
+}
+
+/// `--outlier-*`, validated.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutlierSettings {
+    /// Between two evaluations.
+    pub interval: HumanDuration,
+    /// Requests a worker and its peers need to be judged.
+    pub min_requests: u32,
+    /// Times the peers' median time per unit of work; 0 is off.
+    pub ttft_factor: f64,
+    /// Points above the peers' failure rate; 0 is off.
+    pub error_margin_percent: u32,
+    /// The first ejection.
+    pub base_ejection_time: HumanDuration,
+    /// The longest.
+    pub max_ejection_time: HumanDuration,
+}
+
+impl OutlierSettings {
+    fn from_args(args: &ServerArgs) -> Result<Self, ConfigError> {
+        let base = not_zero(
+            "--outlier-base-ejection-time",
+            args.outlier_base_ejection_time,
+        )?;
+        let max = not_zero(
+            "--outlier-max-ejection-time",
+            args.outlier_max_ejection_time,
+        )?;
+        if max.0 < base.0 {
+            return Err(ConfigError::new(
+                "--outlier-max-ejection-time",
+                format!("must be at least --outlier-base-ejection-time ({base}), got {max}"),
+            ));
+        }
+        Ok(Self {
+            interval: not_zero("--outlier-interval", args.outlier_interval)?,
+            min_requests: args.outlier_min_requests,
+            ttft_factor: non_negative_f64("--outlier-ttft-factor", args.outlier_ttft_factor)?,
+            error_margin_percent: args.outlier_error_margin,
+            base_ejection_time: base,
+            max_ejection_time: max,
+        })
+    }
+
+    /// The service's settings.
+    pub fn config(&self) -> OutlierConfig {
+        OutlierConfig {
+            interval: self.interval.0,
+            min_requests: self.min_requests,
+            ttft_factor: self.ttft_factor,
+            error_margin: f64::from(self.error_margin_percent) / 100.0,
+            base_ejection: self.base_ejection_time.0,
+            max_ejection: self.max_ejection_time.0,
+        }
+    }
 }
 
 /// A duration that must not be zero.
@@ -282,6 +341,7 @@ impl WorkerEdgeConfig {
             health_check_unhealthy_threshold: args.health_check_unhealthy_threshold,
             health_check_healthy_threshold: args.health_check_healthy_threshold.max(1),
             max_ejection_percent: args.max_ejection_percent,
+            outliers: OutlierSettings::from_args(args)?,
         })
     }
 }

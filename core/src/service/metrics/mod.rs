@@ -30,6 +30,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Mutex, PoisonError};
 
 mod models;
@@ -126,6 +127,14 @@ pub struct Metrics {
     /// Workers out of routing for that now.
     pub(crate) health_out: Gauge,
     pub(crate) ejections_capped: Counter,
+    /// Outliers ejected, by the rule that found them (see `outlier`).
+    pub(crate) outlier_ejections: Family<Label, Counter>,
+    /// Workers ejected as outliers now.
+    pub(crate) outliers_out: Gauge,
+    /// Each judged worker's time per unit of work against its peers' (see `outlier`).
+    pub(crate) outlier_ttft_ratio: Family<WorkerLabel, Gauge<f64, AtomicU64>>,
+    /// Outliers left in routing because their group was at the cap.
+    pub(crate) outliers_capped: Counter,
     /// Workers whose breaker is open now.
     pub(crate) breaker_open: Gauge,
     /// Workers whose breaker is half-open now.
@@ -199,6 +208,10 @@ impl Default for Metrics {
             health_ejections: Counter::default(),
             health_out: Gauge::default(),
             ejections_capped: Counter::default(),
+            outlier_ejections: Family::default(),
+            outliers_out: Gauge::default(),
+            outlier_ttft_ratio: Family::default(),
+            outliers_capped: Counter::default(),
             breaker_open: Gauge::default(),
             breaker_half_open: Gauge::default(),
             migrations: Counter::default(),
@@ -469,6 +482,29 @@ impl Metrics {
             self.ejections_capped.clone(),
         );
         r.register(
+            "infera_outlier_ejections",
+            "Workers ejected from routing for serving far worse than their peers, by rule: ttft \
+             (time to first byte per unit of work) or errors (--outlier-*)",
+            self.outlier_ejections.clone(),
+        );
+        r.register(
+            "infera_outlier_ejected_workers",
+            "Workers ejected from routing as outliers now",
+            self.outliers_out.clone(),
+        );
+        r.register(
+            "infera_outlier_ttft_ratio",
+            "Each judged worker's median time to first byte per unit of work against its peers' \
+             at like work, as of the last outlier evaluation (above --outlier-ttft-factor ejects)",
+            self.outlier_ttft_ratio.clone(),
+        );
+        r.register(
+            "infera_outliers_capped",
+            "Outliers left in routing because --max-ejection-percent of their peer group was \
+             out already",
+            self.outliers_capped.clone(),
+        );
+        r.register(
             "infera_breaker_open_workers",
             "Workers whose circuit breaker is open (excluded from routing until the cooldown)",
             self.breaker_open.clone(),
@@ -627,6 +663,8 @@ impl Service {
         self.inner.metrics.render(|m| {
             m.health_out
                 .set(i64::try_from(self.inner.health.out().len()).unwrap_or(i64::MAX));
+            m.outliers_out
+                .set(i64::try_from(self.inner.outliers.ejected().len()).unwrap_or(i64::MAX));
             m.tenants.queue_waiting.clear();
             for (tenant, n) in self.inner.admission.by_tenant() {
                 m.tenants
