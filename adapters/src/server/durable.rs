@@ -13,6 +13,8 @@
 //!   server's fleet, so every replica's load accounting includes its peers' requests, and
 //!   charges them to the tenants' limits (see the `tenants` module). Peers' KV
 //!   and discovery events are not applied: each replica consumes those from the source itself.
+//!   A tail that fails, or stalls (this replica's own appends do not come back), counts as cut
+//!   off from the peers ([`tail`]).
 //! - **Restore.** At attach time the durable log's snapshot and tail are folded into a fleet of
 //!   their own; a worker that registers again with the same record gets its KV index back
 //!   ([`ServerState::register_worker`] replays its restored blocks right after the
@@ -35,7 +37,6 @@
 //! server stopped are not restored.
 
 use super::ServerState;
-use futures::StreamExt as _;
 use infera_core::event::{Envelope, Event, Source, WorkerRecord};
 use infera_core::fleet::FleetState;
 use infera_core::ids::{WorkerId, WorkerRank};
@@ -220,18 +221,21 @@ pub async fn attach(state: &ServerState, log: Arc<dyn EventLog>) -> Result<Durab
         counters: Some(counters.clone()),
     };
     let rx = state.service().tap("event-log", TAP_CAPACITY);
+    let own = Arc::new(tail::OwnTip::default());
     let writer = tokio::spawn(write_behind(
         state.clone(),
         log.clone(),
         rx,
         counters.clone(),
+        own.clone(),
     ));
     let stop_tail = CancellationToken::new();
-    let tail = tokio::spawn(follow_peers(
+    let tail = tokio::spawn(tail::follow_peers(
         state.clone(),
         log,
         tip + 1,
         counters,
+        own,
         stop_tail.clone(),
     ));
     Ok(DurableLog {
@@ -374,6 +378,7 @@ async fn write_behind(
     log: Arc<dyn EventLog>,
     mut rx: tokio::sync::mpsc::Receiver<super::EventBatch>,
     counters: Arc<Counters>,
+    own: Arc<tail::OwnTip>,
 ) {
     let me = Source {
         worker: WorkerId::new(state.replica_id()),
@@ -419,6 +424,7 @@ async fn write_behind(
         if range.last < range.first {
             continue;
         }
+        own.appended(range.last);
         counters.appended.inc_by(n);
         since_compaction += n;
         if since_compaction >= COMPACT_EVERY {
@@ -440,82 +446,6 @@ async fn write_behind(
     }
 }
 
-async fn follow_peers(
-    state: ServerState,
-    log: Arc<dyn EventLog>,
-    mut next: u64,
-    counters: Arc<Counters>,
-    stop: CancellationToken,
-) {
-    let me = state.replica_id();
-    let keys = state.inner.options.client.api_keys.clone();
-    let mut charges = super::tenants::PeerCharges::default();
-    // Peer replicas by when their last request event was seen (µs), for the limits' share.
-    let mut peers: HashMap<String, u64> = HashMap::new();
-    let mut backoff = Duration::from_millis(50);
-    loop {
-        let mut stream = log.subscribe(next);
-        loop {
-            let item = tokio::select! {
-                () = stop.cancelled() => return,
-                item = stream.next() => item,
-            };
-            match item {
-                Some(Ok(env)) => {
-                    backoff = Duration::from_millis(50);
-                    next = env.seq + 1;
-                    let peer = env
-                        .source
-                        .as_ref()
-                        .filter(|s| s.worker.as_str().starts_with(REPLICA_PREFIX))
-                        .filter(|s| s.worker.as_str() != me);
-                    if let Some(source) = peer
-                        && is_request(&env.event)
-                    {
-                        counters.peer_events.inc();
-                        if let Some(keys) = &keys {
-                            let now = state.service().clock().now_us();
-                            keys.set_share(1);
-                            counters.limit_share.set(1);
-                            peers.insert(source.worker.as_str().to_owned(), now);
-                            keys.charge_peer(&mut charges, &env.event, now);
-                        }
-                        state
-                            .service()
-                            .apply(vec![NewEvent::from_source(source.clone(), env.event)]);
-                    }
-                }
-                Some(Err(LogError::Compacted { upto })) => {
-                    tracing::warn!(
-                        from = next,
-                        upto,
-                        "the durable log was compacted past the peers' events not yet seen; skipping them"
-                    );
-                    next = upto + 1;
-                    break;
-                }
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, ?backoff, "following the durable event log failed; resubscribing");
-                    if let Some(keys) = &keys {
-                        // Cut off: keep to this replica's share among those seen lately.
-                        let now = state.service().clock().now_us();
-                        peers.retain(|_, at| now.saturating_sub(*at) < PEERS_SEEN_US);
-                        let replicas = u32::try_from(peers.len() + 1).unwrap_or(u32::MAX);
-                        keys.set_share(replicas);
-                        counters.limit_share.set(i64::from(replicas));
-                    }
-                    break;
-                }
-                None => break,
-            }
-        }
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = tokio::time::sleep(backoff) => {}
-        }
-        backoff = (backoff * 2).min(Duration::from_secs(5));
-    }
-}
-
+mod tail;
 #[cfg(test)]
 mod tests;

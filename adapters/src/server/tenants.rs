@@ -24,9 +24,9 @@
 //! With a durable event log (`--event-log`) the replicas' `RequestRouted` carry their tenant,
 //! and each replica charges its peers' requests, and the tokens they generated, to its own
 //! buckets ([`KeyStore::charge_peer`], from the durable log's tail): the limits hold for the
-//! fleet. While the tail fails, the replica is cut off from its peers and admits as one of the
-//! replicas it last saw, each of its requests costing that many ([`KeyStore::set_share`];
-//! `infera_tenant_limit_share` says which).
+//! fleet. While the tail fails or stalls (see the durable module's `tail`), the replica is cut
+//! off from its peers and admits as one of the replicas it last saw, each of its requests
+//! costing that many ([`KeyStore::set_share`]; `infera_tenant_limit_share` says which).
 
 use super::http::ApiError;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};

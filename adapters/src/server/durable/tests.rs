@@ -1,6 +1,7 @@
 use super::*;
 use crate::server::KeyStore;
 use crate::server::test_support::{record, state, state_with_keys};
+use futures::StreamExt as _;
 use infera_core::clock::SystemClock;
 use infera_core::event::{KvBlocksStored, Role, Tier, WorkerRegistered};
 use infera_core::ids::{BlockHash, EngineHash};
@@ -180,11 +181,23 @@ async fn commits_are_written_behind_and_peers_requests_are_applied() {
     assert_eq!(routed, 1);
 }
 
-/// A shared log whose subscriptions fail, at their next event, while `cut` is set.
+/// A shared log whose subscriptions fail, at their next event, while `cut` is set, and
+/// silently drop their events while `stall` is.
 #[derive(Debug)]
 struct CutLog {
     inner: MemoryLog,
     cut: Arc<std::sync::atomic::AtomicBool>,
+    stall: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl CutLog {
+    fn new() -> Self {
+        Self {
+            inner: MemoryLog::new(Arc::new(SystemClock)),
+            cut: Arc::default(),
+            stall: Arc::default(),
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -208,9 +221,10 @@ impl EventLog for CutLog {
         &self,
         from: u64,
     ) -> futures::stream::BoxStream<'static, Result<Envelope, LogError>> {
-        let cut = Arc::clone(&self.cut);
+        let (cut, stall) = (Arc::clone(&self.cut), Arc::clone(&self.stall));
         self.inner
             .subscribe(from)
+            .filter(move |_| std::future::ready(!stall.load(std::sync::atomic::Ordering::SeqCst)))
             .map(move |item| {
                 if cut.load(std::sync::atomic::Ordering::SeqCst) {
                     Err(LogError::Backend("cut off".into()))
@@ -262,11 +276,9 @@ async fn peers_requests_are_charged_and_a_cut_off_replica_keeps_to_its_share() {
     let file = r#"{"tenants": [{"name": "team", "keys": ["sk-team-0123456789abcdef"],
         "limits": {"requests_per_minute": 60, "prompt_tokens_per_minute": 6000}}]}"#;
     std::fs::write(&path, file).expect("key file");
-    let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let log: Arc<dyn EventLog> = Arc::new(CutLog {
-        inner: MemoryLog::new(Arc::new(SystemClock)),
-        cut: Arc::clone(&cut),
-    });
+    let log = Arc::new(CutLog::new());
+    let cut = Arc::clone(&log.cut);
+    let log: Arc<dyn EventLog> = log;
     let a = state_with_keys(KeyStore::load(&path).expect("keys"));
     let keys_b = KeyStore::load(&path).expect("keys");
     let b = state_with_keys(keys_b.clone());
@@ -303,4 +315,69 @@ async fn peers_requests_are_charged_and_a_cut_off_replica_keeps_to_its_share() {
     b.service().close_taps();
     da.close(Duration::from_secs(5)).await;
     db.close(Duration::from_secs(5)).await;
+}
+
+/// A tail that goes silent (a stalled consumer, a half-open connection) is noticed by its own
+/// appends not coming back: the replica keeps to its share within [`tail::STALL`], and returns
+/// to the whole limit when a peer's event arrives again.
+#[tokio::test(start_paused = true)]
+async fn a_replica_whose_tail_goes_silent_keeps_to_its_share() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("keys.json");
+    let file = r#"{"tenants": [{"name": "team", "keys": ["sk-team-0123456789abcdef"],
+        "limits": {"requests_per_minute": 60}}]}"#;
+    std::fs::write(&path, file).expect("key file");
+    let log = Arc::new(CutLog::new());
+    let stall = Arc::clone(&log.stall);
+    let log: Arc<dyn EventLog> = log;
+    let a = state_with_keys(KeyStore::load(&path).expect("keys"));
+    let keys_b = KeyStore::load(&path).expect("keys");
+    let b = state_with_keys(keys_b.clone());
+    let da = attach(&a, log.clone()).await.expect("attach a");
+    let db = attach(&b, log.clone()).await.expect("attach b");
+    let peer_events = || {
+        let text = b.service().render_metrics();
+        text.lines()
+            .find_map(|l| l.strip_prefix("infera_event_log_peer_events_total "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    a.service().apply(vec![team_routed("r1#0.1")]);
+    paused_until("B sees A's request", || peer_events() == Some(1)).await;
+
+    // Silence: B's own request goes out and never comes back. Idle peers alone are no sign.
+    stall.store(true, std::sync::atomic::Ordering::SeqCst);
+    let silent = tokio::time::Instant::now();
+    tokio::time::sleep(tail::STALL * 2).await;
+    assert_eq!(keys_b.share(), 1, "nothing of B's own is missing yet");
+    b.service().apply(vec![team_routed("rb#0.1")]);
+    let appended = tokio::time::Instant::now();
+    paused_until("B notices", || keys_b.share() != 1).await;
+    let noticed = appended.elapsed();
+    assert!(silent.elapsed() > noticed);
+    assert_eq!(keys_b.share(), 2);
+    assert!(
+        noticed >= tail::STALL && noticed <= tail::STALL + Duration::from_secs(2),
+        "noticed {noticed:?} after its append"
+    );
+    let metrics = b.service().render_metrics();
+    assert!(metrics.contains("infera_tenant_limit_share 2"), "{metrics}");
+
+    // The tail flows again: B reads what it missed, and a peer's request restores the limit.
+    stall.store(false, std::sync::atomic::Ordering::SeqCst);
+    a.service().apply(vec![team_routed("r2#0.1")]);
+    paused_until("B reads A's next request", || peer_events() == Some(2)).await;
+    assert_eq!(keys_b.share(), 1);
+    a.service().close_taps();
+    b.service().close_taps();
+    da.close(Duration::from_secs(5)).await;
+    db.close(Duration::from_secs(5)).await;
+}
+
+/// Waits in paused time (which moves only when every task waits) until `done` holds.
+async fn paused_until(what: &str, done: impl Fn() -> bool) {
+    let start = tokio::time::Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(60), "{what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
