@@ -531,6 +531,7 @@ pub fn to_sim_result(records: &[RequestRecord]) -> SimResult {
                 tpot_us,
                 retention: None,
                 rejected: r.status != Status::Ok,
+                limited: None,
                 tenant: None,
                 router_queue_us: 0,
             }

@@ -63,7 +63,10 @@ pub struct Summary {
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct TenantStats {
     pub tenant: String,
+    /// Served (not refused).
     pub requests: u64,
+    /// Refused by the tenant's limits (429).
+    pub limited: u64,
     pub prompt_tokens: u64,
     pub ttft_p50_ms: f64,
     pub ttft_p99_ms: f64,
@@ -179,22 +182,29 @@ impl Summary {
             imbalance: if mean > 0.0 { max / mean } else { 0.0 },
             shares,
             makespan_s: span_s,
-            by_tenant: by_tenant(&reqs),
+            by_tenant: by_tenant(&result.requests),
         }
     }
 }
 
-/// [`TenantStats`] of the requests that name a tenant, by name.
-fn by_tenant(reqs: &[&RequestOutcome]) -> Vec<TenantStats> {
-    let mut groups: std::collections::BTreeMap<&str, Vec<&RequestOutcome>> = Default::default();
-    for r in reqs {
+/// [`TenantStats`] of the requests that name a tenant, by name: the served ones' figures,
+/// and how many its limits refused.
+fn by_tenant(all: &[RequestOutcome]) -> Vec<TenantStats> {
+    let mut groups: std::collections::BTreeMap<&str, (Vec<&RequestOutcome>, u64)> =
+        Default::default();
+    for r in all {
         if let Some(t) = &r.tenant {
-            groups.entry(t).or_default().push(r);
+            let (served, limited) = groups.entry(t).or_default();
+            if r.limited.is_some() {
+                *limited += 1;
+            } else if !r.rejected {
+                served.push(r);
+            }
         }
     }
     groups
         .into_iter()
-        .map(|(tenant, rs)| {
+        .map(|(tenant, (rs, limited))| {
             let ms = |f: &dyn Fn(&RequestOutcome) -> u64| {
                 let mut v: Vec<f64> = rs.iter().map(|r| f(r) as f64 / 1000.0).collect();
                 v.sort_by(f64::total_cmp);
@@ -204,6 +214,7 @@ fn by_tenant(reqs: &[&RequestOutcome]) -> Vec<TenantStats> {
             TenantStats {
                 tenant: tenant.to_owned(),
                 requests: rs.len() as u64,
+                limited,
                 prompt_tokens: rs.iter().map(|r| u64::from(r.input_tokens)).sum(),
                 ttft_p50_ms: percentile(&ttft, 0.5),
                 ttft_p99_ms: percentile(&ttft, 0.99),
@@ -221,6 +232,7 @@ pub fn tenant_table(s: &Summary) -> String {
     let mut cells = vec![vec![
         "tenant".to_string(),
         "requests".into(),
+        "limited (429)".into(),
         "prompt tokens".into(),
         "ttft p50".into(),
         "ttft p99".into(),
@@ -230,6 +242,7 @@ pub fn tenant_table(s: &Summary) -> String {
         cells.push(vec![
             t.tenant.clone(),
             t.requests.to_string(),
+            t.limited.to_string(),
             t.prompt_tokens.to_string(),
             format!("{:.0}ms", t.ttft_p50_ms),
             format!("{:.0}ms", t.ttft_p99_ms),

@@ -122,6 +122,13 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
     cfg.identity_blind = a.identity_blind;
     cfg.queue_threshold = a.router_queue_threshold.0;
     cfg.tenant_weights = a.tenant_weights.clone();
+    if let Some(path) = &a.api_keys {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("--api-keys {}", path.display()))?;
+        infera_core::tenancy::Tenants::parse(&text, None, 0)
+            .with_context(|| format!("--api-keys {}", path.display()))?;
+        cfg.api_keys = Some(text);
+    }
     cfg.engine.validate().context("engine settings")?;
     Ok(cfg)
 }

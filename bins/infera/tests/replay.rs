@@ -369,7 +369,7 @@ fn quiet_p99(stdout: &str) -> f64 {
         .find(|l| l.split_whitespace().next() == Some("b"))
         .unwrap_or_else(|| panic!("no row for tenant b: {stdout}"));
     let cells: Vec<&str> = row.split_whitespace().collect();
-    cells[4].trim_end_matches("ms").parse().expect("a p99")
+    cells[5].trim_end_matches("ms").parse().expect("a p99")
 }
 
 #[test]
@@ -404,4 +404,43 @@ fn replay_answers_what_a_tenant_doubling_does_to_another() {
     let bad = infera(&["replay", path, "--tenant-scale", "a"]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(text(&bad.stderr).contains("NAME=FACTOR"));
+
+    // The server's key file: a held to 60 requests a minute, b made more urgent.
+    let keys = dir.path().join("keys.json");
+    std::fs::write(
+        &keys,
+        r#"{"tenants": [
+            {"name": "a", "keys": ["sk-a-0123456789abcdef"], "limits": {"requests_per_minute": 60}},
+            {"name": "b", "keys": ["sk-b-0123456789abcdef"], "default_priority": -1,
+             "priority_floor": -1}]}"#,
+    )
+    .unwrap();
+    let limited = run(&["--api-keys", keys.to_str().unwrap()]);
+    let row = limited
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some("a"))
+        .unwrap_or_else(|| panic!("no row for tenant a: {limited}"));
+    let cells: Vec<u64> = row
+        .split_whitespace()
+        .skip(1)
+        .take(2)
+        .map(|c| c.parse().unwrap())
+        .collect();
+    eprintln!(
+        "with a limited to 60 a minute: served {}, refused {}",
+        cells[0], cells[1]
+    );
+    assert!(
+        (60..=61).contains(&cells[0]) && cells[0] + cells[1] == 300,
+        "a served about a minute's 60 and was refused the rest: {row}"
+    );
+    let bad_keys = dir.path().join("bad.json");
+    std::fs::write(&bad_keys, r#"{"tenants": [{"name": "a"}]}"#).unwrap();
+    let bad = infera(&["replay", path, "--api-keys", bad_keys.to_str().unwrap()]);
+    assert!(!bad.status.success());
+    assert!(
+        text(&bad.stderr).contains("--api-keys"),
+        "{}",
+        text(&bad.stderr)
+    );
 }

@@ -58,8 +58,11 @@ pub struct SimConfig {
     /// prefilled, requests wait in the router, leaving by weighted fair share between the
     /// trace's tenants (`tenant` column); `None` never queues.
     pub queue_threshold: Option<f64>,
-    /// Each tenant's weight in the queue (as in `--api-keys`); 1 for one not named.
+    /// Each tenant's weight in the queue, over the key file's; else the key file's, else 1.
     pub tenant_weights: Vec<(String, u32)>,
+    /// The server's key file (`--api-keys`), as text: each trace tenant named in it is held
+    /// to its limits and queued at its priority and weight.
+    pub api_keys: Option<String>,
 }
 
 impl Default for SimConfig {
@@ -83,6 +86,7 @@ impl Default for SimConfig {
             identity_blind: false,
             queue_threshold: Some(4.0),
             tenant_weights: Vec::new(),
+            api_keys: None,
         }
     }
 }
@@ -133,6 +137,8 @@ pub struct RequestOutcome {
     pub tpot_us: f64,
     pub retention: Option<Retention>,
     pub rejected: bool,
+    /// The tenant's limit that refused it (429), if one did.
+    pub limited: Option<&'static str>,
     /// The trace's tenant of the request.
     pub tenant: Option<String>,
     /// Time spent in the router's queue before routing.

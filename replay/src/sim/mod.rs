@@ -18,13 +18,15 @@
 //! The router's queue ([`SimConfig::queue_threshold`]) is the server's: a request that arrives
 //! while every worker of its model is saturated, or while others wait, waits in a
 //! [`FairQueue`] (by tenant, deficit round robin on prompt tokens) and is routed when an event
-//! leaves a worker below the threshold; its TTFT counts the wait.
+//! leaves a worker below the threshold; its TTFT counts the wait. Before it, the tenants'
+//! limits of `--api-keys` refuse what the server would answer 429 (see [`tenants`]).
 //!
 //! Conservation laws checked by the tests: every request finishes exactly once; per engine, blocks
 //! stored = blocks resident + blocks removed.
 
 mod config;
 mod sessions;
+mod tenants;
 mod tiers;
 
 pub use config::{
@@ -101,6 +103,8 @@ struct Sim<'a> {
     /// The router's queue, per model (see the module docs), and how many wait in it.
     waiting: rustc_hash::FxHashMap<String, FairQueue<usize>>,
     waiters: usize,
+    /// The tenants' limits, priorities and weights (see [`tenants`]).
+    gate: tenants::Gate,
 }
 
 /// Runs one configuration over `trace`.
@@ -181,6 +185,7 @@ pub fn run(trace: &Trace, cfg: &SimConfig) -> Result<SimResult, SimError> {
         blind_view: rustc_hash::FxHashMap::default(),
         waiting: rustc_hash::FxHashMap::default(),
         waiters: 0,
+        gate: tenants::Gate::new(cfg.api_keys.as_deref(), &cfg.tenant_weights, n)?,
     };
     let mut registrations = Vec::new();
     for (role, count) in pools {
@@ -334,30 +339,48 @@ impl Sim<'_> {
         }
     }
 
-    /// Request `i` arrives: it is routed, or waits in the router's queue.
+    /// Request `i` arrives: it is refused by its tenant's limits, routed, or waits in the
+    /// router's queue.
     fn arrive(&mut self, i: usize) {
         let now = self.now();
-        let r = &self.trace.requests[i];
+        let trace = self.trace;
+        let r = &trace.requests[i];
         let out = &mut self.out[i];
         out.arrival_us = now;
         out.tenant = r.tenant.clone();
+        let place = match self.gate.admit(i, r, now) {
+            Ok(place) => place,
+            Err(limit) => {
+                // 429 at once, before the router's queue, as the server answers.
+                out.index = i;
+                out.request_id = r.request_id.clone();
+                out.blocks = r.block_hashes.len() as u32;
+                out.input_tokens = r.input_length;
+                out.rejected = true;
+                out.limited = Some(limit);
+                out.finish_us = now + self.cfg.frontend_us;
+                let finish_us = out.finish_us;
+                self.done[i] = true;
+                self.release_next(i, finish_us);
+                return;
+            }
+        };
         if let Some(threshold) = self.cfg.queue_threshold {
             // An adapter's request names the adapter.
             let model = r.lora.as_deref().unwrap_or(&r.model);
             let busy = self.waiting.get(model).is_some_and(|q| !q.is_empty());
             if busy || !self.kernel.fleet().has_room(model, threshold) {
-                let tenant: Arc<str> = Arc::from(r.tenant.as_deref().unwrap_or("anonymous"));
-                let weight = self
-                    .cfg
-                    .tenant_weights
-                    .iter()
-                    .find(|(t, _)| **t == *tenant)
-                    .map_or(1, |(_, w)| *w);
                 let queue = self
                     .waiting
                     .entry(model.to_owned())
                     .or_insert_with(|| FairQueue::new(QUANTUM));
-                queue.push(0, &tenant, weight, u64::from(r.input_length), i);
+                queue.push(
+                    place.priority,
+                    &place.tenant,
+                    place.weight,
+                    u64::from(r.input_length),
+                    i,
+                );
                 self.waiters += 1;
                 return;
             }
@@ -437,6 +460,7 @@ impl Sim<'_> {
                 // Unreachable with a registered fleet serving the trace's model; count it as rejected.
                 out.rejected = true;
                 self.done[i] = true;
+                self.gate.finish(i, now, 0);
                 self.release_next(i, now);
                 return;
             }
@@ -667,6 +691,7 @@ impl Sim<'_> {
                 continue;
             }
             self.done[i] = true;
+            self.gate.finish(i, now, u64::from(f.output_tokens));
             let o = &mut self.out[i];
             o.rejected = f.rejected;
             o.finish_us = now + self.cfg.frontend_us;

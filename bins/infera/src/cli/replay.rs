@@ -65,9 +65,15 @@ pub struct ReplayArgs {
     #[arg(long, default_value = "4", value_name = "BUDGETS", value_parser = super::server::queue_threshold)]
     pub router_queue_threshold: super::server::QueueThreshold,
     /// A tenant's weight in the router's queue, as its `weight` in `--api-keys`: NAME=WEIGHT,
-    /// repeatable; 1 for the others (Infera extension).
+    /// repeatable; else the key file's, else 1 (Infera extension).
     #[arg(long = "tenant-weight", value_name = "NAME=WEIGHT", value_parser = tenant_weight)]
     pub tenant_weights: Vec<(String, u32)>,
+    /// The server's key file (as `infera server --api-keys`): each trace tenant named in it is
+    /// held to its limits (a refused request is answered 429 at once and counted per tenant)
+    /// and queued at its priority and weight; --tenant-weight overrides its weights (Infera
+    /// extension).
+    #[arg(long, value_name = "FILE")]
+    pub api_keys: Option<PathBuf>,
     /// Scale a tenant's traffic before the replay: NAME=FACTOR, repeatable. Above 1 each of its
     /// requests gets copies spread until its next request, each copy a new prompt of the same
     /// shape (sharing its prefixes with the other copies of its rank, not with the original),
