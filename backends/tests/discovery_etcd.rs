@@ -440,6 +440,48 @@ async fn a_registration_whose_lease_is_lost_registers_again() {
     assert!(deregistered(&next(&mut stream).await, "a:1"));
 }
 
+/// Deregistering right after the lease was lost (whether or not the keepalive has put the
+/// record on a fresh lease yet) succeeds and leaves no record behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_deregistered_after_its_lease_was_lost_leaves_no_record() {
+    let server = etcd().await;
+    let backend = connect(EtcdConfig {
+        lease_ttl: Duration::from_secs(2),
+        ..config(server.endpoint())
+    })
+    .await;
+    let client = server.client().expect("client");
+    let key = format!("{PREFIX}b:1");
+    for round in 0..3 {
+        let registration = register(&backend, &sample_record("b:1")).await;
+        let lease = client.range(key.as_bytes(), b"").await.expect("get").kvs[0].lease;
+        client.lease_revoke(lease).await.expect("revoke");
+        // The keepalive may or may not have registered again by now (its next renewal is a
+        // third of the TTL away); a later round gives it time to.
+        if round == 2 {
+            while client
+                .range(key.as_bytes(), b"")
+                .await
+                .expect("get")
+                .kvs
+                .is_empty()
+            {
+                tokio::task::yield_now().await;
+            }
+        }
+        registration.deregister().await.expect("deregister");
+        assert!(
+            client
+                .range(key.as_bytes(), b"")
+                .await
+                .expect("get")
+                .kvs
+                .is_empty(),
+            "round {round}: the record outlived its deregistration"
+        );
+    }
+}
+
 /// An address nothing listens on (connections to it are refused at once).
 fn dead_endpoint() -> String {
     format!("127.0.0.1:{}", free_port().expect("a free port"))

@@ -112,8 +112,8 @@ impl RegistrationHandle for EtcdRegistration {
             let _ = task.await;
         }
         let lease = this.published.lock().await.lease;
-        match call("lease revoke", this.backend.client.lease_revoke(lease)).await {
-            Ok(_) => {
+        match revoke(&this.backend, &this.key, lease).await {
+            Ok(()) => {
                 tracing::info!(worker = %this.worker, lease = format_args!("{lease:x}"), "deregistered from etcd (lease revoked)");
                 Ok(())
             }
@@ -126,6 +126,27 @@ impl RegistrationHandle for EtcdRegistration {
                 Err(e)
             }
         }
+    }
+}
+
+/// Revokes `lease`, deleting the record under `key`. When etcd no longer knows the lease (it
+/// was lost, and the keepalive task put the record on a fresh one that it was stopped before
+/// recording), revokes the lease the record holds now instead, so the record never outlives
+/// the deregistration.
+async fn revoke(backend: &EtcdDiscovery, key: &str, lease: i64) -> Result<()> {
+    let client = &backend.client;
+    match client.lease_revoke(lease).await {
+        Ok(_) => Ok(()),
+        Err(e) if e.is_lease_not_found() => {
+            let now = call("get", client.range(key.as_bytes(), b"")).await?;
+            match now.kvs.first().map(|kv| kv.lease).filter(|l| *l != 0) {
+                Some(current) => call("lease revoke", client.lease_revoke(current))
+                    .await
+                    .map(drop),
+                None => Ok(()),
+            }
+        }
+        Err(e) => Err(super::map_err("lease revoke", e)),
     }
 }
 
