@@ -16,6 +16,9 @@
 //! - Requests are next turns of 512 blocks, scored against all 64 ranks: 80 % continue a cached
 //!   conversation (its chain, then new blocks), 20 % start a new conversation of an app.
 //!
+//! With `INDEX_FLEET=1` the same scenario runs at fleet scale: 1,000 worker ranks and 50 M
+//! entries, the report only (issue #45's "one router at fleet scale").
+//!
 //! Benches: `ingest/build_1M` (all events into an empty index), `ingest/churn_on_1M` (store then
 //! evict 32 blocks on the full index), `overlap/512x64@1M/{mixed,full_hit}`. Before them, `report`
 //! prints the memory per entry measured by a counting global allocator (and `heap_bytes()`), the
@@ -80,10 +83,35 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-const WORKERS: usize = 64;
+/// The scenario's size: 64 ranks and 1 M entries; with `INDEX_FLEET=1`, one router at fleet
+/// scale, 1,000 ranks and 50 M entries, for which only the report runs (no criterion benches).
+#[derive(Debug, Clone, Copy)]
+struct Scale {
+    workers: usize,
+    entries: usize,
+}
+
+impl Scale {
+    fn from_env() -> Self {
+        if std::env::var_os("INDEX_FLEET").is_some_and(|v| v == "1") {
+            Self {
+                workers: 1_000,
+                entries: 50_000_000,
+            }
+        } else {
+            Self {
+                workers: 64,
+                entries: 1_000_000,
+            }
+        }
+    }
+
+    fn fleet(self) -> bool {
+        self.workers > 64
+    }
+}
 const BLOCK_SIZE: usize = 16;
 const APPS: usize = 24;
-const TARGET_ENTRIES: usize = 1_000_000;
 const REQUEST_BLOCKS: usize = 512;
 const REQUESTS: usize = 1024;
 
@@ -159,10 +187,10 @@ fn zipf_app(rng: &mut Rng) -> usize {
     APPS - 1
 }
 
-fn workload() -> Workload {
+fn workload(scale: Scale) -> Workload {
     let mut rng = Rng::new(0x1DE5);
     let mut tokens = Vec::with_capacity(BLOCK_SIZE);
-    let workers: Vec<WorkerRank> = (0..WORKERS)
+    let workers: Vec<WorkerRank> = (0..scale.workers)
         .map(|i| WorkerRank::new(WorkerId::new(format!("10.0.{}.{}:8000", i / 8, i % 8)), 0))
         .collect();
     let apps: Vec<Vec<BlockHash>> = (0..APPS)
@@ -177,7 +205,7 @@ fn workload() -> Workload {
             c
         })
         .collect();
-    let mut has_app = vec![[false; APPS]; WORKERS];
+    let mut has_app = vec![[false; APPS]; scale.workers];
     let mut events = Vec::new();
     let mut blocks = 0usize;
     let mut conversations: Vec<Vec<BlockHash>> = Vec::new();
@@ -188,7 +216,7 @@ fn workload() -> Workload {
             let prefix = apps[app].len();
             let mut picked = Vec::new();
             while picked.len() < replicas {
-                let w = rng.below(WORKERS as u64) as usize;
+                let w = rng.below(scale.workers as u64) as usize;
                 if !picked.contains(&w) {
                     picked.push(w);
                 }
@@ -223,7 +251,7 @@ fn workload() -> Workload {
         blocks += add(&mut rng, &chain, app, 1, true);
         full_hits.push(chain);
     }
-    while blocks < TARGET_ENTRIES {
+    while blocks < scale.entries {
         let app = zipf_app(&mut rng);
         let mut chain = apps[app].clone();
         let len = 96.max(chain.len() + 32) + rng.below(512 - 96) as usize;
@@ -247,7 +275,7 @@ fn workload() -> Workload {
         .collect();
     let churn = (0..REQUESTS)
         .map(|_| {
-            let w = rng.below(WORKERS as u64) as usize;
+            let w = rng.below(scale.workers as u64) as usize;
             let mut chain = Vec::new();
             id += 1;
             grow(&mut chain, id, 32, &mut tokens);
@@ -360,8 +388,9 @@ fn report(w: &Workload) {
         black_box(&sweep);
         times.sort_unstable();
         println!(
-            "overlap {name} 512x64: p50 {:?} p90 {:?} p99 {:?} over {} calls \
+            "overlap {name} 512x{}: p50 {:?} p90 {:?} p99 {:?} over {} calls \
              (mean deepest overlap {:.0} blocks)",
+            cands.len(),
             percentile(&times, 0.5),
             percentile(&times, 0.9),
             percentile(&times, 0.99),
@@ -372,8 +401,12 @@ fn report(w: &Workload) {
 }
 
 fn benches(c: &mut Criterion) {
-    let w = workload();
+    let scale = Scale::from_env();
+    let w = workload(scale);
     report(&w);
+    if scale.fleet() {
+        return;
+    }
     let full = build(&w);
 
     let mut g = c.benchmark_group("ingest");
