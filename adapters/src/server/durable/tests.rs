@@ -269,21 +269,58 @@ async fn until(what: &str, done: impl Fn() -> bool) {
         .unwrap_or_else(|_| panic!("{what}"));
 }
 
+/// Two replicas, A and B, of one tenant `team` with `limits`, on one shared [`CutLog`].
+struct Replicas {
+    _dir: tempfile::TempDir,
+    log: Arc<CutLog>,
+    a: ServerState,
+    b: ServerState,
+    keys_b: KeyStore,
+    attached: [DurableLog; 2],
+}
+
+impl Replicas {
+    async fn start(limits: &str) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("keys.json");
+        let file = format!(
+            r#"{{"tenants": [{{"name": "team", "keys": ["sk-team-0123456789abcdef"],
+                "limits": {limits}}}]}}"#
+        );
+        std::fs::write(&path, file).expect("key file");
+        let log = Arc::new(CutLog::new());
+        let shared: Arc<dyn EventLog> = log.clone();
+        let a = state_with_keys(KeyStore::load(&path).expect("keys"));
+        let keys_b = KeyStore::load(&path).expect("keys");
+        let b = state_with_keys(keys_b.clone());
+        let attached = [
+            attach(&a, shared.clone()).await.expect("attach a"),
+            attach(&b, shared).await.expect("attach b"),
+        ];
+        Self {
+            _dir: dir,
+            log,
+            a,
+            b,
+            keys_b,
+            attached,
+        }
+    }
+
+    async fn close(self) {
+        self.a.service().close_taps();
+        self.b.service().close_taps();
+        for d in self.attached {
+            d.close(Duration::from_secs(5)).await;
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peers_requests_are_charged_and_a_cut_off_replica_keeps_to_its_share() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("keys.json");
-    let file = r#"{"tenants": [{"name": "team", "keys": ["sk-team-0123456789abcdef"],
-        "limits": {"requests_per_minute": 60, "prompt_tokens_per_minute": 6000}}]}"#;
-    std::fs::write(&path, file).expect("key file");
-    let log = Arc::new(CutLog::new());
-    let cut = Arc::clone(&log.cut);
-    let log: Arc<dyn EventLog> = log;
-    let a = state_with_keys(KeyStore::load(&path).expect("keys"));
-    let keys_b = KeyStore::load(&path).expect("keys");
-    let b = state_with_keys(keys_b.clone());
-    let da = attach(&a, log.clone()).await.expect("attach a");
-    let db = attach(&b, log.clone()).await.expect("attach b");
+    let r =
+        Replicas::start(r#"{"requests_per_minute": 60, "prompt_tokens_per_minute": 6000}"#).await;
+    let (a, b, keys_b, cut) = (&r.a, &r.b, &r.keys_b, &r.log.cut);
     let standing = || {
         let team = keys_b.tenants().named("team").cloned().expect("team");
         team.usage.standing(b.service().clock().now_us())
@@ -311,10 +348,7 @@ async fn peers_requests_are_charged_and_a_cut_off_replica_keeps_to_its_share() {
         standing().requests.is_some_and(|(_, left, _)| left == 58)
     })
     .await;
-    a.service().close_taps();
-    b.service().close_taps();
-    da.close(Duration::from_secs(5)).await;
-    db.close(Duration::from_secs(5)).await;
+    r.close().await;
 }
 
 /// A tail that goes silent (a stalled consumer, a half-open connection) is noticed by its own
@@ -322,19 +356,8 @@ async fn peers_requests_are_charged_and_a_cut_off_replica_keeps_to_its_share() {
 /// to the whole limit when a peer's event arrives again.
 #[tokio::test(start_paused = true)]
 async fn a_replica_whose_tail_goes_silent_keeps_to_its_share() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("keys.json");
-    let file = r#"{"tenants": [{"name": "team", "keys": ["sk-team-0123456789abcdef"],
-        "limits": {"requests_per_minute": 60}}]}"#;
-    std::fs::write(&path, file).expect("key file");
-    let log = Arc::new(CutLog::new());
-    let stall = Arc::clone(&log.stall);
-    let log: Arc<dyn EventLog> = log;
-    let a = state_with_keys(KeyStore::load(&path).expect("keys"));
-    let keys_b = KeyStore::load(&path).expect("keys");
-    let b = state_with_keys(keys_b.clone());
-    let da = attach(&a, log.clone()).await.expect("attach a");
-    let db = attach(&b, log.clone()).await.expect("attach b");
+    let r = Replicas::start(r#"{"requests_per_minute": 60}"#).await;
+    let (a, b, keys_b, stall) = (&r.a, &r.b, &r.keys_b, &r.log.stall);
     let peer_events = || {
         let text = b.service().render_metrics();
         text.lines()
@@ -367,10 +390,7 @@ async fn a_replica_whose_tail_goes_silent_keeps_to_its_share() {
     a.service().apply(vec![team_routed("r2#0.1")]);
     paused_until("B reads A's next request", || peer_events() == Some(2)).await;
     assert_eq!(keys_b.share(), 1);
-    a.service().close_taps();
-    b.service().close_taps();
-    da.close(Duration::from_secs(5)).await;
-    db.close(Duration::from_secs(5)).await;
+    r.close().await;
 }
 
 /// Waits in paused time (which moves only when every task waits) until `done` holds.
