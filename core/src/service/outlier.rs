@@ -166,7 +166,7 @@ fn push<T>(ring: &mut VecDeque<T>, sample: T) {
 
 #[derive(Debug, Default)]
 struct State {
-    config: Option<OutlierConfig>,
+    config: OutlierConfig,
     workers: FxHashMap<WorkerId, Entry>,
 }
 
@@ -185,12 +185,12 @@ impl Outliers {
 
     /// The settings ([`OutlierConfig::default`] until set).
     pub fn config(&self) -> OutlierConfig {
-        self.state().config.unwrap_or_default()
+        self.state().config
     }
 
     /// Replaces the settings; samples and ejections stay.
     pub fn configure(&self, config: OutlierConfig) {
-        self.state().config = Some(config);
+        self.state().config = config;
     }
 
     fn sample(&self, worker: &WorkerId, add: impl FnOnce(&mut Entry)) {
@@ -245,7 +245,7 @@ impl Outliers {
     /// group (see the module docs); forgets every other worker.
     pub fn evaluate(&self, members: &[Member<'_>], percent: u32, now: Micros) -> Evaluation {
         let mut st = self.state();
-        let config = st.config.unwrap_or_default();
+        let config = st.config;
         let mut done = Evaluation::default();
         let registered: FxHashMap<&WorkerId, &Member<'_>> =
             members.iter().map(|m| (m.worker, m)).collect();
