@@ -242,6 +242,17 @@ fn flood(
         .collect()
 }
 
+/// Stops the clients [`flood`] started and waits for them to end.
+async fn stop_flood(stop: &AtomicBool, clients: Vec<tokio::task::JoinHandle<()>>) {
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        tokio::time::timeout(common::TIMEOUT, c)
+            .await
+            .expect("clients end")
+            .expect("no panic");
+    }
+}
+
 async fn fleet(queue: QueueConfig) -> (Arc<Front>, Vec<Mock>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let keys = KeyStore::load(&key_file(&dir, &tenants_json(None))).expect("keys load");
@@ -319,13 +330,7 @@ async fn flooded(queue: QueueConfig) -> Run {
     let (ttfts, most_waiting) = quiet_probe(&front, &mocks, 40, Duration::from_millis(20)).await;
     let noisy_rate =
         (noisy.ok.load(Ordering::Relaxed) - before) as f64 / started.elapsed().as_secs_f64();
-    stop.store(true, Ordering::Relaxed);
-    for c in clients {
-        tokio::time::timeout(common::TIMEOUT, c)
-            .await
-            .expect("clients end")
-            .expect("no panic");
-    }
+    stop_flood(&stop, clients).await;
     if let Ok(front) = Arc::try_unwrap(front) {
         front.stop().await;
     }
@@ -422,13 +427,7 @@ async fn equal_weights_get_equal_service_whatever_their_concurrency() {
         (a.tokens.load(Ordering::Relaxed) - start[0]) as f64,
         (b.tokens.load(Ordering::Relaxed) - start[1]) as f64,
     ];
-    stop.store(true, Ordering::Relaxed);
-    for c in clients {
-        tokio::time::timeout(common::TIMEOUT, c)
-            .await
-            .expect("clients end")
-            .expect("no panic");
-    }
+    stop_flood(&stop, clients).await;
     let jain = (served[0] + served[1]).powi(2) / (2.0 * (served[0].powi(2) + served[1].powi(2)));
     eprintln!("served tokens {served:?}: Jain's index {jain:.3}");
     assert!(

@@ -11,8 +11,8 @@
 mod common;
 
 use common::{
-    eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, register_in_etcd,
-    server, tokenizer_dir,
+    eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, picks,
+    register_in_etcd, server, tokenizer_dir,
 };
 use infera_backends::testing::{EtcdServer, sample_record};
 use serde_json::json;
@@ -123,16 +123,6 @@ async fn a_wedged_engine_leaves_routing_and_its_requests_fail_over_at_the_defaul
     eprintln!("out of routing {out_after:?} after the fault");
 }
 
-/// The picks of the worker whose URL ends in `:port`, from `/metrics`.
-fn picks_of(port: u16, worker_port: u16) -> u64 {
-    let (_, text) = http(port, "GET", "/metrics", "").unwrap();
-    text.lines()
-        .filter(|l| l.starts_with("infera_router_picks_total{"))
-        .filter(|l| l.contains(&format!(":{worker_port}\"")))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum()
-}
-
 /// A worker that answers its health checks but serves at a hundredth of its peers' speed is
 /// ejected at the defaults, its peers are not, and no request is lost on the way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -203,13 +193,13 @@ async fn a_worker_far_slower_than_its_peers_is_ejected_at_the_defaults() {
     );
 
     // Out of routing: every next request goes to a fast worker.
-    let before = picks_of(port, slow);
+    let before = picks(port, slow);
     for i in 0..20 {
         let body = json!({"model": tok, "prompt": format!("after {i}"), "max_tokens": 2});
         let (status, _) = http(port, "POST", "/v1/completions", &body.to_string()).unwrap();
         assert_eq!(status, 200);
     }
-    assert_eq!(picks_of(port, slow), before);
-    assert!(fast.iter().map(|p| picks_of(port, *p)).sum::<u64>() >= 20);
+    assert_eq!(picks(port, slow), before);
+    assert!(fast.iter().map(|p| picks(port, *p)).sum::<u64>() >= 20);
     eprintln!("slow worker ejected {ejected_after:?} after the traffic started");
 }

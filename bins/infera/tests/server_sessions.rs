@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{eventually, get_json, http_with_headers, metric, replicas, tokenizer_dir};
+use common::{eventually, get_json, http_with_headers, metric, picks, replicas, tokenizer_dir};
 use serde_json::json;
 
 /// A conversation named by `x-session-id` keeps to its worker whichever replica routes it, at
@@ -29,11 +29,6 @@ async fn a_session_keeps_to_its_worker_across_replicas() {
                 .map(|d| d["load"][0]["inflight"].as_u64().unwrap_or(0))
                 .sum()
         })
-    };
-    let picks = |port: u16, worker: u16| {
-        let name =
-            format!("infera_router_picks_total{{role=\"mixed\",worker_id=\"127.0.0.1:{worker}\"");
-        metric(port, &name).unwrap_or(0)
     };
     let send = |port: u16, session: &str, text: &str| {
         let body = json!({"model": tok, "prompt": text, "max_tokens": 1});

@@ -289,6 +289,13 @@ pub fn metric(port: u16, name: &str) -> Option<u64> {
     metric_in(&text, name)
 }
 
+/// The router's picks of the mixed worker on loopback port `worker`, from the server on `port`.
+pub fn picks(port: u16, worker: u16) -> u64 {
+    let name =
+        format!("infera_router_picks_total{{role=\"mixed\",worker_id=\"127.0.0.1:{worker}\"");
+    metric(port, &name).unwrap_or(0)
+}
+
 /// Registers `record` in the etcd at `endpoint`, as a worker launcher does; the registration
 /// lasts as long as the returned handle.
 pub async fn register_in_etcd(endpoint: &str, record: &WorkerRecord) -> Registration {
