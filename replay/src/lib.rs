@@ -5,17 +5,20 @@
 //! - [`sim`]: the discrete-event simulator (simulated engines + kvd tiers, core's router);
 //! - [`rules`]: retention rules (`--retention-rule`);
 //! - [`sweep`]: `--sweep` grids run in parallel;
+//! - [`shard`], [`merge`]: `--shard I/N` slices of a grid, and `infera replay merge` joining them;
 //! - [`tune`]: `--tune`, the Pareto front of a search over the router's tunables;
 //! - [`suite`]: the routing-quality suite behind `cargo xtask bench routing`;
 //! - [`record`]: the trace recorder behind `infera server --record-trace`;
 //! - [`report`], [`output`], [`plot`]: tables, Parquet results, SVG and PNG charts.
 
 pub mod bench;
+pub mod merge;
 pub mod output;
 pub mod plot;
 pub mod record;
 pub mod report;
 pub mod rules;
+pub mod shard;
 pub mod sim;
 pub mod suite;
 pub mod sweep;

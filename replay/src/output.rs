@@ -5,24 +5,33 @@
 //! Request columns: `config` (label), `config_index`, `request_id`, `arrival_us`, `worker`,
 //! `decode_worker` (nullable), `overlap_blocks`, `blocks`, `gpu_hit_blocks`, `host_hit_blocks`,
 //! `disk_hit_blocks`, `cached_tokens`, `input_tokens`, `output_tokens`, `queue_us`, `ttft_us`,
-//! `tpot_us`, `finish_us`, `retention` (nullable), `rejected`.
+//! `tpot_us`, `finish_us`, `retention` (nullable), `rejected`, `tenant` (nullable), `limited`
+//! (the tenant limit that refused it, nullable), `router_queue_us`.
 //! Summary columns: `config`, `config_index`, `rank`, `hit_rate`, `ideal_hit_rate`, `gpu_hit_rate`,
 //! `host_hit_rate`, `disk_hit_rate`, `ttft_p50_ms`, `ttft_p90_ms`, `ttft_p99_ms`, `tpot_p50_ms`,
 //! `queue_p50_ms`, `output_tokens_per_s`, `requests_per_s`, `max_share`, `imbalance`, `params`
-//! (JSON of the configuration).
+//! (JSON of the configuration), `values` (the swept `key=value` pairs), `workers` (the fleet in
+//! order), `makespan_us`, `steps`, `events`, `block_size`.
+//!
+//! `config_index` is the configuration's place in the whole grid, also in a `--shard` slice; a
+//! replay's files carry a [`SweepMeta`] in their footers (see [`crate::shard`]). The two files
+//! hold everything [`Summary::of`] reads, so [`crate::merge`] rebuilds each configuration's
+//! summary from them exactly.
 //!
 //! [`write_measured`] writes the same two files for a run that was measured rather than simulated
 //! (`infera bench --out`), so that replayed and live results can be joined on `request_id`.
 
 use crate::report::Summary;
+use crate::shard::{META_KEY, SweepMeta};
 use crate::sim::{SimConfig, SimResult};
 use arrow_array::builder::{
-    BooleanBuilder, Float64Builder, StringBuilder, UInt32Builder, UInt64Builder,
+    BooleanBuilder, Float64Builder, ListBuilder, StringBuilder, UInt32Builder, UInt64Builder,
 };
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_schema::{DataType, Field, Schema};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Compression;
+use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -43,10 +52,20 @@ pub enum OutputError {
 #[derive(Debug)]
 pub struct Written<'a> {
     pub label: &'a str,
+    /// Its place in the whole grid.
+    pub index: usize,
     pub rank: usize,
-    pub config: &'a SimConfig,
+    /// The configuration as JSON ([`params`]).
+    pub params: &'a str,
+    /// The swept `key=value` pairs.
+    pub values: &'a [(String, String)],
     pub result: &'a SimResult,
     pub summary: &'a Summary,
+}
+
+/// The summary's `params` of a simulated configuration.
+pub fn params(config: &SimConfig) -> String {
+    serde_json::to_string(config).unwrap_or_default()
 }
 
 /// The summary file that goes with `out`: `results.parquet` → `results.summary.parquet`.
@@ -58,28 +77,10 @@ pub fn summary_path(out: &Path) -> PathBuf {
     out.with_file_name(format!("{stem}.summary.parquet"))
 }
 
-/// One configuration as the writers see it: `params` is the JSON written in the summary.
-struct Run<'a> {
-    label: &'a str,
-    rank: usize,
-    params: String,
-    result: &'a SimResult,
-    summary: &'a Summary,
-}
-
-/// Writes both files atomically (see the module docs).
-pub fn write(out: &Path, runs: &[Written<'_>]) -> Result<(), OutputError> {
-    let runs: Vec<Run<'_>> = runs
-        .iter()
-        .map(|r| Run {
-            label: r.label,
-            rank: r.rank,
-            params: serde_json::to_string(r.config).unwrap_or_default(),
-            result: r.result,
-            summary: r.summary,
-        })
-        .collect();
-    write_runs(out, &runs)
+/// Writes both files atomically (see the module docs), with `meta` in their footers.
+pub fn write(out: &Path, runs: &[Written<'_>], meta: &SweepMeta) -> Result<(), OutputError> {
+    let meta = serde_json::to_string(meta).unwrap_or_default();
+    write_runs(out, runs, Some(meta))
 }
 
 /// Writes both files atomically for one measured run: `label` names it in the `config` column,
@@ -87,28 +88,28 @@ pub fn write(out: &Path, runs: &[Written<'_>]) -> Result<(), OutputError> {
 pub fn write_measured(
     out: &Path,
     label: &str,
-    params: String,
+    params: &str,
     result: &SimResult,
     summary: &Summary,
 ) -> Result<(), OutputError> {
-    write_runs(
-        out,
-        &[Run {
-            label,
-            rank: 1,
-            params,
-            result,
-            summary,
-        }],
-    )
+    let run = Written {
+        label,
+        index: 0,
+        rank: 1,
+        params,
+        values: &[],
+        result,
+        summary,
+    };
+    write_runs(out, &[run], None)
 }
 
-fn write_runs(out: &Path, runs: &[Run<'_>]) -> Result<(), OutputError> {
+fn write_runs(out: &Path, runs: &[Written<'_>], meta: Option<String>) -> Result<(), OutputError> {
     let summary = summary_path(out);
     let tmp_req = tmp_path(out);
     let tmp_sum = tmp_path(&summary);
-    let res = write_file(&tmp_req, requests_batch(runs))
-        .and_then(|_| write_file(&tmp_sum, summary_batch(runs)));
+    let res = write_file(&tmp_req, requests_batch(runs), meta.clone())
+        .and_then(|_| write_file(&tmp_sum, summary_batch(runs), meta));
     let res = res.and_then(|_| {
         std::fs::rename(&tmp_req, out).map_err(|e| OutputError::Io {
             path: out.into(),
@@ -137,6 +138,7 @@ fn tmp_path(p: &Path) -> PathBuf {
 fn write_file(
     path: &Path,
     batch: Result<RecordBatch, arrow_schema::ArrowError>,
+    meta: Option<String>,
 ) -> Result<(), OutputError> {
     let enc = |e: String| OutputError::Encode {
         path: path.into(),
@@ -149,6 +151,7 @@ fn write_file(
     })?;
     let props = WriterProperties::builder()
         .set_compression(Compression::SNAPPY)
+        .set_key_value_metadata(meta.map(|m| vec![KeyValue::new(META_KEY.to_owned(), m)]))
         .build();
     let mut w =
         ArrowWriter::try_new(file, batch.schema(), Some(props)).map_err(|e| enc(e.to_string()))?;
@@ -160,7 +163,7 @@ fn write_file(
     })
 }
 
-fn requests_batch(runs: &[Run<'_>]) -> Result<RecordBatch, arrow_schema::ArrowError> {
+fn requests_batch(runs: &[Written<'_>]) -> Result<RecordBatch, arrow_schema::ArrowError> {
     let n: usize = runs.iter().map(|r| r.result.requests.len()).sum();
     let mut config = StringBuilder::new();
     let mut config_index = UInt32Builder::with_capacity(n);
@@ -175,10 +178,13 @@ fn requests_batch(runs: &[Run<'_>]) -> Result<RecordBatch, arrow_schema::ArrowEr
     let mut finish = UInt64Builder::with_capacity(n);
     let mut retention = StringBuilder::new();
     let mut rejected = BooleanBuilder::with_capacity(n);
-    for (ci, run) in runs.iter().enumerate() {
+    let mut tenant = StringBuilder::new();
+    let mut limited = StringBuilder::new();
+    let mut router_queue = UInt64Builder::with_capacity(n);
+    for run in runs {
         for r in &run.result.requests {
             config.append_value(run.label);
-            config_index.append_value(ci as u32);
+            config_index.append_value(run.index as u32);
             request_id.append_value(&r.request_id);
             arrival.append_value(r.arrival_us);
             worker.append_value(&r.worker);
@@ -202,6 +208,9 @@ fn requests_batch(runs: &[Run<'_>]) -> Result<RecordBatch, arrow_schema::ArrowEr
             finish.append_value(r.finish_us);
             retention.append_option(r.retention.map(|c| c.as_str()));
             rejected.append_value(r.rejected);
+            tenant.append_option(r.tenant.as_deref());
+            limited.append_option(r.limited);
+            router_queue.append_value(r.router_queue_us);
         }
     }
     let u32_names = [
@@ -241,6 +250,9 @@ fn requests_batch(runs: &[Run<'_>]) -> Result<RecordBatch, arrow_schema::ArrowEr
         Field::new("finish_us", DataType::UInt64, false),
         Field::new("retention", DataType::Utf8, true),
         Field::new("rejected", DataType::Boolean, false),
+        Field::new("tenant", DataType::Utf8, true),
+        Field::new("limited", DataType::Utf8, true),
+        Field::new("router_queue_us", DataType::UInt64, false),
     ]);
     cols.extend([
         Arc::new(queue.finish()) as ArrayRef,
@@ -249,11 +261,14 @@ fn requests_batch(runs: &[Run<'_>]) -> Result<RecordBatch, arrow_schema::ArrowEr
         Arc::new(finish.finish()),
         Arc::new(retention.finish()),
         Arc::new(rejected.finish()),
+        Arc::new(tenant.finish()),
+        Arc::new(limited.finish()),
+        Arc::new(router_queue.finish()),
     ]);
     RecordBatch::try_new(Arc::new(Schema::new(fields)), cols)
 }
 
-fn summary_batch(runs: &[Run<'_>]) -> Result<RecordBatch, arrow_schema::ArrowError> {
+fn summary_batch(runs: &[Written<'_>]) -> Result<RecordBatch, arrow_schema::ArrowError> {
     let mut config = StringBuilder::new();
     let mut params = StringBuilder::new();
     let mut config_index = UInt32Builder::new();
@@ -275,11 +290,27 @@ fn summary_batch(runs: &[Run<'_>]) -> Result<RecordBatch, arrow_schema::ArrowErr
         "imbalance",
     ];
     let mut f64s: Vec<Float64Builder> = names.iter().map(|_| Float64Builder::new()).collect();
-    for (ci, run) in runs.iter().enumerate() {
+    let mut values = ListBuilder::new(StringBuilder::new()).with_field(text_item());
+    let mut workers = ListBuilder::new(StringBuilder::new()).with_field(text_item());
+    let [mut makespan, mut steps, mut events] = [(); 3].map(|_| UInt64Builder::new());
+    let mut block_size = UInt32Builder::new();
+    for run in runs {
         let s = run.summary;
         config.append_value(run.label);
-        params.append_value(&run.params);
-        config_index.append_value(ci as u32);
+        params.append_value(run.params);
+        config_index.append_value(run.index as u32);
+        for (k, v) in run.values {
+            values.values().append_value(format!("{k}={v}"));
+        }
+        values.append(true);
+        for w in &run.result.workers {
+            workers.values().append_value(w);
+        }
+        workers.append(true);
+        makespan.append_value(run.result.makespan_us);
+        steps.append_value(run.result.steps);
+        events.append_value(run.result.events);
+        block_size.append_value(run.result.block_size);
         rank.append_value(run.rank as u32);
         let max_share = s.shares.iter().map(|x| x.1).fold(0.0, f64::max);
         let vals = [
@@ -316,7 +347,29 @@ fn summary_batch(runs: &[Run<'_>]) -> Result<RecordBatch, arrow_schema::ArrowErr
         fields.push(Field::new(*name, DataType::Float64, false));
         cols.push(Arc::new(b.finish()));
     }
-    fields.push(Field::new("params", DataType::Utf8, false));
-    cols.push(Arc::new(params.finish()));
+    let text_list = DataType::List(Arc::new(text_item()));
+    fields.extend([
+        Field::new("params", DataType::Utf8, false),
+        Field::new("values", text_list.clone(), false),
+        Field::new("workers", text_list, false),
+        Field::new("makespan_us", DataType::UInt64, false),
+        Field::new("steps", DataType::UInt64, false),
+        Field::new("events", DataType::UInt64, false),
+        Field::new("block_size", DataType::UInt32, false),
+    ]);
+    cols.extend([
+        Arc::new(params.finish()) as ArrayRef,
+        Arc::new(values.finish()),
+        Arc::new(workers.finish()),
+        Arc::new(makespan.finish()),
+        Arc::new(steps.finish()),
+        Arc::new(events.finish()),
+        Arc::new(block_size.finish()),
+    ]);
     RecordBatch::try_new(Arc::new(Schema::new(fields)), cols)
+}
+
+/// The item of the summary's list columns: text, never null.
+fn text_item() -> Field {
+    Field::new_list_field(DataType::Utf8, false)
 }

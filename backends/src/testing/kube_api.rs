@@ -10,7 +10,7 @@
 //! | `GET /api/v1/namespaces/{ns}/pods/{name}` | the Pod, or 404 `NotFound` |
 //! | `PATCH` of the same path | `application/merge-patch+json` (RFC 7386) and `application/strategic-merge-patch+json` (maps merge the same way; lists are replaced and `$` directives are refused with 400); an unchanged object keeps its version and emits no event; a `metadata.resourceVersion` in the patch is a precondition (409 on mismatch) |
 //! | `GET`, merge-`PATCH` `/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}` | a custom object put by [`KubeApiServer::put_custom`] (not listed or watched) |
-//! | `/api`, `/apis`, `/api/v1`, `/apis/{group}/{version}`, `/version` | discovery documents for the core, apps and rbac groups, so that `kubectl apply --dry-run=client` can map kinds |
+//! | `/api`, `/apis`, `/api/v1`, `/apis/{group}/{version}`, `/version` | discovery documents for the core, apps, batch, rbac and policy groups, so that `kubectl apply --dry-run=client` can map kinds |
 //! | anything else | 404 `NotFound` `Status` |
 //!
 //! RBAC: [`KubeApiServer::deny`] makes a verb on `pods` answer 403 `Forbidden` with the API

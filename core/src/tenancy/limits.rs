@@ -59,6 +59,13 @@ pub enum Limit {
 }
 
 impl Limit {
+    pub const ALL: [Limit; 4] = [
+        Limit::Requests,
+        Limit::PromptTokens,
+        Limit::GeneratedTokens,
+        Limit::Concurrency,
+    ];
+
     /// The metric label and the error's wording.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -1,5 +1,6 @@
 //! Discovery documents (`/version`, `/api`, `/apis`, resource lists), enough for `kubectl` to map
-//! the kinds of Infera's manifests to resources: core v1, apps v1, rbac v1 and policy v1.
+//! the kinds of Infera's manifests to resources: core v1, apps v1, batch v1, rbac v1 and policy
+//! v1.
 
 use super::json_response;
 use super::store::status;
@@ -44,6 +45,7 @@ const GROUPS: &[(&str, &str, &[ResourceInfo])] = &[
             ("replicasets", "ReplicaSet", true),
         ],
     ),
+    ("batch", "v1", &[("jobs", "Job", true)]),
     (
         "rbac.authorization.k8s.io",
         "v1",

@@ -262,7 +262,7 @@ fn bench(args: &BenchArgs, settings: Settings) -> anyhow::Result<()> {
         output::write_measured(
             out,
             "live",
-            params.to_string(),
+            &params.to_string(),
             &sim,
             &Summary::of(&sim, ideal),
         )?;

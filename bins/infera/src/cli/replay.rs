@@ -1,7 +1,8 @@
 //! Flags of `infera replay`; `crate::replay_cmd` runs them.
 
-use clap::{Args, ValueEnum};
+use clap::{Args, Subcommand, ValueEnum};
 use infera_core::policy::{AffinityMode, PolicyKind};
+use infera_replay::shard::Shard;
 use infera_replay::sim::DEFAULT_FRONTEND_US;
 use std::path::PathBuf;
 
@@ -18,13 +19,19 @@ pub enum PlaybackArg {
 /// Arguments of `infera replay`.
 #[derive(Debug, Args)]
 #[command(
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true,
     after_help = "Example: infera replay fixtures/traces/conversation_trace.parquet \
     --kv-prefill-overlap-weight 20 --sweep kv-overlap-weight=0,1,4,16 --out results.parquet"
 )]
 pub struct ReplayArgs {
+    #[command(subcommand)]
+    pub command: Option<ReplayCommand>,
+
     /// Trace to replay: `.parquet`, Mooncake `.jsonl`, Azure `.csv`, or a directory of recorded
     /// Parquet segments.
-    pub trace: PathBuf,
+    #[arg(required = true)]
+    pub trace: Option<PathBuf>,
 
     /// Routing policy, as `infera server --router-policy`.
     #[arg(long, value_parser = super::policy_parser(), default_value_t)]
@@ -178,6 +185,37 @@ pub struct ReplayArgs {
     /// Chart each metric (hit rate, TTFT p50 and p99, TPOT, tokens/s, imbalance) against the
     /// swept value, one line per value of the other --sweep (.svg or .png); with --tune, the
     /// Pareto front.
+    #[arg(long, value_name = "FILE.svg|FILE.png")]
+    pub plot: Option<PathBuf>,
+    /// Run slice I of N (from 0) of the --sweep or --tune grid, every Nth configuration from
+    /// the Ith, and write it to --out; `infera replay merge` joins the N slices' files into the
+    /// table, front and files one unsharded run gives. For sweeps that outgrow one machine: a
+    /// Kubernetes Indexed Job runs the N slices (bins/deploy/kubernetes/replay-sweep).
+    #[arg(long, value_name = "I/N", requires = "out", conflicts_with = "plot")]
+    pub shard: Option<Shard>,
+}
+
+/// Subcommands of `infera replay`.
+#[derive(Debug, Subcommand)]
+pub enum ReplayCommand {
+    /// Join the --out files of `infera replay --shard I/N` slices: prints the table (and with
+    /// --tune the Pareto front) of the whole sweep and writes its files, as one unsharded run.
+    Merge(MergeArgs),
+}
+
+/// Arguments of `infera replay merge`.
+#[derive(Debug, Args)]
+#[command(after_help = "Example: infera replay merge --out sweep.parquet slices/")]
+pub struct MergeArgs {
+    /// The slices' --out files (FILE.parquet, with FILE.summary.parquet beside it) or folders
+    /// holding them.
+    #[arg(required = true, value_name = "SLICE")]
+    pub slices: Vec<PathBuf>,
+    /// Write the whole sweep's per-request rows to this Parquet file and its summary to
+    /// FILE.summary.parquet, as `infera replay --out`.
+    #[arg(long, value_name = "FILE.parquet")]
+    pub out: Option<PathBuf>,
+    /// Chart the whole sweep, as `infera replay --plot` (.svg or .png).
     #[arg(long, value_name = "FILE.svg|FILE.png")]
     pub plot: Option<PathBuf>,
 }

@@ -5,7 +5,7 @@
 //!
 //! 1. The built-in kinds go through `kubectl apply --dry-run=client -o json` against the
 //!    in-process API server of `infera_backends::testing::kube_api` (kubectl needs a server to
-//!    map kinds to resources; that one serves the discovery documents of core, apps and rbac). It
+//!    map kinds to resources; that one serves the discovery documents of core, apps, batch and rbac). It
 //!    has no OpenAPI schema to offer, so kubectl runs with `--validate=false`; the schema check is
 //!    step 2. The CRD kinds (the Prometheus Operator's ServiceMonitor, the Inference Extension's
 //!    InferencePool) are unknown to that server and to `k8s-openapi`: kubectl reads them offline
@@ -29,12 +29,14 @@
 mod checks;
 mod fleet;
 mod render;
+mod replay;
 
 use checks::*;
 use fleet::*;
 use infera_backends::discovery::kubernetes::k8s_openapi;
 use infera_backends::testing::kube_api::KubeApiServer;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{
     Container, Namespace, PersistentVolumeClaim, PodSpec, PodTemplateSpec, Probe, Secret, Service,
     ServiceAccount,

@@ -235,6 +235,7 @@ pub(super) struct Fleet {
     pub(super) accounts: BTreeSet<String>,
     pub(super) deployments: BTreeMap<String, Deployment>,
     pub(super) daemon_sets: BTreeMap<String, DaemonSet>,
+    pub(super) jobs: BTreeMap<String, Job>,
     pub(super) services: BTreeMap<String, Service>,
     pub(super) claims: BTreeMap<String, PersistentVolumeClaim>,
     pub(super) secrets: BTreeMap<String, Secret>,
@@ -276,6 +277,9 @@ pub(super) fn classify(objects: &[Value]) -> Fleet {
             }
             "DaemonSet" => {
                 fleet.daemon_sets.insert(name, typed(object));
+            }
+            "Job" => {
+                fleet.jobs.insert(name, typed(object));
             }
             "Service" => {
                 fleet.services.insert(name, typed(object));

@@ -2,16 +2,20 @@
 //! (import, inspect and synthesize traces). Flag parsing and wiring only; the work is in
 //! `infera-replay`.
 
-use crate::cli::replay::{PlaybackArg, ReplayArgs};
+mod present;
+
+use crate::cli::replay::{PlaybackArg, ReplayArgs, ReplayCommand};
 use crate::cli::trace::{TraceArgs, TraceCmd};
 use anyhow::{Context, bail};
 use infera_core::engine::TimingModel;
 use infera_replay::plot;
-use infera_replay::report::{self, Row, Summary};
+use infera_replay::report::Summary;
 use infera_replay::rules::RetentionRule;
-use infera_replay::sim::{Playback, SessionLinks, SimConfig, SimResult, TierConfig};
+use infera_replay::shard::{Shard, SweepMeta};
+use infera_replay::sim::{Playback, SessionLinks, SimConfig, TierConfig};
 use infera_replay::sweep::{self, SweepAxis};
 use infera_replay::{output, trace, tune};
+use present::{Outputs, Run};
 use std::io::IsTerminal;
 use std::path::Path;
 use std::sync::Arc;
@@ -195,15 +199,7 @@ fn validate(args: &ReplayArgs) -> anyhow::Result<Validated> {
         .map(|s| s.parse::<SweepAxis>())
         .collect::<Result<_, _>>()?;
     check_output_path(args.out.as_deref(), "parquet", "--out")?;
-    let plot_format = match args.plot.as_deref() {
-        Some(p) => {
-            let format = plot::Format::from_path(p)
-                .with_context(|| format!("--plot {}: expected a .svg or .png file", p.display()))?;
-            check_output_path(Some(p), format.extension(), "--plot")?;
-            Some(format)
-        }
-        None => None,
-    };
+    let plot_format = plot_format(args.plot.as_deref())?;
     if args.limit == Some(0) {
         bail!("--limit must be at least 1");
     }
@@ -215,12 +211,29 @@ fn validate(args: &ReplayArgs) -> anyhow::Result<Validated> {
     Ok(Validated { axes, plot_format })
 }
 
-pub fn run_replay(args: ReplayArgs) -> Result<(), ReplayFailure> {
-    let v = validate(&args).map_err(ReplayFailure::Invalid)?;
-    Ok(replay(args, v)?)
+/// `--plot`'s format, from its extension.
+fn plot_format(path: Option<&Path>) -> anyhow::Result<Option<plot::Format>> {
+    let Some(p) = path else { return Ok(None) };
+    let format = plot::Format::from_path(p)
+        .with_context(|| format!("--plot {}: expected a .svg or .png file", p.display()))?;
+    check_output_path(Some(p), format.extension(), "--plot")?;
+    Ok(Some(format))
 }
 
-fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
+pub fn run_replay(mut args: ReplayArgs) -> Result<(), ReplayFailure> {
+    if let Some(ReplayCommand::Merge(merge)) = args.command.take() {
+        return present::run_merge(merge);
+    }
+    let Some(trace) = args.trace.clone() else {
+        return Err(ReplayFailure::Invalid(anyhow::anyhow!(
+            "give the trace to replay"
+        )));
+    };
+    let v = validate(&args).map_err(ReplayFailure::Invalid)?;
+    Ok(replay(args, &trace, v)?)
+}
+
+fn replay(args: ReplayArgs, trace_path: &Path, v: Validated) -> anyhow::Result<()> {
     let Validated { axes, plot_format } = v;
     let started = Instant::now();
     let opts = trace::LoadOptions {
@@ -229,7 +242,7 @@ fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
         block_size: args.trace_block_size,
         ..Default::default()
     };
-    let mut tr = trace::load(&args.trace, &opts)?;
+    let mut tr = trace::load(trace_path, &opts)?;
     if let Some(n) = args.limit {
         tr.requests.truncate(n);
     }
@@ -258,7 +271,7 @@ fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
     let summary = trace::summarize(&tr);
     println!(
         "trace: {} — {} requests over {:.1} min ({:.2} req/s), block size {}, {} blocks",
-        args.trace.display(),
+        trace_path.display(),
         summary.requests,
         summary.span_s / 60.0,
         summary.rate_per_s.unwrap_or(0.0),
@@ -280,6 +293,27 @@ fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
     }
     describe_fleet(&base);
 
+    let shard = args.shard.unwrap_or(Shard::WHOLE);
+    let meta = SweepMeta::new(
+        &trace_path.display().to_string(),
+        &tr,
+        &points,
+        &axes,
+        args.tune,
+        shard,
+    );
+    let total = points.len();
+    let (indices, points): (Vec<usize>, Vec<sweep::Point>) = points
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| shard.holds(*i))
+        .unzip();
+    if shard.count > 1 {
+        println!(
+            "slice {shard}: {} of the sweep's {total} configurations",
+            points.len()
+        );
+    }
     let threads = args.threads.unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())
@@ -294,118 +328,37 @@ fn replay(args: ReplayArgs, v: Validated) -> anyhow::Result<()> {
     let results = pool.install(|| sweep::run_all(&tr, &points, &|| bar.inc(1)));
     progress.finish();
     let sim_secs = sim_started.elapsed().as_secs_f64();
-    let mut runs: Vec<(usize, SimResult, Summary)> = Vec::with_capacity(points.len());
-    for (i, r) in results.into_iter().enumerate() {
-        let r = r.with_context(|| format!("configuration {}", points[i].label))?;
-        let s = Summary::of(&r, summary.ideal_hit_rate);
-        runs.push((i, r, s));
+    let mut runs: Vec<Run> = Vec::with_capacity(points.len());
+    for ((p, r), index) in points.into_iter().zip(results).zip(indices) {
+        let result = r.with_context(|| format!("configuration {}", p.label))?;
+        runs.push(Run {
+            summary: Summary::of(&result, summary.ideal_hit_rate),
+            index,
+            params: output::params(&p.config),
+            label: p.label,
+            values: p.values,
+            result,
+        });
     }
-    // Rank: TTFT p50 first (what users feel), then hit rate.
-    let mut order: Vec<usize> = (0..runs.len()).collect();
-    order.sort_by(|a, b| {
-        let (sa, sb) = (&runs[*a].2, &runs[*b].2);
-        sa.ttft_p50_ms
-            .total_cmp(&sb.ttft_p50_ms)
-            .then(sb.hit_rate.total_cmp(&sa.hit_rate))
-    });
-    let rows: Vec<Row> = order
+    let (steps, events) = runs
         .iter()
-        .map(|i| Row {
-            label: points[*i].label.clone(),
-            summary: runs[*i].2.clone(),
-        })
-        .collect();
-    println!();
-    print!("{}", report::table(&rows));
-    let best = &runs[order[0]];
-    println!();
-    println!(
-        "best: {} (ranked by TTFT p50, then hit rate)",
-        points[best.0].label
-    );
-    let classes = report::class_table(&best.2);
-    // Only worth a table when some request has a retention class.
-    if best.2.by_class[..4].iter().any(|c| c.requests > 0) {
-        println!("hits by retention class:");
-        print!("{classes}");
-    }
-    let tenants = report::tenant_table(&best.2);
-    if !tenants.is_empty() {
-        println!("per tenant:");
-        print!("{tenants}");
-    }
-    let shares: Vec<String> = best
-        .2
-        .shares
-        .iter()
-        .map(|(w, s)| format!("{}={:.1}%", short_worker(w), s * 100.0))
-        .collect();
-    println!("per-worker share: {}", shares.join(" "));
-    println!(
+        .min_by(|a, b| present::ranking(&a.summary, &b.summary))
+        .map_or((0, 0), |r| (r.result.steps, r.result.events));
+    let timing = format!(
         "simulated {} configuration(s) in {:.2} s on {} thread(s) ({:.2} s per configuration; the best: {} engine steps, {} events in its log)",
         runs.len(),
         sim_secs,
         threads,
-        sim_secs * threads.min(runs.len()).max(1) as f64 / runs.len() as f64,
-        best.1.steps,
-        best.1.events
+        sim_secs * threads.min(runs.len()).max(1) as f64 / runs.len().max(1) as f64,
+        steps,
+        events
     );
-    if let Some(out) = &args.out {
-        let mut rank_of = vec![0usize; runs.len()];
-        for (rank, i) in order.iter().enumerate() {
-            rank_of[*i] = rank + 1;
-        }
-        let written: Vec<output::Written<'_>> = runs
-            .iter()
-            .map(|(i, r, s)| output::Written {
-                label: &points[*i].label,
-                rank: rank_of[*i],
-                config: &points[*i].config,
-                result: r,
-                summary: s,
-            })
-            .collect();
-        output::write(out, &written)?;
-        println!(
-            "wrote {} and {}",
-            out.display(),
-            output::summary_path(out).display()
-        );
-    }
-    let values: Vec<Vec<(String, String)>> = runs
-        .iter()
-        .map(|(i, _, _)| points[*i].values.clone())
-        .collect();
-    let summaries: Vec<Summary> = runs.iter().map(|(_, _, s)| s.clone()).collect();
-    if args.tune {
-        println!();
-        print!("{}", tune::report(&values, &summaries));
-    }
-    if let (Some(path), Some(format), true) = (&args.plot, plot_format, args.tune) {
-        let pts = tune::chart_points(&values, &summaries);
-        let objs: Vec<tune::Objectives> = summaries.iter().map(tune::Objectives::of).collect();
-        let name = args.trace.file_name().unwrap_or(args.trace.as_os_str());
-        let title = format!("--tune on {}", name.to_string_lossy());
-        let chart = plot::Pareto {
-            title: &title,
-            x_label: "busiest worker's share / mean share",
-            y_label: "hit rate (%)",
-            points: &pts,
-            recommended: tune::recommend(&objs),
-        };
-        write_atomic(path, &plot::pareto(&chart, format)?)?;
-        println!("wrote {}", path.display());
-    } else if let (Some(path), Some(format)) = (&args.plot, plot_format) {
-        let runs: Vec<plot::SweepRun<'_>> = runs
-            .iter()
-            .map(|(i, _, s)| plot::SweepRun {
-                values: &points[*i].values,
-                summary: s,
-            })
-            .collect();
-        write_atomic(path, &plot::sweep(&axes, &runs, format)?)?;
-        println!("wrote {}", path.display());
-    }
+    let outputs = Outputs {
+        meta: &meta,
+        out: args.out.as_deref(),
+        plot: args.plot.as_deref().zip(plot_format),
+    };
+    present::present(&runs, &outputs, &timing)?;
     tracing::debug!(elapsed_s = started.elapsed().as_secs_f64(), "replay done");
     Ok(())
 }
@@ -429,12 +382,6 @@ fn describe_fleet(c: &SimConfig) {
         c.engine.block_size,
         c.router.policy.as_str()
     );
-}
-
-fn short_worker(w: &str) -> &str {
-    w.strip_suffix(":8000")
-        .unwrap_or(w)
-        .trim_start_matches("sim-")
 }
 
 pub(crate) fn check_output_path(p: Option<&Path>, ext: &str, flag: &str) -> anyhow::Result<()> {
