@@ -5,4 +5,5 @@
 pub mod mock;
 pub mod serve;
 pub mod server;
+pub mod telemetry;
 pub mod tokenize;

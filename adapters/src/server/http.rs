@@ -19,6 +19,7 @@ use infera_core::error::{ErrorCode, ServiceError as _};
 use infera_core::hashing::KvIdentity;
 use infera_core::ids::{SessionKey, WorkerRank};
 use infera_core::policy::{DirectPick, RouteError};
+use infera_core::ports::trace::TARGET;
 use infera_core::ports::transport::TransportError;
 use infera_core::service::metrics::text;
 use infera_core::service::{Prepared, Reply, ReplyBody, RequestError, RequestKeys, Share};
@@ -27,6 +28,7 @@ use serde::Deserialize as _;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use tracing::Instrument as _;
 
 /// The request-id header, echoed or generated.
 pub(crate) const REQUEST_ID: &str = "x-infera-request-id";
@@ -167,6 +169,15 @@ enum Endpoint {
 }
 
 impl Endpoint {
+    /// The request span's name: the method and the route (OpenTelemetry's HTTP server spans).
+    fn span_name(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "POST /v1/completions",
+            Endpoint::Chat => "POST /v1/chat/completions",
+            Endpoint::Messages => "POST /v1/messages",
+        }
+    }
+
     /// The engine path the request is forwarded to.
     fn path(self) -> &'static str {
         match self {
@@ -206,14 +217,42 @@ fn request_id(st: &ServerState, headers: &HeaderMap) -> String {
         })
 }
 
+/// The request's span (see `infera_core::ports::trace`), the client's `traceparent` its
+/// parent; disabled unless traces are exported.
+fn request_span(st: &ServerState, ep: Endpoint, id: &str, headers: &HeaderMap) -> tracing::Span {
+    let span = tracing::trace_span!(
+        target: TARGET,
+        "request",
+        otel.name = ep.span_name(),
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        http.request.method = "POST",
+        url.path = &ep.span_name()[5..],
+        infera.request_id = id,
+        gen_ai.request.model = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+    );
+    if let Some(trace) = st.service().trace_context()
+        && !span.is_disabled()
+    {
+        trace.adopt(&span, headers);
+    }
+    span
+}
+
 async fn handle(st: ServerState, ep: Endpoint, headers: HeaderMap, body: Body) -> Response {
     let id = request_id(&st, &headers);
+    let span = request_span(&st, ep, &id, &headers);
     let tenant = match &st.inner.options.client.api_keys {
         None => Ok(Arc::clone(&st.inner.anonymous)),
         Some(keys) => keys.authenticate(&headers),
     };
     let answered = match &tenant {
-        Ok(tenant) => pipeline(&st, ep, &headers, body, &id, tenant).await,
+        Ok(tenant) => {
+            pipeline(&st, ep, &headers, body, &id, tenant)
+                .instrument(span.clone())
+                .await
+        }
         Err(e) => Err(e.clone()),
     };
     let mut resp = match answered {
@@ -230,6 +269,15 @@ async fn handle(st: ServerState, ep: Endpoint, headers: HeaderMap, body: Body) -
     };
     if let Ok(v) = HeaderValue::from_str(&id) {
         resp.headers_mut().insert(REQUEST_ID, v);
+    }
+    if !span.is_disabled() {
+        span.record(
+            "http.response.status_code",
+            i64::from(resp.status().as_u16()),
+        );
+        if resp.status().is_server_error() {
+            span.record("otel.status_code", "ERROR");
+        }
     }
     match tenant {
         Ok(t) if t.limits.any() => {
@@ -263,13 +311,18 @@ async fn pipeline(
     tenant: &Arc<Tenant>,
 ) -> Result<Response, ApiError> {
     let options = &st.inner.options;
+    let parse =
+        tracing::trace_span!(target: TARGET, "parse", infera.body_bytes = tracing::field::Empty);
     let (bytes, mut parse_charge) = super::body::read_limited(
         body,
         headers,
         options.service.max_body_bytes,
         Some(&options.client.parse_budget),
     )
+    .instrument(parse.clone())
     .await?;
+    let _parsing = parse.enter();
+    parse.record("infera.body_bytes", bytes.len() as i64);
     let (bytes, shape) = match ep {
         Endpoint::Completions => (bytes, Shape::Prompt),
         Endpoint::Chat => (bytes, Shape::Messages),
@@ -298,6 +351,8 @@ async fn pipeline(
         cache_salt,
         priority,
     } = super::body::parse(bytes, shape, options.client.default_retention)?;
+    drop(_parsing);
+    tracing::Span::current().record("gen_ai.request.model", model.as_str());
     let seen = retention.map_or("none", infera_core::event::Retention::as_str);
     st.service().metrics().retention_seen(seen);
     let direct = if options.direct {
@@ -338,6 +393,7 @@ async fn pipeline(
                 session: session_id.as_deref().map(SessionKey::of),
             },
         )
+        .instrument(tracing::trace_span!(target: TARGET, "tokenize"))
         .await?;
     if let Some(with_tokens) = st.service().meta_wants_tokens() {
         let base = st

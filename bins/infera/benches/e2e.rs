@@ -24,6 +24,11 @@
 //!   every limit set (never reached); after it, five alternating rounds time the engine alone,
 //!   the plain front and the keyed one request by request, and the median of the rounds' ratio
 //!   of added p50s (keyed over plain) is printed: target within 10 %.
+//! * `e2e/added/round-robin-traced`: the same requests to a front whose spans are exported
+//!   (`--otlp-endpoint`: every span sampled, batched, and dropped by the exporter, so the cost
+//!   is the router's and not a collector's); five alternating rounds against the plain front
+//!   print the median ratio of added p50s, the cost of tracing on. It runs last: once a
+//!   subscriber wants the spans, every process-wide span check costs a little more.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -194,21 +199,27 @@ fn fleet(
     recording: Option<&std::path::Path>,
     engines: Engines,
 ) -> Fleet {
-    fleet_with(policy, tok, recording, engines, None)
+    fleet_with(policy, tok, recording, engines, None, None)
 }
 
-/// [`fleet`], its front asking for the keys of `api_keys` (a key file).
+/// [`fleet`], its front asking for the keys of `api_keys` (a key file), and with `spans`, its
+/// runtime's threads exporting the request path's spans through that subscriber.
 fn fleet_with(
     policy: PolicyKind,
     tok: &Arc<Tokenizer>,
     recording: Option<&std::path::Path>,
     engines: Engines,
     api_keys: Option<&Path>,
+    spans: Option<tracing::Dispatch>,
 ) -> Fleet {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(dispatch) = spans.clone() {
+        rt.on_thread_start(move || {
+            // For the thread's whole life.
+            std::mem::forget(tracing::dispatcher::set_default(&dispatch));
+        });
+    }
+    let rt = rt.enable_all().build().expect("runtime");
     let (front, workers) = rt.block_on(async {
         let options = ServerOptions {
             service: ServiceOptions {
@@ -232,6 +243,10 @@ fn fleet_with(
             },
         };
         let state = ServerState::new(options, Arc::clone(tok));
+        if spans.is_some() {
+            let w3c = infera_adapters::telemetry::W3c::default();
+            state.service().set_trace_context(Arc::new(w3c));
+        }
         if let Some(dir) = recording {
             record(&state, dir);
         }
@@ -476,6 +491,7 @@ fn throughput(c: &mut Criterion) {
         None,
         Engines::Instant,
         Some(&keys),
+        None,
     );
     group.bench_function("round-robin-keys", |b| {
         b.iter(|| {
@@ -487,18 +503,67 @@ fn throughput(c: &mut Criterion) {
             ));
         });
     });
+    on_against_off("keys and limits", &rr, &keyed, Some(KEY), &short[0]);
+    drop(keyed);
+
+    let (provider, spans) = exporting_spans();
+    let traced = fleet_with(
+        PolicyKind::ROUND_ROBIN,
+        &tok,
+        None,
+        Engines::Instant,
+        None,
+        Some(spans),
+    );
+    group.bench_function("round-robin-traced", |b| {
+        b.iter(|| {
+            traced
+                .rt
+                .block_on(complete(&traced.client, traced.front, short[0].clone()));
+        });
+    });
     group.finish();
-    keys_against_none(&rr, &keyed, &short[0]);
+    on_against_off("tracing", &rr, &traced, None, &short[0]);
+    drop(provider);
 }
 
 const KEY: &str = "sk-bench-0123456789abcdef";
 
-/// The router's added p50 with keys and limits on (`keyed`) against off (`plain`): five rounds,
-/// each timing 400 requests to each fleet's engine alone and then its front, the fleets taken
-/// in turn request by request; prints the median of the rounds' ratios. Each fleet has its own
-/// runtime, whose threads park while the other fleet runs: each front is timed right after
-/// its own engine, so both pay the wake-up in their engine's time, not one in its front's.
-fn keys_against_none(plain: &Fleet, keyed: &Fleet, body: &Bytes) {
+/// An exporter that drops every batch: the export's cost without a collector's.
+#[derive(Debug)]
+struct Discard;
+
+impl opentelemetry_sdk::trace::SpanExporter for Discard {
+    async fn export(
+        &self,
+        _batch: Vec<opentelemetry_sdk::trace::SpanData>,
+    ) -> opentelemetry_sdk::error::OTelSdkResult {
+        Ok(())
+    }
+}
+
+/// A subscriber exporting the request path's spans as `--otlp-endpoint` does, every one
+/// sampled, through the SDK's batch processor into [`Discard`].
+fn exporting_spans() -> (
+    opentelemetry_sdk::trace::SdkTracerProvider,
+    tracing::Dispatch,
+) {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_batch_exporter(Discard)
+        .build();
+    let subscriber =
+        tracing_subscriber::registry().with(infera_adapters::telemetry::spans(&provider));
+    (provider, tracing::Dispatch::new(subscriber))
+}
+
+/// The router's added p50 with `what` on (the `on` fleet, sent `key`) against off (`plain`):
+/// five rounds, each timing 400 requests to each fleet's engine alone and then its front, the
+/// fleets taken in turn request by request; prints the median of the rounds' ratios. Each
+/// fleet has its own runtime, whose threads park while the other fleet runs: each front is
+/// timed right after its own engine, so both pay the wake-up in their engine's time, not one
+/// in its front's.
+fn on_against_off(what: &str, plain: &Fleet, with: &Fleet, key: Option<&str>, body: &Bytes) {
     let time = |fleet: &Fleet, target: SocketAddr, key: Option<&str>| {
         let start = Instant::now();
         fleet
@@ -513,20 +578,19 @@ fn keys_against_none(plain: &Fleet, keyed: &Fleet, body: &Bytes) {
     let mut rounds = Vec::new();
     for _ in 0..5 {
         let (mut plain_engine, mut off) = (Vec::new(), Vec::new());
-        let (mut keyed_engine, mut on) = (Vec::new(), Vec::new());
+        let (mut with_engine, mut on) = (Vec::new(), Vec::new());
         for _ in 0..400 {
             plain_engine.push(time(plain, plain.workers[0], None));
             off.push(time(plain, plain.front, None));
-            keyed_engine.push(time(keyed, keyed.workers[0], None));
-            on.push(time(keyed, keyed.front, Some(KEY)));
+            with_engine.push(time(with, with.workers[0], None));
+            on.push(time(with, with.front, key));
         }
-        rounds.push((p50(off) - p50(plain_engine), p50(on) - p50(keyed_engine)));
+        rounds.push((p50(off) - p50(plain_engine), p50(on) - p50(with_engine)));
     }
     let mut ratios: Vec<f64> = rounds.iter().map(|(off, on)| on / off).collect();
     ratios.sort_by(f64::total_cmp);
     println!(
-        "e2e/added: keys and limits on against off, added p50 per round (µs): {}; median \
-         ratio {:.3}",
+        "e2e/added: {what} on against off, added p50 per round (µs): {}; median ratio {:.3}",
         rounds
             .iter()
             .map(|(off, on)| format!("{on:.1} vs {off:.1}"))

@@ -8,10 +8,13 @@
 use crate::cli::{Cli, Command};
 use crate::config::{ConfigError, GaieConfig, KvdConfig, ServerConfig, WorkerConfig};
 use crate::{replay_cmd, up_cmd, worker};
+use infera_adapters::telemetry;
 use serde::Serialize;
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
+use tracing_subscriber::{EnvFilter, Layer as _};
 
 /// Why a command did not succeed.
 #[derive(Debug, thiserror::Error)]
@@ -53,18 +56,51 @@ impl AppError {
 }
 
 /// Sends `tracing` output to stderr (stdout carries `--check-config` JSON), filtered by
-/// `RUST_LOG`, else by `infera kvd --log-level`, else `info`.
-pub fn init_tracing(cli: &Cli) {
+/// `RUST_LOG`, else by `infera kvd --log-level`, else `info`; and, for `infera server` and
+/// `infera up` with an OTLP endpoint, the request path's spans to it (see [`telemetry`]). The
+/// returned exporter flushes at drop.
+///
+/// # Errors
+/// Bad `--otlp-*` flags, or an exporter that cannot be built.
+pub fn init_tracing(cli: &Cli) -> Result<Option<telemetry::Exporter>, AppError> {
     let default = match &cli.command {
         Command::Kvd(args) => args.log_level.directive(),
         _ => "info",
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let log = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
-        .init();
+        .with_filter(filter);
+    let (command, settings) = match &cli.command {
+        Command::Server(args) => (
+            "server",
+            telemetry::Settings {
+                endpoint: args.otlp_endpoint.clone(),
+                sample_ratio: args.otlp_sample_ratio,
+            },
+        ),
+        Command::Up(_) => ("up", telemetry::Settings::default()),
+        _ => {
+            tracing_subscriber::registry().with(log).init();
+            return Ok(None);
+        }
+    };
+    settings.validate().map_err(|e| AppError::Invalid {
+        command,
+        error: e.into(),
+    })?;
+    if !settings.enabled(|k| std::env::var(k).ok()) {
+        tracing_subscriber::registry().with(log).init();
+        return Ok(None);
+    }
+    let (exporter, spans) = telemetry::layer(&settings).map_err(|e| AppError::Failed {
+        command,
+        error: e.into(),
+    })?;
+    tracing_subscriber::registry().with(log).with(spans).init();
+    telemetry::set_exporting();
+    Ok(Some(exporter))
 }
 
 /// Runs a parsed command line.

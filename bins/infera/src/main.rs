@@ -32,7 +32,13 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(error) => error.exit(),
     };
-    app::init_tracing(&cli);
+    let _exporter = match app::init_tracing(&cli) {
+        Ok(exporter) => exporter,
+        Err(error) => {
+            eprintln!("{error}");
+            return error.exit_code();
+        }
+    };
     match app::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

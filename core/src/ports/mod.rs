@@ -11,6 +11,7 @@
 //! | [`kv_store`]: `KvBlockStore` | the kvd client (`infera` binary), for the mock engine |
 //! | [`scaling`]: `PoolScaler` | the InferaDeployment on Kubernetes (`infera-backends`) |
 //! | [`tokenize`]: `Tokenize` | the server front's tokenizer and chat templates (`infera-adapters`) |
+//! | [`trace`]: `TraceContext` | the OpenTelemetry export (`infera-adapters`) |
 //!
 //! The event log port is [`crate::log::EventLog`]. Metrics need no port of ours: a component
 //! registers its families in its process's `prometheus_client` registry.
@@ -21,4 +22,5 @@ pub mod kv_store;
 pub mod prefetch;
 pub mod scaling;
 pub mod tokenize;
+pub mod trace;
 pub mod transport;

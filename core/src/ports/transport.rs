@@ -16,7 +16,8 @@
 //!   end (the client went away) or ends with an error.
 //! - [`Outbound::headers`] are built once by the caller and sent as they are by every transport
 //!   (HTTP request headers; NATS message headers, which the worker's responder forwards): the
-//!   client-facing request id, the engine's `X-Request-Id`, and the [`DP_RANK_HEADER`] pin.
+//!   client-facing request id, the engine's `X-Request-Id`, the [`DP_RANK_HEADER`] pin, and the
+//!   attempt's trace context when traces are exported ([`super::trace`]).
 
 use crate::event::WorkerRecord;
 use crate::ids::{WorkerId, WorkerRank};

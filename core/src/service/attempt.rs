@@ -11,6 +11,7 @@ use crate::event::{Event, RequestFinished, RequestPrefilled, RequestStatus};
 use crate::ids::RequestId;
 use crate::log::NewEvent;
 use crate::policy::RouteRequest;
+use crate::ports::trace::TARGET;
 use http::StatusCode;
 use serde_json::Value;
 use std::sync::atomic::Ordering;
@@ -40,6 +41,8 @@ pub struct Attempt {
     prefill_sample: Option<(crate::ids::WorkerId, Prefill)>,
     /// Whose request it is: the tenant's metrics and its generated-token limit.
     share: Option<super::Share>,
+    /// The attempt's span (see [`crate::ports::trace`]): disabled unless traces are exported.
+    span: tracing::Span,
 }
 
 /// An attempt's SLA bookkeeping: whether the client streams, and the stream's data frames (the
@@ -103,8 +106,30 @@ impl Attempt {
             model: req.model.clone(),
             prefill_sample: None,
             share: None,
+            span: tracing::trace_span!(
+                target: TARGET,
+                "attempt",
+                otel.kind = "client",
+                infera.request_id = %req.request_id.0,
+                infera.worker = tracing::field::Empty,
+                infera.decode_worker = tracing::field::Empty,
+                infera.ttft_ms = tracing::field::Empty,
+                infera.outcome = tracing::field::Empty,
+                gen_ai.usage.input_tokens = tracing::field::Empty,
+                gen_ai.usage.output_tokens = tracing::field::Empty,
+            ),
         }
         .counted()
+    }
+
+    /// Writes the attempt's trace context into the headers it is sent with, when traces are
+    /// exported (the engine's spans become children of the attempt's).
+    pub(crate) fn trace_into(&self, headers: &mut http::HeaderMap) {
+        if let Some(trace) = self.st.trace_context()
+            && !self.span.is_disabled()
+        {
+            trace.inject(&self.span, headers);
+        }
     }
 
     /// Charges this attempt's outcome and generated tokens to `share`'s tenant.
@@ -164,6 +189,9 @@ impl Attempt {
         prefill_worker: String,
         decode_worker: String,
     ) -> impl FnOnce() + Send + 'static {
+        self.span.record("infera.worker", prefill_worker.as_str());
+        self.span
+            .record("infera.decode_worker", decode_worker.as_str());
         self.decode_worker = Some(decode_worker);
         let (prefill, started) = (self.prefill.clone(), self.started);
         move || {
@@ -182,6 +210,7 @@ impl Attempt {
     /// service the worker's prefill rate and is a sample of its time to first byte (see
     /// `outlier`).
     pub(crate) fn prefilling(&mut self, worker: crate::ids::WorkerId, work: Prefill) {
+        self.span.record("infera.worker", worker.as_str());
         self.prefill_sample = Some((worker, work));
     }
 
@@ -202,6 +231,11 @@ impl Attempt {
                 .first_byte(&worker, tokens, elapsed, inner.clock.now_us());
         }
         self.ttft_us = Some(elapsed.as_micros() as u64);
+        if !self.span.is_disabled() {
+            let ms = elapsed.as_secs_f64() * 1e3;
+            self.span.record("infera.ttft_ms", ms);
+            tracing::trace!(target: TARGET, parent: &self.span, ttft_ms = ms, "first byte");
+        }
         self.st
             .inner
             .metrics
@@ -230,6 +264,15 @@ impl Attempt {
         };
         m.requests.get_or_create(&[("status", ours)]).inc();
         m.models.finished(&self.model, ours);
+        if !self.span.is_disabled() {
+            self.span.record("infera.outcome", ours);
+            if let Some(n) = usage.prompt_tokens {
+                self.span.record("gen_ai.usage.input_tokens", i64::from(n));
+            }
+            if let Some(n) = usage.completion_tokens {
+                self.span.record("gen_ai.usage.output_tokens", i64::from(n));
+            }
+        }
         if let Some(share) = self.share.take() {
             let generated = u64::from(usage.completion_tokens.unwrap_or(0));
             if let Some(permit) = &share.permit {

@@ -12,6 +12,7 @@ use crate::event::{Event, Role, RoutedLeg};
 use crate::ids::WorkerRank;
 use crate::log::NewEvent;
 use crate::policy::{DirectPick, RouteError, RouteRequest};
+use crate::ports::trace::TARGET;
 use crate::ports::transport::engine_dp_rank;
 
 /// Where one attempt goes.
@@ -69,6 +70,16 @@ pub(super) fn decide(
 ) -> Result<Route, RouteError> {
     let now = st.inner.clock.now_us();
     let metrics = &st.inner.metrics;
+    let span = tracing::trace_span!(
+        target: TARGET,
+        "route",
+        infera.policy = tracing::field::Empty,
+        infera.worker = tracing::field::Empty,
+        infera.overlap_blocks = tracing::field::Empty,
+        infera.prompt_blocks = tracing::field::Empty,
+        infera.candidates = tracing::field::Empty,
+    );
+    let _in_span = span.enter();
     let mut core = st.lock();
     // Workers whose circuit breaker is open are excluded like failed ranks, unless that leaves
     // no candidate (see `breaker`); an endpoint picker's choice is its own.
@@ -177,11 +188,39 @@ pub(super) fn decide(
             )])
             .inc();
     }
+    if !span.is_disabled() {
+        record_decision(&span, &routed);
+    }
     routed.tenant = tenant.map(str::to_owned);
     let applied = core.commit(vec![NewEvent::new(Event::RequestRouted(routed))]);
     drop(core);
     metrics.events_applied(applied as u64);
     Ok(route)
+}
+
+/// The decision on its span: the policy, the pick, and the best-scored candidates as
+/// `worker:rank cost=C overlap=N`, cheapest first.
+fn record_decision(span: &tracing::Span, routed: &crate::event::RequestRouted) {
+    use std::fmt::Write as _;
+    span.record("infera.policy", routed.policy.as_str());
+    if let Some(first) = routed.legs.first() {
+        span.record("infera.worker", first.worker.worker.as_str());
+        span.record("infera.overlap_blocks", i64::from(first.overlap_blocks));
+    }
+    span.record("infera.prompt_blocks", routed.blocks.len() as i64);
+    let mut candidates = String::new();
+    for c in &routed.top {
+        let sep = if candidates.is_empty() { "" } else { "; " };
+        let _ = write!(
+            candidates,
+            "{sep}{}:{} cost={:.3} overlap={}",
+            c.worker.worker.as_str(),
+            c.worker.dp_rank,
+            c.cost,
+            c.overlap_blocks
+        );
+    }
+    span.record("infera.candidates", candidates.as_str());
 }
 
 /// Whether the session's first leg stayed where it was pinned: `new` (no live pin), `kept` or

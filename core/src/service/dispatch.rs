@@ -150,10 +150,11 @@ async fn forward(
                 let sent = asked_ids.clone().unwrap_or_else(|| body.clone());
                 let deadline = st.inner.first_byte.deadline(&rank.worker, prefill);
                 guard.prefilling(rank.worker.clone(), prefill);
-                let outbound =
+                let mut outbound =
                     Outbound::new(rank.worker.clone(), url, path, sent, stream, &base_id)
                         .with_dp_rank(dp_rank)
                         .with_first_byte_deadline(deadline);
+                guard.trace_into(&mut outbound.headers);
                 // A worker that leaves routing (its health checks fail) fails this attempt
                 // over at once, before or after its first byte (see `health`).
                 let left = left_rank(&st.inner.health, &rank);
@@ -190,6 +191,8 @@ async fn forward(
                             route_key(&pair.prefill.record, &pair.prefill.rank),
                             route_key(&pair.decode.record, &pair.decode.rank),
                         );
+                        let mut trace = http::HeaderMap::new();
+                        guard.trace_into(&mut trace);
                         let sent = pd::send(
                             transport,
                             shape,
@@ -198,6 +201,7 @@ async fn forward(
                             stream,
                             &req.request_id.0,
                             max,
+                            &trace,
                             prefilled,
                         );
                         // Either leg's worker leaving routing fails the pair over, before the

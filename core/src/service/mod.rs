@@ -68,6 +68,7 @@ use crate::ids::RequestId;
 use crate::kernel::{Compaction, Kernel};
 use crate::log::NewEvent;
 use crate::policy::RouterConfig;
+use crate::ports::trace::TraceContext;
 use crate::ports::transport::RequestTransport;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -144,6 +145,8 @@ pub(crate) struct Inner {
     pub(crate) outliers: outlier::Outliers,
     pub(crate) migration_limit: AtomicU32,
     pub(crate) admission: admission::Admission,
+    /// The trace context of `--otlp-endpoint`, when set (see [`crate::ports::trace`]).
+    pub(crate) trace: std::sync::OnceLock<Arc<dyn TraceContext>>,
 }
 
 /// A cheap, cloneable handle on the service. See the module docs.
@@ -186,6 +189,7 @@ impl Service {
                 outliers: outlier::Outliers::default(),
                 migration_limit: AtomicU32::new(0),
                 admission: admission::Admission::default(),
+                trace: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -235,6 +239,16 @@ impl Service {
     /// A number unique to this process and start, for ids the service and its edges mint.
     pub fn id_prefix(&self) -> u64 {
         self.inner.id_prefix
+    }
+
+    /// Propagates trace context with `trace` (set once, at start; see [`crate::ports::trace`]).
+    pub fn set_trace_context(&self, trace: Arc<dyn TraceContext>) {
+        let _ = self.inner.trace.set(trace);
+    }
+
+    /// The trace context, when traces are exported.
+    pub fn trace_context(&self) -> Option<&Arc<dyn TraceContext>> {
+        self.inner.trace.get()
     }
 
     /// Records the SLA planner's histograms (`--enable-sla-metrics`); off by default, so

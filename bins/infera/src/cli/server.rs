@@ -453,6 +453,21 @@ pub struct ServerArgs {
     #[arg(long, default_value = "32MiB", value_name = "SIZE", help_heading = EXTENSIONS)]
     pub max_body_bytes: ByteSize,
 
+    /// Infera extension: export each request's spans (parse, tokenize, route with its
+    /// candidates, every attempt with its worker and time to first byte) over OTLP/gRPC to
+    /// this collector, e.g. http://localhost:4317; a client's W3C `traceparent` is the
+    /// request's parent, and each attempt passes its own to the engine (HTTP and NATS). Off
+    /// by default; the standard OTEL_EXPORTER_OTLP_ENDPOINT or
+    /// OTEL_EXPORTER_OTLP_TRACES_ENDPOINT turn it on too, and OTEL_SERVICE_NAME,
+    /// OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER(_ARG) and OTEL_BSP_* apply.
+    #[arg(long, value_name = "URL", help_heading = EXTENSIONS)]
+    pub otlp_endpoint: Option<String>,
+
+    /// Infera extension: the share of new traces exported, 0 to 1 (a client's sampled flag is
+    /// followed). [default: OTEL_TRACES_SAMPLER's, else every trace]
+    #[arg(long, value_name = "RATIO", help_heading = EXTENSIONS)]
+    pub otlp_sample_ratio: Option<f64>,
+
     /// Validate, print the resolved configuration as JSON on stdout and exit.
     #[arg(long)]
     pub check_config: bool,

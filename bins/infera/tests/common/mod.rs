@@ -160,27 +160,29 @@ pub fn mock_worker(tok: &str, etcd: &str, port: u16, extra: &[&str]) -> Proc {
     )
 }
 
-/// Starts `infera server` on `port`, discovering workers in etcd, requests over HTTP and KV
-/// events over ZeroMQ, with `extra` flags.
+/// `infera server` on `port`, discovering workers in etcd, requests over HTTP and KV events
+/// over ZeroMQ, with `extra` flags, its output discarded.
+pub fn server_command(tok: &str, etcd: &str, port: u16, extra: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_infera"));
+    cmd.args([
+        "server",
+        "--router-tokenizer-path",
+        tok,
+        "--host",
+        "127.0.0.1",
+    ])
+    .args(["--port", &port.to_string()])
+    .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
+    .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
+    .args(extra)
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
+    cmd
+}
+
+/// Starts [`server_command`].
 pub fn server(tok: &str, etcd: &str, port: u16, extra: &[&str]) -> Proc {
-    Proc(
-        Command::new(env!("CARGO_BIN_EXE_infera"))
-            .args([
-                "server",
-                "--router-tokenizer-path",
-                tok,
-                "--host",
-                "127.0.0.1",
-            ])
-            .args(["--port", &port.to_string()])
-            .args(["--discovery-backend", "etcd", "--etcd-endpoint", etcd])
-            .args(["--request-transport", "http", "--kv-event-transport", "zmq"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    )
+    Proc(server_command(tok, etcd, port, extra).spawn().unwrap())
 }
 
 /// Two `infera server` replicas sharing a JetStream event log, in front of mock workers, all

@@ -203,6 +203,7 @@ impl From<PdError> for LegError {
 
 /// Sends one attempt's two legs and resolves to the decode leg's response. See the module docs.
 ///
+/// `trace` holds the attempt's trace context headers (empty unless traces are exported).
 /// `prefilled` runs once the prefill leg has completed (its whole answer arrived with a success
 /// status), at most once, and not at all when it failed.
 #[allow(clippy::too_many_arguments)]
@@ -214,6 +215,7 @@ pub(crate) async fn send(
     stream: bool,
     request_id: &str,
     max_handoff_bytes: usize,
+    trace: &http::HeaderMap,
     prefilled: impl FnOnce() + Send + 'static,
 ) -> Result<Inbound, LegError> {
     let pair = shape.pair;
@@ -221,7 +223,7 @@ pub(crate) async fn send(
         .engine_request_id()?
         .unwrap_or_else(|| request_id.to_owned());
     let outbound = |leg: &Leg, body: &Map<String, Value>, stream: bool| {
-        Outbound::new(
+        let mut out = Outbound::new(
             leg.rank.worker.clone(),
             leg.url.clone(),
             path,
@@ -230,7 +232,11 @@ pub(crate) async fn send(
             request_id,
         )
         .with_engine_request_id(Some(&engine_id))
-        .with_dp_rank(leg.engine_dp_rank())
+        .with_dp_rank(leg.engine_dp_rank());
+        // The attempt's trace context, on both legs.
+        out.headers
+            .extend(trace.iter().map(|(k, v)| (k.clone(), v.clone())));
+        out
     };
     let prefill_body = shape.prefill_body(base)?;
     let prefill_stream = prefill_body

@@ -480,6 +480,7 @@ async fn drive(
         true,
         "req-1",
         1 << 16,
+        &http::HeaderMap::new(),
         move || {
             events.lock().unwrap().push("prefilled".into());
             let _ = prefilled.send(());
