@@ -15,9 +15,10 @@
 //!   `seq`, `ts_us`, `kind` (`Event::kind`, as the SQL event store names it), `source_worker`, `source_dp_rank`, `source_seq` and `event` (the
 //!   event's JSON, as the event log stores it), for analytics; `infera replay` reads only the
 //!   request segments.
-//! - `session_id` and, with `--record-prompts`, `token_ids` come from [`Recorder::note_request`]
-//!   (the server's request-metadata tap), not from the events; `think_time_us` of a session's
-//!   turn that arrived after its predecessor finished is the gap between the two (see [`think`]).
+//! - `session_id`, `priority` and, with `--record-prompts`, `token_ids` come from
+//!   [`Recorder::note_request`] (the server's request-metadata tap), not from the events;
+//!   `think_time_us` of a session's turn that arrived after its predecessor finished is the gap
+//!   between the two (see [`think`]).
 //!
 //! `<session>` is the recorder's start time (20 zero-padded digits of Unix µs) and `<n>` counts
 //! segments, so file-name order is time order across restarts.
@@ -172,8 +173,10 @@ fn attach(req: &mut TraceRequest, meta: RequestMeta) {
         adapter,
         cache_salt,
         images,
+        priority,
         ..
     } = meta;
+    req.priority = priority;
     req.images = images
         .into_iter()
         .map(|run| crate::trace::TraceImage {
@@ -385,6 +388,7 @@ impl Recorder {
                 cache_salt: None,
                 images: Vec::new(),
                 tenant: r.tenant.clone(),
+                priority: None,
             },
             worker: first.worker.worker.as_str().to_owned(),
             dp_rank: first.worker.dp_rank,

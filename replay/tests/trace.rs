@@ -328,6 +328,8 @@ fn request_strategy() -> impl Strategy<Value = (u64, TraceRequest)> {
                         cache_salt: None,
                         images: Vec::new(),
                         tenant: None,
+                        // Negative and positive priorities, and none.
+                        priority: ttl.map(|t| (t % 7) as i32 - 3),
                     },
                 )
             },
@@ -741,6 +743,7 @@ fn sample_rows(n: u64) -> Vec<TraceRequest> {
             cache_salt: None,
             images: Vec::new(),
             tenant: None,
+            priority: None,
         })
         .collect()
 }

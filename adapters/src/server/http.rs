@@ -395,6 +395,12 @@ async fn pipeline(
         )
         .instrument(tracing::trace_span!(target: TARGET, "tokenize"))
         .await?;
+    let asked = priority.or_else(|| {
+        headers
+            .get(PRIORITY)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse().ok())
+    });
     if let Some(with_tokens) = st.service().meta_wants_tokens() {
         let base = st
             .service()
@@ -406,6 +412,7 @@ async fn pipeline(
             adapter: base.map(|base| (req.model.clone(), base)),
             cache_salt: cache_salt.map(String::from),
             images,
+            priority: asked,
         });
     }
     // Parsed: the body's charge to the parse budget ends here.
@@ -429,12 +436,6 @@ async fn pipeline(
     } else {
         None
     };
-    let asked = priority.or_else(|| {
-        headers
-            .get(PRIORITY)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse().ok())
-    });
     let share = Share::of(tenant, tenant.priority(asked), permit);
     let model = req.model.clone();
     let reply = st

@@ -245,12 +245,19 @@ async fn the_server_records_a_trace_that_replay_reads() {
         }
         p
     };
+    // Topic 1 asks for a priority in its body (vLLM's field), topic 2 in the header.
     for round in 0..2 {
         for topic in 0..3 {
-            let req = json!({"model": tok, "prompt": prompt(topic), "max_tokens": 3,
-                "session_id": format!("conversation-{topic}")})
-            .to_string();
-            let shared = [("x-infera-request-id", "one-client-id")];
+            let mut req = json!({"model": tok, "prompt": prompt(topic), "max_tokens": 3,
+                "session_id": format!("conversation-{topic}")});
+            if topic == 1 {
+                req["priority"] = json!(-2);
+            }
+            let req = req.to_string();
+            let mut shared = vec![("x-infera-request-id", "one-client-id")];
+            if topic == 2 {
+                shared.push(("x-infera-priority", "3"));
+            }
             let (status, body) =
                 http_with_headers(server_port, "POST", "/v1/completions", &shared, &req).unwrap();
             assert_eq!(status, 200, "round {round}: {body}");
@@ -296,6 +303,8 @@ async fn the_server_records_a_trace_that_replay_reads() {
             .iter()
             .all(|r| r.request_id == "one-client-id")
     );
+    let priorities: Vec<Option<i32>> = trace.requests.iter().map(|r| r.priority).collect();
+    assert_eq!(priorities, [None, Some(-2), Some(3)].repeat(2));
     for topic in 0..3 {
         assert_eq!(
             trace.requests[topic].block_hashes,

@@ -32,6 +32,9 @@ pub struct RequestMeta {
     pub cache_salt: Option<String>,
     /// The prompt's images, as the router keyed them.
     pub images: Vec<crate::hashing::identity::MmRun>,
+    /// The priority the request asked for (its body's `priority` or `x-infera-priority`),
+    /// before its tenant's floor.
+    pub priority: Option<i32>,
 }
 
 /// The open request-metadata tap.

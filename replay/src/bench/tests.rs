@@ -18,6 +18,7 @@ fn req(input_length: u32, hashes: &[u64]) -> TraceRequest {
         cache_salt: None,
         images: Vec::new(),
         tenant: None,
+        priority: None,
     }
 }
 

@@ -391,7 +391,7 @@ fn sessions_and_prompts_join_their_rows_whenever_they_arrive() {
 }
 
 #[test]
-fn an_adapters_salted_request_with_an_image_is_recorded_with_its_identity() {
+fn an_adapters_salted_request_with_an_image_is_recorded_with_its_identity_and_priority() {
     let mut rig = Rig::new(|_| {});
     rig.feed(10, routed("sql-req", "w1", 10, 32));
     rig.rec.note_request(
@@ -403,6 +403,7 @@ fn an_adapters_salted_request_with_an_image_is_recorded_with_its_identity() {
                 length: 20,
                 id: "sha256-ab".into(),
             }],
+            priority: Some(-3),
             ..meta("sql-req", None, None)
         },
         12,
@@ -421,6 +422,7 @@ fn an_adapters_salted_request_with_an_image_is_recorded_with_its_identity() {
         id: "sha256-ab".into(),
     };
     assert_eq!(r.images, [image], "the image's run, as the router keyed it");
+    assert_eq!(r.priority, Some(-3), "the priority it asked for");
 }
 
 #[test]
@@ -451,5 +453,6 @@ fn meta(id: &str, session_id: Option<String>, token_ids: Option<Vec<u32>>) -> Re
         adapter: None,
         cache_salt: None,
         images: Vec::new(),
+        priority: None,
     }
 }

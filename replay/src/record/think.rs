@@ -78,6 +78,7 @@ mod tests {
             cache_salt: None,
             images: Vec::new(),
             tenant: None,
+            priority: None,
         }
     }
 

@@ -104,6 +104,7 @@ mod tests {
             cache_salt: None,
             images: Vec::new(),
             tenant: None,
+            priority: None,
         }
     }
 

@@ -1,6 +1,7 @@
 //! The server's tenancy in the simulator: each request of the trace's `tenant` column is
 //! admitted by its tenant's limits from `--api-keys` (the server's `Usage`, on the virtual
-//! clock), and queued at its tenant's priority and weight.
+//! clock), and queued at its own priority (bounded by its tenant's floor, else the tenant's
+//! default) and its tenant's weight.
 //!
 //! A request a limit refuses is answered 429 at once, as the server does before the router's
 //! queue: it is counted as rejected, with the limit's name, and a session's next turn follows
@@ -80,7 +81,8 @@ impl Gate {
         Ok(Place {
             tenant: tenant.map_or_else(|| Arc::from(name), |t| Arc::clone(&t.name)),
             weight,
-            priority: tenant.map_or(0, |t| t.priority(None)),
+            // As the server: the request's own priority, bounded by its tenant's floor.
+            priority: tenant.map_or(r.priority.unwrap_or(0), |t| t.priority(r.priority)),
         })
     }
 

@@ -26,6 +26,7 @@ fn conversations(sessions: u64, turns: u64, gap_us: u64) -> Trace {
                 cache_salt: None,
                 images: Vec::new(),
                 tenant: None,
+                priority: None,
             });
         }
     }

@@ -85,6 +85,11 @@ pub struct TraceRequest {
     /// the replay's router queue shares a saturated fleet between tenants.
     #[serde(default)]
     pub tenant: Option<String>,
+    /// The priority the request asked for (vLLM's body `priority` or the `x-infera-priority`
+    /// header; lower is sooner), if any: the replay's router queue bounds it by the tenant's
+    /// floor as the server does, and queues a request without one at its tenant's default.
+    #[serde(default)]
+    pub priority: Option<i32>,
 }
 
 /// One image of a request's prompt (see `infera_core::hashing::identity::MmRun`).
@@ -352,6 +357,7 @@ mod tests {
             cache_salt: None,
             images: Vec::new(),
             tenant: None,
+            priority: None,
         }
     }
 

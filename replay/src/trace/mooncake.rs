@@ -120,6 +120,7 @@ pub fn import(path: &Path, opts: &LoadOptions) -> Result<Trace, TraceError> {
             cache_salt: None,
             images: Vec::new(),
             tenant: None,
+            priority: None,
         });
     }
     if requests.is_empty() {

@@ -20,6 +20,7 @@
 //! | `cache_salt` | `Utf8` | yes | the request's `cache_salt` |
 //! | `images` | `List<Struct<offset: UInt32, length: UInt32, id: Utf8>>` | yes | the prompt's images: placeholder run and identifier |
 //! | `tenant` | `Utf8` | yes | the tenant whose API key sent the request |
+//! | `priority` | `Int32` | yes | the priority the request asked for (vLLM's body `priority` or `x-infera-priority`; lower is sooner), before its tenant's floor |
 //!
 //! The engines key an adapter's, a salted request's or an image's blocks by the adapter, salt or
 //! image as well ([`TraceRequest::engine_blocks`]): the replay and the ideal hit rate count them
@@ -27,8 +28,9 @@
 //!
 //! Readers also accept `LargeUtf8`/`Utf8View` strings and `LargeList` lists (what Polars and
 //! DuckDB may write), ignore columns they do not know, and read an absent nullable column as all
-//! nulls. Integer types are strict: a signed or wider column is an error naming the column, to be
-//! cast by the producer (`::UBIGINT`, `::UINTEGER` in DuckDB).
+//! nulls. Integer types are strict: a column of another width or sign than the table's is an
+//! error naming the column, to be cast by the producer (`::UBIGINT`, `::UINTEGER`, `::INTEGER`
+//! in DuckDB).
 //!
 //! File-level facts live in Parquet key-value metadata: [`META_VERSION`] (`"1"`), [`META_SOURCE`]
 //! and [`META_NOTES`] (a JSON array of strings).
@@ -39,7 +41,7 @@
 use super::TraceRequest;
 use arrow_array::builder::{ListBuilder, PrimitiveBuilder};
 use arrow_array::cast::AsArray;
-use arrow_array::types::{UInt32Type, UInt64Type};
+use arrow_array::types::{Int32Type, UInt32Type, UInt64Type};
 use arrow_array::{
     Array, ArrayRef, ArrowPrimitiveType, ListArray, PrimitiveArray, RecordBatch, StringArray,
 };
@@ -75,9 +77,10 @@ pub mod col {
     pub const CACHE_SALT: &str = "cache_salt";
     pub const IMAGES: &str = "images";
     pub const TENANT: &str = "tenant";
+    pub const PRIORITY: &str = "priority";
 
     /// Every column, in schema order.
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 17] = [
         ARRIVAL_US,
         REQUEST_ID,
         MODEL,
@@ -94,6 +97,7 @@ pub mod col {
         CACHE_SALT,
         IMAGES,
         TENANT,
+        PRIORITY,
     ];
 }
 
@@ -151,6 +155,7 @@ pub fn trace_schema() -> SchemaRef {
         Field::new(col::CACHE_SALT, Utf8, true),
         Field::new(col::IMAGES, list_type(image_type()), true),
         Field::new(col::TENANT, Utf8, true),
+        Field::new(col::PRIORITY, DataType::Int32, true),
     ]))
 }
 
@@ -422,6 +427,9 @@ pub fn to_record_batch(rows: &[TraceRequest]) -> Result<RecordBatch, ArrowError>
         Arc::new(StringArray::from_iter(
             rows.iter().map(|r| r.tenant.as_deref()),
         )),
+        Arc::new(PrimitiveArray::<Int32Type>::from_iter(
+            rows.iter().map(|r| r.priority),
+        )),
     ];
     RecordBatch::try_new(trace_schema(), columns)
 }
@@ -448,6 +456,7 @@ fn accepts(column: &str, dt: &DataType) -> bool {
         col::INPUT_LENGTH | col::OUTPUT_LENGTH | col::BLOCK_SIZE | col::TTL_SECONDS => {
             *dt == DataType::UInt32
         }
+        col::PRIORITY => *dt == DataType::Int32,
         col::BLOCK_HASHES => list_of(&DataType::UInt64),
         col::IMAGES => matches!(dt, DataType::List(f) | DataType::LargeList(f)
             if matches!(f.data_type(), DataType::Struct(_))),
@@ -578,6 +587,10 @@ pub fn from_record_batch(batch: &RecordBatch) -> Result<Vec<TraceRequest>, Colum
         Some(a) => strings(col::TENANT, a)?,
         None => vec![None; n],
     };
+    let priority: Vec<Option<i32>> = match optional(col::PRIORITY) {
+        Some(a) => primitive::<Int32Type>(col::PRIORITY, a)?.iter().collect(),
+        None => vec![None; n],
+    };
     let mut images = match optional(col::IMAGES) {
         Some(a) => images_column(a)?,
         None => vec![Vec::new(); n],
@@ -621,6 +634,7 @@ pub fn from_record_batch(batch: &RecordBatch) -> Result<Vec<TraceRequest>, Colum
             cache_salt: salt[row].map(str::to_owned),
             images: images.next().unwrap_or_default(),
             tenant: tenant[row].map(str::to_owned),
+            priority: priority[row],
         });
     }
     Ok(out)
@@ -655,6 +669,7 @@ mod tests {
                 })
                 .collect(),
             tenant: (i % 5 == 2).then(|| format!("team-{}", i % 2)),
+            priority: (i % 3 == 1).then_some(i as i32 - 4),
         }
     }
 

@@ -310,6 +310,7 @@ pub fn synthesize(cfg: &SynthConfig) -> Result<Trace, TraceError> {
                 cache_salt: None,
                 images: images.clone(),
                 tenant: None,
+                priority: None,
             });
             let tool = rng.next_f64() < cfg.tool_call_fraction;
             let (input, pause_us) = if tool {

@@ -63,6 +63,7 @@ fn session_turns_leave_the_timeline_and_follow_their_predecessor() {
         cache_salt: None,
         images: Vec::new(),
         tenant: None,
+        priority: None,
     };
     let trace = vec![
         req(0, "a", None),
@@ -102,6 +103,7 @@ fn the_plan_follows_the_trace_timeline() {
         cache_salt: None,
         images: Vec::new(),
         tenant: None,
+        priority: None,
     };
     let trace: Vec<TraceRequest> = [5_000_000, 6_000_000, 9_000_000, 25_000_000]
         .into_iter()

@@ -77,8 +77,9 @@ pub struct ReplayArgs {
     pub tenant_weights: Vec<(String, u32)>,
     /// The server's key file (as `infera server --api-keys`): each trace tenant named in it is
     /// held to its limits (a refused request is answered 429 at once and counted per tenant)
-    /// and queued at its priority and weight; --tenant-weight overrides its weights (Infera
-    /// extension).
+    /// and queued at its weight, each request at the priority it asked for (the trace's
+    /// `priority` column) within the tenant's floor, else the tenant's default; --tenant-weight
+    /// overrides its weights (Infera extension).
     #[arg(long, value_name = "FILE")]
     pub api_keys: Option<PathBuf>,
     /// Scale a tenant's traffic before the replay: NAME=FACTOR, repeatable. Above 1 each of its

@@ -195,3 +195,64 @@ fn a_more_urgent_tenant_leaves_the_queue_first() {
         "b is served first: {urgent:?} against {same:?}"
     );
 }
+
+#[test]
+fn a_request_that_asked_for_priority_leaves_the_queue_first_within_its_floor() {
+    // One tenant's flood; every fifth request asked to be more urgent (lower is sooner).
+    let requests: Vec<TraceRequest> = (0..600u64)
+        .map(|i| TraceRequest {
+            arrival_us: i * 1_000,
+            request_id: format!("r{i}"),
+            model: "m".into(),
+            input_length: 128 * 16,
+            output_length: 8,
+            block_size: 16,
+            block_hashes: (0..128).map(|b| (i + 1) * 1_000_000 + b).collect(),
+            tenant: Some("a".to_owned()),
+            priority: (i % 5 == 0).then_some(-5),
+            ..TraceRequest::default()
+        })
+        .collect();
+    let trace = Trace {
+        requests,
+        source: "asked priorities".into(),
+        notes: vec![],
+    };
+    // Mean router-queue wait (ms) of the requests that asked, and of the others.
+    let waits = |api_keys: Option<String>| {
+        let result = run(
+            &trace,
+            &SimConfig {
+                api_keys,
+                ..cfg(2, 100_000)
+            },
+        )
+        .expect("run");
+        let mean = |asked: bool| {
+            let w: Vec<u64> = result
+                .requests
+                .iter()
+                .zip(&trace.requests)
+                .filter(|(_, t)| t.priority.is_some() == asked)
+                .map(|(r, _)| r.router_queue_us)
+                .collect();
+            w.iter().sum::<u64>() as f64 / w.len() as f64 / 1e3
+        };
+        (mean(true), mean(false))
+    };
+    let anonymous = waits(None);
+    // A key file whose floor (0) does not let `a` ask for more than the default.
+    let floored = waits(Some(
+        r#"{"tenants": [{"name": "a", "keys": ["sk-a-0123456789abcdef"], "priority_floor": 0}]}"#
+            .to_owned(),
+    ));
+    eprintln!("mean router queue time (asked, others) ms: {anonymous:?}; at floor 0 {floored:?}");
+    assert!(
+        anonymous.0 * 4.0 < anonymous.1,
+        "the urgent requests wait less: {anonymous:?}"
+    );
+    assert!(
+        (floored.0 / floored.1 - 1.0).abs() < 0.5,
+        "the floor holds them to the default: {floored:?}"
+    );
+}
