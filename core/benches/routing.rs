@@ -14,6 +14,8 @@
 //! `decision/hash_only_8k_tokens_adapter` hashes the same prompt for a LoRA adapter's request
 //! (every block keyed by the adapter's name). `decision/route_only_…_session` routes a request
 //! whose session is pinned (one of the 2,048 finished conversations'), against `route_only`.
+//! `decision/stream_16_chunks_guarded_with_progress` relays a 16-chunk stream through the health
+//! guard that counts its worker's progress, against `…_unguarded`.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use infera_core::event::{
@@ -25,6 +27,7 @@ use infera_core::hashing::{KvIdentity, hash_blocks, hash_prompt_blocks, syntheti
 use infera_core::ids::{BlockHash, EngineHash, RequestId, SessionKey, WorkerId, WorkerRank};
 use infera_core::policy::{RouteRequest, Router, RouterConfig};
 use infera_core::projection::Projection;
+use infera_core::service::health::{Health, guard_body};
 use infera_core::service::outlier::Outliers;
 use infera_core::service::{FirstByte, Prefill};
 use std::hint::black_box;
@@ -271,5 +274,40 @@ fn outliers(c: &mut Criterion) {
     });
 }
 
-criterion_group!(routing, benches, parts, first_byte, outliers);
+/// What the stall check adds to a stream: its worker's progress looked up once per attempt
+/// (64 workers), and every chunk counted as the relay's health guard passes it on; a 16-chunk
+/// stream through the guard, against the same stream unguarded.
+fn stream_progress(c: &mut Criterion) {
+    use futures::StreamExt as _;
+    let health = Health::default();
+    let workers: Vec<WorkerId> = (0..WORKERS)
+        .map(|w| WorkerId::new(format!("w{w}:1")))
+        .collect();
+    let chunks = || {
+        futures::stream::iter((0..16).map(|_| Ok(bytes::Bytes::from_static(b"data: {}\n\n"))))
+            .boxed()
+    };
+    let mut i = 0usize;
+    c.bench_function("decision/stream_16_chunks_guarded_with_progress", |b| {
+        b.iter(|| {
+            let w = &workers[i % workers.len()];
+            i += 1;
+            let progress = health.progress(black_box(w));
+            let body = guard_body(chunks(), std::future::pending(), progress);
+            black_box(futures::executor::block_on(body.count()))
+        })
+    });
+    c.bench_function("decision/stream_16_chunks_unguarded", |b| {
+        b.iter(|| black_box(futures::executor::block_on(chunks().count())))
+    });
+}
+
+criterion_group!(
+    routing,
+    benches,
+    parts,
+    first_byte,
+    outliers,
+    stream_progress
+);
 criterion_main!(routing);

@@ -154,11 +154,13 @@ impl EngineLoop {
         }
     }
 
-    /// Runs until `cancel` fires or every submitter is gone and the engine is idle.
+    /// Runs until `cancel` fires or every submitter is gone and the engine is idle; runs no
+    /// step while `stalled` holds (see [`super::StallSwitch`]).
     pub(crate) async fn run(
         mut self,
         mut requests: mpsc::Receiver<Submission>,
         cancel: CancellationToken,
+        mut stalled: tokio::sync::watch::Receiver<bool>,
     ) {
         let mut open = true;
         // When the previous step should have ended by the model; `None` after an idle wait.
@@ -180,6 +182,13 @@ impl EngineLoop {
             }
             while let Ok(sub) = requests.try_recv() {
                 self.submit(sub);
+            }
+            if *stalled.borrow() {
+                tokio::select! {
+                    () = cancel.cancelled() => break,
+                    _ = stalled.wait_for(|s| !*s) => {}
+                }
+                due = None;
             }
             // Back-to-back steps are timed from the previous step's modelled end, not from when
             // the loop got here, so the loop's own work and any wake-up lateness do not add up

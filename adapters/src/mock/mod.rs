@@ -199,6 +199,24 @@ pub struct MockServer {
     salt: u64,
     engine_config: EngineConfig,
     kvd_backed: bool,
+    stall: StallSwitch,
+}
+
+/// Stops a mock engine's scheduler (no step runs; its HTTP server, `/health` included, still
+/// answers) or starts it again: an engine that answers but makes no progress.
+#[derive(Debug, Clone)]
+pub struct StallSwitch(tokio::sync::watch::Sender<bool>);
+
+impl StallSwitch {
+    /// Stops a running scheduler or starts a stopped one; returns whether it is stopped now.
+    pub fn toggle(&self) -> bool {
+        let mut stalled = false;
+        self.0.send_modify(|s| {
+            *s = !*s;
+            stalled = *s;
+        });
+        stalled
+    }
 }
 
 impl MockServer {
@@ -246,7 +264,8 @@ impl MockServer {
         let (tx, rx) = mpsc::channel(config.queue_capacity.max(1));
         let cancel = CancellationToken::new();
         let engine_loop = engine::EngineLoop::new(model, salt, sink, Arc::clone(&metrics));
-        let engine_task = tokio::spawn(engine_loop.run(rx, cancel.clone()));
+        let (stall, stalled) = tokio::sync::watch::channel(false);
+        let engine_task = tokio::spawn(engine_loop.run(rx, cancel.clone(), stalled));
         if config.tokenizer.is_none() {
             tracing::warn!(
                 model = %config.model_name,
@@ -286,7 +305,13 @@ impl MockServer {
             salt,
             engine_config: config.engine,
             kvd_backed,
+            stall: StallSwitch(stall),
         })
+    }
+
+    /// The switch that stops and starts the engine's scheduler.
+    pub fn stall_switch(&self) -> StallSwitch {
+        self.stall.clone()
     }
 
     /// The bound HTTP address (port resolved).

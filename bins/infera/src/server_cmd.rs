@@ -240,6 +240,7 @@ async fn serve_all(
         unhealthy_threshold: edge.health_check_unhealthy_threshold,
         healthy_threshold: edge.health_check_healthy_threshold,
         max_ejection_percent: edge.max_ejection_percent,
+        stall_timeout: edge.health_check_stall_timeout.0,
     });
     state.service().set_outliers(edge.outliers.config());
     let health = {

@@ -11,7 +11,7 @@
 mod common;
 
 use common::{
-    eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, picks,
+    eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, open_stream, picks,
     register_in_etcd, server, tokenizer_dir,
 };
 use infera_backends::testing::{EtcdServer, sample_record};
@@ -202,4 +202,107 @@ async fn a_worker_far_slower_than_its_peers_is_ejected_at_the_defaults() {
     assert_eq!(picks(port, slow), before);
     assert!(fast.iter().map(|p| picks(port, *p)).sum::<u64>() >= 20);
     eprintln!("slow worker ejected {ejected_after:?} after the traffic started");
+}
+
+/// A worker whose engine still answers `/health` but whose scheduler stops (the mock's
+/// SIGUSR1: no step runs, the HTTP server answers) leaves routing at the defaults once its
+/// streams make no progress; each stream it held ends at once instead of waiting for the 900 s
+/// idle deadline, the other worker's streams finish, and it returns once it runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_answers_health_but_makes_no_progress_leaves_routing_at_the_defaults() {
+    let etcd = EtcdServer::start().await.expect("etcd starts");
+    let tok = tokenizer_dir();
+    // A decode step of 40 ms: a 400-token stream lasts about 16 s.
+    let ports = [free_mock_port(), free_mock_port()];
+    let workers: Vec<_> = ports
+        .iter()
+        .map(|p| mock_worker(&tok, &etcd.endpoint(), *p, &["--decode-coeffs", "0,0,40"]))
+        .collect();
+    let port = free_port();
+    let _server = server(&tok, &etcd.endpoint(), port, &[]);
+    eventually("both workers to be routed", || {
+        get_json(port, "/health").is_some_and(|h| h["active_workers"] == 2)
+    });
+
+    // Four long streams, on both workers.
+    let streams: Vec<_> = (0..4)
+        .map(|i| {
+            let body = json!({"model": tok, "prompt": format!("stream {i} of four, long"),
+                "max_tokens": 400, "stream": true})
+            .to_string();
+            open_stream(port, &body)
+        })
+        .collect();
+    let struck = if picks(port, ports[0]) >= picks(port, ports[1]) {
+        0
+    } else {
+        1
+    };
+    assert!(picks(port, ports[struck]) > 0 && picks(port, ports[1 - struck]) > 0);
+    signal(&workers[struck], "USR1");
+    let fault = Instant::now();
+    let readers: Vec<_> = streams
+        .into_iter()
+        .map(|(mut s, mut seen)| {
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                loop {
+                    match s.read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        Err(e) => {
+                            panic!("a stream hung {:?} after the fault: {e}", fault.elapsed())
+                        }
+                    }
+                }
+                (String::from_utf8_lossy(&seen).into_owned(), fault.elapsed())
+            })
+        })
+        .collect();
+    eventually("the stalled worker to leave routing", || {
+        metric(port, "infera_health_ejections_total") == Some(1)
+    });
+    let out_after = fault.elapsed();
+    assert!(metric(port, "infera_health_check_stalls_total").unwrap_or(0) > 0);
+    let (mut done, mut cut) = (0, 0);
+    for reader in readers {
+        let (text, ended) = reader.join().unwrap();
+        if text.contains("\"error\"") {
+            cut += 1;
+            assert!(text.contains("left routing"), "{text}");
+            assert!(
+                ended < Duration::from_secs(20),
+                "cut {ended:?} after the fault"
+            );
+        } else {
+            assert!(text.contains("data: [DONE]"), "a stream ends whole: {text}");
+            done += 1;
+        }
+    }
+    assert!(cut > 0 && done > 0, "{cut} cut, {done} finished");
+    // 6 s without a chunk, then three failed rounds of 2 s.
+    assert!(
+        out_after < Duration::from_secs(20),
+        "out of routing {out_after:?} after the fault"
+    );
+    // Running again, it passes its checks and returns.
+    signal(&workers[struck], "USR1");
+    eventually("the worker to return", || {
+        get_json(port, "/v1/workers").is_some_and(|w| {
+            w["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|w| w["health_out"] == false)
+        })
+    });
+    eprintln!("out of routing {out_after:?} after the fault; {cut} streams cut, {done} finished");
+}
+
+fn signal(worker: &common::Proc, name: &str) {
+    let sent = std::process::Command::new("kill")
+        .args([&format!("-{name}"), &worker.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill -{name}");
 }

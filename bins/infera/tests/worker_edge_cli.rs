@@ -106,6 +106,7 @@ fn defaults_and_values_resolve_into_the_configuration() {
             "health_check_timeout": "2s",
             "health_check_unhealthy_threshold": 3,
             "health_check_healthy_threshold": 2,
+            "health_check_stall_timeout": "6s",
             "max_ejection_percent": 50,
             "outliers": {
                 "interval": "10s",

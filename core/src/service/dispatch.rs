@@ -158,7 +158,8 @@ async fn forward(
                 // A worker that leaves routing (its health checks fail) fails this attempt
                 // over at once, before or after its first byte (see `health`).
                 let left = left_rank(&st.inner.health, &rank);
-                let outcome = match unless_left(transport.send(outbound), left).await {
+                let progress = st.inner.health.progress(&rank.worker);
+                let outcome = match unless_left(transport.send(outbound), left, progress).await {
                     Ok(sent) => sent.map_err(|error| pd::LegError::Transport {
                         role: Role::Mixed,
                         rank: rank.clone(),
@@ -216,7 +217,8 @@ async fn forward(
                                 gone = left_d => gone,
                             }
                         };
-                        match unless_left(sent, left).await {
+                        let progress = health.progress(&d.worker);
+                        match unless_left(sent, left, progress).await {
                             Ok(sent) => sent,
                             Err(gone) => Err(pd::LegError::Transport {
                                 role: if gone == *p {
@@ -539,15 +541,18 @@ fn left_rank(
 }
 
 /// Races an attempt's `sent` against `left` (one of its workers leaving routing): the response,
-/// whose body ends with the health error if a worker leaves later; or the rank that left first.
+/// whose body ends with the health error if a worker leaves later and counts its chunks on
+/// `progress` (the streaming worker's); or the rank that left first.
 async fn unless_left<E>(
     sent: impl std::future::Future<Output = Result<Inbound, E>>,
     left: impl std::future::Future<Output = WorkerRank> + Send + 'static,
+    progress: std::sync::Arc<health::Progress>,
 ) -> Result<Result<Inbound, E>, WorkerRank> {
     let mut left = Box::pin(left);
     tokio::select! {
         sent = sent => Ok(sent.map(|mut resp| {
-            resp.body = health::guard_body(resp.body, async move { left.await.worker });
+            let left = async move { left.await.worker };
+            resp.body = health::guard_body(resp.body, left, progress);
             resp
         })),
         gone = &mut left => Err(gone),

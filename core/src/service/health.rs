@@ -18,6 +18,17 @@
 //! allows and otherwise ends it with an error event. The dropped reply cancels the engine's
 //! work. A prefill/decode pair races both of its workers the same way.
 //!
+//! An engine can also answer its `/health` while its scheduler makes no progress (a stuck
+//! collective, a scheduler loop that stopped stepping). The engines' own counters cannot tell
+//! that from a long prefill: vLLM counts a prompt's tokens only when its prefill completes
+//! (`vllm/v1/metrics/stats.py`, `IterationStats.update_from_output`), so a lone 128k-token
+//! prefill shows flat counters for as long as it runs. A stream past its first byte can: a
+//! decoding request yields tokens every engine step. So each worker's streams count their
+//! chunks as they are relayed ([`Progress`]), and a round that finds a worker with streams
+//! past their first byte whose chunk count has not moved for [`HealthConfig::stall_timeout`]
+//! fails its probe, whatever `/health` answered (`infera_health_check_stalls_total`). At the
+//! defaults (6 s) such a worker leaves routing within about 12 s.
+//!
 //! A worker no longer registered is forgotten at the next round. A transport that cannot probe
 //! (NATS in JetStream mode) reports every worker healthy.
 //!
@@ -29,8 +40,8 @@ use crate::ports::transport::{BodyStream, TransportError};
 use futures::StreamExt as _;
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -49,11 +60,15 @@ pub struct HealthConfig {
     /// their circuit breakers together, in percent (at least one worker): past it, the
     /// workers ejected last are routed again, so a fleet-wide slowdown never ejects everyone.
     pub max_ejection_percent: u32,
+    /// How long a worker's streams past their first byte may all go without a chunk before
+    /// its probes fail ([`Duration::ZERO`]: never).
+    pub stall_timeout: Duration,
 }
 
 impl Default for HealthConfig {
     /// 2 s, 2 s, 3 failures, 2 passes: a wedged engine is out within about 8 s; at most half a
-    /// model's workers out at once.
+    /// model's workers out at once; streams flat for 6 s fail the probes (out within about
+    /// 12 s of the stall).
     fn default() -> Self {
         Self {
             interval: Duration::from_secs(2),
@@ -61,8 +76,25 @@ impl Default for HealthConfig {
             unhealthy_threshold: 3,
             healthy_threshold: 2,
             max_ejection_percent: 50,
+            stall_timeout: Duration::from_secs(6),
         }
     }
+}
+
+/// A worker's streams past their first byte, and the chunks relayed from them: the relay
+/// counts, the health checks read (see the module docs).
+#[derive(Debug, Default)]
+pub struct Progress {
+    streams: AtomicU32,
+    chunks: AtomicU64,
+}
+
+/// The last reading of a worker's [`Progress`].
+#[derive(Debug, Default)]
+struct Seen {
+    chunks: u64,
+    /// Since when its streams have relayed nothing.
+    flat_since: Option<tokio::time::Instant>,
 }
 
 /// A worker's probe record.
@@ -72,6 +104,8 @@ struct Entry {
     passes: u32,
     /// Whether the worker is out of routing; watched by its requests in flight.
     out: watch::Sender<bool>,
+    progress: Arc<Progress>,
+    seen: Seen,
 }
 
 impl Default for Entry {
@@ -80,6 +114,8 @@ impl Default for Entry {
             failures: 0,
             passes: 0,
             out: watch::Sender::new(false),
+            progress: Arc::default(),
+            seen: Seen::default(),
         }
     }
 }
@@ -93,7 +129,7 @@ pub(crate) enum Change {
 
 /// Every worker's probe record. See the module docs.
 #[derive(Debug, Default)]
-pub(crate) struct Health {
+pub struct Health {
     config: Mutex<HealthConfig>,
     workers: Mutex<HashMap<WorkerId, Entry>>,
     /// How many are out: every decision asks, and almost always none is.
@@ -142,6 +178,28 @@ impl Health {
         None
     }
 
+    /// `worker`'s stream progress, for the relay to count on.
+    pub fn progress(&self, worker: &WorkerId) -> Arc<Progress> {
+        Arc::clone(&self.workers().entry(worker.clone()).or_default().progress)
+    }
+
+    /// Whether `worker` holds streams past their first byte that have relayed nothing for the
+    /// stall timeout, read at `now` (each round reads once).
+    pub(crate) fn stalled(&self, worker: &WorkerId, now: tokio::time::Instant) -> bool {
+        let timeout = self.config().stall_timeout;
+        let mut workers = self.workers();
+        let entry = workers.entry(worker.clone()).or_default();
+        let chunks = entry.progress.chunks.load(Ordering::Relaxed);
+        let streams = entry.progress.streams.load(Ordering::Relaxed);
+        let seen = &mut entry.seen;
+        if timeout.is_zero() || streams == 0 || chunks != seen.chunks {
+            seen.chunks = chunks;
+            seen.flat_since = None;
+            return false;
+        }
+        now.duration_since(*seen.flat_since.get_or_insert(now)) >= timeout
+    }
+
     /// The workers out of routing now.
     pub(crate) fn out(&self) -> Vec<WorkerId> {
         if self.out_count.load(Ordering::Relaxed) == 0 {
@@ -188,20 +246,24 @@ impl Health {
 /// The error of a request whose worker left routing.
 pub(crate) fn left_error(worker: &WorkerId) -> TransportError {
     TransportError::Timeout(format!(
-        "worker {} stopped answering its health checks and left routing",
+        "worker {} failed its health checks (no answer, or no progress on its streams) and \
+         left routing",
         worker.as_str()
     ))
 }
 
 /// `body`, ended with [`left_error`] when `left` resolves first, with the worker that left
-/// routing.
-pub(crate) fn guard_body(
+/// routing; its chunks counted on `progress` (its streaming worker's) from the first.
+pub fn guard_body(
     body: BodyStream,
     left: impl Future<Output = WorkerId> + Send + 'static,
+    progress: Arc<Progress>,
 ) -> BodyStream {
     Guarded {
         body,
         left: Some(Box::pin(left)),
+        progress,
+        streaming: false,
     }
     .boxed()
 }
@@ -211,6 +273,23 @@ struct Guarded {
     body: BodyStream,
     /// `None` once a worker left: the stream has ended.
     left: Option<std::pin::Pin<Box<dyn Future<Output = WorkerId> + Send>>>,
+    progress: Arc<Progress>,
+    /// Counted in `progress.streams`: past its first chunk, not ended.
+    streaming: bool,
+}
+
+impl Guarded {
+    fn stop_streaming(&mut self) {
+        if std::mem::take(&mut self.streaming) {
+            self.progress.streams.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        self.stop_streaming();
+    }
 }
 
 impl futures::Stream for Guarded {
@@ -226,9 +305,22 @@ impl futures::Stream for Guarded {
         };
         if let Poll::Ready(worker) = left.as_mut().poll(cx) {
             self.left = None;
+            self.stop_streaming();
             return Poll::Ready(Some(Err(left_error(&worker))));
         }
-        self.body.poll_next_unpin(cx)
+        let next = self.body.poll_next_unpin(cx);
+        match &next {
+            Poll::Ready(Some(Ok(_))) => {
+                if !self.streaming {
+                    self.streaming = true;
+                    self.progress.streams.fetch_add(1, Ordering::Relaxed);
+                }
+                self.progress.chunks.fetch_add(1, Ordering::Relaxed);
+            }
+            Poll::Ready(_) => self.stop_streaming(),
+            Poll::Pending => {}
+        }
+        next
     }
 }
 
@@ -259,8 +351,15 @@ impl Service {
             };
             (record.worker_id.clone(), passed)
         });
-        for (worker, passed) in futures::future::join_all(probes).await {
-            match self.inner.health.record(&worker, passed) {
+        let now = tokio::time::Instant::now();
+        for (worker, answered) in futures::future::join_all(probes).await {
+            let stalled = self.inner.health.stalled(&worker, now);
+            if stalled {
+                tracing::debug!(worker = %worker.as_str(), after = ?config.stall_timeout,
+                    "health probe failed: the worker's streams make no progress");
+                self.inner.metrics.health_stalls.inc();
+            }
+            match self.inner.health.record(&worker, answered && !stalled) {
                 Some(Change::Left) => {
                     tracing::warn!(worker = %worker.as_str(),
                         failures = config.unhealthy_threshold, timeout = ?config.timeout,

@@ -98,6 +98,17 @@ fn faults() -> Vec<Fault> {
             repair: |f, _| signal(&f.workers[f.struck], "CONT"),
         },
         Fault {
+            name: "worker answers /health, makes no progress (SIGUSR1)",
+            shape: shape(Transport::HttpZmq, vec![slow_decode.clone(); 3]),
+            max_tokens: 48,
+            bad_every: 0,
+            strike: |f, _| {
+                f.struck = f.busiest();
+                signal(&f.workers[f.struck], "USR1");
+            },
+            repair: nothing,
+        },
+        Fault {
             name: "worker answers 20x slower",
             shape: shape(
                 Transport::HttpZmq,

@@ -262,6 +262,12 @@ pub struct ServerArgs {
     #[arg(long, env = "INFERA_HEALTH_CHECK_HEALTHY_THRESHOLD", default_value_t = 2, value_name = "N", help_heading = ROUTING)]
     pub health_check_healthy_threshold: u32,
 
+    /// A health probe fails, whatever `/health` answers, when the worker holds streams past
+    /// their first byte and none has relayed a chunk for this long (an engine that answers
+    /// but makes no progress; at the defaults it leaves routing within about 12 s). 0 = off.
+    #[arg(long, env = "INFERA_HEALTH_CHECK_STALL_TIMEOUT", default_value = "6s", value_name = "DURATION", help_heading = ROUTING)]
+    pub health_check_stall_timeout: HumanDuration,
+
     /// The most of a model's workers kept out of routing at once, by health checks, outlier
     /// ejection and circuit breakers together, in percent (at least one worker): past it the workers ejected last
     /// are routed again, so a fleet-wide slowdown never ejects every worker.

@@ -243,6 +243,8 @@ pub struct WorkerEdgeConfig {
     pub health_check_unhealthy_threshold: u32,
     /// Consecutive passed probes that bring it back.
     pub health_check_healthy_threshold: u32,
+    /// How long a worker's streams may all relay nothing before its probes fail; 0 is off.
+    pub health_check_stall_timeout: HumanDuration,
     /// The most of a model's workers out of routing at once, in percent.
     pub max_ejection_percent: u32,
     /// How outliers are found and ejected.
@@ -340,6 +342,7 @@ impl WorkerEdgeConfig {
             health_check_timeout: not_zero("--health-check-timeout", args.health_check_timeout)?,
             health_check_unhealthy_threshold: args.health_check_unhealthy_threshold,
             health_check_healthy_threshold: args.health_check_healthy_threshold.max(1),
+            health_check_stall_timeout: args.health_check_stall_timeout,
             max_ejection_percent: args.max_ejection_percent,
             outliers: OutlierSettings::from_args(args)?,
         })

@@ -141,6 +141,7 @@ impl RunningMock {
         let addr = server.local_addr();
         let extra = server.registration_extra();
         tracing::info!(%addr, model = served_model, "mock engine serving");
+        stall_on_sigusr1(server.stall_switch())?;
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             server
@@ -205,6 +206,28 @@ pub struct MockEngineArgs {
         value_name = "ENGINE_ARGS"
     )]
     pub args: Vec<String>,
+}
+
+/// SIGUSR1 stops the mock's scheduler, or starts it again, while its HTTP server (`/health`
+/// included) keeps answering: the chaos suite's engine that answers but makes no progress.
+fn stall_on_sigusr1(switch: infera_adapters::mock::StallSwitch) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut usr1 = signal(SignalKind::user_defined1()).context("cannot listen for SIGUSR1")?;
+    tokio::spawn(async move {
+        while usr1.recv().await.is_some() {
+            let stalled = switch.toggle();
+            tracing::warn!(
+                stalled,
+                "SIGUSR1: the mock engine's scheduler is {}",
+                if stalled {
+                    "stopped (it still answers /health)"
+                } else {
+                    "running again"
+                }
+            );
+        }
+    });
+    Ok(())
 }
 
 /// Runs `infera mock-engine` until SIGTERM or Ctrl-C.

@@ -300,3 +300,58 @@ fn at_most_the_capped_share_of_a_models_workers_is_ejected() {
         );
     });
 }
+
+#[tokio::test]
+async fn streams_that_relay_nothing_fail_the_probes_after_the_stall_timeout() {
+    use futures::StreamExt as _;
+    let h = health(3, 2);
+    let a = w("a");
+    let t0 = tokio::time::Instant::now();
+    let secs = |n: u64| t0 + std::time::Duration::from_secs(n);
+    assert!(!h.stalled(&a, t0), "no stream, no stall");
+    assert!(!h.stalled(&a, secs(60)));
+    let stream = |rx| -> BodyStream { Box::pin(rx) };
+    let never = || std::future::pending::<WorkerId>();
+
+    // A response before its first byte (a long prefill) is no stream.
+    let (_prefilling, rx) = futures::channel::mpsc::unbounded();
+    let waiting = guard_body(stream(rx), never(), h.progress(&a));
+    assert!(!h.stalled(&a, secs(61)));
+    assert!(!h.stalled(&a, secs(120)));
+
+    // A stream past its first chunk that then relays nothing.
+    let (tx, rx) = futures::channel::mpsc::unbounded();
+    let mut body = guard_body(stream(rx), never(), h.progress(&a));
+    tx.unbounded_send(Ok(Bytes::from("data: 1"))).unwrap();
+    assert!(body.next().await.is_some());
+    assert!(!h.stalled(&a, secs(200)), "it just relayed");
+    assert!(!h.stalled(&a, secs(201)), "flat since 201");
+    assert!(!h.stalled(&a, secs(206)));
+    assert!(
+        h.stalled(&a, secs(207)),
+        "6 s flat: the default stall timeout"
+    );
+    tx.unbounded_send(Ok(Bytes::from("data: 2"))).unwrap();
+    assert!(body.next().await.is_some());
+    assert!(!h.stalled(&a, secs(208)), "a chunk is progress");
+    assert!(!h.stalled(&a, secs(209)), "flat since 209");
+    assert!(!h.stalled(&a, secs(214)));
+    assert!(h.stalled(&a, secs(215)));
+    // Ended streams are no longer held.
+    drop(body);
+    assert!(!h.stalled(&a, secs(300)));
+    drop(waiting);
+
+    // Off: never stalled.
+    let off = Health::default();
+    off.set_config(HealthConfig {
+        stall_timeout: std::time::Duration::ZERO,
+        ..HealthConfig::default()
+    });
+    let (tx, rx) = futures::channel::mpsc::unbounded();
+    let mut body = guard_body(stream(rx), never(), off.progress(&a));
+    tx.unbounded_send(Ok(Bytes::from("x"))).unwrap();
+    assert!(body.next().await.is_some());
+    assert!(!off.stalled(&a, secs(400)));
+    assert!(!off.stalled(&a, secs(900)));
+}

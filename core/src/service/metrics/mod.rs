@@ -124,6 +124,8 @@ pub struct Metrics {
     pub(crate) breaker_trips: Counter,
     /// Workers that left routing for failing their health checks (see `health`).
     pub(crate) health_ejections: Counter,
+    /// Probes failed because the worker's streams made no progress (see `health`).
+    pub(crate) health_stalls: Counter,
     /// Workers out of routing for that now.
     pub(crate) health_out: Gauge,
     pub(crate) ejections_capped: Counter,
@@ -206,6 +208,7 @@ impl Default for Metrics {
             pd_pair_errors: Counter::default(),
             breaker_trips: Counter::default(),
             health_ejections: Counter::default(),
+            health_stalls: Counter::default(),
             health_out: Gauge::default(),
             ejections_capped: Counter::default(),
             outlier_ejections: Family::default(),
@@ -469,6 +472,12 @@ impl Metrics {
             "infera_health_ejections",
             "Workers that left routing for failing their health checks (--health-check-*)",
             self.health_ejections.clone(),
+        );
+        r.register(
+            "infera_health_check_stalls",
+            "Health probes failed because the worker's streams past their first byte relayed \
+             nothing for --health-check-stall-timeout",
+            self.health_stalls.clone(),
         );
         r.register(
             "infera_health_out_workers",
