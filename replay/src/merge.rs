@@ -265,19 +265,10 @@ fn read_requests(
     let (id, worker) = (c.text("request_id")?, c.text("worker")?);
     let (decode, retention) = (c.text("decode_worker")?, c.text("retention")?);
     let (tenant, limited) = (c.text("tenant")?, c.text("limited")?);
-    let counts: Vec<_> = [
-        "overlap_blocks",
-        "blocks",
-        "gpu_hit_blocks",
-        "host_hit_blocks",
-        "disk_hit_blocks",
-        "cached_tokens",
-        "input_tokens",
-        "output_tokens",
-    ]
-    .into_iter()
-    .map(|n| c.u32(n))
-    .collect::<Result<_, _>>()?;
+    let counts: Vec<_> = crate::output::COUNT_COLUMNS
+        .into_iter()
+        .map(|n| c.u32(n))
+        .collect::<Result<_, _>>()?;
     let times: Vec<_> = [
         "arrival_us",
         "queue_us",

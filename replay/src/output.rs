@@ -48,6 +48,18 @@ pub enum OutputError {
     Encode { path: PathBuf, message: String },
 }
 
+/// The request file's `UInt32` columns, in order: a request's block and token counts.
+pub(crate) const COUNT_COLUMNS: [&str; 8] = [
+    "overlap_blocks",
+    "blocks",
+    "gpu_hit_blocks",
+    "host_hit_blocks",
+    "disk_hit_blocks",
+    "cached_tokens",
+    "input_tokens",
+    "output_tokens",
+];
+
 /// One configuration's results as written.
 #[derive(Debug)]
 pub struct Written<'a> {
@@ -213,16 +225,7 @@ fn requests_batch(runs: &[Written<'_>]) -> Result<RecordBatch, arrow_schema::Arr
             router_queue.append_value(r.router_queue_us);
         }
     }
-    let u32_names = [
-        "overlap_blocks",
-        "blocks",
-        "gpu_hit_blocks",
-        "host_hit_blocks",
-        "disk_hit_blocks",
-        "cached_tokens",
-        "input_tokens",
-        "output_tokens",
-    ];
+    let u32_names = COUNT_COLUMNS;
     let mut fields = vec![
         Field::new("config", DataType::Utf8, false),
         Field::new("config_index", DataType::UInt32, false),

@@ -143,10 +143,13 @@ fn a_tenants_limits_refuse_what_the_server_would_and_spare_the_others() {
     );
 }
 
-#[test]
-fn a_more_urgent_tenant_leaves_the_queue_first() {
-    // Two tenants flooding alike, their requests interleaved.
-    let mut requests: Vec<TraceRequest> = (0..600u64)
+/// 600 distinct 2,048-token prompts, one a millisecond (far more than two workers prefill), of
+/// the tenant and priority `tenant` and `priority` give request `i`.
+fn long_flood(
+    tenant: impl Fn(u64) -> &'static str,
+    priority: impl Fn(u64) -> Option<i32>,
+) -> Trace {
+    let requests = (0..600u64)
         .map(|i| TraceRequest {
             arrival_us: i * 1_000,
             request_id: format!("r{i}"),
@@ -155,16 +158,22 @@ fn a_more_urgent_tenant_leaves_the_queue_first() {
             output_length: 8,
             block_size: 16,
             block_hashes: (0..128).map(|b| (i + 1) * 1_000_000 + b).collect(),
-            tenant: Some(if i % 2 == 0 { "a" } else { "b" }.to_owned()),
+            tenant: Some(tenant(i).to_owned()),
+            priority: priority(i),
             ..TraceRequest::default()
         })
         .collect();
-    requests.sort_by_key(|r| r.arrival_us);
-    let trace = Trace {
+    Trace {
         requests,
-        source: "two floods".into(),
+        source: "flood".into(),
         notes: vec![],
-    };
+    }
+}
+
+#[test]
+fn a_more_urgent_tenant_leaves_the_queue_first() {
+    // Two tenants flooding alike, their requests interleaved.
+    let trace = long_flood(|i| if i % 2 == 0 { "a" } else { "b" }, |_| None);
     let mean_wait_ms = |priority: i32, tenant: &str| {
         let result = run(
             &trace,
@@ -199,25 +208,7 @@ fn a_more_urgent_tenant_leaves_the_queue_first() {
 #[test]
 fn a_request_that_asked_for_priority_leaves_the_queue_first_within_its_floor() {
     // One tenant's flood; every fifth request asked to be more urgent (lower is sooner).
-    let requests: Vec<TraceRequest> = (0..600u64)
-        .map(|i| TraceRequest {
-            arrival_us: i * 1_000,
-            request_id: format!("r{i}"),
-            model: "m".into(),
-            input_length: 128 * 16,
-            output_length: 8,
-            block_size: 16,
-            block_hashes: (0..128).map(|b| (i + 1) * 1_000_000 + b).collect(),
-            tenant: Some("a".to_owned()),
-            priority: (i % 5 == 0).then_some(-5),
-            ..TraceRequest::default()
-        })
-        .collect();
-    let trace = Trace {
-        requests,
-        source: "asked priorities".into(),
-        notes: vec![],
-    };
+    let trace = long_flood(|_| "a", |i| (i % 5 == 0).then_some(-5));
     // Mean router-queue wait (ms) of the requests that asked, and of the others.
     let waits = |api_keys: Option<String>| {
         let result = run(
