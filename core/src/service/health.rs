@@ -212,16 +212,19 @@ impl Health {
             .collect()
     }
 
-    /// Forgets the workers for which `registered` is false.
+    /// Forgets the workers for which `registered` is false and that nothing holds: a worker
+    /// whose requests still watch it or whose streams still count on it is kept, so one that
+    /// registers again (its lease lost and renewed) keeps its watchers and its progress.
     pub(crate) fn retain(&self, registered: impl Fn(&WorkerId) -> bool) {
         let mut workers = self.workers();
-        workers.retain(|w, _| registered(w));
+        workers.retain(|w, e| {
+            registered(w) || e.out.receiver_count() > 0 || Arc::strong_count(&e.progress) > 1
+        });
         let out = workers.values().filter(|e| *e.out.borrow()).count();
         self.out_count.store(out, Ordering::Relaxed);
     }
 
-    /// Resolves when `worker` leaves routing (at once if it is out); never for a worker
-    /// forgotten meanwhile (it deregistered, which the transport handles), nor while the checks
+    /// Resolves when `worker` leaves routing (at once if it is out); never while the checks
     /// are off (no round would forget an entry then, so none is made).
     pub(crate) fn left_routing(&self, worker: &WorkerId) -> impl Future<Output = ()> + use<> {
         let rx = (self.config().unhealthy_threshold > 0).then(|| {

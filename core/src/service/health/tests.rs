@@ -48,9 +48,9 @@ fn consecutive_failures_take_a_worker_out_and_passes_bring_it_back() {
 }
 
 #[test]
-fn a_request_sees_its_worker_leave_and_a_forgotten_worker_never_leaves() {
+fn a_request_sees_its_worker_leave_even_after_it_registers_again() {
     let h = health(1, 1);
-    let (a, b) = (w("a"), w("b"));
+    let (a, b, c) = (w("a"), w("b"), w("c"));
     let mut left = Box::pin(h.left_routing(&a));
     assert!((&mut left).now_or_never().is_none());
     h.record(&a, false);
@@ -59,16 +59,25 @@ fn a_request_sees_its_worker_leave_and_a_forgotten_worker_never_leaves() {
         h.left_routing(&a).now_or_never().is_some(),
         "at once once out"
     );
+    // b's lease is lost and renewed between two rounds: its request still watches it, and its
+    // stream's progress still counts on it.
     let mut gone = Box::pin(h.left_routing(&b));
+    let progress = h.progress(&b);
     h.retain(|x| x != &b);
+    assert!(
+        Arc::ptr_eq(&progress, &h.progress(&b)),
+        "b's progress is kept"
+    );
     assert!((&mut gone).now_or_never().is_none());
     h.record(&b, false);
-    assert!(
-        gone.now_or_never().is_none(),
-        "a new entry is not the old one's"
-    );
+    assert!(gone.now_or_never().is_some(), "the request sees b leave");
+    // A worker that nothing holds is forgotten; the count follows what is kept.
+    drop(h.left_routing(&c));
     h.retain(|x| x == &b);
-    assert_eq!(h.out(), [b], "the count follows what is kept");
+    assert_eq!(h.out(), std::slice::from_ref(&b));
+    drop(progress);
+    h.retain(|x| x == &a);
+    assert!(h.out().is_empty(), "b, held no more, is forgotten too");
 }
 
 /// A worker `wedged` that answers a stream's head and first chunk, or nothing at all, and
