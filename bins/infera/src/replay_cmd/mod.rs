@@ -340,19 +340,15 @@ fn replay(args: ReplayArgs, trace_path: &Path, v: Validated) -> anyhow::Result<(
             result,
         });
     }
-    let (steps, events) = runs
-        .iter()
-        .min_by(|a, b| present::ranking(&a.summary, &b.summary))
-        .map_or((0, 0), |r| (r.result.steps, r.result.events));
-    let timing = format!(
-        "simulated {} configuration(s) in {:.2} s on {} thread(s) ({:.2} s per configuration; the best: {} engine steps, {} events in its log)",
-        runs.len(),
-        sim_secs,
-        threads,
-        sim_secs * threads.min(runs.len()).max(1) as f64 / runs.len().max(1) as f64,
-        steps,
-        events
-    );
+    let count = runs.len();
+    let timing = |best: &Run| {
+        format!(
+            "simulated {count} configuration(s) in {sim_secs:.2} s on {threads} thread(s) ({:.2} s per configuration; the best: {} engine steps, {} events in its log)",
+            sim_secs * threads.min(count).max(1) as f64 / count.max(1) as f64,
+            best.result.steps,
+            best.result.events
+        )
+    };
     let outputs = Outputs {
         meta: &meta,
         out: args.out.as_deref(),

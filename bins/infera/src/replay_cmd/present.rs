@@ -30,16 +30,20 @@ pub(super) struct Outputs<'a> {
 }
 
 /// The table's order: TTFT p50 first (what users feel), then hit rate.
-pub(super) fn ranking(a: &Summary, b: &Summary) -> std::cmp::Ordering {
+fn ranking(a: &Summary, b: &Summary) -> std::cmp::Ordering {
     a.ttft_p50_ms
         .total_cmp(&b.ttft_p50_ms)
         .then(b.hit_rate.total_cmp(&a.hit_rate))
 }
 
 /// Ranks `runs` (grid order) by TTFT p50, then hit rate, prints the table, the best
-/// configuration's details and `timing`, writes `--out`, and for a whole grid the `--tune` front
+/// configuration's details and the line `timing` makes of it, writes `--out`, and for a whole grid the `--tune` front
 /// and the `--plot` chart.
-pub(super) fn present(runs: &[Run], o: &Outputs<'_>, timing: &str) -> anyhow::Result<()> {
+pub(super) fn present(
+    runs: &[Run],
+    o: &Outputs<'_>,
+    timing: &dyn Fn(&Run) -> String,
+) -> anyhow::Result<()> {
     let mut order: Vec<usize> = (0..runs.len()).collect();
     order.sort_by(|a, b| ranking(&runs[*a].summary, &runs[*b].summary));
     let rows: Vec<Row> = order
@@ -74,7 +78,7 @@ pub(super) fn present(runs: &[Run], o: &Outputs<'_>, timing: &str) -> anyhow::Re
         .map(|(w, s)| format!("{}={:.1}%", short_worker(w), s * 100.0))
         .collect();
     println!("per-worker share: {}", shares.join(" "));
-    println!("{timing}");
+    println!("{}", timing(best));
     write_out(runs, &order, o)?;
     if o.meta.shard.count > 1 {
         println!(
@@ -204,6 +208,7 @@ fn merge_slices(args: &MergeArgs, plot: Option<plot::Format>) -> anyhow::Result<
         out: args.out.as_deref(),
         plot: args.plot.as_deref().zip(plot),
     };
-    let timing = format!("merged from {} file(s)", merged.files.len());
+    let files = merged.files.len();
+    let timing = |_: &Run| format!("merged from {files} file(s)");
     present(&runs, &outputs, &timing).context("merged sweep")
 }
