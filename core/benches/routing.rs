@@ -274,9 +274,9 @@ fn outliers(c: &mut Criterion) {
     });
 }
 
-/// What the stall check adds to a stream: its worker's progress looked up once per attempt
-/// (64 workers), and every chunk counted as the relay's health guard passes it on; a 16-chunk
-/// stream through the guard, against the same stream unguarded.
+/// What the health guard costs a stream: its worker watched for leaving routing and its
+/// progress looked up, once per attempt (64 workers), and every chunk counted as the guard
+/// passes it on; a 16-chunk stream through the guard, against the same stream unguarded.
 fn stream_progress(c: &mut Criterion) {
     use futures::StreamExt as _;
     let health = Health::default();
@@ -292,8 +292,13 @@ fn stream_progress(c: &mut Criterion) {
         b.iter(|| {
             let w = &workers[i % workers.len()];
             i += 1;
-            let progress = health.progress(black_box(w));
-            let body = guard_body(chunks(), std::future::pending(), progress);
+            let (left, progress) = health.watch(black_box(w));
+            let worker = w.clone();
+            let left = async move {
+                left.await;
+                worker
+            };
+            let body = guard_body(chunks(), left, progress);
             black_box(futures::executor::block_on(body.count()))
         })
     });

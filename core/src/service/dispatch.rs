@@ -157,8 +157,7 @@ async fn forward(
                 guard.trace_into(&mut outbound.headers);
                 // A worker that leaves routing (its health checks fail) fails this attempt
                 // over at once, before or after its first byte (see `health`).
-                let left = left_rank(&st.inner.health, &rank);
-                let progress = st.inner.health.progress(&rank.worker);
+                let (left, progress) = left_rank(&st.inner.health, &rank);
                 let outcome = match unless_left(transport.send(outbound), left, progress).await {
                     Ok(sent) => sent.map_err(|error| pd::LegError::Transport {
                         role: Role::Mixed,
@@ -210,14 +209,14 @@ async fn forward(
                         // stream ends; the prefill leg's KV may never come).
                         let health = &st.inner.health;
                         let (p, d) = (&pair.prefill.rank, &pair.decode.rank);
-                        let (left_p, left_d) = (left_rank(health, p), left_rank(health, d));
+                        let ((left_p, _), (left_d, progress)) =
+                            (left_rank(health, p), left_rank(health, d));
                         let left = async move {
                             tokio::select! {
                                 gone = left_p => gone,
                                 gone = left_d => gone,
                             }
                         };
-                        let progress = health.progress(&d.worker);
                         match unless_left(sent, left, progress).await {
                             Ok(sent) => sent,
                             Err(gone) => Err(pd::LegError::Transport {
@@ -528,16 +527,21 @@ impl StreamRelay {
     }
 }
 
-/// Resolves with `rank` once its worker leaves routing (see [`health::Health::left_routing`]).
+/// Resolves with `rank` once its worker leaves routing, and the progress a stream from it
+/// counts on (see [`health::Health::watch`]).
 fn left_rank(
     health: &health::Health,
     rank: &WorkerRank,
-) -> impl std::future::Future<Output = WorkerRank> + Send + use<> {
-    let (rank, left) = (rank.clone(), health.left_routing(&rank.worker));
-    async move {
+) -> (
+    impl std::future::Future<Output = WorkerRank> + Send + use<>,
+    std::sync::Arc<health::Progress>,
+) {
+    let ((left, progress), rank) = (health.watch(&rank.worker), rank.clone());
+    let left = async move {
         left.await;
         rank
-    }
+    };
+    (left, progress)
 }
 
 /// Races an attempt's `sent` against `left` (one of its workers leaving routing): the response,

@@ -12,7 +12,7 @@
 //! 3) a wedged engine leaves routing within about 8 s of the fault.
 //!
 //! Requests already on a worker that leaves routing do not wait for their deadlines: each
-//! attempt races its worker's [`Health::left_routing`]. Before the first byte the attempt fails
+//! attempt races its worker's [`Health::watch`]. Before the first byte the attempt fails
 //! as a timeout and is retried elsewhere (within `--request-max-retries`); a stream that
 //! already started ends with a timeout error, which migrates it where `--migration-limit`
 //! allows and otherwise ends it with an error event. The dropped reply cancels the engine's
@@ -178,11 +178,6 @@ impl Health {
         None
     }
 
-    /// `worker`'s stream progress, for the relay to count on.
-    pub fn progress(&self, worker: &WorkerId) -> Arc<Progress> {
-        Arc::clone(&self.workers().entry(worker.clone()).or_default().progress)
-    }
-
     /// Whether `worker` holds streams past their first byte that have relayed nothing for the
     /// stall timeout, read at `now` (each round reads once).
     pub(crate) fn stalled(&self, worker: &WorkerId, now: tokio::time::Instant) -> bool {
@@ -224,17 +219,24 @@ impl Health {
         self.out_count.store(out, Ordering::Relaxed);
     }
 
-    /// Resolves when `worker` leaves routing (at once if it is out); never while the checks
-    /// are off (no round would forget an entry then, so none is made).
-    pub(crate) fn left_routing(&self, worker: &WorkerId) -> impl Future<Output = ()> + use<> {
-        let rx = (self.config().unhealthy_threshold > 0).then(|| {
+    /// What an attempt on `worker` watches, from one lookup: a future that resolves when the
+    /// worker leaves routing (at once if it is out), and the progress its stream counts on
+    /// (see [`guard_body`]). While the checks are off the future never resolves and the
+    /// progress counts for no one: neither is kept, since no round would forget them.
+    pub fn watch(&self, worker: &WorkerId) -> (impl Future<Output = ()> + use<>, Arc<Progress>) {
+        let kept = (self.config().unhealthy_threshold > 0).then(|| {
             let mut workers = self.workers();
+            let held = |e: &Entry| (e.out.subscribe(), Arc::clone(&e.progress));
             match workers.get(worker) {
-                Some(entry) => entry.out.subscribe(),
-                None => workers.entry(worker.clone()).or_default().out.subscribe(),
+                Some(entry) => held(entry),
+                None => held(workers.entry(worker.clone()).or_default()),
             }
         });
-        async move {
+        let (rx, progress) = match kept {
+            Some((rx, progress)) => (Some(rx), progress),
+            None => (None, Arc::default()),
+        };
+        let left = async move {
             let left = match rx {
                 Some(mut rx) => rx.wait_for(|out| *out).await.is_ok(),
                 None => false,
@@ -242,7 +244,8 @@ impl Health {
             if !left {
                 std::future::pending::<()>().await;
             }
-        }
+        };
+        (left, progress)
     }
 }
 

@@ -45,34 +45,34 @@ fn consecutive_failures_take_a_worker_out_and_passes_bring_it_back() {
     for _ in 0..10 {
         assert_eq!(off.record(&a, false), None);
     }
+    // Nothing an attempt watches is kept while the checks are off: no round would forget it.
+    let (_, progress) = off.watch(&w("z"));
+    assert_eq!(Arc::strong_count(&progress), 1);
 }
 
 #[test]
 fn a_request_sees_its_worker_leave_even_after_it_registers_again() {
     let h = health(1, 1);
     let (a, b, c) = (w("a"), w("b"), w("c"));
-    let mut left = Box::pin(h.left_routing(&a));
+    let mut left = Box::pin(h.watch(&a).0);
     assert!((&mut left).now_or_never().is_none());
     h.record(&a, false);
     assert!(left.now_or_never().is_some(), "resolved when it left");
-    assert!(
-        h.left_routing(&a).now_or_never().is_some(),
-        "at once once out"
-    );
+    assert!(h.watch(&a).0.now_or_never().is_some(), "at once once out");
     // b's lease is lost and renewed between two rounds: its request still watches it, and its
     // stream's progress still counts on it.
-    let mut gone = Box::pin(h.left_routing(&b));
-    let progress = h.progress(&b);
+    let (gone, progress) = h.watch(&b);
+    let mut gone = Box::pin(gone);
     h.retain(|x| x != &b);
     assert!(
-        Arc::ptr_eq(&progress, &h.progress(&b)),
+        Arc::ptr_eq(&progress, &h.watch(&b).1),
         "b's progress is kept"
     );
     assert!((&mut gone).now_or_never().is_none());
     h.record(&b, false);
     assert!(gone.now_or_never().is_some(), "the request sees b leave");
     // A worker that nothing holds is forgotten; the count follows what is kept.
-    drop(h.left_routing(&c));
+    drop(h.watch(&c));
     h.retain(|x| x == &b);
     assert_eq!(h.out(), std::slice::from_ref(&b));
     drop(progress);
@@ -324,13 +324,13 @@ async fn streams_that_relay_nothing_fail_the_probes_after_the_stall_timeout() {
 
     // A response before its first byte (a long prefill) is no stream.
     let (_prefilling, rx) = futures::channel::mpsc::unbounded();
-    let waiting = guard_body(stream(rx), never(), h.progress(&a));
+    let waiting = guard_body(stream(rx), never(), h.watch(&a).1);
     assert!(!h.stalled(&a, secs(61)));
     assert!(!h.stalled(&a, secs(120)));
 
     // A stream past its first chunk that then relays nothing.
     let (tx, rx) = futures::channel::mpsc::unbounded();
-    let mut body = guard_body(stream(rx), never(), h.progress(&a));
+    let mut body = guard_body(stream(rx), never(), h.watch(&a).1);
     tx.unbounded_send(Ok(Bytes::from("data: 1"))).unwrap();
     assert!(body.next().await.is_some());
     assert!(!h.stalled(&a, secs(200)), "it just relayed");
@@ -358,7 +358,7 @@ async fn streams_that_relay_nothing_fail_the_probes_after_the_stall_timeout() {
         ..HealthConfig::default()
     });
     let (tx, rx) = futures::channel::mpsc::unbounded();
-    let mut body = guard_body(stream(rx), never(), off.progress(&a));
+    let mut body = guard_body(stream(rx), never(), off.watch(&a).1);
     tx.unbounded_send(Ok(Bytes::from("x"))).unwrap();
     assert!(body.next().await.is_some());
     assert!(!off.stalled(&a, secs(400)));
