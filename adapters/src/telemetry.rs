@@ -24,15 +24,11 @@ use tracing_subscriber::Layer;
 use tracing_subscriber::filter::Targets;
 use tracing_subscriber::registry::LookupSpan;
 
-/// Whether [`layer`]'s exporter was installed: the service then propagates trace context.
+/// Whether [`layer`] built an exporter in this process: every server front made after it
+/// propagates trace context ([`crate::server::ServerState`] gives its service [`W3c`]).
 static EXPORTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Marks the exporter installed (see [`exporting`]).
-pub fn set_exporting() {
-    EXPORTING.store(true, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether spans are exported: a service then gets [`W3c`] as its trace context.
+/// Whether spans are exported (see [`EXPORTING`]).
 pub fn exporting() -> bool {
     EXPORTING.load(std::sync::atomic::Ordering::Relaxed)
 }
@@ -142,6 +138,7 @@ where
     }
     let provider = provider.build();
     let layer = spans(&provider);
+    EXPORTING.store(true, std::sync::atomic::Ordering::Relaxed);
     Ok((
         Exporter {
             provider,

@@ -227,7 +227,7 @@ fn request_span(st: &ServerState, ep: Endpoint, id: &str, headers: &HeaderMap) -
         otel.kind = "server",
         otel.status_code = tracing::field::Empty,
         http.request.method = "POST",
-        url.path = &ep.span_name()[5..],
+        url.path = ep.span_name().trim_start_matches("POST "),
         infera.request_id = id,
         gen_ai.request.model = tracing::field::Empty,
         http.response.status_code = tracing::field::Empty,

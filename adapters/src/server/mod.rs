@@ -162,6 +162,9 @@ impl ServerState {
     ) -> Self {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let service = Service::new(options.service.clone(), transport, clock);
+        if crate::telemetry::exporting() {
+            service.set_trace_context(Arc::new(crate::telemetry::W3c::default()));
+        }
         let variants = variants::Variants::new(options.per_worker_template_kwargs);
         Self {
             inner: Arc::new(Inner {

@@ -99,7 +99,6 @@ pub fn init_tracing(cli: &Cli) -> Result<Option<telemetry::Exporter>, AppError> 
         error: e.into(),
     })?;
     tracing_subscriber::registry().with(log).with(spans).init();
-    telemetry::set_exporting();
     Ok(Some(exporter))
 }
 

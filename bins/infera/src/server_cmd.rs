@@ -209,11 +209,6 @@ async fn serve_all(
     let state = ServerState::with_transport(options, tokenizer, transport);
     state.set_profiling(config.enable_profiling);
     state.service().set_sla_metrics(config.enable_sla_metrics);
-    if infera_adapters::telemetry::exporting() {
-        state
-            .service()
-            .set_trace_context(Arc::new(infera_adapters::telemetry::W3c::default()));
-    }
     if let Some(scaling) = &config.scaling_api {
         state.set_scaler(wiring::scaler(scaling)?);
         tracing::info!(

@@ -239,11 +239,6 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
         client: infera_adapters::server::ClientOptions::default(),
     };
     let state = ServerState::new(options, Arc::clone(&tokenizer));
-    if infera_adapters::telemetry::exporting() {
-        state
-            .service()
-            .set_trace_context(Arc::new(infera_adapters::telemetry::W3c::default()));
-    }
     let signals = Signals::register()?;
     let addr = socket_addr(&args.host, args.port);
     let listener = TcpListener::bind(&addr)
