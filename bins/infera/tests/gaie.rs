@@ -9,15 +9,13 @@ mod common;
 
 use base64::Engine as _;
 use common::{
-    DEADLINE, Proc, eventually, free_mock_port, free_port, get_json, http, mock_worker,
-    mock_worker_command, tokenizer_dir,
+    DEADLINE, Peer, Proc, eventually, free_mock_port, free_port, get_json, http, mock_worker,
+    mock_worker_command, python_peer, tokenizer_dir,
 };
 use infera_backends::testing::{EtcdServer, NatsServer};
 use serde_json::{Value, json};
-use std::io::{BufRead as _, BufReader, Write as _};
-use std::path::Path;
-use std::process::{ChildStdin, Command, Stdio};
-use std::sync::mpsc;
+use std::io::Write as _;
+use std::process::{Command, Stdio};
 
 /// This file's tests run one at a time: each picks its ports by probing for free ones, and tests
 /// started at once raced for them (a worker that lost never registered, and the picker never
@@ -28,36 +26,14 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 const DEST_PORT: u16 = 18_000;
 
 /// The Python client, kept running for a test: one JSON line in, one JSON line out.
-struct Client {
-    stdin: ChildStdin,
-    lines: mpsc::Receiver<String>,
-    _proc: Proc,
-}
+struct Client(Peer);
 
 impl Client {
     fn start() -> Client {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/peers/gaie_client.py");
-        let mut child = Command::new("python3")
-            .arg(script)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("python3 is required for this test (the independent gRPC client)");
-        let stdin = child.stdin.take().unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut client = Client {
-            stdin,
-            lines,
-            _proc: Proc(child),
-        };
+        let mut client = Client(python_peer(
+            "gaie_client.py",
+            "python3 (the independent gRPC client)",
+        ));
         let ready = client.line().unwrap_or_else(|| {
             panic!(
                 "the gRPC client did not start: install its modules with \
@@ -70,13 +46,13 @@ impl Client {
     }
 
     fn line(&mut self) -> Option<Value> {
-        let line = self.lines.recv_timeout(DEADLINE).ok()?;
+        let line = self.0.lines.recv_timeout(DEADLINE).ok()?;
         Some(serde_json::from_str(&line).unwrap())
     }
 
     fn call(&mut self, request: &Value) -> Value {
-        writeln!(self.stdin, "{request}").unwrap();
-        self.stdin.flush().unwrap();
+        writeln!(self.0.stdin, "{request}").unwrap();
+        self.0.stdin.flush().unwrap();
         self.line().expect("the gRPC client answers")
     }
 

@@ -9,54 +9,34 @@
 mod common;
 
 use common::{
-    Proc, eventually, free_port, get_json, http_with_headers, register_in_etcd, server_command,
-    tokenizer_dir,
+    DEADLINE, Peer, Proc, eventually, free_port, get_json, http_with_headers, python_peer,
+    register_in_etcd, server_command, tokenizer_dir,
 };
 use infera_backends::testing::{EtcdServer, sample_record};
 use serde_json::{Value, json};
-use std::io::{BufRead, BufReader};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CLIENT_SPAN: &str = "00f067aa0ba902b7";
 
-/// The receiver, and the spans it prints, one JSON object each.
+/// The receiver: its port, and the spans it prints, one JSON object a line.
 struct Receiver {
-    child: Child,
-    spans: mpsc::Receiver<Value>,
+    peer: Peer,
     port: u16,
 }
 
-impl Drop for Receiver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn receiver() -> Receiver {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/peers/otlp_receiver.py");
-    let mut child = Command::new("python3")
-        .arg(script)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3 with opentelemetry-proto and grpcio (cargo xtask tools installs them)");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let first: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    let peer = python_peer(
+        "otlp_receiver.py",
+        "python3 with opentelemetry-proto and grpcio (cargo xtask tools installs them)",
+    );
+    let first = peer
+        .lines
+        .recv_timeout(DEADLINE)
+        .expect("the receiver starts");
+    let first: Value = serde_json::from_str(&first).unwrap();
     let port = first["port"].as_u64().expect("the receiver's port") as u16;
-    let (tx, spans) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in lines.map_while(Result::ok) {
-            if tx.send(serde_json::from_str(&line).unwrap()).is_err() {
-                return;
-            }
-        }
-    });
-    Receiver { child, spans, port }
+    Receiver { peer, port }
 }
 
 /// An engine that answers every completion and sends each request's `traceparent` (or "").
@@ -91,10 +71,12 @@ fn spans_of(r: &Receiver, trace: &str, names: &[&str]) -> Vec<Value> {
     let mut got: Vec<Value> = Vec::new();
     while !names.iter().all(|n| got.iter().any(|s| s["name"] == *n)) {
         let left = deadline.saturating_duration_since(Instant::now());
-        match r.spans.recv_timeout(left) {
-            Ok(span) if span["trace_id"] == trace => got.push(span),
-            Ok(_) => {}
+        let span: Value = match r.peer.lines.recv_timeout(left) {
+            Ok(line) => serde_json::from_str(&line).unwrap(),
             Err(_) => panic!("spans {names:?} never all arrived; got {got:#?}"),
+        };
+        if span["trace_id"] == trace {
+            got.push(span);
         }
     }
     got

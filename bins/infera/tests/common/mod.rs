@@ -57,6 +57,43 @@ impl Proc {
     }
 }
 
+/// A Python peer of `tests/peers/` (an independent implementation of a protocol), running
+/// until dropped: its stdin, and its stdout's lines as they come.
+pub struct Peer {
+    pub stdin: std::process::ChildStdin,
+    pub lines: std::sync::mpsc::Receiver<String>,
+    _proc: Proc,
+}
+
+/// Starts `tests/peers/<script>` with python3; `needs` names what it needs installed.
+pub fn python_peer(script: &str, needs: &str) -> Peer {
+    use std::io::BufRead as _;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/peers")
+        .join(script);
+    let mut child = Command::new("python3")
+        .arg(path)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{script} needs {needs}: {e}"));
+    let stdin = child.stdin.take().unwrap();
+    let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let (tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in stdout.lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    Peer {
+        stdin,
+        lines,
+        _proc: Proc(child),
+    }
+}
+
 /// Sends SIGTERM to `child`.
 pub fn sigterm(child: &Child) {
     let pid = child.id().to_string();
