@@ -12,7 +12,7 @@ mod common;
 
 use common::{
     eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, open_stream, picks,
-    register_in_etcd, server, tokenizer_dir,
+    register_in_etcd, server, signal, tokenizer_dir,
 };
 use infera_backends::testing::{EtcdServer, sample_record};
 use serde_json::json;
@@ -239,7 +239,7 @@ async fn a_worker_that_answers_health_but_makes_no_progress_leaves_routing_at_th
         1
     };
     assert!(picks(port, ports[struck]) > 0 && picks(port, ports[1 - struck]) > 0);
-    signal(&workers[struck], "USR1");
+    signal(&workers[struck].0, "USR1");
     let fault = Instant::now();
     let readers: Vec<_> = streams
         .into_iter()
@@ -286,7 +286,7 @@ async fn a_worker_that_answers_health_but_makes_no_progress_leaves_routing_at_th
         "out of routing {out_after:?} after the fault"
     );
     // Running again, it passes its checks and returns.
-    signal(&workers[struck], "USR1");
+    signal(&workers[struck].0, "USR1");
     eventually("the worker to return", || {
         get_json(port, "/v1/workers").is_some_and(|w| {
             w["data"]
@@ -297,12 +297,4 @@ async fn a_worker_that_answers_health_but_makes_no_progress_leaves_routing_at_th
         })
     });
     eprintln!("out of routing {out_after:?} after the fault; {cut} streams cut, {done} finished");
-}
-
-fn signal(worker: &common::Proc, name: &str) {
-    let sent = std::process::Command::new("kill")
-        .args([&format!("-{name}"), &worker.0.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success(), "kill -{name}");
 }

@@ -171,11 +171,7 @@ impl Fleet {
 
 /// Sends `signal` (`KILL`, `STOP`, `CONT`) to a worker.
 pub fn signal(worker: &Proc, signal: &str) {
-    let sent = Command::new("kill")
-        .args([&format!("-{signal}"), &worker.0.id().to_string()])
-        .status()
-        .expect("kill runs");
-    assert!(sent.success(), "kill -{signal}");
+    crate::common::signal(&worker.0, signal);
 }
 
 fn spawn(mut cmd: Command) -> Proc {

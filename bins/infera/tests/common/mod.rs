@@ -96,9 +96,17 @@ pub fn python_peer(script: &str, needs: &str) -> Peer {
 
 /// Sends SIGTERM to `child`.
 pub fn sigterm(child: &Child) {
+    signal(child, "TERM");
+}
+
+/// Sends the signal `name` (`TERM`, `KILL`, `STOP`, `USR1`…) to `child`.
+pub fn signal(child: &Child, name: &str) {
     let pid = child.id().to_string();
-    let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    assert!(sent.success(), "kill -TERM {pid}");
+    let sent = Command::new("kill")
+        .args([&format!("-{name}"), &pid])
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill -{name} {pid}");
 }
 
 /// One HTTP/1.1 exchange with `Connection: close`; `None` while nothing listens.
