@@ -12,9 +12,9 @@ mod common;
 
 use common::{
     eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, open_stream, picks,
-    register_in_etcd, server, signal, tokenizer_dir,
+    register_standin, server, signal, tokenizer_dir,
 };
-use infera_backends::testing::{EtcdServer, sample_record};
+use infera_backends::testing::EtcdServer;
 use serde_json::json;
 use std::io::{Read as _, Write as _};
 use std::net::{TcpListener, TcpStream};
@@ -69,10 +69,7 @@ async fn a_wedged_engine_leaves_routing_and_its_requests_fail_over_at_the_defaul
     let id = listener.local_addr().unwrap().to_string();
     let wedged = Arc::new(AtomicBool::new(false));
     engine(listener, Arc::clone(&wedged));
-    let mut record = sample_record(&id);
-    record.model_name = tok.clone();
-    record.kv_events_endpoint = None;
-    let _registration = register_in_etcd(&etcd.endpoint(), &record).await;
+    let _registration = register_standin(&etcd.endpoint(), &id, &tok).await;
     let port = free_port();
     let _server = server(&tok, &etcd.endpoint(), port, &[]);
     eventually("both workers to be routed", || {

@@ -10,9 +10,9 @@ mod common;
 
 use common::{
     DEADLINE, Peer, Proc, eventually, free_port, get_json, http_with_headers, python_peer,
-    register_in_etcd, server_command, tokenizer_dir,
+    register_standin, server_command, tokenizer_dir,
 };
-use infera_backends::testing::{EtcdServer, sample_record};
+use infera_backends::testing::EtcdServer;
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
@@ -92,10 +92,7 @@ async fn a_request_is_one_trace_from_the_client_through_the_router_to_the_engine
     let tok = tokenizer_dir();
     let (engine_port, mut parents) = engine().await;
     let id = format!("127.0.0.1:{engine_port}");
-    let mut record = sample_record(&id);
-    record.model_name = tok.clone();
-    record.kv_events_endpoint = None;
-    let _registration = register_in_etcd(&etcd.endpoint(), &record).await;
+    let _registration = register_standin(&etcd.endpoint(), &id, &tok).await;
     let receiver = receiver();
     let port = free_port();
     let endpoint = format!("http://127.0.0.1:{}", receiver.port);

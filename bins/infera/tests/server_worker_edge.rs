@@ -8,10 +8,10 @@
 mod common;
 
 use common::{
-    eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, register_in_etcd,
+    eventually, free_mock_port, free_port, get_json, http, metric, mock_worker, register_standin,
     server, tokenizer_dir,
 };
-use infera_backends::testing::{EtcdServer, sample_record};
+use infera_backends::testing::EtcdServer;
 use serde_json::json;
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -41,10 +41,7 @@ async fn a_hung_worker_is_failed_over_then_taken_out_of_routing_by_its_breaker()
     let tok = tokenizer_dir();
     let (hung_port, accepted) = hung_worker();
     let id = format!("127.0.0.1:{hung_port}");
-    let mut record = sample_record(&id);
-    record.model_name = tok.clone();
-    record.kv_events_endpoint = None;
-    let _registration = register_in_etcd(&etcd.endpoint(), &record).await;
+    let _registration = register_standin(&etcd.endpoint(), &id, &tok).await;
 
     let worker_port = free_mock_port();
     let _worker = mock_worker(&tok, &etcd.endpoint(), worker_port, &["--speedup", "1000"]);

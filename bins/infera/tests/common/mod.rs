@@ -352,6 +352,15 @@ pub async fn register_in_etcd(endpoint: &str, record: &WorkerRecord) -> Registra
     discovery.register(record).await.unwrap()
 }
 
+/// Registers in the etcd at `endpoint` a worker `id` (`host:port`) serving `model` over HTTP
+/// with no KV events: an engine the test plays itself. Lasts as long as the returned handle.
+pub async fn register_standin(endpoint: &str, id: &str, model: &str) -> Registration {
+    let mut record = infera_backends::testing::sample_record(id);
+    record.model_name = model.to_owned();
+    record.kv_events_endpoint = None;
+    register_in_etcd(endpoint, &record).await
+}
+
 /// The KV blocks the server on `port` indexes, per worker.
 pub fn cached_blocks(port: u16) -> Vec<u64> {
     get_json(port, "/v1/workers").map_or_else(Vec::new, |w| {
