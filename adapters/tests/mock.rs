@@ -595,6 +595,16 @@ async fn registration_names_the_mock_and_its_capacity() {
     let extra = server.registration_extra();
     assert_eq!(extra["mock"], true);
     assert_eq!(extra["kv_capacity_blocks"], 64);
+    // Its prefill speed at its step budget, from its timing model (the router weighs loading a
+    // block from kvd against it).
+    let speed = extra["prefill_tokens_per_s"].as_f64().expect("a speed");
+    let timing = infera_core::engine::TimingModel::default();
+    let budget = u64::from(engine(64, 16, 1.0).max_batched_tokens);
+    let expected = budget as f64 * 1000.0 / timing.prefill_ms(budget);
+    assert!(
+        (speed - expected).abs() < 1e-6 * expected,
+        "{speed} vs {expected}"
+    );
     // The record's own fields are not repeated in its extra map.
     assert!(!extra.contains_key("engine") && !extra.contains_key("kv_block_size"));
     // Shutting down with nothing in flight returns at once.

@@ -16,6 +16,11 @@
 //! whose session is pinned (one of the 2,048 finished conversations'), against `route_only`.
 //! `decision/stream_16_chunks_guarded_with_progress` relays a 16-chunk stream through the health
 //! guard that counts its worker's progress, against `…_unguarded`.
+//! `decision/kvd_hashes_8k_tokens` names the prompt's blocks as kvd does (the connectors' SHA-256
+//! key chain, then the inventory hash), what a request pays when its workers name kvds;
+//! `decision/route_only_512_blocks_64_workers_kvd_tiers` routes on the same fleet where every 8
+//! workers share a node kvd whose host RAM holds its workers' conversation tails, against
+//! `route_only`.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use infera_core::event::{
@@ -25,7 +30,8 @@ use infera_core::event::{
 use infera_core::fleet::{FleetConfig, FleetState};
 use infera_core::hashing::{KvIdentity, hash_blocks, hash_prompt_blocks, synthetic_block_tokens};
 use infera_core::ids::{BlockHash, EngineHash, RequestId, SessionKey, WorkerId, WorkerRank};
-use infera_core::policy::{RouteRequest, Router, RouterConfig};
+use infera_core::kv_events::kvd;
+use infera_core::policy::{KvdHashes, RouteRequest, Router, RouterConfig};
 use infera_core::projection::Projection;
 use infera_core::service::health::{Health, guard_body};
 use infera_core::service::outlier::Outliers;
@@ -65,6 +71,7 @@ fn request(id: String, toks: &[u32]) -> RouteRequest {
         per_worker: Default::default(),
         exclude: vec![],
         session: None,
+        kvd: Vec::new(),
     }
 }
 
@@ -86,14 +93,25 @@ impl Setup {
     }
 }
 
+/// The kvd endpoint of worker `w`'s node (8 workers per node).
+fn node_kvd(w: usize) -> String {
+    format!("tcp://node{}:5590", w / 8)
+}
+
 fn setup() -> Setup {
+    setup_with(false)
+}
+
+/// [`setup`], with every worker naming its node's kvd (`tiered`), whose host RAM holds the
+/// node's workers' conversation tails.
+fn setup_with(tiered: bool) -> Setup {
     let mut s = Setup {
         fleet: FleetState::new(FleetConfig::default()),
         seq: 0,
     };
     for w in 0..WORKERS {
         let id = format!("10.0.{}.{}:8000", w / 256, w % 256);
-        let record = WorkerRecord {
+        let mut record = WorkerRecord {
             worker_id: WorkerId::new(id.clone()),
             url: format!("http://{id}"),
             model_name: "m".into(),
@@ -108,6 +126,11 @@ fn setup() -> Setup {
             kv: None,
             extra: Default::default(),
         };
+        if tiered {
+            record
+                .extra
+                .insert(kvd::KVD_EVENTS_ENDPOINT.into(), node_kvd(w).into());
+        }
         s.apply(Event::WorkerRegistered(WorkerRegistered { record }));
     }
     let store = |s: &mut Setup, w: usize, hashes: Vec<BlockHash>| {
@@ -134,8 +157,19 @@ fn setup() -> Setup {
     for w in 0..WORKERS {
         for t in 0..TAILS_PER_WORKER {
             let tail = w as u64 * 100 + t;
-            let h = hash_blocks(&prompt(tail % APPS, tail), BS, None);
-            store(&mut s, w, h);
+            let toks = prompt(tail % APPS, tail);
+            store(&mut s, w, hash_blocks(&toks, BS, None));
+            if tiered {
+                let names = kvd::request_hashes("m", "", &toks, BS, &KvIdentity::default());
+                s.apply(Event::KvBlocksStored(KvBlocksStored {
+                    worker: kvd::source_rank(&node_kvd(w)),
+                    tier: Tier::Host,
+                    block_size: 0,
+                    engine_hashes: names.iter().map(|h| EngineHash(h.0)).collect(),
+                    router_hashes: names,
+                    parent: None,
+                }));
+            }
         }
     }
     let mut router = Router::new(RouterConfig::default());
@@ -217,6 +251,28 @@ fn parts(c: &mut Criterion) {
         ..req
     };
     c.bench_function("decision/route_only_512_blocks_64_workers_session", |b| {
+        b.iter(|| black_box(router.decide(&s.fleet, &req, 1_000_000).is_ok()))
+    });
+}
+
+/// The kvd side of a decision: naming the prompt's blocks, and routing with tier credits.
+fn tiers(c: &mut Criterion) {
+    let toks = prompt(3, 300);
+    let plain = KvIdentity::default();
+    c.bench_function("decision/kvd_hashes_8k_tokens", |b| {
+        b.iter(|| black_box(kvd::request_hashes("m", "", black_box(&toks), BS, &plain)))
+    });
+    let s = setup_with(true);
+    let req = RouteRequest {
+        kvd: vec![KvdHashes {
+            block_size: BS as u32,
+            compat_key: "".into(),
+            hashes: kvd::request_hashes("m", "", &toks, BS, &plain),
+        }],
+        ..request("r".into(), &toks)
+    };
+    let mut router = Router::new(RouterConfig::default());
+    c.bench_function("decision/route_only_512_blocks_64_workers_kvd_tiers", |b| {
         b.iter(|| black_box(router.decide(&s.fleet, &req, 1_000_000).is_ok()))
     });
 }
@@ -313,6 +369,7 @@ criterion_group!(
     parts,
     first_byte,
     outliers,
-    stream_progress
+    stream_progress,
+    tiers
 );
 criterion_main!(routing);

@@ -15,13 +15,14 @@
 //! | 1 | `v1.jsonl` | the first eight kinds |
 //! | 2 | `v2.jsonl` | [`Event::WorkerDraining`] |
 //! | 3 | `v3.jsonl` | [`Event::RecentLoad`] |
+//! | 4 | `v4.jsonl` | [`Event::TierLoadMeasured`] |
 
 use crate::clock::Micros;
 use crate::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
 use serde::{Deserialize, Serialize};
 
 /// The version written into every envelope (see the module docs for what each version added).
-pub const EVENT_FORMAT_VERSION: u16 = 3;
+pub const EVENT_FORMAT_VERSION: u16 = 4;
 
 /// Position of an event in one log. Starts at 1; 0 means "before the first event".
 pub type Seq = u64;
@@ -72,6 +73,8 @@ pub enum Event {
     RequestFinished(RequestFinished),
     /// Since v3; written by snapshots only.
     RecentLoad(RecentLoad),
+    /// Since v4.
+    TierLoadMeasured(TierLoadMeasured),
 }
 
 impl Event {
@@ -88,6 +91,7 @@ impl Event {
             Event::RequestPrefilled(_) => "request_prefilled",
             Event::RequestFinished(_) => "request_finished",
             Event::RecentLoad(_) => "recent_load",
+            Event::TierLoadMeasured(_) => "tier_load_measured",
         }
     }
 }
@@ -181,6 +185,14 @@ pub const LORA_ADAPTERS: &str = "lora_adapters";
 /// unit in which the router's queue measures a worker's saturation.
 pub const MAX_NUM_BATCHED_TOKENS: &str = "max_num_batched_tokens";
 
+/// Our registration field (in [`WorkerRecord::extra`]): the prompt tokens per second the
+/// engine prefills, against which the router weighs loading a block from a lower tier.
+pub const PREFILL_TOKENS_PER_S: &str = "prefill_tokens_per_s";
+
+/// The prefill speed of a worker that registers none: a mid-size dense model on one current
+/// GPU (vLLM prefills 8B-class models at 10–30k tokens/s on an H100).
+pub const DEFAULT_PREFILL_TOKENS_PER_S: f64 = 16_384.0;
+
 /// The prefill budget of a worker that registers none: vLLM's default `max_num_batched_tokens`
 /// for its OpenAI server.
 pub const DEFAULT_PREFILL_BUDGET: u32 = 8192;
@@ -195,6 +207,16 @@ impl WorkerRecord {
             .and_then(|n| u32::try_from(n).ok())
             .filter(|n| *n > 0)
             .unwrap_or(DEFAULT_PREFILL_BUDGET)
+    }
+
+    /// The prompt tokens per second the engine prefills ([`PREFILL_TOKENS_PER_S`], else
+    /// [`DEFAULT_PREFILL_TOKENS_PER_S`]).
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        self.extra
+            .get(PREFILL_TOKENS_PER_S)
+            .and_then(serde_json::Value::as_f64)
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .unwrap_or(DEFAULT_PREFILL_TOKENS_PER_S)
     }
 
     /// Advertises the engine's prefill budget.
@@ -338,6 +360,19 @@ pub struct RecentLoadBucket {
 pub struct RecentCharge {
     pub worker: WorkerRank,
     pub blocks: u64,
+}
+
+/// How fast a source of KV blocks (a kvd, an engine's own offload tiers) loads blocks of one
+/// tier back into an engine: the median of its recent loads. The router credits a hit in that
+/// tier by it (`policy::tiers`). Since v4.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TierLoadMeasured {
+    pub source: WorkerRank,
+    pub tier: Tier,
+    /// Bytes per second, the median of the source's recent loads from the tier.
+    pub bytes_per_s: f64,
+    /// The mean size of the blocks it loaded, in bytes.
+    pub block_bytes: u64,
 }
 
 /// Where a cached block lives, fastest first.
@@ -605,16 +640,27 @@ mod tests {
     }
 
     #[test]
-    fn golden_v3_event_log_covers_every_kind() {
+    fn golden_v3_event_log_still_parses() {
         let kinds = golden_kinds(include_str!("../../fixtures/events/v3.jsonl"), 3);
         assert_eq!(
-            EVENT_FORMAT_VERSION, 3,
+            kinds.len(),
+            10,
+            "v3 golden file covers v3's kinds: {kinds:?}"
+        );
+        assert!(!kinds.contains("tier_load_measured"));
+    }
+
+    #[test]
+    fn golden_v4_event_log_covers_every_kind() {
+        let kinds = golden_kinds(include_str!("../../fixtures/events/v4.jsonl"), 4);
+        assert_eq!(
+            EVENT_FORMAT_VERSION, 4,
             "a new version needs its own golden file"
         );
         assert_eq!(
             kinds.len(),
-            10,
-            "v3 golden file covers every kind: {kinds:?}"
+            11,
+            "v4 golden file covers every kind: {kinds:?}"
         );
     }
 

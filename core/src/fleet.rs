@@ -46,6 +46,12 @@
 //! ([`FleetState::session_pin`], see [`sessions`]); the router keeps a session there by
 //! `--router-session-affinity`. Soft state too.
 //!
+//! # Node kvds
+//! A worker that names its node's kvd (its registration's `kvd_events_endpoint`) can load what
+//! that kvd holds; the kvd's inventory is indexed under its pseudo worker rank for as long as a
+//! registered worker names it, and its measured speeds kept per tier (`fleet/kvd.rs`):
+//! [`FleetState::lower_tier_run`] is what the cost credits.
+//!
 //! # Draining
 //! A `WorkerDraining` marks a registered worker as shutting down: it stays listed
 //! ([`FleetState::workers`], [`FleetState::worker`]), keeps its index entries and the load of its
@@ -69,11 +75,15 @@ use crate::event::{
 };
 use crate::ids::{BlockHash, RequestId, SessionKey, WorkerId, WorkerRank};
 use crate::index::{KvIndex, WorkerSlot};
+use crate::kv_events::kvd::KvdLink;
 use crate::projection::Projection;
+use kvd::Kvds;
+pub use kvd::TierLoad;
 use recent::{PromptEnd, RecentPicks};
 use rustc_hash::FxHashMap;
 use sessions::Sessions;
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 
 /// Tunables of the load accounting. It has none today: the load is what is in flight, exactly
 /// (see the module docs); the type stays so that every caller builds the state one way.
@@ -89,6 +99,16 @@ pub struct Candidate {
     pub block_size: u32,
     /// The prompt tokens its engine prefills in one step ([`WorkerRecord::prefill_budget`]).
     pub prefill_budget: u32,
+}
+
+/// A routable rank's node kvd ([`FleetState::kvd_at`]): the kvd's index slot, the namespace
+/// compat key the rank's connector writes under, and the rank's prefill speed
+/// ([`WorkerRecord::prefill_tokens_per_s`]) against which loading from it is weighed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvdAt {
+    pub slot: WorkerSlot,
+    pub compat_key: Arc<str>,
+    pub prefill_tokens_per_s: f64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -183,6 +203,13 @@ pub struct FleetState {
     ranks: usize,
     recent: RecentPicks,
     sessions: Sessions,
+    /// The kvds workers name, and the speeds of the tiers they load from.
+    kvds: Kvds,
+    /// The index slots of every named kvd (L4 is shared: any of them may hold a block there).
+    kvd_slots: Vec<WorkerSlot>,
+    /// Each routable rank's node kvd, by the rank's slot (kept beside the candidates, so that a
+    /// fleet without kvds copies nothing more per candidate).
+    kvd_at: Vec<Option<KvdAt>>,
 }
 
 impl FleetState {
@@ -263,6 +290,10 @@ impl FleetState {
 
     fn rebuild_candidates(&mut self) {
         self.candidates.clear();
+        self.kvd_slots = (self.kvds.sources().iter())
+            .filter_map(|l| self.index.slot(&l.source()))
+            .collect();
+        self.kvd_at.clear();
         self.served = served_models(self.workers.values());
         self.ranks = 0;
         let routable = self
@@ -281,6 +312,12 @@ impl FleetState {
                         block_size: w.kv_block_size,
                         prefill_budget: w.prefill_budget(),
                     };
+                    if let Some(kvd) = kvd_at(&self.index, self.kvds.of(&w.worker_id), w) {
+                        if self.kvd_at.len() <= slot.index() {
+                            self.kvd_at.resize(slot.index() + 1, None);
+                        }
+                        self.kvd_at[slot.index()] = Some(kvd);
+                    }
                     // A name that is also a base model is served as the base model.
                     let adapters = w
                         .lora_adapters()
@@ -458,6 +495,12 @@ impl FleetState {
             self.index
                 .ensure_slot(&WorkerRank::new(record.worker_id.clone(), r));
         }
+        if let Some(gone) = self.kvds.link(record) {
+            self.index.remove_worker(&gone.worker);
+        }
+        if let Some(link) = self.kvds.of(&record.worker_id) {
+            self.index.ensure_slot(&link.source());
+        }
         self.workers
             .insert(record.worker_id.clone(), record.clone());
         // A registration cancels a drain.
@@ -484,6 +527,10 @@ impl FleetState {
         // Forget the load before the index frees the slots.
         self.drop_ranks(|r| &r.worker == worker);
         self.index.remove_worker(worker);
+        self.kvds.forget(worker);
+        if let Some(gone) = self.kvds.unlink(worker) {
+            self.index.remove_worker(&gone.worker);
+        }
         self.rebuild_candidates();
     }
 
@@ -623,6 +670,16 @@ impl FleetState {
     }
 }
 
+/// Where `link`'s kvd sits in `index`, for worker `w`.
+fn kvd_at(index: &KvIndex, link: Option<&KvdLink>, w: &WorkerRecord) -> Option<KvdAt> {
+    let link = link?;
+    Some(KvdAt {
+        slot: index.slot(&link.source())?,
+        compat_key: Arc::from(link.compat_key.as_str()),
+        prefill_tokens_per_s: w.prefill_tokens_per_s(),
+    })
+}
+
 fn rank_range(w: &WorkerRecord) -> std::ops::Range<u32> {
     w.dp_rank..w.dp_rank + w.dp_size.max(1)
 }
@@ -641,6 +698,7 @@ impl Projection for FleetState {
             Event::RequestFinished(f) => self.finished(f, env.ts_us),
             // A v3 snapshot's recent-pick window: nothing to fold (see the module docs).
             Event::RecentLoad(_) => {}
+            Event::TierLoadMeasured(m) => self.tier_load_measured(m),
         }
     }
 
@@ -662,6 +720,7 @@ impl Projection for FleetState {
             }
         }
         out.extend(self.index.dump());
+        out.extend(self.kvds.dump().map(Event::TierLoadMeasured));
         let mut picks: Vec<&InFlight> = self.inflight.values().collect();
         picks.sort_by_key(|f| f.order);
         out.reserve(2 * picks.len() + 1);
@@ -713,11 +772,13 @@ impl PartialEq for FleetState {
             && self.workers == other.workers
             && self.draining == other.draining
             && self.index == other.index
+            && self.kvds == other.kvds
             && inflight(self) == inflight(other)
             && load(self) == load(other)
     }
 }
 
+mod kvd;
 mod recent;
 pub mod sessions;
 #[cfg(test)]

@@ -21,7 +21,7 @@ use crate::clock::{Clock, Micros};
 use crate::event::{Envelope, Event, RequestRouted, Source};
 use crate::fleet::{FleetConfig, FleetState};
 use crate::ids::WorkerRank;
-use crate::kv_events::{EngineBatch, IngestStats, to_core_events};
+use crate::kv_events::{EngineBatch, IngestStats, kvd, to_core_events};
 use crate::log::{MemoryLog, NewEvent, Snapshot};
 use crate::policy::{DirectPick, RouteError, RouteRequest, Router, RouterConfig};
 use crate::projection::Projection as _;
@@ -144,7 +144,8 @@ impl Kernel {
 
     /// Turns one engine batch of `rank` (its engine seq `seq`) into index events, with parents
     /// resolved through the fleet's index, and commits them with the rank as their source. An
-    /// unregistered worker's batch is dropped (`None`).
+    /// unregistered worker's batch is dropped (`None`), and so is that of a kvd
+    /// ([`kvd::is_source`]) that no registered worker names.
     pub fn ingest(
         &mut self,
         rank: &WorkerRank,
@@ -164,8 +165,13 @@ impl Kernel {
         batch: &EngineBatch,
         observe: impl FnOnce(&[Envelope]) -> T,
     ) -> Option<(Ingested, T)> {
-        let block_size = self.fleet.worker(&rank.worker)?.kv_block_size;
-        let out = {
+        let out = if kvd::is_source(&rank.worker) {
+            if !self.fleet.links_kvd(&rank.worker) {
+                return None;
+            }
+            kvd::to_core_events(batch, rank)
+        } else {
+            let block_size = self.fleet.worker(&rank.worker)?.kv_block_size;
             let index = self.fleet.index();
             to_core_events(batch, rank, block_size, &|tier, h| {
                 index.router_hash(rank, tier, h)

@@ -378,7 +378,7 @@ fn non_full_attention_groups_are_flagged_and_their_removals_too() {
             .map(|e| match e {
                 EngineEvent::BlockStored { indexable, .. }
                 | EngineEvent::BlockRemoved { indexable, .. } => *indexable,
-                EngineEvent::AllBlocksCleared => true,
+                EngineEvent::AllBlocksCleared | EngineEvent::TierLoad { .. } => true,
             })
             .collect()
     };

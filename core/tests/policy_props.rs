@@ -122,6 +122,7 @@ fn req(id: String, blocks: Vec<BlockHash>) -> RouteRequest {
         per_worker: Default::default(),
         exclude: vec![],
         session: None,
+        kvd: Vec::new(),
     }
 }
 
@@ -179,7 +180,7 @@ proptest! {
         let r = req("q".into(), blocks.clone());
         let cands = w.fleet.candidates("m", Role::Mixed).to_vec();
         let mut scratch = Default::default();
-        let weights = Weights { overlap: weight, resident: 1.0, balance_tokens: 512.0 };
+        let weights = Weights { overlap: weight, resident: 1.0, balance_tokens: 512.0, tiers: Default::default() };
         let before = score_candidates(&w.fleet, &r, &cands, weights, 0, &mut scratch).expect("score");
         w.store(target, &blocks[..have + 1]);
         let after = score_candidates(&w.fleet, &r, &cands, weights, 0, &mut scratch).expect("score");

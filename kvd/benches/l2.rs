@@ -15,13 +15,23 @@
 //! threads moving 1 MiB one way per 1-byte reply (what any inline value must cross: one copy
 //! into the kernel, one out), and a 16-byte ping-pong (the wake-up round trip every request
 //! pays, which bounds the arena get's latency from below).
+//!
+//! `l2_store_set`: the SET path in process, without the socket, where the inventory's hooks
+//! show: the tiered store's `set_many` of 32 new 4 KiB `short` blocks into a full L2, each
+//! evicting one, with the inventory off (`batch32_off`) and recording (`batch32_on`: an
+//! inventory hash per block before the lock, a stored and a removed change appended under it,
+//! drained by a thread as the publisher drains them: every 50 ms, or at 4,096 waiting).
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group};
 use infera_core::event::Retention;
 use infera_kvd::client::SharedGet;
+use infera_kvd::inventory::{Inventory, Recorder};
+use infera_kvd::store::Store;
 use infera_kvd::{KvdClient, KvdOptions, KvdServer, Namespace, SetItem};
 use std::hint::black_box;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
@@ -331,7 +341,81 @@ fn summary() {
     );
 }
 
-criterion_group!(l2, benches);
+/// Blocks a `set_many` writes.
+const BATCH: usize = 32;
+/// Distinct keys cycled through: far more than L2 holds, so every block is new.
+const KEYS: usize = 8192;
+/// L2 holds this many blocks.
+const HELD: u64 = 1024;
+
+/// The tiered store's SET path in process (see the module docs).
+fn store_set(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    let ns = Namespace::new("bench-model", "fp8");
+    let value = Bytes::from(vec![0x5au8; 4096]);
+    let items: Vec<SetItem> = (0..KEYS as u64)
+        .map(|k| SetItem::new(k.to_be_bytes().to_vec(), value.clone()).retention(Retention::Short))
+        .collect();
+    let budget = HELD * infera_kvd::store::L2Store::charge_of(&ns, &items[0]);
+    let mut group = c.benchmark_group("l2_store_set");
+    group.throughput(Throughput::Elements(BATCH as u64));
+    for recording in [false, true] {
+        let recorder = Arc::new(Recorder::default());
+        let inventory = if recording {
+            Inventory::recording(recorder.clone())
+        } else {
+            Inventory::off()
+        };
+        let store = Store::new(budget, None, None).with_inventory(inventory);
+        let stop = Arc::new(AtomicBool::new(false));
+        // As the publisher: every 50 ms, or as soon as 4,096 changes wait.
+        let drainer = recording.then(|| {
+            let (recorder, stop) = (recorder.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_time()
+                    .build()
+                    .expect("runtime");
+                let mut drained = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    rt.block_on(async {
+                        let tick = tokio::time::sleep(Duration::from_millis(50));
+                        tokio::select! {
+                            () = tick => {}
+                            () = recorder.woken() => {}
+                        }
+                    });
+                    recorder.drain(&mut drained);
+                    drained.clear();
+                }
+            })
+        });
+        let mut at = 0;
+        let mut set_batch = || {
+            let acks = rt.block_on(store.set_many(&ns, &items[at..at + BATCH], 1));
+            at = (at + BATCH) % KEYS;
+            black_box(acks);
+        };
+        for _ in 0..KEYS / BATCH {
+            set_batch();
+        }
+        let name = if recording {
+            "batch32_on"
+        } else {
+            "batch32_off"
+        };
+        group.bench_function(name, |bench| bench.iter(&mut set_batch));
+        stop.store(true, Ordering::Relaxed);
+        if let Some(drainer) = drainer {
+            let _ = drainer.join();
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(l2, benches, store_set);
 
 fn main() {
     l2();

@@ -19,14 +19,18 @@
 //!   write-behind, deadlines and a breaker.
 //! - [`tablespace`]: the L3 implementation — container files, journal, checkpoints, crash-safe
 //!   recovery, O_DIRECT or buffered I/O through io_uring (or `pread`/`pwrite`).
+//! - [`inventory`]: what the tiers hold, published as KV events (vLLM's layout) through the
+//!   [`InventorySink`] port, and the tiers' load speeds.
 //! - [`stats`]: counters and their Prometheus text; [`client`]: the async client.
 //! - `sys` (private): the only `unsafe` code — the shared mapping, aligned buffers, io_uring.
 //!
-//! Entry points: [`run`] (async, until SIGTERM/SIGINT) and [`run_blocking`] (builds the runtime;
-//! what `infera kvd` calls).
+//! Entry points: [`run`] (async, until SIGTERM/SIGINT), [`run_publishing`] (the same, publishing
+//! the inventory; what `infera kvd` calls on [`runtime`]) and [`run_blocking`] (builds the
+//! runtime).
 
 pub mod arena;
 pub mod client;
+pub mod inventory;
 pub mod l4;
 pub mod long;
 pub(crate) mod lru;
@@ -38,7 +42,8 @@ pub(crate) mod sys;
 pub mod tablespace;
 pub(crate) mod wire;
 
-pub use client::{ClientError, KvdClient};
+pub use client::{ClientError, HelloAck, KvdClient};
+pub use inventory::{InventoryPublishing, InventorySink, SinkError};
 pub use long::{LongBackendConfig, LongStore};
 pub use proto::{Namespace, SetAck, SetItem};
 pub use server::{KvdError, KvdOptions, KvdServer, ShutdownHandle, StatsReader};
@@ -54,9 +59,22 @@ use tokio::signal::unix::{SignalKind, signal};
 /// # Errors
 /// The errors of [`KvdServer::bind`] and of installing the signal handlers.
 pub async fn run(options: KvdOptions, on_bound: impl FnOnce(&KvdServer)) -> Result<(), KvdError> {
+    run_publishing(options, None, on_bound).await
+}
+
+/// [`run`], publishing the inventory through `publishing` when given
+/// ([`KvdServer::bind_publishing`]).
+///
+/// # Errors
+/// As [`run`].
+pub async fn run_publishing(
+    options: KvdOptions,
+    publishing: Option<InventoryPublishing>,
+    on_bound: impl FnOnce(&KvdServer),
+) -> Result<(), KvdError> {
     let mut terminate = signal(SignalKind::terminate()).map_err(KvdError::Runtime)?;
     let mut interrupt = signal(SignalKind::interrupt()).map_err(KvdError::Runtime)?;
-    let server = KvdServer::bind(options).await?;
+    let server = KvdServer::bind_publishing(options, publishing).await?;
     on_bound(&server);
     let stop = server.shutdown_handle();
     let serving = server.serve();
@@ -78,10 +96,17 @@ pub fn run_blocking(
     options: KvdOptions,
     on_bound: impl FnOnce(&KvdServer),
 ) -> Result<(), KvdError> {
+    runtime()?.block_on(run(options, on_bound))
+}
+
+/// The daemon's multi-threaded tokio runtime (threads named `infera-kvd`).
+///
+/// # Errors
+/// [`KvdError::Runtime`] when it cannot start.
+pub fn runtime() -> Result<tokio::runtime::Runtime, KvdError> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("infera-kvd")
         .build()
-        .map_err(KvdError::Runtime)?
-        .block_on(run(options, on_bound))
+        .map_err(KvdError::Runtime)
 }

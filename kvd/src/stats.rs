@@ -3,10 +3,11 @@
 //! (at debug level) and at shutdown (at info level). Counters only grow; gauges describe the
 //! store at the snapshot.
 //!
-//! The snapshot is assembled from three owners, each counting locally and reporting once: the
-//! L2 store (with its arena placement), the long-term backend ([`LongStats`]) and the server's
-//! prefetcher.
+//! The snapshot is assembled from four owners, each counting locally and reporting once: the
+//! L2 store (with its arena placement), the long-term backend ([`LongStats`]), the server's
+//! prefetcher, and its inventory publisher with the load meter ([`InventoryStats`]).
 
+use crate::inventory::TIERS;
 use crate::proto::{ExtendedStats, StatsReply};
 use infera_core::event::Retention;
 use prometheus_client::encoding::{EncodeMetric, MetricEncoder, prometheus_text};
@@ -173,6 +174,20 @@ impl LongStats {
     }
 }
 
+/// What the inventory publisher and the load meter report ([`crate::inventory`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InventoryStats {
+    /// Batches of inventory events published.
+    pub batches_total: u64,
+    /// Events in them.
+    pub events_total: u64,
+    /// Block changes never published (the recorder overflowed, or a batch was refused).
+    pub dropped_total: u64,
+    /// Per tier (L2, L3, L4, as [`TIERS`]): the median speed of recent hits served from it,
+    /// bytes per second (0 before its first).
+    pub tier_load_bytes_per_second: [u64; 3],
+}
+
 /// A snapshot of the daemon's state and counters.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Stats {
@@ -212,6 +227,8 @@ pub struct Stats {
     pub arena: ArenaStats,
     /// The long-term tier; all zero without one.
     pub long: LongStats,
+    /// The inventory publication (all zero while it is off) and the tiers' load speeds.
+    pub inventory: InventoryStats,
 }
 
 impl Stats {
@@ -331,6 +348,28 @@ pub fn metrics_text(stats: &Stats) -> String {
         "L2 charged bytes per retention class",
         PerClass(stats.class_bytes),
     );
+    let inv = &stats.inventory;
+    registry.register(
+        "inventory_batches",
+        "Batches of inventory KV events published",
+        ConstCounter::new(inv.batches_total),
+    );
+    registry.register(
+        "inventory_events",
+        "Inventory KV events published",
+        ConstCounter::new(inv.events_total),
+    );
+    registry.register(
+        "inventory_dropped",
+        "Block changes never published (recorder overflow or a refused batch; the next batch \
+         clears the router's view of this kvd)",
+        ConstCounter::new(inv.dropped_total),
+    );
+    registry.register(
+        "tier_load_bytes_per_second",
+        "Median speed of recent hits served per tier (host L2, disk L3, external L4)",
+        PerTier(inv.tier_load_bytes_per_second),
+    );
     let mut out = String::with_capacity(4096);
     // Writing to a String cannot fail.
     let _ = prometheus_text::encode(&mut out, &registry);
@@ -347,6 +386,25 @@ impl EncodeMetric for PerClass {
         for class in Retention::ALL {
             let label = [("class", class.as_str())];
             ConstGauge::new(self.0[class as usize]).encode(encoder.encode_family(&label)?)?;
+        }
+        Ok(())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Gauge
+    }
+}
+
+/// A gauge with one series per tier kvd holds (label `tier`: `host`, `disk`, `external`),
+/// indexed as [`TIERS`].
+#[derive(Debug)]
+struct PerTier([u64; 3]);
+
+impl EncodeMetric for PerTier {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), fmt::Error> {
+        for (i, tier) in TIERS.into_iter().enumerate() {
+            let label = [("tier", tier.as_str())];
+            ConstGauge::new(self.0[i]).encode(encoder.encode_family(&label)?)?;
         }
         Ok(())
     }
@@ -377,6 +435,11 @@ mod tests {
                 io_uring: true,
                 ..LongStats::default()
             },
+            inventory: InventoryStats {
+                events_total: 9,
+                tier_load_bytes_per_second: [0, 2_000_000, 0],
+                ..InventoryStats::default()
+            },
             ..Stats::default()
         };
         let text = metrics_text(&stats);
@@ -393,6 +456,11 @@ mod tests {
             "# HELP infera_kvd_l3_reads_total See the kvd stats_response documentation.\n"
         ));
         assert!(text.contains("# TYPE infera_kvd_class_entries gauge\n"));
+        assert!(text.contains("infera_kvd_inventory_events_total 9\n"));
+        assert!(text.contains("infera_kvd_inventory_dropped_total 0\n"));
+        assert!(text.contains("# TYPE infera_kvd_inventory_batches_total counter\n"));
+        assert!(text.contains("infera_kvd_tier_load_bytes_per_second{tier=\"disk\"} 2000000\n"));
+        assert!(text.contains("infera_kvd_tier_load_bytes_per_second{tier=\"external\"} 0\n"));
         assert!(!text.contains("infera_kvd_short_entries"));
         let classes: Vec<&str> = text
             .lines()

@@ -10,10 +10,12 @@
 //! The traces: the bundled conversation trace (8 workers, with a cache it cannot fill and at the
 //! replay's default of 2,048 blocks per worker), the bundled 1,000-request Mooncake slice (8 workers), and a
 //! synthesized agentic trace (`infera trace synth` defaults, seed 0, 4 workers) at low load
-//! (4 sessions open at once) and at high load (48). Fleets otherwise use `infera replay`'s
-//! defaults.
+//! (4 sessions open at once) and at high load (48), and the conversation trace on a fleet with
+//! tiers: 256 GPU blocks per worker, and per worker a node kvd of 8,192 blocks of host RAM and
+//! 65,536 on disk (where the router's tiered cost earns its keep). Fleets otherwise use
+//! `infera replay`'s defaults. `--only TEXT` runs the traces whose name contains it.
 
-use infera_replay::sim::SimConfig;
+use infera_replay::sim::{SimConfig, TierConfig};
 use infera_replay::suite::{self, SuiteTrace};
 use infera_replay::trace::synth::{SynthConfig, synthesize};
 use infera_replay::trace::{LoadOptions, Trace, load};
@@ -54,6 +56,23 @@ fn agentic(concurrency: f64, sessions: usize) -> Result<Trace, String> {
     .map_err(|e| e.to_string())
 }
 
+/// GPU blocks per worker of the tiered fleet, and its node kvds' host and disk blocks.
+const TIERED: (usize, u64, u64) = (256, 8_192, 65_536);
+
+fn tiered(trace: &Trace) -> SimConfig {
+    let (gpu, host, disk) = TIERED;
+    let mut c = fleet(trace, 8, Some(gpu));
+    c.tiers = TierConfig {
+        host_blocks: host,
+        disk_blocks: disk,
+    };
+    c
+}
+
+fn conversation_again() -> Result<Trace, String> {
+    fixture("conversation_trace.parquet")
+}
+
 fn traces() -> Result<Vec<SuiteTrace>, String> {
     let conversation = fixture("conversation_trace.parquet")?;
     let mooncake = fixture("mooncake_trace_1000.parquet")?;
@@ -85,12 +104,18 @@ fn traces() -> Result<Vec<SuiteTrace>, String> {
             base: fleet(&high, 4, None),
             trace: high,
         },
+        SuiteTrace {
+            name: "conversation, 256 GPU blocks + kvd tiers".into(),
+            base: tiered(&conversation_again()?),
+            trace: conversation_again()?,
+        },
     ])
 }
 
 fn main() -> Result<(), String> {
     let mut threads = None;
     let mut out: Option<PathBuf> = None;
+    let mut only: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -102,9 +127,10 @@ fn main() -> Result<(), String> {
                 );
             }
             "--out" => out = Some(args.next().ok_or("--out takes a file name")?.into()),
+            "--only" => only = Some(args.next().ok_or("--only takes a trace name's part")?),
             other => {
                 return Err(format!(
-                    "unknown argument {other:?}; expected --threads N or --out FILE.md"
+                    "unknown argument {other:?}; expected --threads N, --out FILE.md or --only TEXT"
                 ));
             }
         }
@@ -114,7 +140,10 @@ fn main() -> Result<(), String> {
         .build()
         .map_err(|e| e.to_string())?;
     let started = Instant::now();
-    let traces = traces()?;
+    let mut traces = traces()?;
+    if let Some(only) = &only {
+        traces.retain(|t| t.name.contains(only.as_str()));
+    }
     let rows = pool
         .install(|| suite::run(&traces))
         .map_err(|e| e.to_string())?;

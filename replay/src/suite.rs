@@ -41,10 +41,14 @@ pub struct Policy {
     pub overlap_weight: f64,
     pub resident_weight: f64,
     pub balance_tokens: u32,
+    /// Credits nothing for blocks in a worker's kvd tiers (the GPU-only cost), where the
+    /// default credits them by their measured load speed.
+    pub gpu_only: bool,
 }
 
 /// The policies compared: every registered policy at the default weights, then KV-aware at two
-/// higher weights, with resident conversations counted, and with recent picks balanced.
+/// higher weights, with resident conversations counted, with recent picks balanced, and with
+/// the GPU-only cost (no credit for kvd tiers: the same as the default on a fleet without them).
 pub fn policies() -> Vec<Policy> {
     let at = |label: String, kind, overlap_weight, resident_weight, balance_tokens| Policy {
         label,
@@ -52,6 +56,7 @@ pub fn policies() -> Vec<Policy> {
         overlap_weight,
         resident_weight,
         balance_tokens,
+        gpu_only: false,
     };
     let mut out: Vec<Policy> = PolicyKind::all()
         .map(|kind| {
@@ -72,6 +77,10 @@ pub fn policies() -> Vec<Policy> {
     ] {
         out.push(at(label.to_owned(), kv, overlap, resident, balance));
     }
+    out.push(Policy {
+        gpu_only: true,
+        ..at("kv-aware, GPU-only cost".to_owned(), kv, 1.0, 0.0, 0)
+    });
     out
 }
 
@@ -153,6 +162,11 @@ pub fn run(traces: &[SuiteTrace]) -> Result<Vec<SuiteRow>, SimError> {
                     c.router.overlap_weight = policy.overlap_weight;
                     c.router.resident_weight = policy.resident_weight;
                     c.router.balance_tokens = policy.balance_tokens;
+                    if policy.gpu_only {
+                        c.router.tier_weights.host = Some(0.0);
+                        c.router.tier_weights.disk = Some(0.0);
+                        c.router.tier_weights.external = Some(0.0);
+                    }
                     c
                 }
                 Job::Tune(point) => point.config.clone(),

@@ -23,6 +23,7 @@ use super::metrics::MockMetrics;
 use super::openai::ApiError;
 use infera_core::event::Retention;
 use infera_core::hashing::KvIdentity;
+use infera_core::kv_events::kvd::identity_scope;
 use infera_core::ports::kv_store::{BlockNamespace, KvBlockStore, StoredBlock, scoped_block_keys};
 use serde_json::Value;
 use std::sync::Arc;
@@ -110,7 +111,7 @@ impl Tier {
         retention: Retention,
         metrics: &MockMetrics,
     ) -> (usize, Option<SaveJob>) {
-        let keys = scoped_block_keys(tokens, self.block_size, &kv_scope(identity));
+        let keys = scoped_block_keys(tokens, self.block_size, &identity_scope(identity));
         let found = self.lookup(&keys, tokens, metrics).await;
         let save = (retention != Retention::None).then(|| SaveJob {
             tokens: tokens[..(keys.len() * self.block_size).min(tokens.len())].to_vec(),
@@ -202,19 +203,6 @@ impl Tier {
     }
 }
 
-/// The key scope of a request of `identity` (empty for plain text): another adapter or salt is
-/// another chain of keys.
-fn kv_scope(identity: &KvIdentity) -> Vec<u8> {
-    if identity.is_plain() {
-        return Vec::new();
-    }
-    format!(
-        "lora={:?};salt={:?};mm={:?}",
-        identity.lora, identity.salt, identity.mm
-    )
-    .into_bytes()
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -244,9 +232,9 @@ mod tests {
             lora: Some("chat".into()),
             ..KvIdentity::default()
         };
-        assert!(kv_scope(&plain).is_empty());
-        assert!(!kv_scope(&sql).is_empty());
-        assert_ne!(kv_scope(&sql), kv_scope(&chat));
+        assert!(identity_scope(&plain).is_empty());
+        assert!(!identity_scope(&sql).is_empty());
+        assert_ne!(identity_scope(&sql), identity_scope(&chat));
     }
 
     #[test]

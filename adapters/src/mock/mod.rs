@@ -157,8 +157,9 @@ impl MockError {
 
 /// The fields a mock worker adds to its registration record (PROTOCOLS.md §1): it registers with
 /// `engine: "vllm"`, whose formats it speaks, and names itself with `"mock": true`; it also
-/// states its capacity in blocks, and with a block store `"kvd_backed": true`. The record's own
-/// fields (engine, block size) are not repeated.
+/// states its capacity in blocks and its prefill speed (at its step budget, the speed the
+/// router weighs loading a block from a lower tier against), and with a block store
+/// `"kvd_backed": true`. The record's own fields (engine, block size) are not repeated.
 pub fn registration_extra(
     engine: &EngineConfig,
     kvd_backed: bool,
@@ -166,6 +167,12 @@ pub fn registration_extra(
     let mut m = serde_json::Map::new();
     m.insert("mock".into(), true.into());
     m.insert("kv_capacity_blocks".into(), engine.gpu_blocks.into());
+    if let Some(speed) = engine.prefill_tokens_per_s() {
+        m.insert(
+            infera_core::event::PREFILL_TOKENS_PER_S.into(),
+            speed.into(),
+        );
+    }
     if kvd_backed {
         m.insert(
             infera_core::ports::kv_store::KVD_BACKED_FIELD.into(),

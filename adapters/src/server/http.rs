@@ -553,8 +553,10 @@ async fn workers(State(st): State<ServerState>) -> Response {
                     })
                     .collect();
                 let draining = f.drain_reason(&w.worker_id);
+                let kvd = f.kvd_link(&w.worker_id).map(|link| kvd_view(f, link));
                 json!({
                     "record": w,
+                    "kvd": kvd,
                     "draining": draining.is_some(),
                     "drain_reason": draining,
                     "breaker": st.service().breaker_state(&w.worker_id).as_str(),
@@ -566,6 +568,27 @@ async fn workers(State(st): State<ServerState>) -> Response {
             .collect()
     });
     axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// What the router knows of a worker's node kvd: its blocks per lower tier and the speeds it
+/// measured (bytes per second).
+fn kvd_view(
+    f: &infera_core::fleet::FleetState,
+    link: &infera_core::kv_events::kvd::KvdLink,
+) -> Value {
+    use infera_core::event::Tier;
+    let source = link.source();
+    let slot = f.index().slot(&source);
+    let tiers: serde_json::Map<String, Value> = [Tier::Host, Tier::Disk, Tier::External]
+        .into_iter()
+        .map(|t| {
+            let speed = slot.and_then(|s| f.tier_load(s, t)).map(|l| l.bytes_per_s);
+            let view =
+                json!({"blocks": f.index().blocks_of(&source, t), "load_bytes_per_s": speed});
+            (t.as_str().to_owned(), view)
+        })
+        .collect();
+    json!({"endpoint": link.endpoint, "tiers": tiers})
 }
 
 async fn metrics(State(st): State<ServerState>) -> Response {

@@ -148,12 +148,24 @@ pub fn run(cli: Cli) -> Result<(), AppError> {
                 .map(crate::kvd_metrics::bind)
                 .transpose()
                 .map_err(failed)?;
-            infera_kvd::run_blocking(config.into(), |server| {
-                if let Some(listener) = metrics {
-                    crate::kvd_metrics::spawn(listener, server.stats_reader());
-                }
-            })
-            .map_err(|error| failed(error.into()))
+            let events = config.kv_events.clone();
+            let runtime = infera_kvd::runtime().map_err(|error| failed(error.into()))?;
+            runtime
+                .block_on(async {
+                    // Bound before the daemon, so a taken port stops it before its socket exists.
+                    let publishing = match &events {
+                        Some(events) => Some(crate::wiring::kvd_inventory(events).await?),
+                        None => None,
+                    };
+                    infera_kvd::run_publishing(config.into(), publishing, |server| {
+                        if let Some(listener) = metrics {
+                            crate::kvd_metrics::spawn(listener, server.stats_reader());
+                        }
+                    })
+                    .await
+                    .map_err(anyhow::Error::from)
+                })
+                .map_err(failed)
         }
         Command::Gaie(args) => {
             let check = args.check_config;

@@ -1,7 +1,8 @@
 //! The engines' side of kvd in the binary: the block-store port ([`KvBlockStore`]) on kvd's
 //! client, which the mock engine saves to and loads from (`infera up --kvd`, `infera worker mock
 //! --infera-kvd-socket`), and the launchers' [`preflight`], which checks that kvd answers `hello`
-//! before an engine is started against it.
+//! before an engine is started against it; its answer names where the daemon publishes its
+//! inventory, which the worker registers ([`registration_fields`]).
 //!
 //! [`KvdBlockStore`] keeps one connection, opened on first use and again after a failure (a
 //! restarted daemon is picked up by the next call); calls take turns on it. Each call,
@@ -11,8 +12,11 @@
 use async_trait::async_trait;
 use bytes::Bytes;
 use infera_core::event::Retention;
-use infera_core::ports::kv_store::{BlockNamespace, BlockStoreError, KvBlockStore, StoredBlock};
-use infera_kvd::{ClientError, KvdClient, Namespace, SetItem};
+use infera_core::kv_events::kvd;
+use infera_core::ports::kv_store::{
+    BlockNamespace, BlockStoreError, KVD_BACKED_FIELD, KvBlockStore, StoredBlock,
+};
+use infera_kvd::{ClientError, HelloAck, KvdClient, Namespace, SetItem};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::sync::Mutex;
@@ -23,12 +27,13 @@ pub const CALL_DEADLINE: Duration = Duration::from_secs(2);
 /// How long the launchers' `hello` may take.
 pub const PREFLIGHT_DEADLINE: Duration = Duration::from_secs(5);
 
-/// Checks that kvd answers `hello` at `socket`, within [`PREFLIGHT_DEADLINE`].
+/// Checks that kvd answers `hello` at `socket`, within [`PREFLIGHT_DEADLINE`]; returns its
+/// answer.
 ///
 /// # Errors
 /// A message naming the socket: nothing listens there, the daemon did not answer in time, or it
 /// answered something else.
-pub async fn preflight(socket: &Path, client_id: &str) -> anyhow::Result<()> {
+pub async fn preflight(socket: &Path, client_id: &str) -> anyhow::Result<HelloAck> {
     let hello = async {
         let mut client = KvdClient::connect(socket).await?;
         client.hello(client_id).await
@@ -37,8 +42,10 @@ pub async fn preflight(socket: &Path, client_id: &str) -> anyhow::Result<()> {
     match tokio::time::timeout(PREFLIGHT_DEADLINE, hello).await {
         Ok(Ok(ack)) => {
             tracing::info!(socket = %socket.display(), server_id = %ack.server_id,
-                protocol_version = ack.protocol_version, "kvd answered hello");
-            Ok(())
+                protocol_version = ack.protocol_version,
+                kv_events = ack.kv_events_endpoint.as_deref().unwrap_or("off"),
+                "kvd answered hello");
+            Ok(ack)
         }
         Ok(Err(e)) => anyhow::bail!(
             "kvd at {} did not answer hello: {e}; {hint}",
@@ -50,6 +57,20 @@ pub async fn preflight(socket: &Path, client_id: &str) -> anyhow::Result<()> {
             PREFLIGHT_DEADLINE.as_secs()
         ),
     }
+}
+
+/// What a kvd-backed worker adds to its registration (PROTOCOLS.md §1): `kvd_backed`, and where
+/// its node's kvd publishes its inventory when it says (so the router credits what it holds).
+pub fn registration_fields(ack: &HelloAck) -> serde_json::Map<String, serde_json::Value> {
+    let mut m = serde_json::Map::new();
+    m.insert(KVD_BACKED_FIELD.into(), true.into());
+    if let Some(e) = &ack.kv_events_endpoint {
+        m.insert(kvd::KVD_EVENTS_ENDPOINT.into(), e.as_str().into());
+    }
+    if let Some(e) = &ack.kv_events_replay_endpoint {
+        m.insert(kvd::KVD_EVENTS_REPLAY_ENDPOINT.into(), e.as_str().into());
+    }
+    m
 }
 
 /// [`KvBlockStore`] on the kvd daemon at a socket (see the module docs).

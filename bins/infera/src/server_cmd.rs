@@ -14,6 +14,12 @@
 //!   `infera_core::kv_events::pipeline::consume`, into the server's state (gaps replayed or
 //!   cleared, restarts cleared, the same way for every transport).
 //!
+//! - per node kvd that a registered worker names (`kvd_events_endpoint`), one KV-event task on
+//!   its ZeroMQ PUB socket (kvd always publishes there, whatever `--kv-event-transport` says),
+//!   run through the same pipeline under the kvd's pseudo worker rank
+//!   (`infera_core::kv_events::kvd`), started with the first worker naming it and stopped with
+//!   the last.
+//!
 //! Every task is owned: the discovery task by the shutdown token and a join at exit, the
 //! KV-event tasks by the discovery task, which cancels and joins them when their worker
 //! deregisters, re-registers with other endpoints, or at shutdown.
@@ -39,7 +45,7 @@ use infera_core::clock::SystemClock;
 use infera_core::event::WorkerRecord;
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
-use infera_core::kv_events::pipeline;
+use infera_core::kv_events::{kvd, pipeline};
 use infera_core::policy::{PolicyKind, RouterConfig, SessionAffinity};
 use infera_core::ports::discovery::{DiscoveryChange, DiscoveryStream};
 use infera_core::ports::kv_events::KvEventSource;
@@ -76,6 +82,7 @@ pub fn run(config: ServerConfig) -> anyhow::Result<()> {
                 temperature: config.router.temperature,
                 resident_weight: config.router.resident_weight,
                 balance_tokens: config.router.balance_tokens,
+                tier_weights: config.router.tier_weights,
                 sessions: SessionAffinity {
                     mode: config.router.session_affinity,
                     ttl_s: config.router.session_ttl.0.as_secs(),
@@ -340,6 +347,7 @@ async fn run_discovery(
     shutdown: CancellationToken,
 ) {
     let mut subs: HashMap<WorkerId, WorkerSubs> = HashMap::new();
+    let mut kvds = KvdSubs::default();
     loop {
         let change = tokio::select! {
             () = shutdown.cancelled() => break,
@@ -382,9 +390,60 @@ async fn run_discovery(
                 state.deregister_worker(worker, reason);
             }
         }
+        kvds.sync(&state, &shutdown).await;
     }
     for (_, s) in subs.drain() {
         s.stop().await;
+    }
+    kvds.stop_all().await;
+}
+
+/// The KV-event tasks of the node kvds that registered workers name, by events endpoint.
+#[derive(Default)]
+struct KvdSubs {
+    subs: HashMap<String, WorkerSubs>,
+    source: Option<Arc<dyn KvEventSource>>,
+}
+
+impl KvdSubs {
+    /// Subscribes to every kvd the fleet names and not yet subscribed, and stops the tasks of
+    /// the kvds no worker names any more.
+    async fn sync(&mut self, state: &ServerState, shutdown: &CancellationToken) {
+        let wanted = state.service().with_fleet(|f| f.kvd_sources());
+        let gone: Vec<String> = (self.subs.keys())
+            .filter(|e| !wanted.iter().any(|l| l.endpoint == **e))
+            .cloned()
+            .collect();
+        for endpoint in gone {
+            if let Some(old) = self.subs.remove(&endpoint) {
+                old.stop().await;
+            }
+        }
+        for link in wanted {
+            if self.subs.contains_key(&link.endpoint) {
+                continue;
+            }
+            let source = match &self.source {
+                Some(s) => Arc::clone(s),
+                None => match wiring::kvd_event_source() {
+                    Ok(s) => Arc::clone(self.source.insert(s)),
+                    Err(e) => {
+                        tracing::error!(kvd = %link.endpoint, error = %e,
+                            "a worker names a kvd whose inventory this build cannot read");
+                        return;
+                    }
+                },
+            };
+            let record = kvd::source_record(&link, "");
+            let task = start_kv_events(record, state, &source, shutdown);
+            self.subs.insert(link.endpoint, task);
+        }
+    }
+
+    async fn stop_all(&mut self) {
+        for (_, s) in self.subs.drain() {
+            s.stop().await;
+        }
     }
 }
 

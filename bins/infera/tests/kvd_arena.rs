@@ -18,7 +18,7 @@ async fn the_binary_serves_its_arena_to_clients() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_infera"))
         .args(["kvd", "--socket"])
         .arg(&socket)
-        .args(["--max-bytes", "64MiB"])
+        .args(["--max-bytes", "64MiB", "--kv-events-endpoint", "off"])
         .env_remove("RUST_LOG")
         .stderr(Stdio::piped())
         .spawn()

@@ -242,6 +242,8 @@ fn an_l4_down_at_start_is_a_warning_unless_required() {
         "64MiB",
         "--long-backend",
         "lmcache",
+        "--kv-events-endpoint",
+        "off",
     ];
 
     let mut required = args.to_vec();

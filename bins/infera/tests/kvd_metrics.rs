@@ -19,6 +19,7 @@ fn kvd(socket: &std::path::Path, port: u16) -> Command {
         .arg(socket)
         .args(["--max-bytes", "64MiB", "--shared-arena-bytes", "0"])
         .args(["--metrics-bind", &format!("127.0.0.1:{port}")])
+        .args(["--kv-events-endpoint", "tcp://127.0.0.1:0"])
         .env_remove("RUST_LOG")
         .stderr(Stdio::piped());
     command
@@ -47,6 +48,13 @@ async fn the_daemon_serves_its_counters_while_it_serves() {
         "{text}"
     );
     assert_eq!(metric(port, "infera_kvd_sets_total"), Some(0));
+    for family in [
+        "# TYPE infera_kvd_inventory_events_total counter",
+        "# TYPE infera_kvd_inventory_dropped_total counter",
+        "infera_kvd_tier_load_bytes_per_second{tier=\"external\"} 0",
+    ] {
+        assert!(text.contains(family), "{family}: {text}");
+    }
 
     let ns = Namespace::new("e2e", "");
     let mut client = KvdClient::connect(&socket).await.unwrap();
@@ -60,6 +68,11 @@ async fn the_daemon_serves_its_counters_while_it_serves() {
     assert!(client.get(&ns, &[1]).await.unwrap().is_some());
     assert_eq!(metric(port, "infera_kvd_sets_total"), Some(3));
     assert_eq!(metric(port, "infera_kvd_hits_total"), Some(1));
+    // The first get is timed once its reply is written, before the daemon reads the next
+    // request on the connection: answered, the second get shows the first's speed.
+    assert!(client.get(&ns, &[2]).await.unwrap().is_some());
+    let host = metric(port, "infera_kvd_tier_load_bytes_per_second{tier=\"host\"");
+    assert!(host.is_some_and(|rate| rate > 0), "{host:?}");
 
     // A second daemon on the same metrics port stops before it serves.
     let other = dir.path().join("other.sock");

@@ -545,7 +545,7 @@ async fn prewarm_hints_reach_the_kv_cache_daemon() {
     let mut kvd = Proc(
         Command::new(env!("CARGO_BIN_EXE_infera"))
             .args(["kvd", "--socket", socket.to_str().unwrap()])
-            .args(["--max-bytes", "16MiB"])
+            .args(["--max-bytes", "16MiB", "--kv-events-endpoint", "off"])
             .stderr(Stdio::null())
             .spawn()
             .unwrap(),

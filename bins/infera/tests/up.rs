@@ -2,7 +2,8 @@
 //! system-chosen ports (`--port 0`), announces itself on stdout, serves completions through the
 //! KV-aware router with the mocks' KV events fed in process (a repeated prompt hits the cache),
 //! reports its workers on `/health`, and exits 0 on SIGTERM. With `--kvd`, a prompt served by one
-//! mock is loaded from the in-process kvd by another (never with retention `none`).
+//! mock is loaded from the in-process kvd by another (never with retention `none`), and the
+//! router knows what kvd holds.
 //!
 //! Startup is synchronised by reading stdout until the `server:` line, never by sleeping.
 #![allow(clippy::unwrap_used)]
@@ -286,6 +287,15 @@ fn up_with_kvd_serves_a_prompt_from_kvd_on_another_worker() {
     assert_eq!(cached(&first), 0, "{first}");
     let saved_by_a = mock_metric(a, saved);
     assert!(saved_by_a > 0, "worker A saved nothing to kvd");
+    // The router learns what kvd holds, in process: every worker names it.
+    common::eventually("the router to see kvd's blocks", || {
+        let workers = get_json(fleet.addr, "/v1/workers");
+        workers["data"].as_array().is_some_and(|w| {
+            w.len() == 2
+                && w.iter()
+                    .all(|w| w["kvd"]["tiers"]["host"]["blocks"].as_u64() >= Some(saved_by_a))
+        })
+    });
 
     // The same prompt forced to worker B: its GPU cache is empty, its prefix comes from kvd.
     let second = post_json(b, "/v1/completions", &req);

@@ -71,6 +71,14 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
+    /// Prompt tokens per second it prefills at its step budget (what a worker registers as
+    /// `prefill_tokens_per_s`); `None` for a step that takes no time.
+    pub fn prefill_tokens_per_s(&self) -> Option<f64> {
+        let budget = u64::from(self.max_batched_tokens.max(1));
+        let step_ms = self.timing.prefill_ms(budget) / self.speedup;
+        (step_ms > 0.0 && step_ms.is_finite()).then(|| budget as f64 * 1000.0 / step_ms)
+    }
+
     /// Checks every field; the error names the first one that is wrong.
     ///
     /// # Errors

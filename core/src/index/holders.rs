@@ -142,6 +142,20 @@ impl TierHolders {
         self.low.get(router)
     }
 
+    /// Whether `slot` holds `router`.
+    #[inline]
+    pub(crate) fn holds(&self, router: u64, slot: u32) -> bool {
+        if slot < LOW_SLOTS {
+            return self
+                .low_word(router)
+                .is_some_and(|w| w & (1u64 << slot) != 0);
+        }
+        let (word, bit) = high_pos(slot);
+        self.high_words(router)
+            .get(word)
+            .is_some_and(|w| w & bit != 0)
+    }
+
     /// The words for slots ≥ 64 holding `router` (word `j` covers `64 * (j + 1)..`); empty when
     /// none does.
     #[inline]

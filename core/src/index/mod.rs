@@ -289,6 +289,11 @@ impl KvIndex {
         self.tiers[tier.index()].overlap(blocks, candidates, out);
     }
 
+    /// Whether the rank at `slot` holds `block` in `tier`.
+    pub fn holds(&self, tier: Tier, block: BlockHash, slot: WorkerSlot) -> bool {
+        self.tiers[tier.index()].holds(block.0, slot.0)
+    }
+
     /// Distinct router hashes that `(w, tier)` holds.
     pub fn blocks_of(&self, w: &WorkerRank, tier: Tier) -> usize {
         self.slot(w)

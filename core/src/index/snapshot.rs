@@ -31,7 +31,8 @@ impl Projection for KvIndex {
             | Event::RequestRouted(_)
             | Event::RequestPrefilled(_)
             | Event::RequestFinished(_)
-            | Event::RecentLoad(_) => {}
+            | Event::RecentLoad(_)
+            | Event::TierLoadMeasured(_) => {}
         }
     }
 

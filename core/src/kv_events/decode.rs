@@ -34,6 +34,7 @@ const STORED_FIELDS: [&str; 12] = [
 
 /// Field positions of `BlockRemoved` (after the tag), by name.
 const REMOVED_FIELDS: [&str; 3] = ["block_hashes", "medium", "group_idx"];
+const TIER_LOAD_FIELDS: [&str; 3] = ["medium", "bytes_per_s", "block_bytes"];
 
 /// Which KV-cache groups of one engine stream are indexable, learnt from `BlockStored` events
 /// (which carry `group_idx` and `kv_cache_spec_kind`) and applied to `BlockRemoved` events (which
@@ -225,6 +226,7 @@ fn decode_event(
         "BlockStored" => decode_stored(&cx, &fields, groups).map(Some),
         "BlockRemoved" => decode_removed(&cx, &fields, groups).map(Some),
         "AllBlocksCleared" => Ok(Some(EngineEvent::AllBlocksCleared)),
+        "KvdTierLoad" => decode_tier_load(&cx, &fields).map(Some),
         _ => Ok(None),
     }
 }
@@ -368,6 +370,43 @@ fn decode_removed(
         block_hashes,
         tier,
         indexable: groups.indexable(group),
+    })
+}
+
+fn decode_tier_load(cx: &Ctx<'_>, f: &Fields<'_, '_>) -> Result<EngineEvent, DecodeError> {
+    let n = &TIER_LOAD_FIELDS;
+    let tier = medium(cx, f.get(n, 0))?;
+    let bytes_per_s = match f.get(n, 1) {
+        Some(ValueRef::F64(v)) => *v,
+        Some(ValueRef::F32(v)) => f64::from(*v),
+        Some(ValueRef::Integer(i)) => i.as_f64().unwrap_or(0.0),
+        Some(v) => {
+            return Err(cx.err(
+                "bytes_per_s",
+                format!("expected a number, got {}", type_name(v)),
+            ));
+        }
+        None => return Err(cx.err("bytes_per_s", "missing")),
+    };
+    if !bytes_per_s.is_finite() || bytes_per_s < 0.0 {
+        return Err(cx.err("bytes_per_s", format!("{bytes_per_s} is not a speed")));
+    }
+    let block_bytes = match f.get(n, 2) {
+        Some(ValueRef::Integer(i)) => i
+            .as_u64()
+            .ok_or_else(|| cx.err("block_bytes", format!("{i} is out of range")))?,
+        Some(v) => {
+            return Err(cx.err(
+                "block_bytes",
+                format!("expected an int, got {}", type_name(v)),
+            ));
+        }
+        None => return Err(cx.err("block_bytes", "missing")),
+    };
+    Ok(EngineEvent::TierLoad {
+        tier,
+        bytes_per_s,
+        block_bytes,
     })
 }
 

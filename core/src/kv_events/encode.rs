@@ -12,6 +12,7 @@
 //!                   "kv_cache_spec_kind": "full_attention" | "sliding_window"}
 //! BlockRemoved     {"type", "block_hashes": [uint], "medium", "group_idx": 0 | 1}
 //! AllBlocksCleared {"type"}
+//! KvdTierLoad      {"type", "medium", "bytes_per_s": float64, "block_bytes": uint}   (ours)
 //! ```
 //!
 //! Engine hashes are written as their 64-bit value (vLLM's default int hashes). Indexable events
@@ -118,6 +119,21 @@ pub fn encode_batch_vllm(batch: &EngineBatch) -> Vec<u8> {
                 w.map_len(1);
                 w.str("type");
                 w.str("AllBlocksCleared");
+            }
+            EngineEvent::TierLoad {
+                tier,
+                bytes_per_s,
+                block_bytes,
+            } => {
+                w.map_len(4);
+                w.str("type");
+                w.str("KvdTierLoad");
+                w.str("medium");
+                w.str(medium_of_tier(*tier));
+                w.str("bytes_per_s");
+                w.f64(*bytes_per_s);
+                w.str("block_bytes");
+                w.uint(*block_bytes);
             }
         }
     }

@@ -22,12 +22,14 @@
 //!
 //! `BlockRemoved` becomes `KvBlocksRemoved` with `router_hashes` left empty (the index resolves
 //! removals through its own engine → router map); `AllBlocksCleared` becomes
-//! `KvCacheCleared { tier: None }`. Counting is done locally and returned once per batch.
+//! `KvCacheCleared { tier: None }`; `KvdTierLoad` becomes `TierLoadMeasured`. Counting is done locally and returned once per batch.
 //!
 //! [`KvIndex::router_hash`]: crate::index::KvIndex::router_hash
 
 use super::{EngineBatch, EngineEvent};
-use crate::event::{Event, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, Tier};
+use crate::event::{
+    Event, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, Tier, TierLoadMeasured,
+};
 use crate::hashing::{ExtraKey, KvIdentity, hash_block_keyed, hash_blocks_under};
 use crate::ids::{BlockHash, EngineHash, WorkerRank};
 use std::collections::HashMap;
@@ -222,6 +224,16 @@ pub fn to_core_events(
                     tier: None,
                 }));
             }
+            EngineEvent::TierLoad {
+                tier,
+                bytes_per_s,
+                block_bytes,
+            } => out.events.push(Event::TierLoadMeasured(TierLoadMeasured {
+                source: worker.clone(),
+                tier: *tier,
+                bytes_per_s: *bytes_per_s,
+                block_bytes: *block_bytes,
+            })),
         }
     }
     out

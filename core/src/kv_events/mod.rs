@@ -20,6 +20,8 @@
 //!                          SGLang's maps add cache_salt and session_id
 //! BlockRemoved     fields: block_hashes, medium, group_idx
 //! AllBlocksCleared fields: none (ATOM sends one nil)
+//! KvdTierLoad      fields: medium, bytes_per_s (float or int), block_bytes   (ours: kvd's
+//!                          measured load speed per tier, [`kvd`])
 //! hash   = uint (vLLM, ATOM) | negative or positive int (SGLang's signed i64) | bin (vLLM digests)
 //! token  = uint | [uint, uint]   (SGLang under EAGLE/MTP sends pairs; the first is the token)
 //! medium = "GPU" | "cuda" | nil → Gpu;  "CPU" → Host;  "disk" → Disk;  any other → External
@@ -45,6 +47,7 @@
 mod decode;
 mod encode;
 pub mod ingest;
+pub mod kvd;
 pub mod pipeline;
 mod seq;
 
@@ -105,6 +108,13 @@ pub enum EngineEvent {
     },
     /// The engine dropped its whole cache.
     AllBlocksCleared,
+    /// How fast the publisher loads blocks of `tier` back into engines (ours, sent by kvd: the
+    /// median of its recent loads, and their mean block size in bytes).
+    TierLoad {
+        tier: Tier,
+        bytes_per_s: f64,
+        block_bytes: u64,
+    },
 }
 
 impl EngineEvent {
@@ -114,6 +124,7 @@ impl EngineEvent {
             EngineEvent::BlockStored { .. } => "BlockStored",
             EngineEvent::BlockRemoved { .. } => "BlockRemoved",
             EngineEvent::AllBlocksCleared => "AllBlocksCleared",
+            EngineEvent::TierLoad { .. } => "KvdTierLoad",
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The kv-aware cost of each candidate, and the choice among them (argmin or softmax).
 
+use super::tiers::TierWeights;
 use super::{RouteError, RouteRequest};
 use crate::clock::Micros;
 use crate::event::Tier;
@@ -18,6 +19,9 @@ pub struct Scored {
     /// other conversations resident on it, plus the charge for its recent picks above the mean.
     pub load: f64,
     pub prefill_blocks: f64,
+    /// Blocks past `overlap` found in the candidate's kvd tiers, weighted by their credit
+    /// ([`super::tiers`]); already subtracted from `prefill_blocks`.
+    pub credited: f64,
     pub cost: f64,
 }
 
@@ -39,6 +43,8 @@ pub struct Weights {
     /// Tokens to prefill that each recent pick a candidate took above the candidates' mean
     /// costs it (at the overlap weight).
     pub balance_tokens: f64,
+    /// What a block found in a lower tier is worth ([`super::tiers`]).
+    pub tiers: TierWeights,
 }
 
 /// Scores every candidate for `req` at `now_us` with the given weights.
@@ -92,7 +98,8 @@ pub fn score_candidates(
         let request_blocks = blocks.len() as f64;
         let queued_blocks =
             fleet.queued_prefill_tokens_at(c.slot) as f64 / c.block_size.max(1) as f64;
-        let prefill_blocks = request_blocks - overlap as f64 + queued_blocks;
+        let credited = lower_tier_credit(fleet, req, c, overlap, &weights.tiers);
+        let prefill_blocks = request_blocks - overlap as f64 - credited + queued_blocks;
         let mut load = fleet.inflight_blocks_at(c.slot) as f64;
         if weights.resident > 0.0 {
             load +=
@@ -110,10 +117,38 @@ pub fn score_candidates(
             overlap,
             load,
             prefill_blocks,
+            credited,
             cost,
         });
     }
     Ok(out)
+}
+
+/// The credited blocks of `req` past the GPU prefix `overlap` that `c`'s node kvd can load
+/// (0 for a candidate without one, or a request without inventory hashes).
+fn lower_tier_credit(
+    fleet: &FleetState,
+    req: &RouteRequest,
+    c: &Candidate,
+    overlap: u32,
+    weights: &TierWeights,
+) -> f64 {
+    let Some(kvd) = fleet.kvd_at(c.slot) else {
+        return 0.0;
+    };
+    let Some(blocks) = req.kvd_blocks(c.block_size, &kvd.compat_key) else {
+        return 0.0;
+    };
+    let run = fleet.lower_tier_run(kvd.slot, blocks, overlap as usize);
+    [Tier::Host, Tier::Disk, Tier::External]
+        .into_iter()
+        .filter(|t| run[t.index()] > 0)
+        .map(|t| {
+            let load = fleet.tier_load(kvd.slot, t);
+            let credit = weights.credit(t, load, c.block_size, kvd.prefill_tokens_per_s);
+            f64::from(run[t.index()]) * credit
+        })
+        .sum()
 }
 
 /// Relative tolerance under which two costs are a tie.

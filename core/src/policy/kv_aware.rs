@@ -17,6 +17,7 @@ fn build(config: &RouterConfig) -> Box<dyn Policy> {
     Box::new(KvAware {
         resident_weight: config.resident_weight,
         balance_tokens: f64::from(config.balance_tokens),
+        tiers: config.tier_weights,
         temperature: config.temperature,
         record_top: config.record_top,
         rng: Rng::new(config.seed),
@@ -28,6 +29,7 @@ fn build(config: &RouterConfig) -> Box<dyn Policy> {
 struct KvAware {
     resident_weight: f64,
     balance_tokens: f64,
+    tiers: super::TierWeights,
     temperature: f64,
     record_top: usize,
     rng: Rng,
@@ -40,6 +42,7 @@ impl Policy for KvAware {
             overlap: leg.overlap_weight,
             resident: self.resident_weight,
             balance_tokens: self.balance_tokens,
+            tiers: self.tiers,
         };
         let scored = score_candidates(
             leg.fleet,

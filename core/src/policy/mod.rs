@@ -2,13 +2,16 @@
 //!
 //! - `kv-aware`: for each candidate `w` (lower is better)
 //!   ```text
-//!   prefill_blocks(w) = request_blocks − overlap(w) + queued_prefill_blocks(w)
+//!   prefill_blocks(w) = request_blocks − overlap(w) − credited(w) + queued_prefill_blocks(w)
 //!   load(w)           = inflight_blocks(w) + resident_weight × resident_blocks(w)
 //!                       + weight × balance_tokens / block_size × above_mean_picks(w)
 //!   cost(w)           = weight × prefill_blocks(w) + load(w)
 //!   ```
 //!   `overlap(w)` is the prefix the engine announced, extended by the blocks of `w`'s requests in
-//!   flight (the expected cache, [`FleetState::expected_overlap_at`]); `inflight_blocks(w)` sums
+//!   flight (the expected cache, [`FleetState::expected_overlap_at`]); `credited(w)` counts the
+//!   blocks after that prefix that `w`'s node kvd can load (host RAM, NVMe, the shared store),
+//!   each at its tier's credit ([`tiers`]: 0 to 1 of a GPU hit, by how much faster loading it
+//!   is than prefilling it) — PD's prefill legs included; `inflight_blocks(w)` sums
 //!   the blocks of `w`'s requests in flight, per request. Nothing outlives a request: sequential
 //!   turns of one conversation stay on the worker that holds their prefix, and a burst of
 //!   identical prompts spreads because each one in flight loads its worker.
@@ -41,9 +44,11 @@ mod affinity;
 mod cost;
 mod kv_aware;
 mod round_robin;
+pub mod tiers;
 
 pub use affinity::{AffinityMode, SessionAffinity};
 pub use cost::{Scored, Scratch, Weights, score_candidates};
+pub use tiers::TierWeights;
 
 use crate::clock::Micros;
 use crate::event::{CandidateScore, RequestRouted, Retention, Role, RoutedLeg};
@@ -230,6 +235,10 @@ pub struct RouterConfig {
     /// `--router-session-affinity` and `--router-session-ttl`.
     #[serde(default)]
     pub sessions: SessionAffinity,
+    /// `--router-host-cache-hit-weight`, `--router-disk-cache-hit-weight`,
+    /// `--router-remote-cache-hit-weight` (unset: measured, [`tiers`]).
+    #[serde(default)]
+    pub tier_weights: TierWeights,
 }
 
 impl Default for RouterConfig {
@@ -245,6 +254,7 @@ impl Default for RouterConfig {
             resident_weight: 0.0,
             balance_tokens: 0,
             sessions: SessionAffinity::default(),
+            tier_weights: TierWeights::default(),
         }
     }
 }
@@ -285,6 +295,17 @@ pub struct RouteRequest {
     pub exclude: Vec<WorkerRank>,
     /// The conversation the client named, if any (see [`affinity`]).
     pub session: Option<SessionKey>,
+    /// The prompt's kvd inventory hashes, per namespace the candidates' connectors write
+    /// ([`crate::kv_events::kvd::request_hashes`]); empty when no candidate names a kvd.
+    pub kvd: Vec<KvdHashes>,
+}
+
+/// A prompt's inventory hashes at one block size and compat key.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvdHashes {
+    pub block_size: u32,
+    pub compat_key: std::sync::Arc<str>,
+    pub hashes: Vec<BlockHash>,
 }
 
 impl RouteError {
@@ -320,6 +341,14 @@ fn served_list(served: &[String]) -> String {
 }
 
 impl RouteRequest {
+    /// The inventory hashes for a connector writing under `compat_key` at `block_size`.
+    pub fn kvd_blocks(&self, block_size: u32, compat_key: &str) -> Option<&[BlockHash]> {
+        self.kvd
+            .iter()
+            .find(|k| k.block_size == block_size && *k.compat_key == *compat_key)
+            .map(|k| k.hashes.as_slice())
+    }
+
     /// The hashes `worker` caches this prompt under at `block_size`, if the caller computed
     /// them: its own rendering's ([`WorkerHashes`]) or the fleet's. A request with no hashes at
     /// all was not tokenized (round-robin needs no prefix): it has no blocks at any size.

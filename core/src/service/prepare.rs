@@ -15,7 +15,8 @@ use crate::event::Retention;
 use crate::hashing::identity::MmRun;
 use crate::hashing::{KvIdentity, hash_prompt_blocks};
 use crate::ids::{RequestId, SessionKey};
-use crate::policy::{RouteError, RouteRequest, WorkerHashes};
+use crate::kv_events::kvd;
+use crate::policy::{KvdHashes, RouteError, RouteRequest, WorkerHashes};
 use crate::ports::tokenize::{Tokenize, TokenizeError, Tokens};
 
 /// A request ready to decide: its [`RouteRequest`] and the prompt's token ids.
@@ -67,10 +68,16 @@ impl Service {
         } = request;
         let served = self.with_fleet(|f| {
             f.served(&model)
-                .map(|s| (s.block_sizes.clone(), s.parent.clone()))
+                .map(|s| {
+                    (
+                        s.block_sizes.clone(),
+                        s.parent.clone(),
+                        f.kvd_namespaces(&model),
+                    )
+                })
                 .ok_or_else(|| RouteError::unknown_model(f, &model))
         });
-        let (block_sizes, parent) = match served {
+        let (block_sizes, parent, kvd_namespaces) = match served {
             Ok(s) => s,
             Err(e) => {
                 self.metrics().decision("unknown_model");
@@ -117,6 +124,22 @@ impl Service {
                 )
             })
             .collect();
+        // What the candidates' kvds hold is named by the connectors' keys, in the base model's
+        // namespace (a kvd cannot see tokens; kv_events::kvd).
+        let kvd = kvd_namespaces
+            .into_iter()
+            .map(|(bs, compat_key)| KvdHashes {
+                block_size: bs,
+                hashes: kvd::request_hashes(
+                    &base,
+                    &compat_key,
+                    &tokens,
+                    bs.max(1) as usize,
+                    &identity,
+                ),
+                compat_key,
+            })
+            .collect();
         let req = RouteRequest {
             request_id: RequestId::new(key),
             model,
@@ -126,6 +149,7 @@ impl Service {
             per_worker,
             exclude: Vec::new(),
             session,
+            kvd,
         };
         Ok(Prepared {
             req,
@@ -152,6 +176,7 @@ impl Service {
                 per_worker: WorkerHashes::default(),
                 exclude: Vec::new(),
                 session,
+                kvd: Vec::new(),
             },
             tokens: Vec::new(),
             images: Vec::new(),

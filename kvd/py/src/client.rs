@@ -401,13 +401,17 @@ impl Client {
         })
     }
 
-    /// `hello`: `{"server_id", "protocol_version", "shared_arena": (size, slot, pid) | None}`.
+    /// `hello`: `{"server_id", "protocol_version", "shared_arena": (size, slot, pid) | None,
+    /// "kv_events_endpoint": str | None, "kv_events_replay_endpoint": str | None}` (where the
+    /// daemon publishes its inventory, if it does).
     fn hello<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let ack = py.detach(|| self.core().hello()).map_err(py_err)?;
         let out = PyDict::new(py);
         out.set_item("server_id", ack.server_id)?;
         out.set_item("protocol_version", ack.protocol_version)?;
         out.set_item("shared_arena", ack.shared_arena.map(|a| (a[0], a[1], a[2])))?;
+        out.set_item("kv_events_endpoint", ack.kv_events_endpoint)?;
+        out.set_item("kv_events_replay_endpoint", ack.kv_events_replay_endpoint)?;
         Ok(out)
     }
 

@@ -35,7 +35,7 @@ class Daemon:
         self.args = [
             infera_bin(), "kvd", "--socket", self.socket, "--max-bytes", max_bytes,
             "--shared-arena-bytes", arena, "--long-path", str(self.long_path), "--long-bytes", "256MiB",
-            "--io-mode", "buffered",
+            "--io-mode", "buffered", "--kv-events-endpoint", "off",
         ]
         self.log = tmp / "kvd.log"
         self.proc: subprocess.Popen | None = None

@@ -171,5 +171,10 @@ def test_an_adapters_or_a_tenants_blocks_are_never_loaded_for_another(daemon):
     assert b.prefill(scoped("b6", salt="tenant-a"))[0] == 6 * BLOCK
     assert b.prefill(b.request("b7", PROMPT))[0] == 6 * BLOCK, "plain text still shares"
     assert vllm_connector.identity_scope(b.request("b8", PROMPT)) == b""
+    # The router derives the same scope from the request it routes (the Rust golden string
+    # of infera_core::kv_events::kvd::identity_scope), so it can name what this connector saved.
+    assert vllm_connector.identity_scope(scoped("b9", lora="sql", salt="s")) == (
+        b'{"lora":"sql","salt":"s"}'
+    )
     a.shutdown()
     b.shutdown()

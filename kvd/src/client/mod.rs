@@ -7,6 +7,10 @@
 //! offsets ([`KvdClient::get_shared`] gives them to the caller for zero-copy use; [`KvdClient::get`]
 //! copies the bytes out), and [`KvdClient::put`] writes through `set_reserve`/`set_commit`.
 //!
+//! After `hello` (or [`KvdClient::connect_shared`]) the client knows where the daemon publishes
+//! its inventory, if it does ([`KvdClient::kv_events_endpoint`],
+//! [`KvdClient::kv_events_replay_endpoint`]): what a worker launcher puts in its registration.
+//!
 //! Errors say whether to retry: a transport failure ([`ClientError::is_retryable`]) is worth a
 //! reconnect and retry; a refusal or a protocol mismatch is not.
 
@@ -69,6 +73,33 @@ pub struct HelloAck {
     pub protocol_version: u64,
     /// `[arena_size, slot_size, server_pid]` when a shared arena is offered.
     pub shared_arena: Option<[u64; 3]>,
+    /// Where the daemon publishes its inventory (ours; `None` when it does not, or for the
+    /// Python kvd).
+    pub kv_events_endpoint: Option<String>,
+    /// The replay socket of that publication.
+    pub kv_events_replay_endpoint: Option<String>,
+}
+
+impl HelloAck {
+    fn from_response(response: Response) -> Result<Self, ClientError> {
+        match response {
+            Response::HelloAck {
+                server_id,
+                protocol_version,
+                shared_arena,
+                kv_events_endpoint,
+                kv_events_replay_endpoint,
+            } => Ok(HelloAck {
+                server_id,
+                protocol_version,
+                shared_arena,
+                kv_events_endpoint,
+                kv_events_replay_endpoint,
+            }),
+            Response::Error { code, message } => Err(ClientError::Server { code, message }),
+            other => Err(unexpected("hello_ack", &other)),
+        }
+    }
 }
 
 /// A hit: the bytes and their class.
@@ -108,6 +139,8 @@ pub struct KvdClient {
     arena: Option<Arc<ClientArena>>,
     /// A lease taken ahead by [`KvdClient::put`].
     spare: Option<Reservation>,
+    /// The last `hello_ack`'s inventory endpoints.
+    kv_events: (Option<String>, Option<String>),
 }
 
 impl KvdClient {
@@ -136,6 +169,7 @@ impl KvdClient {
             max_frame: usize::MAX,
             arena,
             spare: None,
+            kv_events: (None, None),
         }
     }
 
@@ -170,19 +204,7 @@ impl KvdClient {
         stream.read_exact(&mut body).await?;
         let reply = proto::decode_response(&Bytes::from(body))
             .map_err(|e| ClientError::Protocol(e.to_string()))?;
-        let ack = match reply.response {
-            Response::HelloAck {
-                server_id,
-                protocol_version,
-                shared_arena,
-            } => HelloAck {
-                server_id,
-                protocol_version,
-                shared_arena,
-            },
-            Response::Error { code, message } => return Err(ClientError::Server { code, message }),
-            other => return Err(unexpected("hello_ack", &other)),
-        };
+        let ack = HelloAck::from_response(reply.response)?;
         let arena = match ack.shared_arena {
             Some(info) => {
                 let fd = recv_fd(&stream).await?;
@@ -192,7 +214,24 @@ impl KvdClient {
             }
             None => None,
         };
-        Ok((Self::from_stream(stream, arena), ack))
+        let mut client = Self::from_stream(stream, arena);
+        client.kv_events = (
+            ack.kv_events_endpoint.clone(),
+            ack.kv_events_replay_endpoint.clone(),
+        );
+        Ok((client, ack))
+    }
+
+    /// Where the daemon publishes its inventory as KV events (`tcp://HOST:PORT`, as bound: a
+    /// wildcard host means this host), as its last `hello_ack` said; `None` before `hello`, or
+    /// when it does not publish.
+    pub fn kv_events_endpoint(&self) -> Option<&str> {
+        self.kv_events.0.as_deref()
+    }
+
+    /// The replay socket of that publication, as its last `hello_ack` said.
+    pub fn kv_events_replay_endpoint(&self) -> Option<&str> {
+        self.kv_events.1.as_deref()
     }
 
     /// The mapped arena, after [`KvdClient::connect_shared`] got one.
@@ -248,27 +287,22 @@ impl KvdClient {
         }
     }
 
-    /// `hello`.
+    /// `hello`; remembers the inventory endpoints it names
+    /// ([`KvdClient::kv_events_endpoint`]).
     pub async fn hello(&mut self, client_id: &str) -> Result<HelloAck, ClientError> {
-        match self
+        let reply = self
             .call(Request::Hello {
                 client_id: client_id.to_owned(),
                 protocol_version: PROTOCOL_VERSION,
                 prefers_shared_arena: false,
             })
-            .await?
-        {
-            Response::HelloAck {
-                server_id,
-                protocol_version,
-                shared_arena,
-            } => Ok(HelloAck {
-                server_id,
-                protocol_version,
-                shared_arena,
-            }),
-            other => Err(unexpected("hello_ack", &other)),
-        }
+            .await?;
+        let ack = HelloAck::from_response(reply)?;
+        self.kv_events = (
+            ack.kv_events_endpoint.clone(),
+            ack.kv_events_replay_endpoint.clone(),
+        );
+        Ok(ack)
     }
 
     /// `get`: the value, or `None` on a miss.

@@ -4,11 +4,12 @@
 use super::frame::{self, FrameInfo};
 use super::queue::{Op, Pending};
 use super::{L4, MAX_CUTOFFS, name};
+use crate::inventory::Inventory;
 use crate::long::{LongBlock, LongHit, LongRejected, LongStore, Put, WritePermit};
 use crate::proto::Namespace;
 use crate::stats::LongStats;
 use bytes::Bytes;
-use infera_core::event::Retention;
+use infera_core::event::{Retention, Tier};
 use std::io;
 use std::sync::atomic::Ordering;
 
@@ -62,16 +63,31 @@ impl LongStore for L4 {
         let len = frame::framed_len(&block.ns, &block.key, block.value.len())
             .map(|l| l as u64)
             .filter(|l| *l <= inner.front.max_value_bytes);
+        let recorded = self.inventory.get();
+        let inventory = recorded.and_then(|inv| inv.hash(&block.ns, &block.key));
+        // Noted under the inbox's lock, which orders the key's operations.
+        let note_removal = || {
+            if let Some(inv) = recorded {
+                inv.removed(Tier::External, inventory);
+            }
+        };
         self.push(block.hash, now, |inbox, seq| match len {
-            None => (None, Err(LongRejected::TooLarge)),
+            None => {
+                note_removal();
+                (None, Err(LongRejected::TooLarge))
+            }
             Some(len)
                 if inner.breaker_open()
                     || inbox.queued + inbox.bytes + len > inner.front.queue_bytes =>
             {
                 inbox.dropped += 1;
+                note_removal();
                 (None, Ok(seq))
             }
             Some(len) => {
+                if let Some(inv) = recorded {
+                    inv.stored(Tier::External, inventory);
+                }
                 let info = FrameInfo {
                     class: block.class,
                     expires_at: block.expires_at,
@@ -99,6 +115,22 @@ impl LongStore for L4 {
 
     fn remove(&self, hash: u128) {
         self.push(hash, 0, |_, _| (None, ()));
+    }
+
+    fn remove_key(&self, ns: &Namespace, key: &[u8], hash: u128) {
+        let Some(inv) = self.inventory.get() else {
+            return self.remove(hash);
+        };
+        let inventory = inv.hash(ns, key);
+        self.push(hash, 0, |_, _| {
+            inv.removed(Tier::External, inventory);
+            (None, ())
+        });
+    }
+
+    fn record_inventory(&self, inventory: &Inventory) {
+        let _ = self.inventory.set(inventory.clone());
+        let _ = self.inner.inventory.set(inventory.clone());
     }
 
     async fn get(&self, ns: &Namespace, key: &[u8], hash: u128, now: u64) -> Option<LongHit> {

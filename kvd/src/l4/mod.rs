@@ -42,6 +42,9 @@
 //!   daemon, and it must not answer once L2 evicts the newer value.
 //! - Across a restart, a block whose write had not landed (the store was down at shutdown)
 //!   reads as its previous value in the store, if any.
+//! - **Inventory** ([`crate::inventory`], tier `External`): a queued put is noted `stored`, a
+//!   removal kvd queues (a lower-class write, a dropped or refused put) `removed`, each under
+//!   the inbox or queue lock that orders it; what the store evicts on its own is never seen.
 
 pub mod config;
 pub mod frame;
@@ -58,15 +61,17 @@ pub mod s3;
 pub use config::{L4Config, RemoteUrl};
 pub use remote::{RemoteError, RemoteStore};
 
+use crate::inventory::Inventory;
 use crate::long::LongHit;
 use crate::proto::Namespace;
 use crate::stats::L4Stats;
 use bytes::Bytes;
 use frame::FrameInfo;
 use futures::StreamExt;
+use infera_core::event::Tier;
 use queue::{Inbox, Op, Pending, Queue};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
@@ -194,6 +199,8 @@ struct Inner {
     /// Mirrors the breaker: `true` while closed.
     up: watch::Sender<bool>,
     stop: CancellationToken,
+    /// Where the writer notes the puts the store refused.
+    inventory: OnceLock<Inventory>,
 }
 
 impl Inner {
@@ -345,6 +352,8 @@ fn start_writer(inner: &Arc<Inner>) {
 #[derive(Debug)]
 pub struct L4 {
     inner: Arc<Inner>,
+    /// Where puts and removals are noted (beside `inner`, on the line a SET reads anyway).
+    inventory: OnceLock<Inventory>,
 }
 
 /// The writer stops with its L4 (a writer thread would outlive the daemon's runtime).
@@ -416,9 +425,13 @@ impl L4 {
             landed: watch::channel(0).0,
             up: watch::channel(down.is_none()).0,
             stop: CancellationToken::new(),
+            inventory: OnceLock::new(),
         });
         start_writer(&inner);
-        Ok(Self { inner })
+        Ok(Self {
+            inner,
+            inventory: OnceLock::new(),
+        })
     }
 
     /// Whether the breaker is closed (the store answered last time).
@@ -486,6 +499,7 @@ impl L4 {
                                 class: p.info.class,
                                 expires_at: p.info.expires_at,
                                 generation: start,
+                                tier: Tier::External,
                             });
                         }
                     }
@@ -570,6 +584,7 @@ impl L4 {
                     class: info.class,
                     expires_at: info.expires_at,
                     generation: start,
+                    tier: Tier::External,
                 })
             }
             Err(reject) => {

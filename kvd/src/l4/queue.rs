@@ -28,8 +28,10 @@
 
 use super::frame::{self, FrameInfo, Framed};
 use super::{Inner, RemoteStore, name};
+use crate::inventory::Inventory;
 use crate::proto::Namespace;
 use bytes::Bytes;
+use infera_core::event::Tier;
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -222,15 +224,23 @@ impl Queue {
     /// A batch landed: each operation leaves unless a newer one replaced it meanwhile (which
     /// then goes back in line). A put the store `refused` (by key hash) stays, as a removal of
     /// its key at the back of the line: the store may still hold an older value of the key,
-    /// which must not answer for it.
-    fn landed(&mut self, batch: &[(u128, u64, Op)], refused: &[u128]) {
-        for (hash, seq, _) in batch {
+    /// which must not answer for it (and the put, noted `stored`, is noted `removed`).
+    fn landed(
+        &mut self,
+        batch: &[(u128, u64, Op)],
+        refused: &[u128],
+        inventory: Option<&Inventory>,
+    ) {
+        for (hash, seq, sent) in batch {
             let Some((now, op)) = self.ops.get_mut(hash) else {
                 continue;
             };
             if *now != *seq {
                 self.order.push_back(*hash);
             } else if refused.contains(hash) {
+                if let (Some(inv), Op::Put(p)) = (inventory, sent) {
+                    inv.removed(Tier::External, inv.hash(&p.ns, &p.key));
+                }
                 let old = std::mem::replace(op, Op::Remove);
                 self.forget(&old);
                 self.removes += 1;
@@ -320,7 +330,7 @@ pub async fn writer(inner: Arc<Inner>, remote: Arc<dyn RemoteStore>) {
         {
             let mut q = inner.lock();
             if let Some(refused) = sent {
-                q.landed(&current.ops, &refused);
+                q.landed(&current.ops, &refused, inner.inventory.get());
                 ready = next;
             } else {
                 // Both go back to the front of the line, in their order.
@@ -528,7 +538,7 @@ mod tests {
         assert_eq!(batch.len(), 2);
         // Key 2 was written again while the batch was in flight.
         absorb(&mut q, vec![(2, 3, put("m", 4))], 8);
-        q.landed(&batch, &[1, 2]);
+        q.landed(&batch, &[1, 2], None);
         // Key 1's put, refused, is a removal at its own sequence number, back in line; key 2's
         // newer put is untouched.
         assert!(matches!(q.ops[&1], (1, Op::Remove)));
@@ -540,7 +550,7 @@ mod tests {
                 .any(|(h, _, op)| *h == 1 && matches!(op, Op::Remove))
         );
         // The removal lands and leaves.
-        q.landed(&next, &[]);
+        q.landed(&next, &[], None);
         assert!(!q.ops.contains_key(&1));
         assert_eq!(q.removes, 0);
     }

@@ -29,17 +29,21 @@
 //!   else, and never makes room by evicting a higher class than the incoming block.
 //! - A `get` returns the bytes last put under that exact key (namespace included) or nothing:
 //!   never another key's bytes, never a half-written block, including after a crash.
+//! - Inventory: once given one ([`LongStore::record_inventory`]), a backend notes each block it
+//!   gains or loses in its tier ([`crate::inventory`]), under the lock that orders the change,
+//!   and notes nothing for a `clear` (the store notes the clear as one).
 
 mod stacked;
 
 pub use stacked::Stacked;
 
+use crate::inventory::Inventory;
 use crate::l4::{L4, L4Config, L4OpenError};
 use crate::proto::Namespace;
 use crate::stats::LongStats;
 use crate::tablespace::{Tablespace, TablespaceConfig};
 use bytes::Bytes;
-use infera_core::event::Retention;
+use infera_core::event::{Retention, Tier};
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
@@ -129,6 +133,8 @@ pub struct LongHit {
     pub expires_at: Option<u64>,
     /// The entry's generation (see [`LongStore::is_current`]).
     pub generation: u64,
+    /// The tier that served it (`Disk` for L3, `External` for L4).
+    pub tier: Tier,
 }
 
 /// Why a backend refused a block (the key's older entry is gone either way).
@@ -233,6 +239,20 @@ pub trait LongStore: Send + Sync + std::fmt::Debug {
 
     /// Removes the entry for `hash`.
     fn remove(&self, hash: u128);
+
+    /// Removes the entry of `(ns, key)`, whose hash is `hash`: [`LongStore::remove`], for a
+    /// caller that has the key at hand (a backend that keeps no index of its keys, the L4,
+    /// names the block in its inventory from it).
+    fn remove_key(&self, ns: &Namespace, key: &[u8], hash: u128) {
+        let _ = (ns, key);
+        self.remove(hash);
+    }
+
+    /// Notes the blocks this backend gains and loses in `inventory` from now on (see the
+    /// module docs); by default nothing is noted. Called once, before the backend serves.
+    fn record_inventory(&self, inventory: &Inventory) {
+        let _ = inventory;
+    }
 
     /// Reads the block of `(ns, key)`; `None` on a miss, an expired entry, or a slot that fails
     /// its checks (which also drops the entry). I/O errors are counted and logged, and read as

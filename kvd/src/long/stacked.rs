@@ -13,6 +13,7 @@
 //!   are counted and logged, never returned).
 
 use super::{LongBlock, LongHit, LongRejected, LongStore, Put, WritePermit};
+use crate::inventory::Inventory;
 use crate::l4::L4;
 use crate::proto::Namespace;
 use crate::stats::LongStats;
@@ -127,6 +128,17 @@ impl LongStore for Stacked {
         let _stripe = self.stripe(hash);
         self.l4.remove(hash);
         self.l3.remove(hash);
+    }
+
+    fn remove_key(&self, ns: &Namespace, key: &[u8], hash: u128) {
+        let _stripe = self.stripe(hash);
+        self.l4.remove_key(ns, key, hash);
+        self.l3.remove(hash);
+    }
+
+    fn record_inventory(&self, inventory: &Inventory) {
+        self.l3.record_inventory(inventory);
+        self.l4.record_inventory(inventory);
     }
 
     async fn get(&self, ns: &Namespace, key: &[u8], hash: u128, now: u64) -> Option<LongHit> {

@@ -201,6 +201,16 @@ fn response_from(f: &Fields<'_>) -> Result<Response, RequestError> {
                 }
                 Some(_) => return Err(f.bad("shared_arena", "three integers or nil")),
             },
+            kv_events_endpoint: opt_string_of(
+                f,
+                field("kv_events_endpoint"),
+                "kv_events_endpoint",
+            )?,
+            kv_events_replay_endpoint: opt_string_of(
+                f,
+                field("kv_events_replay_endpoint"),
+                "kv_events_replay_endpoint",
+            )?,
         },
         "get_response" => Response::Get {
             value: match field("value") {

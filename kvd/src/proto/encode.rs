@@ -290,8 +290,15 @@ impl Response {
                 server_id,
                 protocol_version,
                 shared_arena,
+                kv_events_endpoint,
+                kv_events_replay_endpoint,
             } => {
-                e.begin(op, 3, id);
+                let ours = [
+                    ("kv_events_endpoint", kv_events_endpoint),
+                    ("kv_events_replay_endpoint", kv_events_replay_endpoint),
+                ];
+                let given = ours.iter().filter(|(_, v)| v.is_some()).count();
+                e.begin(op, 3 + given, id);
                 e.field("server_id");
                 e.str(server_id);
                 e.field("protocol_version");
@@ -303,6 +310,12 @@ impl Response {
                         parts.iter().for_each(|p| e.uint(*p));
                     }
                     None => e.nil(),
+                }
+                for (name, value) in ours {
+                    if let Some(value) = value {
+                        e.field(name);
+                        e.str(value);
+                    }
                 }
             }
             Response::Get { value, retention } => {

@@ -48,6 +48,12 @@
 //! it may write through `set_reserve` → its own mmap → `set_commit`. The slot layout is in
 //! [`crate::arena`].
 //!
+//! # Inventory endpoints
+//! A daemon that publishes its inventory ([`crate::inventory`]) adds to `hello_ack` our fields
+//! `kv_events_endpoint` and `kv_events_replay_endpoint` (strings, the bound endpoints; omitted
+//! when off). Decoders ignore fields they do not know, so older clients read the reply as
+//! before.
+//!
 //! Files: `mod.rs` (the types), `encode.rs`, `msgpack.rs` (the validating reader),
 //! `fields.rs` (typed access to a decoded map, the limits), `decode.rs`.
 
@@ -419,11 +425,16 @@ pub struct SharedSlot {
 // at once, so boxing them would buy nothing.
 #[allow(clippy::large_enum_variant)]
 pub enum Response {
-    /// `hello_ack{server_id, protocol_version, shared_arena: [arena_size, slot_size, pid] | nil}`.
+    /// `hello_ack{server_id, protocol_version, shared_arena: [arena_size, slot_size, pid] | nil}`,
+    /// with ours `kv_events_endpoint` and `kv_events_replay_endpoint` when publishing.
     HelloAck {
         server_id: String,
         protocol_version: u64,
         shared_arena: Option<[u64; 3]>,
+        /// Where the daemon publishes its inventory (omitted on the wire when `None`).
+        kv_events_endpoint: Option<String>,
+        /// Its replay socket (omitted on the wire when `None`).
+        kv_events_replay_endpoint: Option<String>,
     },
     /// `get_response{value, retention}`; both nil on a miss.
     Get {

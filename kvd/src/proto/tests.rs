@@ -83,6 +83,22 @@ fn every_response_round_trips() {
             server_id: "s".into(),
             protocol_version: 1,
             shared_arena: None,
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+        },
+        Response::HelloAck {
+            server_id: "s".into(),
+            protocol_version: 1,
+            shared_arena: Some([1 << 30, 1 << 20, 42]),
+            kv_events_endpoint: Some("tcp://0.0.0.0:5590".into()),
+            kv_events_replay_endpoint: None,
+        },
+        Response::HelloAck {
+            server_id: "s".into(),
+            protocol_version: 1,
+            shared_arena: None,
+            kv_events_endpoint: Some("tcp://127.0.0.1:40123".into()),
+            kv_events_replay_endpoint: Some("tcp://127.0.0.1:40124".into()),
         },
         Response::Get {
             value: Some(Bytes::from(vec![1u8; 20_000])),
@@ -172,4 +188,55 @@ fn batch_set_arity_mismatch_is_named() {
         .request
         .unwrap_err();
     assert_eq!(err.code, "batch_set_arity_mismatch");
+}
+
+#[test]
+fn hello_ack_names_the_inventory_endpoints_and_ignores_unknown_fields() {
+    let ack = |extra: Vec<(Value, Value)>| {
+        let mut map = vec![
+            (Value::from("op"), Value::from("hello_ack")),
+            (Value::from("server_id"), Value::from("kvd-1")),
+            (Value::from("protocol_version"), Value::from(1)),
+            (Value::from("shared_arena"), Value::Nil),
+        ];
+        map.extend(extra);
+        let mut buf = Vec::new();
+        rmpv::encode::write_value(&mut buf, &Value::Map(map)).unwrap();
+        decode_response(&Bytes::from(buf)).unwrap().response
+    };
+    // The Python kvd's reply, without our fields.
+    match ack(Vec::new()) {
+        Response::HelloAck {
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+            ..
+        } => {}
+        other => panic!("{other:?}"),
+    }
+    // A later daemon's reply, with a field this decoder does not know.
+    let later = ack(vec![
+        (
+            Value::from("kv_events_endpoint"),
+            Value::from("tcp://0.0.0.0:5590"),
+        ),
+        (Value::from("kv_events_codec"), Value::from(2)),
+    ]);
+    match later {
+        Response::HelloAck {
+            kv_events_endpoint: Some(endpoint),
+            kv_events_replay_endpoint: None,
+            ..
+        } => assert_eq!(endpoint, "tcp://0.0.0.0:5590"),
+        other => panic!("{other:?}"),
+    }
+    // Off: the fields are not on the wire at all.
+    let off = Response::HelloAck {
+        server_id: "s".into(),
+        protocol_version: 1,
+        shared_arena: None,
+        kv_events_endpoint: None,
+        kv_events_replay_endpoint: None,
+    };
+    let text = body(off.encode(None));
+    assert!(!text.windows(9).any(|w| w == b"kv_events"));
 }

@@ -6,9 +6,13 @@
 //! timeout, reading a started frame by the frame timeout (see [`super`]). A client that said
 //! `hello{prefers_shared_arena: true}` to a daemon with an arena gets the memfd right after
 //! `hello_ack`, and from then on offsets instead of bytes for arena-resident values.
+//!
+//! A `get` or `batch_get` that found anything is timed from its dispatch to its reply written,
+//! one sample of the daemon's load meter ([`crate::inventory::load`]).
 
 use super::{Hint, Shared};
 use crate::arena::send_fd;
+use crate::inventory::Served;
 use crate::proto::{self, DecodedRequest, FrameError, PROTOCOL_VERSION, Request, Response};
 use crate::store::{Got, Reservation};
 use crate::wire::write_parts;
@@ -126,6 +130,8 @@ struct Conn {
     id: u64,
     /// The client mapped the arena: answer offsets where possible.
     arena: bool,
+    /// What the request in hand served, for the load meter once its reply is written.
+    served: Option<Served>,
 }
 
 /// Serves one connection; `_slot` is its place under `--max-connections`.
@@ -143,7 +149,11 @@ pub(super) async fn connection(
     }
     let (rd, mut wr) = stream.into_split();
     let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
-    let mut conn = Conn { id, arena: false };
+    let mut conn = Conn {
+        id,
+        arena: false,
+        served: None,
+    };
     loop {
         let read = tokio::select! {
             () = token.cancelled() => break,
@@ -167,6 +177,7 @@ pub(super) async fn connection(
                 break;
             }
         };
+        let started = std::time::Instant::now();
         let (id, reply, send_arena) = match proto::decode_request(&frame, shared.limits) {
             Ok(DecodedRequest { id, request }) => match request {
                 Ok(request) => {
@@ -194,6 +205,9 @@ pub(super) async fn connection(
         {
             tracing::debug!(%error, "kvd connection write failed");
             break;
+        }
+        if let Some(served) = conn.served.take() {
+            shared.load.record(&served, started.elapsed());
         }
         if send_arena && let Some(arena) = shared.store.arena() {
             match send_fd(wr.as_ref(), arena.fd()).await {
@@ -233,20 +247,32 @@ async fn dispatch(shared: &Shared, conn: &mut Conn, request: Request) -> Option<
                     .arena()
                     .filter(|_| prefers_shared_arena)
                     .map(|a| a.info()),
+                kv_events_endpoint: shared.kv_events.as_ref().map(|(e, _)| e.clone()),
+                kv_events_replay_endpoint: shared.kv_events.as_ref().and_then(|(_, r)| r.clone()),
             }
         }
-        Request::Get { ns, key } => match store.get(&ns, &key, now, conn.arena).await {
-            Some(Got::Shared(slot, _)) => Response::GetShared(slot),
-            Some(Got::Bytes(value, retention)) => Response::Get {
-                value: Some(value),
-                retention: Some(retention),
-            },
-            None => Response::Get {
-                value: None,
-                retention: None,
-            },
-        },
-        Request::BatchGet { ns, keys } => batch_get(shared, conn, &ns, &keys, now).await,
+        Request::Get { ns, key } => {
+            let (mut got, served) = store
+                .get_many_served(&ns, std::slice::from_ref(&key), now, conn.arena)
+                .await;
+            conn.served = Some(served);
+            match got.pop().flatten() {
+                Some(Got::Shared(slot, _)) => Response::GetShared(slot),
+                Some(Got::Bytes(value, retention)) => Response::Get {
+                    value: Some(value),
+                    retention: Some(retention),
+                },
+                None => Response::Get {
+                    value: None,
+                    retention: None,
+                },
+            }
+        }
+        Request::BatchGet { ns, keys } => {
+            let (got, served) = store.get_many_served(&ns, &keys, now, conn.arena).await;
+            conn.served = Some(served);
+            batch_get(shared, conn, got)
+        }
         Request::Set { ns, item } => Response::SetAck(store.set(&ns, &item, now).await),
         Request::BatchSet { ns, items } => {
             Response::BatchSetAck(store.set_many(&ns, &items, now).await)
@@ -335,18 +361,11 @@ async fn dispatch(shared: &Shared, conn: &mut Conn, request: Request) -> Option<
         Request::Clear { ns } => Response::Clear {
             cleared_entries: store.clear(&ns),
         },
-        Request::Stats { extended } => Response::Stats(store.stats().to_reply(extended)),
+        Request::Stats { extended } => Response::Stats(shared.stats().to_reply(extended)),
     })
 }
 
-async fn batch_get(
-    shared: &Shared,
-    conn: &Conn,
-    ns: &crate::proto::Namespace,
-    keys: &[Bytes],
-    now: u64,
-) -> Response {
-    let got = shared.store.get_many(ns, keys, now, conn.arena).await;
+fn batch_get(shared: &Shared, conn: &Conn, got: Vec<Option<Got>>) -> Response {
     let all_shared = got.iter().flatten().all(|g| matches!(g, Got::Shared(..)));
     if conn.arena && all_shared && got.iter().any(Option::is_some) {
         let slot_size = shared.store.arena().map_or(0, |a| a.slot_size());

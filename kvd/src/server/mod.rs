@@ -20,17 +20,24 @@
 //!   checkpoints) and the prefetcher (`prefetch_hint`s, through a queue bounded in hints and
 //!   in bytes; a hint that finds the queue full or outlives its deadline is dropped and
 //!   counted).
+//! - Inventory ([`KvdServer::bind_publishing`]): the store notes every tier's changes and the
+//!   publisher task hands them to the sink as KV-event batches ([`crate::inventory`]);
+//!   `hello_ack` advertises the endpoints. Every `get` and `batch_get` with a hit is timed for
+//!   the tiers' load speeds, whether or not the daemon publishes.
 //! - Every task lives in a `JoinSet`. Shutdown ([`ShutdownHandle`], or SIGTERM/SIGINT through
 //!   [`crate::run`]) stops accepting, lets each connection finish the request in hand, waits up
-//!   to the grace period, aborts the rest, closes the backend (flush + checkpoint) and removes
-//!   the socket file if it is still ours.
+//!   to the grace period, aborts the rest, publishes the inventory's last changes, closes the
+//!   backend (flush + checkpoint) and removes the socket file if it is still ours.
 
 mod conn;
 
 use crate::arena::Arena;
+use crate::inventory::{
+    Inventory, InventoryPublishing, LoadMeter, PublishCounters, Publisher, Recorder, TIERS,
+};
 use crate::long::{self, LongBackendConfig, LongOpenError};
 use crate::proto::{self, Namespace};
-use crate::stats::{Stats, metrics_text};
+use crate::stats::{InventoryStats, Stats, metrics_text};
 use crate::store::Store;
 use bytes::Bytes;
 use std::io;
@@ -208,6 +215,31 @@ struct Shared {
     hints: mpsc::Sender<Hint>,
     hint_bytes: Arc<Semaphore>,
     next_conn: AtomicU64,
+    load: Arc<LoadMeter>,
+    /// The endpoints `hello_ack` advertises, while publishing.
+    kv_events: Option<(String, Option<String>)>,
+    published: Arc<PublishCounters>,
+}
+
+impl Shared {
+    /// Every owner's counters (see [`crate::stats`]).
+    fn stats(&self) -> Stats {
+        let mut stats = self.store.stats();
+        let mut loads = [0; 3];
+        for (load, tier) in loads.iter_mut().zip(TIERS) {
+            *load = self
+                .load
+                .load(tier)
+                .map_or(0, |l| l.bytes_per_s.round() as u64);
+        }
+        stats.inventory = InventoryStats {
+            batches_total: self.published.batches(),
+            events_total: self.published.events(),
+            dropped_total: self.published.dropped(),
+            tier_load_bytes_per_second: loads,
+        };
+        stats
+    }
 }
 
 /// Reads a daemon's statistics while it serves (see [`KvdServer::stats_reader`]).
@@ -217,7 +249,7 @@ pub struct StatsReader(Arc<Shared>);
 impl StatsReader {
     /// The statistics now.
     pub fn snapshot(&self) -> Stats {
-        self.0.store.stats()
+        self.0.stats()
     }
 
     /// [`StatsReader::snapshot`] in the Prometheus text format ([`metrics_text`]).
@@ -238,16 +270,31 @@ pub struct KvdServer {
     sweeps: watch::Sender<u64>,
     prefetches: watch::Sender<u64>,
     hints: mpsc::Receiver<Hint>,
+    /// The inventory publisher, started by `serve`.
+    publisher: Option<Publisher>,
 }
 
 impl KvdServer {
     /// Creates the arena, opens (recovers) the long-term tier and binds the socket (mode 0700).
-    /// Must run inside a tokio runtime.
+    /// Must run inside a tokio runtime. Publishes no inventory.
     ///
     /// # Errors
     /// [`KvdError::AlreadyRunning`], [`KvdError::NotASocket`], [`KvdError::Socket`],
     /// [`KvdError::Arena`], [`KvdError::Long`] or [`KvdError::Unsupported`].
     pub async fn bind(options: KvdOptions) -> Result<Self, KvdError> {
+        Self::bind_publishing(options, None).await
+    }
+
+    /// [`KvdServer::bind`], publishing the inventory through `publishing` when given: every
+    /// tier notes its changes from the start, the first batch is `AllBlocksCleared`, and
+    /// `hello_ack` names `publishing`'s endpoints.
+    ///
+    /// # Errors
+    /// As [`KvdServer::bind`].
+    pub async fn bind_publishing(
+        options: KvdOptions,
+        publishing: Option<InventoryPublishing>,
+    ) -> Result<Self, KvdError> {
         if options.long_tier_requested && options.long.is_none() {
             return Err(KvdError::Unsupported(
                 "the L3 tier (--long-path / --long-paths) was requested but the daemon was not \
@@ -274,8 +321,23 @@ impl KvdServer {
         })?;
         let server_id = options.server_id.clone().unwrap_or_else(random_server_id);
         let (hints_tx, hints) = mpsc::channel(options.prefetch_queue.max(1));
+        let load = Arc::new(LoadMeter::default());
+        let published = Arc::new(PublishCounters::default());
+        let (inventory, publisher, kv_events) = match publishing {
+            Some(p) => {
+                let recorder = Arc::new(Recorder::default());
+                let publisher =
+                    Publisher::new(recorder.clone(), load.clone(), p.sink, published.clone());
+                (
+                    Inventory::recording(recorder),
+                    Some(publisher),
+                    Some((p.endpoint, p.replay_endpoint)),
+                )
+            }
+            None => (Inventory::off(), None, None),
+        };
         let shared = Arc::new(Shared {
-            store: Store::new(options.max_bytes, arena, long),
+            store: Store::new(options.max_bytes, arena, long).with_inventory(inventory),
             clock: Clock::new(),
             server_id,
             max_frame: options.max_frame_bytes,
@@ -292,6 +354,9 @@ impl KvdServer {
                     .min(Semaphore::MAX_PERMITS as u64) as usize,
             )),
             next_conn: AtomicU64::new(1),
+            load,
+            kv_events,
+            published,
         });
         Ok(Self {
             listener,
@@ -303,6 +368,7 @@ impl KvdServer {
             sweeps: watch::channel(0).0,
             prefetches: watch::channel(0).0,
             hints,
+            publisher,
         })
     }
 
@@ -351,8 +417,9 @@ impl KvdServer {
             sweeps,
             prefetches,
             hints,
+            publisher,
         } = self;
-        let stats = shared.store.stats();
+        let stats = shared.stats();
         tracing::info!(
             server_id = %shared.server_id,
             socket = %path.display(),
@@ -361,8 +428,15 @@ impl KvdServer {
             long_backend = shared.store.long().map_or("none", |l| l.kind()),
             long_entries = stats.long.entries,
             max_frame_bytes = options.max_frame_bytes,
+            kv_events = shared.kv_events.as_ref().map_or("off", |(e, _)| e.as_str()),
             "kvd listening"
         );
+        // Stopped after the connections, so that their last changes are published.
+        let publishing = CancellationToken::new();
+        let mut publishers = JoinSet::new();
+        if let Some(publisher) = publisher {
+            publishers.spawn(publisher.run(publishing.clone()));
+        }
         let mut background = JoinSet::new();
         background.spawn(sweeper(
             shared.clone(),
@@ -426,6 +500,8 @@ impl KvdServer {
             );
             connections.shutdown().await;
         }
+        publishing.cancel();
+        while publishers.join_next().await.is_some() {}
         background.shutdown().await;
         if let Some(long) = shared.store.long()
             && let Err(error) = long.close().await
@@ -433,7 +509,7 @@ impl KvdServer {
             tracing::error!(%error, "kvd could not flush and checkpoint the long-term tier at shutdown");
         }
         tracing::info!(
-            metrics = %metrics_text(&shared.store.stats()),
+            metrics = %metrics_text(&shared.stats()),
             "kvd stopped"
         );
         Ok(())
@@ -529,7 +605,7 @@ async fn sweeper(
         sweeps.send_modify(|n| *n += 1);
         if last_log.elapsed() >= log_every {
             last_log = Instant::now();
-            tracing::debug!(metrics = %metrics_text(&shared.store.stats()), "kvd metrics");
+            tracing::debug!(metrics = %metrics_text(&shared.stats()), "kvd metrics");
         }
     }
 }

@@ -23,14 +23,21 @@
 //! Time is an argument (milliseconds on the daemon's clock), so the state is deterministic. The
 //! owner ([`super::L2Store`] or the tiered [`super::Store`]) wraps it in one `Mutex`, held for
 //! O(1) work per key: values are [`Bytes`] (heap) or slot numbers, never copied under it.
+//!
+//! Inventory: an entry keeps its inventory hash (computed by the writer before the lock, `None`
+//! while publishing is off); an admission is noted `stored` (an overwrite too), and an entry
+//! that leaves but for a `clear` (evicted, expired, replaced by a colliding key) `removed`, in
+//! [`L2State::changes`], which the owner hands to the recorder once per hold of the lock
+//! ([`crate::inventory`]).
 
 use super::{REASON_DISPLACE, REASON_DOWNGRADE, REASON_TOO_LARGE};
 use crate::arena::Arena;
+use crate::inventory::{Change, ChangeKind};
 use crate::lru::ClassLru;
 use crate::proto::{Namespace, SetAck, SetItem};
 use crate::stats::Stats;
 use bytes::Bytes;
-use infera_core::event::Retention;
+use infera_core::event::{Retention, Tier};
 use infera_core::retention::{ClassedLru, Evicted, Rejected};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -63,6 +70,8 @@ pub(crate) struct Entry {
     /// A promoted `short` value the backend still holds: not spilled back when evicted
     /// (written-through values are `long`, which is never spilled).
     pub on_disk: bool,
+    /// The inventory hash, while publishing is on.
+    pub inventory: Option<u64>,
 }
 
 impl Entry {
@@ -108,6 +117,8 @@ pub(crate) struct Insert<'a> {
     pub on_disk: bool,
     /// Counts as a client write (`sets_total`); promotions from L3 do not.
     pub count: bool,
+    /// The inventory hash ([`crate::inventory::Inventory::hash`]).
+    pub inventory: Option<u64>,
 }
 
 /// How long an inserted entry lives.
@@ -129,6 +140,8 @@ pub(crate) struct L2State {
     arena: Option<Arc<Arena>>,
     collect_spills: bool,
     pub spills: Vec<Spill>,
+    /// L2's changes since the owner last took them (see the module docs).
+    pub changes: Vec<Change>,
 }
 
 /// The 128-bit hash of a full key; the parts are length-prefixed so no two keys share an input.
@@ -194,6 +207,18 @@ impl L2State {
             arena,
             collect_spills,
             spills: Vec::new(),
+            changes: Vec::new(),
+        }
+    }
+
+    #[inline]
+    fn note(&mut self, kind: ChangeKind, inventory: Option<u64>) {
+        if let Some(hash) = inventory {
+            self.changes.push(Change {
+                tier: Tier::Host,
+                kind,
+                hash,
+            });
         }
     }
 
@@ -204,11 +229,12 @@ impl L2State {
         if matches!(entry.value, Stored::Arena { .. }) {
             self.residents.insert(hash, entry.class, ());
         }
+        self.note(ChangeKind::Stored, entry.inventory);
         self.entries.insert(hash, entry);
     }
 
-    /// Takes the entry out of the map and the counters (the caller removed it from the LRU);
-    /// its arena slot, if any, is still held.
+    /// Takes the entry out of the map and the counters (the caller removed it from the LRU,
+    /// and notes the removal when there is one to note); its arena slot, if any, is still held.
     fn take(&mut self, hash: KeyHash) -> Option<Entry> {
         let entry = self.entries.remove(&hash)?;
         self.stats.entries -= 1;
@@ -225,11 +251,18 @@ impl L2State {
         }
     }
 
+    /// Lets go of a taken entry that left L2, noting its removal.
+    #[inline]
+    fn drop_entry(&mut self, entry: Entry) {
+        self.note(ChangeKind::Removed, entry.inventory);
+        self.discard(entry);
+    }
+
     fn remove(&mut self, hash: KeyHash) -> bool {
         self.lru.remove(&hash);
         match self.take(hash) {
             Some(entry) => {
-                self.discard(entry);
+                self.drop_entry(entry);
                 true
             }
             None => false,
@@ -267,7 +300,7 @@ impl L2State {
                     expires_at: entry.expires_at,
                 });
             }
-            self.discard(entry);
+            self.drop_entry(entry);
         }
     }
 
@@ -326,6 +359,8 @@ impl L2State {
                 lifetime: Lifetime::Ttl(item.ttl_seconds),
                 on_disk: false,
                 count: true,
+                // L2 alone ([`super::L2Store`]) publishes nothing.
+                inventory: None,
             },
             now,
         )
@@ -394,6 +429,7 @@ impl L2State {
                         expires_at,
                         charge,
                         on_disk: ins.on_disk,
+                        inventory: ins.inventory,
                     },
                 );
                 SetAck::accepted()
@@ -439,8 +475,12 @@ impl L2State {
             .filter(|(_, e)| all || e.ns == *ns)
             .map(|(h, _)| *h)
             .collect();
+        // No removal each: the owner notes the clear as one (`Inventory::cleared`).
         for hash in &doomed {
-            self.remove(*hash);
+            self.lru.remove(hash);
+            if let Some(entry) = self.take(*hash) {
+                self.discard(entry);
+            }
         }
         doomed.len() as u64
     }
@@ -451,7 +491,7 @@ impl L2State {
         let n = expired.len();
         for e in expired {
             if let Some(entry) = self.take(e.key) {
-                self.discard(entry);
+                self.drop_entry(entry);
             }
         }
         self.stats.expired_total += n as u64;

@@ -18,17 +18,24 @@
 //!   `set_reserve` demotes the lowest-class LRU resident to the heap when every slot is taken,
 //!   so placement never decides what is kept — the L2 budget and classes do.
 //!
-//! Lock order: L2 → backend shard → journal; the arena's own lock is taken inside any of them.
+//! - Inventory ([`Store::with_inventory`]): every tier notes what it gains and loses
+//!   ([`crate::inventory`]); a write's inventory hash is computed before the L2 lock, and a
+//!   `clear` is noted as one, under it, once every tier dropped the namespace.
+//!
+//! Lock order: L2 → backend shard → journal; the arena's own lock is taken inside any of them,
+//! and the inventory recorder's (a leaf) inside any.
 //! Waiting (backend write permits, reads) happens outside the L2 lock.
 
 use super::l2::{Found, Insert, L2State, Lifetime, Stored, expiry, key_hash};
 use super::{REASON_DOWNGRADE, REASON_NOT_DURABLE, SetAck};
 use crate::arena::Arena;
+use crate::inventory::{Inventory, Served};
 use crate::long::{Durable, LongBlock, LongHit, LongStore, WritePermit};
 use crate::proto::{Namespace, SetItem, SharedSlot};
 use crate::stats::Stats;
 use bytes::Bytes;
-use infera_core::event::Retention;
+use infera_core::event::{Retention, Tier};
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -63,6 +70,37 @@ struct Write<'a> {
     class: Retention,
     expires_at: Option<u64>,
     permit: Option<WritePermit>,
+    /// The inventory hash ([`Inventory::hash`]).
+    inventory: Option<u64>,
+}
+
+/// The L2 lock; released, it hands the changes L2 noted under it to the inventory, in one
+/// append (before the lock itself is released, so the tier's changes keep their order).
+struct L2Guard<'a> {
+    state: MutexGuard<'a, L2State>,
+    inventory: &'a Inventory,
+}
+
+impl Deref for L2Guard<'_> {
+    type Target = L2State;
+
+    fn deref(&self) -> &L2State {
+        &self.state
+    }
+}
+
+impl DerefMut for L2Guard<'_> {
+    fn deref_mut(&mut self) -> &mut L2State {
+        &mut self.state
+    }
+}
+
+impl Drop for L2Guard<'_> {
+    fn drop(&mut self) {
+        if !self.state.changes.is_empty() {
+            self.inventory.append(&mut self.state.changes);
+        }
+    }
 }
 
 /// See the module docs.
@@ -78,6 +116,7 @@ pub struct Store {
     hints: AtomicU64,
     promoted: AtomicU64,
     dropped: AtomicU64,
+    inventory: Inventory,
 }
 
 impl Store {
@@ -96,12 +135,26 @@ impl Store {
             hints: AtomicU64::new(0),
             promoted: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
+            inventory: Inventory::off(),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, L2State> {
-        // See `L2Store::lock`: reads compare full keys, so a poisoned lock is safe to reuse.
-        self.l2.lock().unwrap_or_else(|p| p.into_inner())
+    /// The store noting every tier's changes in `inventory` (L2 here, the backend's through
+    /// [`LongStore::record_inventory`]); before it serves.
+    pub fn with_inventory(mut self, inventory: Inventory) -> Self {
+        if let Some(long) = &self.long {
+            long.record_inventory(&inventory);
+        }
+        self.inventory = inventory;
+        self
+    }
+
+    fn lock(&self) -> L2Guard<'_> {
+        L2Guard {
+            // See `L2Store::lock`: reads compare full keys, so a poisoned lock is safe to reuse.
+            state: self.l2.lock().unwrap_or_else(|p| p.into_inner()),
+            inventory: &self.inventory,
+        }
     }
 
     /// The shared arena, if any.
@@ -184,17 +237,17 @@ impl Store {
                 .unwrap_or(rest.len());
             let (now_items, later) = rest.split_at(round);
             rest = later;
-            let placed: Vec<Option<Stored>> = now_items
+            let placed: Vec<Option<(Stored, Option<u64>)>> = now_items
                 .iter()
                 .map(|item| {
                     expiry(item.ttl_seconds, now)
                         .ok()
-                        .map(|_| self.place(&item.value))
+                        .map(|_| (self.place(&item.value), self.inventory.hash(ns, &item.key)))
                 })
                 .collect();
             let mut st = self.lock();
             for (item, placed) in now_items.iter().zip(placed) {
-                let Some(value) = placed else {
+                let Some((value, inventory)) = placed else {
                     st.stats.sets_total += 1;
                     acks.push(SetAck::accepted());
                     continue;
@@ -215,6 +268,7 @@ impl Store {
                         class: item.retention,
                         expires_at: expiry(item.ttl_seconds, now).ok().flatten(),
                         permit,
+                        inventory,
                     },
                     now,
                 );
@@ -269,6 +323,7 @@ impl Store {
                 lifetime: Lifetime::Until(w.expires_at),
                 on_disk: false,
                 count: true,
+                inventory: w.inventory,
             },
             now,
         );
@@ -279,7 +334,7 @@ impl Store {
         if let Some(long) = &self.long {
             if w.class == Retention::Long {
                 let Some(value) = st.bytes_of(&w.value, w.len) else {
-                    long.remove(hash);
+                    long.remove_key(w.ns, w.key, hash);
                     return (ack, None);
                 };
                 let block = LongBlock {
@@ -302,7 +357,7 @@ impl Store {
                     Err(_) => {}
                 }
             } else {
-                long.remove(hash);
+                long.remove_key(w.ns, w.key, hash);
             }
         }
         (ack, durable)
@@ -365,15 +420,30 @@ impl Store {
         now: u64,
         shared: bool,
     ) -> Vec<Option<Got>> {
+        self.get_many_served(ns, keys, now, shared).await.0
+    }
+
+    /// [`Store::get_many`], with the bytes each tier served (for the daemon's load meter).
+    pub async fn get_many_served(
+        &self,
+        ns: &Namespace,
+        keys: &[Bytes],
+        now: u64,
+        shared: bool,
+    ) -> (Vec<Option<Got>>, Served) {
         let pin = keys.len() > 1;
         let mut out: Vec<Option<Got>> = vec![None; keys.len()];
+        let mut served = Served::default();
         let mut misses = Vec::new();
         {
             let mut st = self.lock();
             for (i, key) in keys.iter().enumerate() {
                 let hash = key_hash(ns, key);
                 match st.lookup(hash, ns, key, now) {
-                    Some(found) => out[i] = self.got(&st, found, shared, pin),
+                    Some(found) => {
+                        served.add(Tier::Host, found.len);
+                        out[i] = self.got(&st, found, shared, pin);
+                    }
                     None => misses.push((i, hash)),
                 }
             }
@@ -381,7 +451,7 @@ impl Store {
                 let n = keys.len() as u64;
                 st.stats.gets_total += n;
                 st.stats.hits_total += n;
-                return out;
+                return (out, served);
             }
         }
         if let Some(long) = &self.long
@@ -394,6 +464,7 @@ impl Store {
             let hits = long.get_many(ns, &reqs, now).await;
             for ((i, hash), hit) in misses.into_iter().zip(hits) {
                 if let Some(hit) = hit {
+                    served.add(hit.tier, hit.value.len() as u64);
                     out[i] = Some(self.promote(ns, &keys[i], hash, hit, now, shared));
                 }
             }
@@ -403,7 +474,7 @@ impl Store {
         st.stats.gets_total += keys.len() as u64;
         st.stats.hits_total += found;
         st.stats.misses_total += keys.len() as u64 - found;
-        out
+        (out, served)
     }
 
     /// Puts a backend hit into L2 unless the key changed meanwhile; answers the hit either way.
@@ -421,6 +492,7 @@ impl Store {
             return inline;
         };
         let placed = self.place(&hit.value);
+        let inventory = self.inventory.hash(ns, key);
         let mut st = self.lock();
         let fresh = !st.contains(hash, ns, key, now)
             && long.is_current(hash, hit.generation)
@@ -440,6 +512,7 @@ impl Store {
                 lifetime: Lifetime::Until(hit.expires_at),
                 on_disk: true,
                 count: false,
+                inventory,
             },
             now,
         );
@@ -453,6 +526,12 @@ impl Store {
             }
             _ => inline,
         }
+    }
+
+    /// Whether L2 holds the key (tests of what each tier holds).
+    #[cfg(test)]
+    pub(crate) fn l2_holds(&self, ns: &Namespace, key: &[u8], now: u64) -> bool {
+        self.lock().contains(key_hash(ns, key), ns, key, now)
     }
 
     /// Whether each key is held in any tier; recency unchanged.
@@ -475,7 +554,11 @@ impl Store {
     pub fn clear(&self, ns: &Namespace) -> u64 {
         let mut st = self.lock();
         let l2 = st.clear(ns);
-        l2 + self.long.as_ref().map_or(0, |l| l.clear(ns))
+        let long = self.long.as_ref().map_or(0, |l| l.clear(ns));
+        // One `AllBlocksCleared` for any clear: the router forgets every block of this kvd
+        // (those of other namespaces too), and learns them again as they are written.
+        self.inventory.cleared();
+        l2 + long
     }
 
     /// Removes expired entries from every tier; returns how many.

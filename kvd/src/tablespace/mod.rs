@@ -43,6 +43,7 @@ pub use fs_defaults::{FsDefaults, fs_defaults, fs_type};
 pub use io::{Device, IoDecision, IoMode, classify, decide, devices_of};
 pub use layout::UNIT;
 
+use crate::inventory::Inventory;
 use crate::long::{LongBlock, LongHit, LongOpenError, LongRejected, LongStore, Put, WritePermit};
 use crate::proto::Namespace;
 use crate::stats::LongStats;
@@ -496,6 +497,12 @@ impl LongStore for Tablespace {
 
     fn remove(&self, hash: u128) {
         self.shard(hash).remove(hash);
+    }
+
+    fn record_inventory(&self, inventory: &Inventory) {
+        for shard in &self.shards {
+            shard.set_inventory(inventory);
+        }
     }
 
     async fn get(&self, ns: &Namespace, key: &[u8], hash: u128, now: u64) -> Option<LongHit> {

@@ -14,28 +14,35 @@
 //!
 //! A checkpoint copies the index a chunk at a time, releasing the lock in between, so it never
 //! stalls the data path for longer than one chunk's copy ([`Shard::checkpoint`]).
+//!
+//! Inventory: a slot keeps its block's inventory hash (`None` for an entry recovered at start,
+//! whose key the index does not hold, and while publishing is off); a put is noted `stored`
+//! (`put.rs`), and an entry leaving the index, but for a `clear`, `removed`, under the shard
+//! lock that orders both.
 
 use super::alloc::Allocator;
 use super::io::{IoCounters, IoQueue, Job, ReadJob, WriteJob};
 use super::journal::Journal;
-use super::layout::{BlockParts, Expect, Geometry, PutRecord, Record, verify};
+use super::layout::{Expect, Geometry, Record, verify};
 use super::recover::Recovered;
-use crate::long::{Durable, LongBlock, LongHit, LongRejected, WritePermit};
+use crate::inventory::Inventory;
+use crate::long::{Durable, LongHit};
 use crate::lru::ClassLru;
 use crate::proto::Namespace;
 use crate::stats::LongStats;
 use bytes::Bytes;
-use infera_core::event::Retention;
+use infera_core::event::{Retention, Tier};
 use rustc_hash::FxHashMap;
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::io;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use tokio::sync::{Semaphore, oneshot};
 
 mod checkpoint;
+mod put;
 
 #[derive(Debug, Clone)]
 struct Slot {
@@ -48,6 +55,8 @@ struct Slot {
     expires_at: Option<u64>,
     pending: Option<Bytes>,
     writing: bool,
+    /// The block's inventory hash (see the module docs).
+    inventory: Option<u64>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -71,6 +80,7 @@ struct State {
     class_units: [u64; 4],
     class_bytes: [u64; 4],
     counters: Counters,
+    inventory: Inventory,
 }
 
 /// Everything a shard is made of, for [`Shard::new`].
@@ -109,6 +119,8 @@ pub struct Shard {
     committing: tokio::sync::Mutex<()>,
     /// The journal position the last group commit made durable.
     synced_to: AtomicU64,
+    /// The inventory puts hash their keys for, before taking the lock (`State` holds the same).
+    inventory: OnceLock<Inventory>,
 }
 
 /// What a durable put waits for ([`Shard::durable`]).
@@ -136,6 +148,7 @@ impl Shard {
             class_units: [0; 4],
             class_bytes: [0; 4],
             counters: Counters::default(),
+            inventory: Inventory::off(),
         };
         for (id, ns) in p.recovered.namespaces {
             st.ns_ids.insert(ns.clone(), id);
@@ -159,6 +172,7 @@ impl Shard {
                     expires_at: e.expires_at,
                     pending: None,
                     writing: false,
+                    inventory: None,
                 },
             );
         }
@@ -177,6 +191,14 @@ impl Shard {
             checkpointing: Mutex::new(()),
             committing: tokio::sync::Mutex::new(()),
             synced_to: AtomicU64::new(0),
+            inventory: OnceLock::new(),
+        }
+    }
+
+    /// Notes the shard's changes in `inventory` from now on (once; a second call is ignored).
+    pub fn set_inventory(&self, inventory: &Inventory) {
+        if self.inventory.set(inventory.clone()).is_ok() {
+            self.lock().inventory = inventory.clone();
         }
     }
 
@@ -184,133 +206,6 @@ impl Shard {
         // Updates are short and leave the index consistent at every `?`; a panicking holder
         // cannot make a read return wrong bytes (reads verify blocks), so recover the lock.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Records a block and queues its write (see [`crate::long::LongStore::put`]); with
-    /// `durable`, also what [`Shard::durable`] waits for.
-    pub fn put(
-        &self,
-        b: LongBlock,
-        permit: WritePermit,
-        now: u64,
-        spill: bool,
-        durable: bool,
-    ) -> Result<(u64, Option<Landing>), LongRejected> {
-        let (job, landing) = {
-            let mut st = self.lock();
-            st.drop_entry(b.hash, &self.journal);
-            if !matches!(b.class, Retention::Short | Retention::Long) {
-                return Err(LongRejected::ClassNotStored);
-            }
-            if b.expires_at.is_some_and(|t| t <= now) {
-                return Ok((0, None));
-            }
-            let meta = b.metadata.as_deref().unwrap_or_default();
-            let parts = BlockParts {
-                generation: 0,
-                hash: b.hash,
-                class: b.class,
-                ns: &b.ns,
-                key: &b.key,
-                metadata: meta,
-                value: &b.value,
-            };
-            let units = parts.units();
-            if !parts.fits_header() || units > self.geometry.container_units() {
-                st.counters.rejected += 1;
-                return Err(LongRejected::TooLarge);
-            }
-            let reclaimable: u64 = (0..=b.class as usize).map(|c| st.class_units[c]).sum();
-            if st.alloc.free_units() + reclaimable < u64::from(units) {
-                st.counters.rejected += 1;
-                return Err(LongRejected::WouldDisplace);
-            }
-            let (container, start) = loop {
-                if let Some(extent) = st.alloc.alloc(units, b.hash as u64) {
-                    break extent;
-                }
-                // The least recently used entry of the lowest class, skipping those whose
-                // write is in flight (their units would only come back later).
-                let victim = st
-                    .index
-                    .iter()
-                    .take_while(|(_, c, _)| *c <= b.class)
-                    .find(|(_, _, s)| !s.writing)
-                    .map(|(h, _, _)| h);
-                let Some(victim) = victim else {
-                    st.counters.rejected += 1;
-                    return Err(LongRejected::WouldDisplace);
-                };
-                st.drop_entry(victim, &self.journal);
-                st.counters.evictions += 1;
-            };
-            let generation = st.next_generation;
-            st.next_generation += 1;
-            let ns = st.intern(&b.ns, &self.journal);
-            let value_len = b.value.len() as u32;
-            let slot = Slot {
-                generation,
-                ns,
-                container,
-                start,
-                units,
-                value_len,
-                expires_at: b.expires_at,
-                pending: Some(b.value.clone()),
-                writing: true,
-            };
-            self.journal.append(&Record::Put(PutRecord {
-                generation,
-                hash: b.hash,
-                ns,
-                class: b.class,
-                expires_at: b.expires_at,
-                container,
-                start,
-                units,
-                value_len,
-            }));
-            st.account(b.class, units, value_len, true);
-            if let Some(t) = b.expires_at {
-                st.expiry.insert((t, b.hash));
-            }
-            st.index.insert(b.hash, b.class, slot);
-            if spill {
-                st.counters.spills += 1;
-            }
-            let (landed, landing) = if durable {
-                let (tx, rx) = oneshot::channel();
-                let landing = Landing {
-                    written: rx,
-                    journal_at: self.journal.appended(),
-                };
-                (Some(tx), Some(landing))
-            } else {
-                (None, None)
-            };
-            let job = WriteJob {
-                generation,
-                hash: b.hash,
-                class: b.class,
-                container,
-                start,
-                units,
-                ns: b.ns,
-                key: b.key,
-                metadata: b.metadata,
-                value: b.value,
-                _permit: permit,
-                landed,
-            };
-            (job, landing)
-        };
-        let generation = job.generation;
-        if let Err(job) = self.queue.push(Job::Write(job))
-            && let Job::Write(job) = *job
-        {
-            self.write_done(job, false);
-        }
-        Ok((generation, landing))
     }
 
     /// Resolves once the put of `landing` is durable: its block written, then the journal
@@ -384,6 +279,7 @@ impl Shard {
                     class,
                     expires_at: slot.expires_at,
                     generation: slot.generation,
+                    tier: Tier::Disk,
                 });
             }
             (slot, class)
@@ -412,6 +308,7 @@ impl Shard {
                 class,
                 expires_at: slot.expires_at,
                 generation: slot.generation,
+                tier: Tier::Disk,
             }),
             Err(reason) => {
                 let mut st = self.lock();
@@ -469,8 +366,9 @@ impl Shard {
             .filter(|(_, _, s)| all || Some(s.ns) == id)
             .map(|(h, _, _)| h)
             .collect();
+        // No removal each: the store notes the clear as one.
         for h in &doomed {
-            st.drop_entry(*h, &self.journal);
+            st.unlink(*h, &self.journal);
         }
         doomed.len() as u64
     }
@@ -544,12 +442,22 @@ impl State {
         id
     }
 
-    /// Removes the entry for `hash` (journaled); its extent is freed now, or when its write
-    /// completes.
+    /// Removes the entry for `hash` (journaled) and notes its removal; its extent is freed
+    /// now, or when its write completes.
     fn drop_entry(&mut self, hash: u128, journal: &Journal) -> bool {
-        let Some((class, slot)) = self.index.remove(hash) else {
-            return false;
-        };
+        match self.unlink(hash, journal) {
+            Some(inventory) => {
+                self.inventory.removed(Tier::Disk, inventory);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// [`State::drop_entry`] without noting the removal; the entry's inventory hash, if there
+    /// was an entry.
+    fn unlink(&mut self, hash: u128, journal: &Journal) -> Option<Option<u64>> {
+        let (class, slot) = self.index.remove(hash)?;
         self.account(class, slot.units, slot.value_len, false);
         if let Some(t) = slot.expires_at {
             self.expiry.remove(&(t, hash));
@@ -564,7 +472,7 @@ impl State {
             generation: slot.generation,
             hash,
         });
-        true
+        Some(slot.inventory)
     }
 }
 

@@ -3,6 +3,7 @@
 
 use super::super::{Tablespace, TablespaceConfig};
 use super::*;
+use crate::long::{LongBlock, WritePermit};
 use crate::store::key_hash;
 use crate::tablespace::recover::CHECKPOINT;
 use std::collections::BTreeMap;

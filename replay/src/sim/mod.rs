@@ -25,6 +25,7 @@
 //! stored = blocks resident + blocks removed.
 
 mod config;
+mod kvd;
 mod sessions;
 mod tenants;
 mod tiers;
@@ -33,7 +34,7 @@ pub use config::{
     DEFAULT_FRONTEND_US, RequestOutcome, SimConfig, SimError, SimResult, default_pd_split,
 };
 pub use sessions::{Playback, SessionLinks};
-pub use tiers::{LowerHits, TierConfig, Tiers};
+pub use tiers::{LowerHits, TierChange, TierConfig, Tiers};
 
 use crate::rules::{RequestShape, classify};
 use crate::trace::Trace;
@@ -78,6 +79,8 @@ struct Sim<'a> {
     kernel: Kernel,
     engines: Vec<EngineModel>,
     tiers: Vec<Tiers>,
+    /// Each worker's node kvd (its pseudo worker rank), when lower tiers are simulated.
+    kvds: Vec<Option<WorkerRank>>,
     names: Vec<WorkerRank>,
     index_of: rustc_hash::FxHashMap<WorkerRank, usize>,
     busy: Vec<bool>,
@@ -164,6 +167,7 @@ pub fn run(trace: &Trace, cfg: &SimConfig) -> Result<SimResult, SimError> {
         kernel,
         engines: Vec::new(),
         tiers: Vec::new(),
+        kvds: Vec::new(),
         names: Vec::new(),
         index_of: Default::default(),
         busy: Vec::new(),
@@ -209,9 +213,19 @@ pub fn run(trace: &Trace, cfg: &SimConfig) -> Result<SimResult, SimError> {
             record.set_prefill_budget(engine_cfg.max_batched_tokens);
             // Every worker serves every adapter of the trace.
             record.set_lora_adapters(&trace_adapters(trace));
+            let tiers = Tiers::new(cfg.tiers);
+            let kvd = tiers
+                .enabled()
+                .then(|| kvd::link(&mut record, &engine_cfg))
+                .flatten();
             registrations.push(NewEvent::new(Event::WorkerRegistered(WorkerRegistered {
                 record,
             })));
+            if let Some(source) = &kvd {
+                let speeds = kvd::speeds(source, &engine_cfg);
+                registrations.extend(speeds.into_iter().map(NewEvent::new));
+            }
+            sim.kvds.push(kvd);
             let rank = WorkerRank::new(id, 0);
             sim.index_of.insert(rank.clone(), sim.names.len());
             sim.names.push(rank);
@@ -219,7 +233,7 @@ pub fn run(trace: &Trace, cfg: &SimConfig) -> Result<SimResult, SimError> {
                 EngineModel::try_new(engine_cfg.clone())
                     .map_err(|e| SimError::Invalid(e.to_string()))?,
             );
-            sim.tiers.push(Tiers::new(cfg.tiers));
+            sim.tiers.push(tiers);
             sim.busy.push(false);
             sim.quiet.push(None);
             sim.pending.push(None);
@@ -435,6 +449,11 @@ impl Sim<'_> {
             blocks: r.block_hashes.len() as u32,
         };
         let (retention, ttl) = classify(&self.cfg.rules, r.retention, r.ttl_seconds, &shape);
+        let kvd = if self.kvds.iter().any(Option::is_some) {
+            kvd::request_hashes(self.block_size, &routed)
+        } else {
+            Vec::new()
+        };
         let req = RouteRequest {
             request_id: RequestId::new(r.request_id.clone()),
             // An adapter's request names the adapter.
@@ -445,6 +464,7 @@ impl Sim<'_> {
             per_worker: Default::default(),
             exclude: Vec::new(),
             session: r.session_id.as_deref().map(SessionKey::of),
+            kvd,
         };
         let out = &mut self.out[i];
         out.index = i;
@@ -634,6 +654,12 @@ impl Sim<'_> {
                 }
                 KvChange::Cleared => {}
             }
+        }
+        if let Some(source) = &self.kvds[w] {
+            let changes = self.tiers[w].take_changes();
+            let view = |b: BlockHash| self.router_view(&[b])[0];
+            let events = kvd::events(source, &changes, view);
+            kv.extend(events.into_iter().map(NewEvent::new));
         }
         if !kv.is_empty() {
             if self.cfg.kv_event_delay_us == 0 {

@@ -328,3 +328,39 @@ fn adapters_are_cached_apart_and_a_blind_router_predicts_what_engines_cannot_ser
 }
 
 mod tenants;
+
+/// With small GPU caches and large node kvds, the router's tiered cost (the same as the live
+/// one: each worker's kvd publishes its tiers) keeps conversations on the node whose kvd holds
+/// them; the GPU-only cost (tier credits 0) scatters them once their GPU copy is evicted. The
+/// clients name no sessions (affinity off), so only the cache holds a conversation together.
+#[test]
+fn the_tiered_cost_sends_turns_to_the_node_whose_kvd_holds_them() {
+    let trace = conversations(40, 6, 100_000);
+    let mut tiered = cfg(4, 64);
+    tiered.router.sessions.mode = infera_core::policy::AffinityMode::Off;
+    tiered.tiers = TierConfig {
+        host_blocks: 4_000,
+        disk_blocks: 0,
+    };
+    let mut gpu_only = tiered.clone();
+    gpu_only.router.tier_weights.host = Some(0.0);
+    gpu_only.router.tier_weights.disk = Some(0.0);
+    let (t, g) = (
+        run(&trace, &tiered).expect("run"),
+        run(&trace, &gpu_only).expect("run"),
+    );
+    let host = |r: &SimResult| r.requests.iter().map(|q| q.host_hit_blocks).sum::<u32>();
+    let ttft = |r: &SimResult| {
+        let mut v: Vec<u64> = r.requests.iter().map(|q| q.ttft_us).collect();
+        v.sort_unstable();
+        v[v.len() / 2]
+    };
+    assert!(
+        hit_rate(&t) > hit_rate(&g) + 0.05,
+        "tiered {:.3} vs GPU-only {:.3}",
+        hit_rate(&t),
+        hit_rate(&g)
+    );
+    assert!(host(&t) > host(&g), "{} vs {}", host(&t), host(&g));
+    assert!(ttft(&t) <= ttft(&g), "{} vs {} us", ttft(&t), ttft(&g));
+}

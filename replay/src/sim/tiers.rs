@@ -6,8 +6,11 @@
 //! `short` or `long`; `none` and `ephemeral` never reach disk. A lookup walks the request's blocks
 //! after its GPU hit and counts the contiguous run found in L2 or L3, refreshing their recency
 //! (blocks are read in place: reading a run never evicts part of it).
+//!
+//! Every change of what L2 or L3 holds is kept as a [`TierChange`] until the simulator takes
+//! it ([`Tiers::take_changes`]) and publishes it as the node kvd's inventory, as a live kvd does.
 
-use infera_core::event::Retention;
+use infera_core::event::{Retention, Tier};
 use infera_core::ids::BlockHash;
 use infera_core::retention::ClassedLru;
 use rustc_hash::FxHashMap;
@@ -26,11 +29,21 @@ pub struct LowerHits {
     pub disk: u32,
 }
 
+/// A block entering (`stored`) or leaving a tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierChange {
+    pub tier: Tier,
+    pub stored: bool,
+    pub block: BlockHash,
+}
+
 /// One engine's lower tiers, plus the class of every block it holds on the GPU.
 #[derive(Debug)]
 pub struct Tiers {
     host: Option<ClassedLru<BlockHash>>,
     disk: Option<ClassedLru<BlockHash>>,
+    /// What entered or left L2 and L3 since the last [`Tiers::take_changes`].
+    changes: Vec<TierChange>,
     /// Class and expiry of blocks resident on the GPU (from the requests that used them).
     gpu_class: FxHashMap<BlockHash, (Retention, Option<u64>)>,
 }
@@ -40,8 +53,22 @@ impl Tiers {
         Self {
             host: (cfg.host_blocks > 0).then(|| ClassedLru::new(cfg.host_blocks)),
             disk: (cfg.disk_blocks > 0).then(|| ClassedLru::new(cfg.disk_blocks)),
+            changes: Vec::new(),
             gpu_class: FxHashMap::default(),
         }
+    }
+
+    /// What entered or left L2 and L3 since the last call, in order.
+    pub fn take_changes(&mut self) -> Vec<TierChange> {
+        std::mem::take(&mut self.changes)
+    }
+
+    fn changed(&mut self, tier: Tier, stored: bool, block: BlockHash) {
+        self.changes.push(TierChange {
+            tier,
+            stored,
+            block,
+        });
     }
 
     pub fn enabled(&self) -> bool {
@@ -93,7 +120,9 @@ impl Tiers {
         };
         match host.insert(b, 1, class, expires_at) {
             Ok(evicted) => {
+                self.changed(Tier::Host, true, b);
                 for e in evicted {
+                    self.changed(Tier::Host, false, e.key);
                     self.offer_disk(e.key, e.class, e.expires_at);
                 }
             }
@@ -105,8 +134,13 @@ impl Tiers {
         if class < Retention::Short {
             return; // none and ephemeral never reach disk
         }
-        if let Some(disk) = self.disk.as_mut() {
-            let _ = disk.insert(b, 1, class, expires_at);
+        if let Some(disk) = self.disk.as_mut()
+            && let Ok(evicted) = disk.insert(b, 1, class, expires_at)
+        {
+            self.changed(Tier::Disk, true, b);
+            for e in evicted {
+                self.changed(Tier::Disk, false, e.key);
+            }
         }
     }
 
@@ -116,11 +150,21 @@ impl Tiers {
         if !self.enabled() {
             return hits;
         }
-        if let Some(h) = self.host.as_mut() {
-            h.expire(now);
+        let expired_host = self
+            .host
+            .as_mut()
+            .map(|h| h.expire(now))
+            .unwrap_or_default();
+        let expired_disk = self
+            .disk
+            .as_mut()
+            .map(|d| d.expire(now))
+            .unwrap_or_default();
+        for e in expired_host {
+            self.changed(Tier::Host, false, e.key);
         }
-        if let Some(d) = self.disk.as_mut() {
-            d.expire(now);
+        for e in expired_disk {
+            self.changed(Tier::Disk, false, e.key);
         }
         // Measure the run first, then touch it, so reading a run never evicts part of itself.
         let mut tiers_of = Vec::new();
@@ -185,6 +229,35 @@ mod tests {
             LowerHits { host: 2, disk: 1 },
             "reading moves nothing"
         );
+    }
+
+    #[test]
+    fn every_change_of_l2_and_l3_is_reported_in_order() {
+        let mut t = Tiers::new(TierConfig {
+            host_blocks: 1,
+            disk_blocks: 1,
+        });
+        t.note_use(&bh(&[1, 2, 3]), Retention::Long, None);
+        t.gpu_evicted(&bh(&[1, 2, 3]), 0);
+        let seen: Vec<(Tier, bool, u64)> = t
+            .take_changes()
+            .iter()
+            .map(|c| (c.tier, c.stored, c.block.0))
+            .collect();
+        assert_eq!(
+            seen,
+            vec![
+                (Tier::Host, true, 1),
+                (Tier::Host, true, 2),
+                (Tier::Host, false, 1),
+                (Tier::Disk, true, 1),
+                (Tier::Host, true, 3),
+                (Tier::Host, false, 2),
+                (Tier::Disk, true, 2),
+                (Tier::Disk, false, 1),
+            ]
+        );
+        assert!(t.take_changes().is_empty());
     }
 
     #[test]

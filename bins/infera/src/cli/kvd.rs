@@ -16,6 +16,7 @@ use std::path::PathBuf;
 
 const L3: &str = "L3 tier (NVMe tablespace)";
 const L4: &str = "L4 tier (remote store shared by a fleet)";
+const EVENTS: &str = "Inventory events (for the router)";
 const LIMITS: &str = "Connection limits";
 
 /// Arguments of `infera kvd`.
@@ -180,6 +181,32 @@ pub struct KvdArgs {
     /// warning: kvd serves from L2/L3, and L4 joins when the store answers).
     #[arg(long, help_heading = L4)]
     pub l4_required: bool,
+
+    /// Publish which KV blocks this kvd holds in L2, L3 and L4, and how fast each tier loads
+    /// them, as KV events in vLLM's ZeroMQ layout on this PUB endpoint (topic kv-events); off
+    /// disables it. Workers on this node name it in their registration (kvd's hello_ack
+    /// advertises it), and the router subscribes to credit a worker for the blocks its node's
+    /// kvd can load. Each kvd on a host needs its own port: tcp://127.0.0.1:0 binds a free one.
+    #[arg(
+        long,
+        default_value = "tcp://*:5590",
+        value_name = "tcp://HOST:PORT|off",
+        help_heading = EVENTS
+    )]
+    pub kv_events_endpoint: String,
+
+    /// The replay socket (ROUTER) of the inventory events, serving the last 10,000 batches to
+    /// a router that missed some; off for none. [default: the events endpoint's port + 1, or a
+    /// free port when that is 0]
+    #[arg(long, value_name = "tcp://HOST:PORT|off", help_heading = EVENTS)]
+    pub kv_events_replay_endpoint: Option<String>,
+
+    /// The host that workers advertise for the inventory endpoints in their registration, in
+    /// place of the bound one: the node's address where kvd runs in a Pod with hostPorts
+    /// (the downward API's status.hostIP). [default: the bound host; a wildcard is resolved by
+    /// the router to the worker's host]
+    #[arg(long, env = "INFERA_KVD_EVENTS_ADVERTISE_HOST", value_name = "HOST", help_heading = EVENTS)]
+    pub kv_events_advertise_host: Option<String>,
 
     /// Most open client connections; one more is answered error{code: too_many_connections}
     /// and closed.

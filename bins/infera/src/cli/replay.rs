@@ -57,6 +57,15 @@ pub struct ReplayArgs {
     /// as `infera server` (Infera extension).
     #[arg(long, default_value_t = 0)]
     pub router_balance_tokens: u32,
+    /// What a prompt block in a worker's kvd host RAM (--host-blocks) is worth against a GPU
+    /// hit, 0 to 1, as `infera server` (Infera extension). [default: measured: 1 − the engine
+    /// model's load time over its prefill time]
+    #[arg(long, value_name = "W")]
+    pub router_host_cache_hit_weight: Option<f64>,
+    /// The same for a block on the kvd's disk (--disk-blocks) (Infera extension). [default:
+    /// measured]
+    #[arg(long, value_name = "W")]
+    pub router_disk_cache_hit_weight: Option<f64>,
     /// How a trace's sessions keep to their workers, as `infera server`: tie-break, override
     /// or off (Infera extension).
     #[arg(long, default_value = "tie-break", value_name = "MODE")]

@@ -374,6 +374,23 @@ pub struct ServerArgs {
     #[arg(long, default_value = "0", value_name = "TOKENS", help_heading = EXTENSIONS)]
     pub router_balance_tokens: u32,
 
+    /// Infera extension: what a prompt block found in a worker's node kvd's host RAM (L2) is
+    /// worth against one in its GPU cache, 0 to 1. [default: measured: 1 − the time kvd takes
+    /// to load a block over the time the worker takes to prefill it; 0.75 until kvd reports]
+    #[arg(long, value_name = "W", help_heading = EXTENSIONS)]
+    pub router_host_cache_hit_weight: Option<f64>,
+
+    /// Infera extension: the same for a block on the node kvd's NVMe (L3). [default: measured;
+    /// 0.25 until kvd reports]
+    #[arg(long, value_name = "W", help_heading = EXTENSIONS)]
+    pub router_disk_cache_hit_weight: Option<f64>,
+
+    /// Infera extension: the same for a block in the fleet's shared kvd store (L4: Redis,
+    /// Mooncake, S3), which every kvd-backed worker can load. [default: measured; 0.1 until kvd
+    /// reports]
+    #[arg(long, value_name = "W", help_heading = EXTENSIONS)]
+    pub router_remote_cache_hit_weight: Option<f64>,
+
     /// Infera extension: how a conversation the client names (`x-session-id` header, or the
     /// body's `prompt_cache_key` or `session_id`) keeps to the worker its last request went to,
     /// fleet-wide: tie-break (the routing policy decides; among equally good workers the

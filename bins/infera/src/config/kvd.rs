@@ -8,7 +8,8 @@
 //! needs `--long-path(s)`; `--l4-required` needs an L4; the store's settings
 //! (`--lmcache-config` or `--mooncake-config`, and `INFERA_L4_*`) resolve and parse.
 //! `--use-tablespace` is accepted and ignored with a warning.
-//! `--shared-arena-bytes auto` resolves to `--max-bytes`.
+//! `--shared-arena-bytes auto` resolves to `--max-bytes`. `--kv-events-endpoint` and
+//! `--kv-events-replay-endpoint` are `tcp://HOST:PORT` or `off` (`events.rs`).
 //!
 //! The Python kvd's other flags, each with the Python's meaning where this kvd has the knob:
 //! `--log-level` (the log filter when `RUST_LOG` is unset), `--shared-arena-hugetlb` (also
@@ -31,9 +32,12 @@ use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 
+mod events;
 mod l4;
 mod tablespace;
 
+pub use events::KvEventsConfig;
+use events::kv_events;
 use l4::l4_tier;
 pub use tablespace::IO_MODE_ENV;
 use tablespace::{long_tier, no_region, striped_paths};
@@ -276,6 +280,10 @@ pub struct KvdConfig {
     /// Where `/metrics` is served (`--metrics-bind`); omitted when off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_bind: Option<std::net::SocketAddr>,
+    /// Where the inventory is published as KV events (`--kv-events-endpoint`); omitted when
+    /// off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<KvEventsConfig>,
     /// The log filter when `RUST_LOG` is unset (`--log-level`).
     pub log_level: LogLevel,
     /// Python kvd flags given that have no effect here; omitted when none is.
@@ -297,6 +305,7 @@ impl TryFrom<KvdArgs> for KvdConfig {
             max_batch_keys: positive("--max-batch-keys", args.max_batch_keys)?,
         };
         let l4_tier = l4_tier(&args, &|name| std::env::var(name).ok())?;
+        let kv_events = kv_events(&args)?;
         let mut inert = Vec::new();
         if let Some(path) = &args.mooncake_config
             && l4_tier.as_ref().is_none_or(|t| t.store != "mooncake")
@@ -372,6 +381,7 @@ impl TryFrom<KvdArgs> for KvdConfig {
             l4_tier,
             limits,
             metrics_bind: args.metrics_bind,
+            kv_events,
             log_level: args.log_level,
             inert_flags: inert,
         })

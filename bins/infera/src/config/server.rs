@@ -164,6 +164,9 @@ pub struct RouterConfig {
     /// `--router-balance-tokens`: tokens to prefill per recent pick above the mean.
     #[serde(default)]
     pub balance_tokens: u32,
+    /// `--router-{host,disk,remote}-cache-hit-weight`: fixed credits of a kvd tier's hit.
+    #[serde(default)]
+    pub tier_weights: infera_core::policy::TierWeights,
     /// Failovers before the first response byte.
     pub request_max_retries: u32,
     /// The retention of a request that asks for none.
@@ -423,6 +426,20 @@ impl TryFrom<ServerArgs> for ServerConfig {
                 args.router_resident_weight,
             )?,
             balance_tokens: args.router_balance_tokens,
+            tier_weights: infera_core::policy::TierWeights {
+                host: unit_weight(
+                    "--router-host-cache-hit-weight",
+                    args.router_host_cache_hit_weight,
+                )?,
+                disk: unit_weight(
+                    "--router-disk-cache-hit-weight",
+                    args.router_disk_cache_hit_weight,
+                )?,
+                external: unit_weight(
+                    "--router-remote-cache-hit-weight",
+                    args.router_remote_cache_hit_weight,
+                )?,
+            },
             request_max_retries: args.request_max_retries,
             default_retention: args.default_retention.into(),
             default_chat_template_kwargs: template_kwargs(
@@ -678,6 +695,19 @@ fn record_trace(
             segment_bytes,
             segment_age,
         })),
+    }
+}
+
+/// A credit between 0 and 1, when given.
+fn unit_weight(flag: &'static str, value: Option<f64>) -> Result<Option<f64>, ConfigError> {
+    match value {
+        Some(w) if !(0.0..=1.0).contains(&w) => Err(ConfigError::new(
+            flag,
+            format!(
+                "must be between 0 and 1 (got {w}): a lower tier's hit is worth at most a GPU hit"
+            ),
+        )),
+        other => Ok(other),
     }
 }
 

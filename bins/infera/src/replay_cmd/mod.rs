@@ -93,6 +93,24 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
     cfg.router.temperature = a.router_temperature;
     cfg.router.resident_weight = a.router_resident_weight;
     cfg.router.balance_tokens = a.router_balance_tokens;
+    for (flag, w) in [
+        (
+            "--router-host-cache-hit-weight",
+            a.router_host_cache_hit_weight,
+        ),
+        (
+            "--router-disk-cache-hit-weight",
+            a.router_disk_cache_hit_weight,
+        ),
+    ] {
+        if w.is_some_and(|w| !(0.0..=1.0).contains(&w)) {
+            anyhow::bail!(
+                "{flag} must be between 0 and 1: a lower tier's hit is worth at most a GPU hit"
+            );
+        }
+    }
+    cfg.router.tier_weights.host = a.router_host_cache_hit_weight;
+    cfg.router.tier_weights.disk = a.router_disk_cache_hit_weight;
     cfg.router.sessions.mode = a.router_session_affinity;
     cfg.router.sessions.ttl_s = a.router_session_ttl;
     cfg.router.seed = a.seed;

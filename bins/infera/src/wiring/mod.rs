@@ -13,6 +13,7 @@
 //! | requests from the server (worker) | [`Responder`] | `--request-transport nats` | [`nats`] |
 //! | the mock's KV events (worker) | [`mock_kv_sink`] | `--kv-event-transport zmq\|nats` | [`mock_kv`] |
 //! | an engine's KV events onto NATS (worker) | [`KvRelay`] | `--kv-event-transport nats` | [`kv_relay`] |
+//! | kvd's inventory as KV events (kvd) | `InventorySink` | `--kv-events-endpoint` | [`kvd_inventory`] |
 //!
 //! # Cargo features
 //! The binary's features `etcd`, `kubernetes`, `nats`, `zmq` and `sql` (all default) turn on the
@@ -25,6 +26,7 @@
 
 mod discovery;
 mod kv_relay;
+mod kvd_inventory;
 mod mock_kv;
 mod nats;
 mod server;
@@ -34,9 +36,10 @@ pub use infera_backends::log::{
     EventLogConfig, InvalidEventLogSpec, JetStreamLogConfig, SqliteLogConfig,
 };
 pub use kv_relay::KvRelay;
+pub use kvd_inventory::kvd_inventory;
 pub use mock_kv::mock_kv_sink;
 pub use nats::{NatsLink, Responder};
-pub use server::{ServerPorts, kv_event_source, open_event_log, server_ports};
+pub use server::{ServerPorts, kv_event_source, kvd_event_source, open_event_log, server_ports};
 
 use crate::config::ConfigError;
 

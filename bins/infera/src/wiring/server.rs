@@ -90,6 +90,15 @@ pub async fn kv_event_source(
     })
 }
 
+/// The source of node kvds' inventory: their ZeroMQ PUB sockets, whatever transport the
+/// engines' events take.
+///
+/// # Errors
+/// A build without ZeroMQ.
+pub fn kvd_event_source() -> Result<Arc<dyn KvEventSource>, ConfigError> {
+    zmq_source()
+}
+
 /// Subscribes to every rank's ZeroMQ PUB socket of each worker (replaying gaps from its ROUTER).
 fn zmq_source() -> Result<Arc<dyn KvEventSource>, ConfigError> {
     #[cfg(feature = "zmq")]

@@ -14,7 +14,8 @@
 //!
 //! With `--infera-kvd-socket` (for `infera mock-engine`: `INFERA_KVD_SOCKET`, as a launcher
 //! sets it), the mock checks that kvd answers `hello`, then saves and loads its KV blocks there
-//! ([`infera_adapters::mock::MockKvStore`] on [`KvdBlockStore`]) and registers as kvd-backed.
+//! ([`infera_adapters::mock::MockKvStore`] on [`KvdBlockStore`]) and registers as kvd-backed, naming
+//! where that kvd publishes its inventory.
 //!
 //! With a model path naming an existing tokenizer directory or `tokenizer.json`, the tokenizer is
 //! loaded (a failed load stops startup); any other model name runs with the byte fallback.
@@ -122,8 +123,10 @@ impl RunningMock {
             host: config.advertise_host.clone(),
             port: config.port,
         });
+        let mut kvd_fields = serde_json::Map::new();
         if let Some(socket) = &config.kvd_socket {
-            crate::kvd_store::preflight(socket, "infera-mock").await?;
+            let ack = crate::kvd_store::preflight(socket, "infera-mock").await?;
+            kvd_fields = crate::kvd_store::registration_fields(&ack);
             mock_config.kv_store = Some(MockKvStore {
                 store: Arc::new(KvdBlockStore::new(socket.clone())),
                 compat_key: String::new(),
@@ -139,7 +142,8 @@ impl RunningMock {
         let server =
             MockServer::bind(&socket_addr(&config.host, config.port), mock_config, sink).await?;
         let addr = server.local_addr();
-        let extra = server.registration_extra();
+        let mut extra = server.registration_extra();
+        extra.extend(kvd_fields);
         tracing::info!(%addr, model = served_model, "mock engine serving");
         stall_on_sigusr1(server.stall_switch())?;
         let (stop, stopped) = oneshot::channel::<()>();

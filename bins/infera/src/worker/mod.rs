@@ -65,12 +65,16 @@ pub fn run(config: WorkerConfig) -> anyhow::Result<()> {
             LaunchConfig::Process(process) => {
                 let ports = free_ports()?;
                 let plan = launch::plan(&config, process, &|k| std::env::var(k).ok(), ports)?;
-                if let Some(socket) = &plan.kvd_socket {
-                    crate::kvd_store::preflight(socket, "infera-worker").await?;
-                }
+                let kvd = match &plan.kvd_socket {
+                    Some(socket) => {
+                        Some(crate::kvd_store::preflight(socket, "infera-worker").await?)
+                    }
+                    None => None,
+                };
                 run_process(
                     &config,
                     &plan,
+                    kvd.as_ref(),
                     process.ready_timeout.0,
                     registrar,
                     &mut signals,
@@ -242,6 +246,7 @@ async fn run_mock(
 async fn run_process(
     config: &WorkerConfig,
     plan: &LaunchPlan,
+    kvd: Option<&infera_kvd::HelloAck>,
     ready_timeout: std::time::Duration,
     registrar: Arc<dyn Registrar>,
     signals: &mut Signals,
@@ -260,7 +265,7 @@ async fn run_process(
         return Err(e);
     }
     let block_size = engine.resolve_block_size(plan.kv_block_size).await;
-    let mut record = process_record(config, plan, block_size);
+    let mut record = process_record(config, plan, block_size, kvd);
     let client = match nats_client(config).await {
         Ok(client) => client,
         Err(e) => {
@@ -360,11 +365,12 @@ fn base_record(config: &WorkerConfig, served_model: &str, engine: Engine) -> Wor
     }
 }
 
-/// The record of a real engine.
+/// The record of a real engine; `kvd` is the answer of the kvd it was wired to.
 pub fn process_record(
     config: &WorkerConfig,
     plan: &LaunchPlan,
     block_size: Option<u32>,
+    kvd: Option<&infera_kvd::HelloAck>,
 ) -> WorkerRecord {
     let engine = match config.engine {
         EngineKind::Sglang => Engine::Sglang,
@@ -382,9 +388,10 @@ pub fn process_record(
     if let Some(budget) = plan.prefill_budget {
         record.set_prefill_budget(budget);
     }
-    if plan.kvd_socket.is_some() {
-        let field = infera_core::ports::kv_store::KVD_BACKED_FIELD;
-        record.extra.insert(field.into(), true.into());
+    if let Some(ack) = kvd {
+        record
+            .extra
+            .extend(crate::kvd_store::registration_fields(ack));
     }
     record
 }

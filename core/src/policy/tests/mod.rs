@@ -82,6 +82,7 @@ fn request(id: &str, tokens: &[u32]) -> RouteRequest {
         per_worker: Default::default(),
         exclude: vec![],
         session: None,
+        kvd: Vec::new(),
     }
 }
 
@@ -655,3 +656,4 @@ fn policies_are_named_as_registered_and_unknown_names_list_them() {
 }
 
 mod sessions;
+mod tiers;

@@ -146,6 +146,7 @@ fn request(st: &Service) -> RouteRequest {
         per_worker: Default::default(),
         exclude: Vec::new(),
         session: None,
+        kvd: Vec::new(),
     }
 }
 

@@ -18,6 +18,7 @@ fn migration(
         per_worker: Default::default(),
         exclude: Vec::new(),
         session: None,
+        kvd: Vec::new(),
     };
     let body = Bytes::from(body.to_string());
     Migration::new(st, &req, path, &body, rank("w:1"), "r", asked_ids)

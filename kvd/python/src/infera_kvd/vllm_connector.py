@@ -116,11 +116,16 @@ class _ReqState:
 def identity_scope(request: Any) -> bytes:
     """What besides its tokens vLLM keys ``request``'s blocks by (``generate_block_hash_extra_keys``:
     the LoRA adapter, the ``cache_salt``, each image's identifier and placeholder run), as the
-    key scope of :func:`infera_kvd.keys.block_keys`; empty for plain text."""
+    key scope of :func:`infera_kvd.keys.block_keys`; empty for plain text.
+
+    The scope is the compact JSON object, keys sorted, ``{"lora": NAME, "mm": [[ID, OFFSET,
+    LENGTH], ...], "salt": SALT}`` (absent members left out): exactly what the router derives
+    from the request (``infera_core::kv_events::kvd::identity_scope``), so that it can name the
+    blocks this connector saves in kvd and credit a worker whose node holds them."""
     parts: dict[str, Any] = {}
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        parts["lora"] = [getattr(lora, "lora_name", None), str(getattr(lora, "lora_path", None))]
+        parts["lora"] = getattr(lora, "lora_name", None)
     salt = getattr(request, "cache_salt", None)
     if salt:
         parts["salt"] = salt
@@ -134,7 +139,9 @@ def identity_scope(request: Any) -> bytes:
             ]
             for f in features
         ]
-    return json.dumps(parts, sort_keys=True).encode() if parts else b""
+    if not parts:
+        return b""
+    return json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 @dataclass

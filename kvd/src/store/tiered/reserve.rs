@@ -73,6 +73,7 @@ impl Store {
         };
         let version = arena.publish(lease.slot, length);
         let ttl = (ttl_seconds > 0).then_some(ttl_seconds as f64);
+        let inventory = self.inventory.hash(ns, key);
         let (ack, landing) = {
             let mut st = self.lock();
             let admitted = self.admit(
@@ -89,6 +90,7 @@ impl Store {
                     class,
                     expires_at: expiry(ttl, now).ok().flatten(),
                     permit,
+                    inventory,
                 },
                 now,
             );

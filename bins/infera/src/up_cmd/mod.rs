@@ -12,8 +12,9 @@
 //!
 //! With `--kvd`, a kvd daemon ([`infera_kvd::KvdServer`]) runs in the same runtime on a Unix
 //! socket (a fresh temporary directory, or `--kvd-socket`): every mock saves its KV blocks there
-//! and loads the ones its GPU cache misses ([`MockKvStore`] on [`KvdBlockStore`]), and the
-//! server's prewarm goes to it. It is stopped after the mocks.
+//! and loads the ones its GPU cache misses ([`MockKvStore`] on [`KvdBlockStore`]), the
+//! server's prewarm goes to it, and its inventory reaches the router in process ([`kvd`]), so
+//! the router credits what it holds. It is stopped after the mocks.
 //!
 //! Mocks and the router share one tokenizer, so their block hashes match. With `--port 0` every
 //! port is chosen by the system; the bound ports are printed in the `server:` line on stdout.
@@ -21,6 +22,8 @@
 //! # Shutdown
 //! SIGTERM or Ctrl-C stops the server (in-flight requests finish), then the mocks (their engine
 //! loops are joined, which drops their sinks), then the forwarders end. Nothing is detached.
+
+mod kvd;
 
 use crate::kvd_store::KvdBlockStore;
 use crate::net::socket_addr;
@@ -38,10 +41,9 @@ use infera_core::kv_events::{encode_batch_vllm, pipeline};
 use infera_core::policy::{PolicyKind, RouterConfig};
 use infera_core::ports::kv_events::{KvFrame, KvItem, KvSubscription};
 use infera_core::service::ServiceOptions;
-use infera_kvd::{KvdError, KvdOptions, KvdServer, ShutdownHandle};
+use kvd::LocalKvd;
 use std::io::Write as _;
 use std::net::SocketAddr;
-use std::os::unix::fs::DirBuilderExt as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,9 +55,6 @@ use tokio_util::sync::CancellationToken;
 /// The router tokenizer used when `--router-tokenizer-path` is not given (relative to the
 /// current directory: the repository root).
 pub const DEFAULT_TOKENIZER: &str = "fixtures/tokenizers/deepseek-v4";
-
-/// The host-RAM budget of `infera up --kvd`'s daemon.
-const LOCAL_KVD_BYTES: u64 = 1 << 30;
 
 /// Offset of the first mock's port from `--port` (8000 → 8101, 8102, …).
 pub const WORKER_PORT_OFFSET: u16 = 101;
@@ -246,7 +245,7 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
         .with_context(|| format!("cannot bind the server on {addr}"))?;
     let server_addr = listener.local_addr().context("server address")?;
     // Started last of what may fail early, so that nothing returns past it without stopping it.
-    let kvd = if args.kvd {
+    let mut kvd = if args.kvd {
         Some(LocalKvd::start(args.kvd_socket.clone()).await?)
     } else {
         None
@@ -273,6 +272,8 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
             }
         }
     }
+    // The mocks name the kvd: its inventory is folded from now on.
+    let inventory = kvd.as_mut().and_then(|k| k.follow(&state));
     if started.is_ok() {
         let urls: Vec<&str> = workers.iter().map(|w| w.url.as_str()).collect();
         if let Err(e) = announce(server_addr, &args.model_name, &urls, kvd_socket.as_deref()) {
@@ -320,73 +321,13 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
             result = stopped;
         }
     }
+    if let Some(inventory) = inventory
+        && let Err(e) = inventory.await
+    {
+        tracing::error!(error = %e, "the kvd inventory task failed");
+    }
     tracing::info!("infera up: stopped");
     result
-}
-
-/// The in-process kvd of `infera up --kvd`.
-struct LocalKvd {
-    socket: PathBuf,
-    stop: ShutdownHandle,
-    task: JoinHandle<Result<(), KvdError>>,
-    /// The temporary directory holding the socket, removed on stop.
-    temp_dir: Option<PathBuf>,
-}
-
-impl LocalKvd {
-    /// Binds kvd on `socket` (else in a fresh 0700 temporary directory) and serves it.
-    async fn start(socket: Option<PathBuf>) -> anyhow::Result<Self> {
-        let (socket, temp_dir) = match socket {
-            Some(socket) => (socket, None),
-            None => {
-                let dir = std::env::temp_dir().join(format!(
-                    "infera-up-kvd-{}-{}",
-                    std::process::id(),
-                    std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(0, |d| d.as_nanos())
-                ));
-                std::fs::DirBuilder::new()
-                    .mode(0o700)
-                    .create(&dir)
-                    .with_context(|| format!("cannot create {}", dir.display()))?;
-                (dir.join("kvd.sock"), Some(dir))
-            }
-        };
-        let server = match KvdServer::bind(KvdOptions::new(&socket, LOCAL_KVD_BYTES)).await {
-            Ok(server) => server,
-            Err(e) => {
-                if let Some(dir) = &temp_dir {
-                    let _ = std::fs::remove_dir_all(dir);
-                }
-                let what = format!("cannot start kvd on {}", socket.display());
-                return Err(anyhow::Error::new(e).context(what));
-            }
-        };
-        let stop = server.shutdown_handle();
-        tracing::info!(socket = %socket.display(), "infera up: kvd serving");
-        Ok(Self {
-            socket,
-            stop,
-            task: tokio::spawn(server.serve()),
-            temp_dir,
-        })
-    }
-
-    /// Stops the daemon (after the mocks: nothing uses it any more) and removes its directory.
-    async fn stop(self) -> anyhow::Result<()> {
-        self.stop.shutdown();
-        let served = match self.task.await {
-            Ok(result) => result.context("kvd failed"),
-            Err(e) => Err(anyhow::Error::new(e).context("the kvd task failed")),
-        };
-        if let Some(dir) = self.temp_dir
-            && let Err(e) = std::fs::remove_dir_all(&dir)
-        {
-            tracing::warn!(dir = %dir.display(), error = %e, "cannot remove kvd's directory");
-        }
-        served
-    }
 }
 
 /// Binds mock `i`, registers it and starts its server and KV-event forwarder.
@@ -419,6 +360,7 @@ async fn start_worker(
     config.lora_adapters = adapters.clone();
     config.tokenizer = Some(Arc::clone(tokenizer));
     config.drain_timeout = Duration::from_secs(5);
+    let kvd_backed = kv_store.is_some();
     config.kv_store = kv_store;
     let (sink, mut batches): (KvEventSink, _) = mpsc::channel(1024);
     let server = MockServer::bind(&socket_addr("127.0.0.1", port), config, Some(sink))
@@ -443,6 +385,12 @@ async fn start_worker(
     };
     let mut record = record;
     record.set_lora_adapters(&adapters);
+    if kvd_backed {
+        record.extra.insert(
+            infera_core::kv_events::kvd::KVD_EVENTS_ENDPOINT.into(),
+            kvd::UP_KVD_ENDPOINT.into(),
+        );
+    }
     let worker = record.worker_id.clone();
     state.register_worker(record);
     let forward = {
