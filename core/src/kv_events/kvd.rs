@@ -25,10 +25,11 @@
 
 use super::{EngineBatch, EngineEvent, IngestOutcome};
 use crate::event::{
-    Engine, Event, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, TierLoadMeasured, WorkerRecord,
+    Engine, Event, KvBlocksRemoved, KvBlocksStored, KvCacheCleared, Tier, TierLoadMeasured,
+    WorkerRecord,
 };
 use crate::hashing::KvIdentity;
-use crate::ids::{BlockHash, WorkerId, WorkerRank};
+use crate::ids::{BlockHash, EngineHash, WorkerId, WorkerRank};
 use crate::ports::kv_store::KEY_BYTES;
 #[cfg(test)]
 use crate::ports::kv_store::scoped_block_keys;
@@ -194,6 +195,31 @@ pub fn identity_scope(identity: &KvIdentity) -> Vec<u8> {
     serde_json::to_vec(&parts).unwrap_or_default()
 }
 
+/// The event a kvd publishes when `tier` gained the blocks named `block_hashes`.
+pub fn stored_event(tier: Tier, block_hashes: Vec<EngineHash>) -> EngineEvent {
+    EngineEvent::BlockStored {
+        block_hashes,
+        parent: None,
+        token_ids: Vec::new(),
+        block_size: 0,
+        tier,
+        lora_id: None,
+        lora_name: None,
+        extra_keys: None,
+        cache_salt: None,
+        indexable: true,
+    }
+}
+
+/// The event a kvd publishes when `tier` lost the blocks named `block_hashes`.
+pub fn removed_event(tier: Tier, block_hashes: Vec<EngineHash>) -> EngineEvent {
+    EngineEvent::BlockRemoved {
+        block_hashes,
+        tier,
+        indexable: true,
+    }
+}
+
 /// Turns one batch of kvd `source`'s inventory into core events: its hashes are the router's
 /// already (inventory hashes name blocks the same way on both sides).
 pub fn to_core_events(batch: &EngineBatch, source: &WorkerRank) -> IngestOutcome {
@@ -254,9 +280,7 @@ pub fn to_core_events(batch: &EngineBatch, source: &WorkerRank) -> IngestOutcome
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::event::Tier;
     use crate::hashing::MmRun;
-    use crate::ids::EngineHash;
     use crate::kv_events::{decode_batch, encode_batch_vllm};
 
     fn record(url: &str, endpoint: Option<&str>) -> WorkerRecord {
@@ -335,23 +359,8 @@ mod tests {
             dp_rank: None,
             events: vec![
                 EngineEvent::AllBlocksCleared,
-                EngineEvent::BlockStored {
-                    block_hashes: vec![EngineHash(7), EngineHash(8)],
-                    parent: None,
-                    token_ids: Vec::new(),
-                    block_size: 0,
-                    tier: Tier::Host,
-                    lora_id: None,
-                    lora_name: None,
-                    extra_keys: None,
-                    cache_salt: None,
-                    indexable: true,
-                },
-                EngineEvent::BlockRemoved {
-                    block_hashes: vec![EngineHash(7)],
-                    tier: Tier::Disk,
-                    indexable: true,
-                },
+                stored_event(Tier::Host, vec![EngineHash(7), EngineHash(8)]),
+                removed_event(Tier::Disk, vec![EngineHash(7)]),
                 EngineEvent::TierLoad {
                     tier: Tier::External,
                     bytes_per_s: 1.5e9,

@@ -17,6 +17,7 @@ use super::recorder::Recorder;
 use super::{Change, ChangeKind, InventorySink, TIERS};
 use infera_core::event::Tier;
 use infera_core::ids::EngineHash;
+use infera_core::kv_events::kvd::{removed_event, stored_event};
 use infera_core::kv_events::{EngineBatch, EngineEvent};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -209,23 +210,8 @@ fn group(changes: &[Change], events: &mut Vec<EngineEvent>) {
 
 fn event(kind: ChangeKind, tier: Tier, block_hashes: Vec<EngineHash>) -> EngineEvent {
     match kind {
-        ChangeKind::Stored => EngineEvent::BlockStored {
-            block_hashes,
-            parent: None,
-            token_ids: Vec::new(),
-            block_size: 0,
-            tier,
-            lora_id: None,
-            lora_name: None,
-            extra_keys: None,
-            cache_salt: None,
-            indexable: true,
-        },
-        ChangeKind::Removed => EngineEvent::BlockRemoved {
-            block_hashes,
-            tier,
-            indexable: true,
-        },
+        ChangeKind::Stored => stored_event(tier, block_hashes),
+        ChangeKind::Removed => removed_event(tier, block_hashes),
     }
 }
 

@@ -8,6 +8,7 @@ use crate::tablespace::{IoMode, TablespaceConfig};
 use infera_core::event::Retention;
 use infera_core::ids::EngineHash;
 use infera_core::kv_events::EngineEvent;
+use infera_core::kv_events::kvd::{removed_event, stored_event};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -76,26 +77,11 @@ fn inv(key: &str) -> u64 {
 }
 
 fn stored(tier: Tier, keys: &[&str]) -> EngineEvent {
-    EngineEvent::BlockStored {
-        block_hashes: keys.iter().map(|k| EngineHash(inv(k))).collect(),
-        parent: None,
-        token_ids: Vec::new(),
-        block_size: 0,
-        tier,
-        lora_id: None,
-        lora_name: None,
-        extra_keys: None,
-        cache_salt: None,
-        indexable: true,
-    }
+    stored_event(tier, keys.iter().map(|k| EngineHash(inv(k))).collect())
 }
 
 fn removed(tier: Tier, keys: &[&str]) -> EngineEvent {
-    EngineEvent::BlockRemoved {
-        block_hashes: keys.iter().map(|k| EngineHash(inv(k))).collect(),
-        tier,
-        indexable: true,
-    }
+    removed_event(tier, keys.iter().map(|k| EngineHash(inv(k))).collect())
 }
 
 fn change(tier: Tier, kind: ChangeKind, key: &str) -> Change {
