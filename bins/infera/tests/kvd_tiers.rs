@@ -1,6 +1,6 @@
 //! The router sees kvd, with the real binaries: etcd, one `infera kvd` per "node" publishing its
-//! inventory on ZeroMQ, one `infera worker mock` per node saving to and loading from its node's
-//! kvd, and `infera server` at its defaults.
+//! inventory on ZeroMQ (sharing a Redis L4 in the second test), one `infera worker mock` per
+//! node saving to and loading from its node's kvd, and `infera server` at its defaults.
 //!
 //! What is observed is what a user sees: where the router sends a turn (its pick counters), how
 //! much of the prompt the engine found cached (the mock's kvd hit counter), and what the router
@@ -8,6 +8,8 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[path = "../../../kvd/tests/support/redis.rs"]
+mod redis;
 
 use common::{Proc, eventually, free_port, get_json, http, metric, mock_worker, picks, server};
 use infera_backends::testing::EtcdServer;
@@ -19,11 +21,13 @@ use std::process::{Command, Stdio};
 const GPU_BLOCKS: &str = "256";
 
 /// `infera kvd` on `socket`, publishing its inventory on `tcp://127.0.0.1:events` (replays on
-/// `replay`).
-fn kvd(socket: &Path, events: u16, replay: u16) -> Proc {
+/// `replay`), with `l4`'s flags and environment (a shared Redis L4).
+fn kvd(socket: &Path, events: u16, replay: u16, l4: &L4) -> Proc {
     let proc = Proc(
         Command::new(env!("CARGO_BIN_EXE_infera"))
             .args(["kvd", "--socket", socket.to_str().unwrap()])
+            .args(&l4.args)
+            .envs(l4.env.iter().map(|(k, v)| (k, v)))
             .args(["--kv-events-endpoint", &format!("tcp://127.0.0.1:{events}")])
             .args([
                 "--kv-events-replay-endpoint",
@@ -38,6 +42,34 @@ fn kvd(socket: &Path, events: u16, replay: u16) -> Proc {
     proc
 }
 
+/// What a kvd adds for a shared L4 (nothing: none).
+#[derive(Default)]
+struct L4 {
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+impl L4 {
+    /// LMCache's Redis layout on the server at `port` as the kvd's long-term store, behind an
+    /// L2 of `l2_bytes`.
+    fn redis(port: u16, l2_bytes: u64) -> Self {
+        Self {
+            args: [
+                "--long-backend",
+                "lmcache",
+                "--max-bytes",
+                &l2_bytes.to_string(),
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+            env: vec![(
+                "INFERA_L4_REMOTE_URL".to_owned(),
+                format!("redis://127.0.0.1:{port}"),
+            )],
+        }
+    }
+}
+
 /// One node: its kvd and its mock worker, named by the worker's port.
 struct Node {
     port: u16,
@@ -48,10 +80,10 @@ struct Node {
     _worker: Proc,
 }
 
-fn node(dir: &Path, tok: &str, etcd: &str, name: &str) -> Node {
+fn node(dir: &Path, tok: &str, etcd: &str, name: &str, l4: &L4) -> Node {
     let socket = dir.join(format!("{name}.sock"));
     let (events, replay, port) = (free_port(), free_port(), common::free_mock_port());
-    let kvd = kvd(&socket, events, replay);
+    let kvd = kvd(&socket, events, replay, l4);
     let worker = mock_worker(
         tok,
         etcd,
@@ -129,8 +161,8 @@ async fn a_turn_evicted_to_kvd_host_ram_returns_to_its_node() {
     let etcd = EtcdServer::start().await.unwrap();
     let endpoint = etcd.endpoint();
     let dir = tempfile::tempdir().unwrap();
-    let a = node(dir.path(), tok, &endpoint, "a");
-    let b = node(dir.path(), tok, &endpoint, "b");
+    let a = node(dir.path(), tok, &endpoint, "a", &L4::default());
+    let b = node(dir.path(), tok, &endpoint, "b", &L4::default());
     let port = free_port();
     let _server = server(tok, &endpoint, port, &[]);
     eventually("both workers and their kvds to be known", || {
@@ -181,9 +213,73 @@ async fn a_turn_evicted_to_kvd_host_ram_returns_to_its_node() {
     let mut old = a.kvd;
     old.terminate();
     std::fs::remove_file(&a.socket).ok();
-    let _restarted = kvd(&a.socket, a.events, a.replay);
+    let _restarted = kvd(&a.socket, a.events, a.replay, &L4::default());
     eventually("the router to forget a's kvd", || {
         kvd_blocks(port, a.port, "host") == 0
     });
     drop(b);
+}
+
+/// A prefix only the shared L4 holds (written through by node a's kvd, gone from a's small L2
+/// and from a's GPU) is credited on every kvd-backed node alike, and on no other worker: node
+/// b, whose GPU holds two blocks of it, wins over a (the L4 credit alone) and over worker c (no
+/// kvd) whose GPU holds a few more of it than b's, which the GPU-only cost would pick.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_in_the_shared_l4_is_credited_on_every_kvd_node() {
+    let tok = common::tokenizer_dir();
+    let tok = tok.as_str();
+    let redis = redis::RedisServer::start();
+    let etcd = EtcdServer::start().await.unwrap();
+    let endpoint = etcd.endpoint();
+    let dir = tempfile::tempdir().unwrap();
+    // About 70 of the mock's blocks: the others push turn 1 out of a's L2.
+    let l4 = L4::redis(redis.port, 16 << 10);
+    let a = node(dir.path(), tok, &endpoint, "a", &l4);
+    let b = node(dir.path(), tok, &endpoint, "b", &l4);
+    let c = common::free_mock_port();
+    let _c = mock_worker(
+        tok,
+        &endpoint,
+        c,
+        &["--gpu-blocks", GPU_BLOCKS, "--speedup", "100"],
+    );
+    let port = free_port();
+    let _server = server(tok, &endpoint, port, &[]);
+    eventually("three workers, two with kvds", || {
+        get_json(port, "/v1/workers").is_some_and(|w| {
+            let data = w["data"].as_array().cloned().unwrap_or_default();
+            data.len() == 3 && data.iter().filter(|d| d["kvd"].is_object()).count() == 2
+        })
+    });
+
+    let turn1 = words("shared", 320);
+    complete(a.port, tok, &turn1);
+    for i in 0..6 {
+        complete(a.port, tok, &words(&format!("pushed{i}x"), 250));
+    }
+    eventually("a's kvd to publish the prompts written to L4", || {
+        kvd_blocks(port, a.port, "external") >= 350
+    });
+    eventually("a's L2 and GPU to have let turn 1 go", || {
+        kvd_blocks(port, a.port, "host") < 80 && gpu_blocks(port, a.port) > 0
+    });
+    // b's GPU holds 2 blocks of the prefix, c's a few more: without L4 credit, c wins.
+    complete(b.port, tok, &words("shared", 8));
+    complete(c, tok, &words("shared", 20));
+    eventually("the router to see b's and c's prefixes", || {
+        let (pb, pc) = (gpu_blocks(port, b.port), gpu_blocks(port, c));
+        pb >= 1 && pc > pb
+    });
+    let (pb, pc) = (gpu_blocks(port, b.port), gpu_blocks(port, c));
+    assert!(
+        pc < 8,
+        "c's prefix ({pc} blocks) must stay below turn 1's L4 credit"
+    );
+
+    complete(port, tok, &format!("{turn1} {}", words("next", 10)));
+    assert_eq!(
+        [picks(port, a.port), picks(port, b.port), picks(port, c)],
+        [0, 1, 0],
+        "b: its {pb} GPU blocks plus the L4 credit; c holds {pc} blocks, a only the L4 credit"
+    );
 }
