@@ -12,6 +12,7 @@ use bytes::Bytes;
 use infera_core::event::WorkerRecord;
 use infera_core::ports::kv_events::{
     KvEventSource, KvEventStream, KvFrame, KvItem, KvReplay, KvSourceError, KvSubscription,
+    resolve_wildcard_host,
 };
 use std::collections::HashMap;
 use std::ops::RangeInclusive;
@@ -176,23 +177,14 @@ impl KvReplay for ZmqReplay {
     }
 }
 
-/// `tcp://HOST:P` → `tcp://HOST':P+offset`, where a wildcard host becomes the worker URL's host.
+/// `tcp://HOST:P` → `tcp://HOST':P+offset`, where a wildcard host becomes the worker URL's host
+/// ([`resolve_wildcard_host`]).
 pub fn rank_endpoint(endpoint: &str, worker_url: &str, offset: u32) -> Option<String> {
-    let rest = endpoint.strip_prefix("tcp://")?;
-    let (host, port) = rest.rsplit_once(':')?;
+    let resolved = resolve_wildcard_host(endpoint, worker_url)?;
+    let (host, port) = resolved.rsplit_once(':')?;
     let port: u32 = port.parse().ok()?;
     let port = u16::try_from(port.checked_add(offset)?).ok()?;
-    let host = if matches!(host, "*" | "0.0.0.0" | "") {
-        let after = worker_url.split_once("://").map_or(worker_url, |(_, r)| r);
-        let authority = after.split('/').next().unwrap_or(after);
-        authority
-            .rsplit_once(':')
-            .map_or(authority, |(h, _)| h)
-            .to_owned()
-    } else {
-        host.to_owned()
-    };
-    Some(format!("tcp://{host}:{port}"))
+    Some(format!("{host}:{port}"))
 }
 
 #[cfg(test)]

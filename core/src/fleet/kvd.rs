@@ -11,7 +11,7 @@ use super::{FleetState, KvdAt};
 use crate::event::{Tier, TierLoadMeasured, WorkerRecord};
 use crate::ids::{BlockHash, WorkerId, WorkerRank};
 use crate::index::WorkerSlot;
-use crate::kv_events::kvd::{KvdLink, link_of};
+use crate::kv_events::kvd::{KvdLink, link_of, source_endpoint};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -27,7 +27,8 @@ pub struct TierLoad {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(super) struct Kvds {
     by_worker: BTreeMap<WorkerId, KvdLink>,
-    loads: BTreeMap<(WorkerRank, Tier), TierLoad>,
+    /// Per source, its speed per tier (by [`Tier::index`]).
+    loads: BTreeMap<WorkerRank, [Option<TierLoad>; 4]>,
 }
 
 impl Kvds {
@@ -48,19 +49,18 @@ impl Kvds {
     }
 
     fn orphaned(&mut self, old: Option<KvdLink>) -> Option<WorkerRank> {
-        let old = old?.source();
-        if self.links(&old.worker) {
+        let old = old?;
+        if self.by_worker.values().any(|l| l.endpoint == old.endpoint) {
             return None;
         }
-        self.loads.retain(|(source, _), _| *source != old);
+        let old = old.source();
+        self.loads.remove(&old);
         Some(old)
     }
 
     /// Whether some registered worker names the kvd `source`.
     pub(super) fn links(&self, source: &WorkerId) -> bool {
-        self.by_worker
-            .values()
-            .any(|l| l.source().worker == *source)
+        source_endpoint(source).is_some_and(|e| self.by_worker.values().any(|l| l.endpoint == e))
     }
 
     /// The kvd `worker` names.
@@ -84,28 +84,31 @@ impl Kvds {
             bytes_per_s: m.bytes_per_s,
             block_bytes: m.block_bytes,
         };
-        self.loads.insert((m.source.clone(), m.tier), load);
+        self.loads.entry(m.source.clone()).or_default()[m.tier.index()] = Some(load);
     }
 
     /// Forgets the speeds `source` measured.
     pub(super) fn forget(&mut self, source: &WorkerId) {
-        self.loads.retain(|(s, _), _| s.worker != *source);
+        self.loads.retain(|s, _| s.worker != *source);
     }
 
     pub(super) fn load(&self, source: &WorkerRank, tier: Tier) -> Option<TierLoad> {
-        self.loads.get(&(source.clone(), tier)).copied()
+        self.loads.get(source)?[tier.index()]
     }
 
     /// The speeds as events, for a dump.
     pub(super) fn dump(&self) -> impl Iterator<Item = TierLoadMeasured> + '_ {
-        self.loads
-            .iter()
-            .map(|((source, tier), l)| TierLoadMeasured {
-                source: source.clone(),
-                tier: *tier,
-                bytes_per_s: l.bytes_per_s,
-                block_bytes: l.block_bytes,
+        self.loads.iter().flat_map(|(source, loads)| {
+            Tier::ALL.into_iter().filter_map(move |tier| {
+                let l = loads[tier.index()]?;
+                Some(TierLoadMeasured {
+                    source: source.clone(),
+                    tier,
+                    bytes_per_s: l.bytes_per_s,
+                    block_bytes: l.block_bytes,
+                })
             })
+        })
     }
 }
 

@@ -30,6 +30,7 @@ use crate::event::{
 };
 use crate::hashing::KvIdentity;
 use crate::ids::{BlockHash, EngineHash, WorkerId, WorkerRank};
+use crate::ports::kv_events::resolve_wildcard_host;
 use crate::ports::kv_store::KEY_BYTES;
 #[cfg(test)]
 use crate::ports::kv_store::scoped_block_keys;
@@ -66,27 +67,13 @@ impl KvdLink {
 /// The kvd that `record`'s worker loads blocks from, if it names one.
 pub fn link_of(record: &WorkerRecord) -> Option<KvdLink> {
     let field = |name: &str| record.extra.get(name).and_then(serde_json::Value::as_str);
-    let endpoint = resolve_host(field(KVD_EVENTS_ENDPOINT)?, &record.url)?;
+    let endpoint = resolve_wildcard_host(field(KVD_EVENTS_ENDPOINT)?, &record.url)?;
     Some(KvdLink {
         endpoint,
         replay_endpoint: field(KVD_EVENTS_REPLAY_ENDPOINT)
-            .and_then(|e| resolve_host(e, &record.url)),
+            .and_then(|e| resolve_wildcard_host(e, &record.url)),
         compat_key: field(KVD_COMPAT_KEY).unwrap_or_default().to_owned(),
     })
-}
-
-/// `tcp://HOST:PORT` with a wildcard host (`*`, `0.0.0.0`) replaced by `worker_url`'s host.
-fn resolve_host(endpoint: &str, worker_url: &str) -> Option<String> {
-    let rest = endpoint.strip_prefix("tcp://")?;
-    let (host, port) = rest.rsplit_once(':')?;
-    port.parse::<u16>().ok()?;
-    if !matches!(host, "*" | "0.0.0.0" | "") {
-        return Some(endpoint.to_owned());
-    }
-    let after = worker_url.split_once("://").map_or(worker_url, |(_, r)| r);
-    let authority = after.split('/').next().unwrap_or(after);
-    let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
-    (!host.is_empty()).then(|| format!("tcp://{host}:{port}"))
 }
 
 /// The pseudo worker rank of the kvd publishing on `endpoint`.
@@ -94,9 +81,14 @@ pub fn source_rank(endpoint: &str) -> WorkerRank {
     WorkerRank::new(WorkerId::new(format!("{SOURCE_PREFIX}{endpoint}")), 0)
 }
 
+/// The events endpoint of the kvd `worker` names, if it names a kvd rather than an engine.
+pub fn source_endpoint(worker: &WorkerId) -> Option<&str> {
+    worker.as_str().strip_prefix(SOURCE_PREFIX)
+}
+
 /// Whether `worker` names a kvd rather than an engine.
 pub fn is_source(worker: &WorkerId) -> bool {
-    worker.as_str().starts_with(SOURCE_PREFIX)
+    source_endpoint(worker).is_some()
 }
 
 /// The record a KV-event transport subscribes to for `link`: its endpoints, one rank.

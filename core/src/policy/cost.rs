@@ -18,10 +18,9 @@ pub struct Scored {
     /// Blocks of its in-flight requests, summed over requests, plus the weighted blocks of the
     /// other conversations resident on it, plus the charge for its recent picks above the mean.
     pub load: f64,
+    /// Blocks to prefill: the request's past `overlap`, less those its kvd tiers can load (at
+    /// their credit, [`super::tiers`]), plus its queued prefill.
     pub prefill_blocks: f64,
-    /// Blocks past `overlap` found in the candidate's kvd tiers, weighted by their credit
-    /// ([`super::tiers`]); already subtracted from `prefill_blocks`.
-    pub credited: f64,
     pub cost: f64,
 }
 
@@ -117,7 +116,6 @@ pub fn score_candidates(
             overlap,
             load,
             prefill_blocks,
-            credited,
             cost,
         });
     }

@@ -15,6 +15,22 @@ use std::fmt;
 use std::ops::RangeInclusive;
 use std::sync::Arc;
 
+/// `tcp://HOST:PORT` with a wildcard host (`*`, `0.0.0.0`, empty) replaced by `worker_url`'s
+/// host: a publisher bound on every interface is reached where its worker is. `None` for an
+/// endpoint that is not `tcp://HOST:PORT`, or a wildcard with no host to take.
+pub fn resolve_wildcard_host(endpoint: &str, worker_url: &str) -> Option<String> {
+    let rest = endpoint.strip_prefix("tcp://")?;
+    let (host, port) = rest.rsplit_once(':')?;
+    port.parse::<u16>().ok()?;
+    if !matches!(host, "*" | "0.0.0.0" | "") {
+        return Some(endpoint.to_owned());
+    }
+    let after = worker_url.split_once("://").map_or(worker_url, |(_, r)| r);
+    let authority = after.split('/').next().unwrap_or(after);
+    let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
+    (!host.is_empty()).then(|| format!("tcp://{host}:{port}"))
+}
+
 /// One engine KV-event message, as received.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvFrame {
