@@ -4,11 +4,12 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use bytes::Bytes;
 use infera_core::event::Retention;
 use infera_kvd::client::SharedGet;
 use infera_kvd::{KvdClient, Namespace};
-use std::io::BufRead;
 use std::process::{Command, Stdio};
 
 #[tokio::test]
@@ -23,18 +24,7 @@ async fn the_binary_serves_its_arena_to_clients() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut log = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    loop {
-        line.clear();
-        assert!(
-            log.read_line(&mut line).unwrap() > 0,
-            "kvd exited before listening"
-        );
-        if line.contains("kvd listening") {
-            break;
-        }
-    }
+    common::until_kvd_listens(&mut child);
     let ns = Namespace::new("e2e", "");
     let (mut shared, ack) = KvdClient::connect_shared(&socket, "e2e").await.unwrap();
     let [size, _, pid] = ack.shared_arena.unwrap();

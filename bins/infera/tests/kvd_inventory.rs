@@ -18,7 +18,6 @@ use infera_core::kv_events::kvd::inventory_hash;
 use infera_core::kv_events::{EngineBatch, EngineEvent, decode_batch};
 use infera_kvd::{KvdClient, Namespace, SetItem};
 use std::collections::BTreeSet;
-use std::io::BufRead;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 use zeromq::{Socket, SocketRecv, SubSocket};
@@ -39,15 +38,7 @@ fn kvd(socket: &std::path::Path) -> Proc {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut log = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("kvd listening") {
-        line.clear();
-        assert!(
-            log.read_line(&mut line).unwrap() > 0,
-            "kvd exited before listening"
-        );
-    }
+    common::until_kvd_listens(&mut child);
     Proc(child)
 }
 

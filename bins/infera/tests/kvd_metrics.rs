@@ -9,7 +9,6 @@ use bytes::Bytes;
 use common::{Proc, free_port, http, metric};
 use infera_core::event::Retention;
 use infera_kvd::{KvdClient, Namespace, SetItem};
-use std::io::BufRead;
 use std::process::{Command, Stdio};
 
 fn kvd(socket: &std::path::Path, port: u16) -> Command {
@@ -31,15 +30,7 @@ async fn the_daemon_serves_its_counters_while_it_serves() {
     let socket = dir.path().join("kvd.sock");
     let port = free_port();
     let mut child = Proc(kvd(&socket, port).spawn().unwrap());
-    let mut log = std::io::BufReader::new(child.0.stderr.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("kvd listening") {
-        line.clear();
-        assert!(
-            log.read_line(&mut line).unwrap() > 0,
-            "kvd exited before listening"
-        );
-    }
+    common::until_kvd_listens(&mut child.0);
     // The exporter's listener was bound before the daemon started serving.
     let (status, text) = http(port, "GET", "/metrics", "").expect("an answer");
     assert_eq!(status, 200, "{text}");

@@ -23,23 +23,22 @@ const GPU_BLOCKS: &str = "256";
 /// `infera kvd` on `socket`, publishing its inventory on `tcp://127.0.0.1:events` (replays on
 /// `replay`), with `l4`'s flags and environment (a shared Redis L4).
 fn kvd(socket: &Path, events: u16, replay: u16, l4: &L4) -> Proc {
-    let proc = Proc(
-        Command::new(env!("CARGO_BIN_EXE_infera"))
-            .args(["kvd", "--socket", socket.to_str().unwrap()])
-            .args(&l4.args)
-            .envs(l4.env.iter().map(|(k, v)| (k, v)))
-            .args(["--kv-events-endpoint", &format!("tcp://127.0.0.1:{events}")])
-            .args([
-                "--kv-events-replay-endpoint",
-                &format!("tcp://127.0.0.1:{replay}"),
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    eventually("kvd to listen", || socket.exists());
-    proc
+    let mut child = Command::new(env!("CARGO_BIN_EXE_infera"))
+        .args(["kvd", "--socket", socket.to_str().unwrap()])
+        .args(&l4.args)
+        .envs(l4.env.iter().map(|(k, v)| (k, v)))
+        .args(["--kv-events-endpoint", &format!("tcp://127.0.0.1:{events}")])
+        .args([
+            "--kv-events-replay-endpoint",
+            &format!("tcp://127.0.0.1:{replay}"),
+        ])
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::until_kvd_listens(&mut child);
+    Proc(child)
 }
 
 /// What a kvd adds for a shared L4 (nothing: none).

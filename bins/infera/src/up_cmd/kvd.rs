@@ -5,8 +5,8 @@
 
 use anyhow::Context as _;
 use infera_adapters::server::ServerState;
-use infera_core::kv_events::{EngineBatch, encode_batch_vllm, kvd, pipeline};
-use infera_core::ports::kv_events::{KvEventStream, KvFrame, KvItem, KvSubscription};
+use infera_core::kv_events::{EngineBatch, kvd, pipeline};
+use infera_core::ports::kv_events::{KvEventStream, KvItem, KvSubscription};
 use infera_kvd::{
     InventoryPublishing, InventorySink, KvdError, KvdOptions, KvdServer, ShutdownHandle, SinkError,
 };
@@ -131,13 +131,7 @@ struct InProcess {
 impl InventorySink for InProcess {
     fn publish(&self, batch: &EngineBatch) -> Result<(), SinkError> {
         let seq = self.seq.load(Ordering::Relaxed);
-        let frame = KvFrame {
-            dp_rank: 0,
-            seq: Some(seq),
-            epoch: None,
-            payload: encode_batch_vllm(batch).into(),
-        };
-        match self.frames.try_send(KvItem::Frame(frame)) {
+        match self.frames.try_send(super::numbered(seq, batch)) {
             Ok(()) => {
                 // Only a sent batch takes a number: a refused one leaves no gap.
                 self.seq.store(seq + 1, Ordering::Relaxed);

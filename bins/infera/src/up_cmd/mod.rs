@@ -37,7 +37,7 @@ use infera_core::engine::EngineConfig;
 use infera_core::event::{Engine, RequestTransport, Role, WorkerRecord};
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
-use infera_core::kv_events::{encode_batch_vllm, pipeline};
+use infera_core::kv_events::{EngineBatch, encode_batch_vllm, pipeline};
 use infera_core::policy::{PolicyKind, RouterConfig};
 use infera_core::ports::kv_events::{KvFrame, KvItem, KvSubscription};
 use infera_core::service::ServiceOptions;
@@ -401,13 +401,7 @@ async fn start_worker(
                 let Some(batch) = batches.recv().await else {
                     break;
                 };
-                let frame = KvFrame {
-                    dp_rank: 0,
-                    seq: Some(seq),
-                    epoch: None,
-                    payload: encode_batch_vllm(&batch).into(),
-                };
-                if frames.send(KvItem::Frame(frame)).await.is_err() {
+                if frames.send(numbered(seq, &batch)).await.is_err() {
                     break;
                 }
             }
@@ -427,6 +421,16 @@ async fn start_worker(
         url,
         serve,
         forward,
+    })
+}
+
+/// Batch `seq` of an in-process KV-event stream, encoded as vLLM publishes it.
+fn numbered(seq: u64, batch: &EngineBatch) -> KvItem {
+    KvItem::Frame(KvFrame {
+        dp_rank: 0,
+        seq: Some(seq),
+        epoch: None,
+        payload: encode_batch_vllm(batch).into(),
     })
 }
 

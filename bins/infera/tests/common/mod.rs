@@ -8,7 +8,7 @@ use infera_core::event::{Tier, WorkerRecord};
 use infera_core::ids::EngineHash;
 use infera_core::kv_events::{EngineBatch, EngineEvent};
 use serde_json::Value;
-use std::io::{Read as _, Write as _};
+use std::io::{BufRead as _, Read as _, Write as _};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -376,4 +376,18 @@ pub fn cached_blocks(port: u16) -> Vec<u64> {
 /// The cache hits the router on `port` predicted so far (blocks, summed over picks).
 pub fn predicted_hits(port: u16) -> u64 {
     metric(port, "infera_router_pick_cache_hits_sum").unwrap_or(0)
+}
+
+/// Reads the stderr of `kvd` (an `infera kvd` spawned with it piped) until the daemon says it
+/// listens; fails the test if it exits first.
+pub fn until_kvd_listens(kvd: &mut Child) {
+    let mut log = std::io::BufReader::new(kvd.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("kvd listening") {
+        line.clear();
+        assert!(
+            log.read_line(&mut line).unwrap() > 0,
+            "kvd exited before listening"
+        );
+    }
 }
