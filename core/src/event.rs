@@ -16,13 +16,14 @@
 //! | 2 | `v2.jsonl` | [`Event::WorkerDraining`] |
 //! | 3 | `v3.jsonl` | [`Event::RecentLoad`] |
 //! | 4 | `v4.jsonl` | [`Event::TierLoadMeasured`] |
+//! | 5 | `v5.jsonl` | [`Event::RouterRetuned`] |
 
 use crate::clock::Micros;
 use crate::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
 use serde::{Deserialize, Serialize};
 
 /// The version written into every envelope (see the module docs for what each version added).
-pub const EVENT_FORMAT_VERSION: u16 = 4;
+pub const EVENT_FORMAT_VERSION: u16 = 5;
 
 /// Position of an event in one log. Starts at 1; 0 means "before the first event".
 pub type Seq = u64;
@@ -75,6 +76,8 @@ pub enum Event {
     RecentLoad(RecentLoad),
     /// Since v4.
     TierLoadMeasured(TierLoadMeasured),
+    /// Since v5.
+    RouterRetuned(RouterRetuned),
 }
 
 impl Event {
@@ -92,6 +95,7 @@ impl Event {
             Event::RequestFinished(_) => "request_finished",
             Event::RecentLoad(_) => "recent_load",
             Event::TierLoadMeasured(_) => "tier_load_measured",
+            Event::RouterRetuned(_) => "router_retuned",
         }
     }
 }
@@ -189,6 +193,10 @@ pub const MAX_NUM_BATCHED_TOKENS: &str = "max_num_batched_tokens";
 /// engine prefills, against which the router weighs loading a block from a lower tier.
 pub const PREFILL_TOKENS_PER_S: &str = "prefill_tokens_per_s";
 
+/// Our registration field (in [`WorkerRecord::extra`]): the engine's GPU KV cache in blocks
+/// (vLLM's `num_gpu_blocks`), which the server's shadow replay sizes its simulated engines by.
+pub const KV_CAPACITY_BLOCKS: &str = "kv_capacity_blocks";
+
 /// The prefill speed of a worker that registers none: a mid-size dense model on one current
 /// GPU (vLLM prefills 8B-class models at 10–30k tokens/s on an H100).
 pub const DEFAULT_PREFILL_TOKENS_PER_S: f64 = 16_384.0;
@@ -217,6 +225,14 @@ impl WorkerRecord {
             .and_then(serde_json::Value::as_f64)
             .filter(|v| v.is_finite() && *v > 0.0)
             .unwrap_or(DEFAULT_PREFILL_TOKENS_PER_S)
+    }
+
+    /// The engine's GPU KV cache in blocks ([`KV_CAPACITY_BLOCKS`]), if it says.
+    pub fn kv_capacity_blocks(&self) -> Option<u64> {
+        self.extra
+            .get(KV_CAPACITY_BLOCKS)
+            .and_then(serde_json::Value::as_u64)
+            .filter(|n| *n > 0)
     }
 
     /// Advertises the engine's prefill budget.
@@ -373,6 +389,41 @@ pub struct TierLoadMeasured {
     pub bytes_per_s: f64,
     /// The mean size of the blocks it loaded, in bytes.
     pub block_bytes: u64,
+}
+
+/// The router's tunables changed at run time (`infera server --auto-tune apply`): the decisions
+/// after this event use `to`. It carries what decided the change, so a replay of the log (and
+/// an operator reading it) sees who moved the router, when, from where to where, and on what
+/// evidence. Since v5.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RouterRetuned {
+    pub from: Tunables,
+    pub to: Tunables,
+    /// Who changed it (`auto-tune`).
+    pub by: String,
+    /// `adopt` (the shadow replay predicted a gain) or `rollback` (the gain did not come).
+    pub reason: String,
+    /// The shadow replay's hit rate for `to` over the window that decided (a fraction of the
+    /// prompt tokens).
+    #[serde(default)]
+    pub predicted_hit_rate: Option<f64>,
+    /// The hit rate the engines reported over that window, under `from`.
+    #[serde(default)]
+    pub realised_hit_rate: Option<f64>,
+}
+
+/// The router's settings that `infera server --auto-tune` searches (see `policy::RouterConfig`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Tunables {
+    /// `--kv-overlap-weight`.
+    pub overlap_weight: f64,
+    /// `--kv-prefill-overlap-weight`, on a disaggregated fleet.
+    #[serde(default)]
+    pub prefill_overlap_weight: Option<f64>,
+    /// `--router-resident-weight`.
+    pub resident_weight: f64,
+    /// `--router-balance-tokens`.
+    pub balance_tokens: u32,
 }
 
 /// Where a cached block lives, fastest first.
@@ -651,16 +702,27 @@ mod tests {
     }
 
     #[test]
-    fn golden_v4_event_log_covers_every_kind() {
+    fn golden_v4_event_log_still_parses() {
         let kinds = golden_kinds(include_str!("../../fixtures/events/v4.jsonl"), 4);
         assert_eq!(
-            EVENT_FORMAT_VERSION, 4,
+            kinds.len(),
+            11,
+            "v4 golden file covers v4's kinds: {kinds:?}"
+        );
+        assert!(!kinds.contains("router_retuned"));
+    }
+
+    #[test]
+    fn golden_v5_event_log_covers_every_kind() {
+        let kinds = golden_kinds(include_str!("../../fixtures/events/v5.jsonl"), 5);
+        assert_eq!(
+            EVENT_FORMAT_VERSION, 5,
             "a new version needs its own golden file"
         );
         assert_eq!(
             kinds.len(),
-            11,
-            "v4 golden file covers every kind: {kinds:?}"
+            12,
+            "v5 golden file covers every kind: {kinds:?}"
         );
     }
 

@@ -699,6 +699,8 @@ impl Projection for FleetState {
             // A v3 snapshot's recent-pick window: nothing to fold (see the module docs).
             Event::RecentLoad(_) => {}
             Event::TierLoadMeasured(m) => self.tier_load_measured(m),
+            // The router's, not the fleet's (`Kernel::commit_with`).
+            Event::RouterRetuned(_) => {}
         }
     }
 

@@ -14,11 +14,14 @@
 //! at an amortized O(1) cost per event. `infera server` and `infera replay` both run on a kernel
 //! with it; a test that wants the whole history opts out with [`Compaction::Off`].
 //!
+//! A [`RouterRetuned`] event changes the router's tunables (`--auto-tune apply`); the last one
+//! is part of every snapshot, so a log replayed from its snapshot routes as the live one did.
+//!
 //! The kernel is a plain value (no locks, no I/O): the live server keeps it behind a short
 //! mutex, the simulator owns it.
 
 use crate::clock::{Clock, Micros};
-use crate::event::{Envelope, Event, RequestRouted, Source};
+use crate::event::{Envelope, Event, RequestRouted, RouterRetuned, Source};
 use crate::fleet::{FleetConfig, FleetState};
 use crate::ids::WorkerRank;
 use crate::kv_events::{EngineBatch, IngestStats, kvd, to_core_events};
@@ -57,6 +60,8 @@ pub struct Kernel {
     compaction: Compaction,
     /// Events in the last snapshot (the next compaction waits for twice as many new ones).
     snapshot_events: usize,
+    /// The last change of the router's tunables, kept in snapshots.
+    retuned: Option<RouterRetuned>,
 }
 
 impl Kernel {
@@ -73,6 +78,7 @@ impl Kernel {
             log: MemoryLog::new(clock),
             compaction,
             snapshot_events: 0,
+            retuned: None,
         }
     }
 
@@ -104,9 +110,13 @@ impl Kernel {
         events: Vec<NewEvent>,
         observe: impl FnOnce(&[Envelope]) -> T,
     ) -> (usize, T) {
-        let fleet = &mut self.fleet;
+        let (fleet, router, retuned) = (&mut self.fleet, &mut self.router, &mut self.retuned);
         let (applied, last, seen) = self.log.append_with(events, |envs| {
             for env in envs {
+                if let Event::RouterRetuned(r) = &env.event {
+                    router.retune(&r.to);
+                    *retuned = Some(r.clone());
+                }
                 fleet.apply(env);
             }
             (envs.len(), envs.last().map(|e| e.seq), observe(envs))
@@ -115,7 +125,8 @@ impl Kernel {
             && self.log.len() >= COMPACT_MIN_EVENTS.max(2 * self.snapshot_events)
             && let Some(upto) = last
         {
-            let events = self.fleet.dump();
+            let mut events = self.fleet.dump();
+            events.extend(self.retuned.clone().map(Event::RouterRetuned));
             self.snapshot_events = events.len();
             if let Err(e) = self.log.compact_sync(Snapshot { upto, events }) {
                 tracing::error!(error = %e, "event log compaction failed");
@@ -313,6 +324,45 @@ mod tests {
             "contiguous sequence numbers"
         );
         assert_eq!(k.fleet().inflight_requests(), 0);
+    }
+
+    #[test]
+    fn a_retune_changes_the_router_and_survives_compaction() {
+        let mut k = kernel(Compaction::Auto);
+        let from = k.router_config().tunables();
+        let to = crate::event::Tunables {
+            overlap_weight: 8.0,
+            balance_tokens: 512,
+            ..from
+        };
+        k.commit(vec![NewEvent::new(Event::RouterRetuned(RouterRetuned {
+            from,
+            to,
+            by: "auto-tune".into(),
+            reason: "adopt".into(),
+            predicted_hit_rate: Some(0.6),
+            realised_hit_rate: Some(0.5),
+        }))]);
+        assert_eq!(k.router_config().tunables(), to);
+        assert_eq!(k.router_config().policy, RouterConfig::default().policy);
+        // Enough requests to compact: the snapshot keeps the change.
+        for i in 0..COMPACT_MIN_EVENTS {
+            let id = format!("r{i}");
+            k.commit(vec![routed(&id, 0), finished(&id)]);
+        }
+        let snapshot = futures::executor::block_on(crate::log::EventLog::snapshot(k.log()))
+            .expect("read")
+            .expect("compacted");
+        let kept: Vec<&RouterRetuned> = snapshot
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::RouterRetuned(r) => Some(r),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].to, to);
     }
 
     #[test]

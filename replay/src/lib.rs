@@ -9,6 +9,7 @@
 //! - [`tune`]: `--tune`, the Pareto front of a search over the router's tunables;
 //! - [`suite`]: the routing-quality suite behind `cargo xtask bench routing`;
 //! - [`record`]: the trace recorder behind `infera server --record-trace`;
+//! - [`shadow`]: the shadow replay and adoption behind `infera server --auto-tune`;
 //! - [`report`], [`output`], [`plot`]: tables, Parquet results, SVG and PNG charts.
 
 pub mod bench;
@@ -18,6 +19,7 @@ pub mod plot;
 pub mod record;
 pub mod report;
 pub mod rules;
+pub mod shadow;
 pub mod shard;
 pub mod sim;
 pub mod suite;

@@ -40,15 +40,13 @@
 //! The recorder is synchronous and owns no thread; the server feeds it from a queue that never
 //! blocks requests (drops are counted there) and calls [`Recorder::tick`] periodically.
 
-use crate::trace::{Trace, TraceError, TraceRequest, write_atomic, write_parquet_with};
+use crate::trace::{Trace, TraceError, write_atomic, write_parquet_with};
 use arrow_array::builder::{StringBuilder, UInt32Builder, UInt64Builder};
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_schema::{DataType, Field, Schema};
-use infera_core::event::{Envelope, Event, RequestFinished, RequestRouted, RequestStatus};
-use infera_core::ids::WorkerId;
+use infera_core::event::{Envelope, RequestStatus};
 use infera_core::service::RequestMeta;
 use parquet::file::properties::WriterProperties;
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -100,34 +98,6 @@ pub struct RecorderError {
     pub source: std::io::Error,
 }
 
-/// A request routed and not yet finished (its latest attempt).
-#[derive(Debug)]
-struct InFlight {
-    attempt: String,
-    arrival_us: u64,
-    attempts: u32,
-    routed: RequestRouted,
-}
-
-/// One finished request, ready for a segment.
-#[derive(Debug)]
-struct Row {
-    /// The router's key of the request ([`RequestId::request_key`](infera_core::ids::RequestId::request_key)); `request.request_id` is
-    /// the client's id.
-    key: String,
-    request: TraceRequest,
-    worker: String,
-    dp_rank: u32,
-    decode_worker: Option<String>,
-    overlap_blocks: u32,
-    policy: String,
-    status: RequestStatus,
-    ttft_us: Option<u64>,
-    cached_tokens: Option<u32>,
-    finish_us: u64,
-    attempts: u32,
-}
-
 /// One non-request event, ready for an event file.
 #[derive(Debug)]
 struct EventRow {
@@ -144,62 +114,12 @@ pub struct Recorder {
     opts: RecorderOptions,
     session: u64,
     next_segment: u64,
-    block_sizes: HashMap<WorkerId, u32>,
-    in_flight: HashMap<String, InFlight>,
-    /// Attempts that failed with a worker error, which a retry may still replace.
-    failed: HashMap<String, (InFlight, Row)>,
-    rows: Vec<Row>,
+    rows: assemble::Assembler,
     events: Vec<EventRow>,
     open_since_us: Option<u64>,
     open_bytes: u64,
-    /// Arrival of the last row written: rows arriving earlier are late.
-    written_upto_us: u64,
     stats: RecorderStats,
     errors: Vec<TraceError>,
-    /// What the events do not carry, by request key, with when it was noted.
-    metas: HashMap<String, (RequestMeta, u64)>,
-    /// Each session's last finish, for the think times of its later turns.
-    sessions: think::SessionClock,
-}
-
-/// Puts a request's session, identity and prompt on its row (a prompt whose length does not
-/// match the routed prompt is left out: the trace's invariants hold over what the router saw).
-/// An adapter's row names the base model as `model` and the adapter as `lora`, as the trace
-/// schema has it.
-fn attach(req: &mut TraceRequest, meta: RequestMeta) {
-    let RequestMeta {
-        session_id,
-        token_ids,
-        adapter,
-        cache_salt,
-        images,
-        priority,
-        ..
-    } = meta;
-    req.priority = priority;
-    req.images = images
-        .into_iter()
-        .map(|run| crate::trace::TraceImage {
-            offset: run.offset,
-            length: run.length,
-            id: run.id.into(),
-        })
-        .collect();
-    if session_id.is_some() {
-        req.session_id = session_id;
-    }
-    if let Some((adapter, base)) = adapter {
-        req.model = base;
-        req.lora = Some(adapter);
-    }
-    if cache_salt.is_some() {
-        req.cache_salt = cache_salt;
-    }
-    if let Some(tokens) = token_ids
-        && tokens.len() as u64 == u64::from(req.input_length)
-    {
-        req.token_ids = Some(tokens);
-    }
 }
 
 fn status_str(s: RequestStatus) -> &'static str {
@@ -228,24 +148,22 @@ impl Recorder {
             opts,
             session: now_us,
             next_segment: 0,
-            block_sizes: HashMap::new(),
-            in_flight: HashMap::new(),
-            failed: HashMap::new(),
-            rows: Vec::new(),
+            rows: assemble::Assembler::default(),
             events: Vec::new(),
             open_since_us: None,
             open_bytes: 0,
-            written_upto_us: 0,
             stats: RecorderStats::default(),
             errors: Vec::new(),
-            metas: HashMap::new(),
-            sessions: think::SessionClock::default(),
         })
     }
 
     /// The counters so far.
     pub fn stats(&self) -> RecorderStats {
-        self.stats
+        RecorderStats {
+            rows_late: self.rows.late,
+            rows_unhashed: self.rows.unhashed,
+            ..self.stats
+        }
     }
 
     /// The write failures since the last call (each also counted in `write_errors`), for the
@@ -256,37 +174,28 @@ impl Recorder {
 
     /// Requests routed and not finished.
     pub fn in_flight(&self) -> usize {
-        self.in_flight.len()
+        self.rows.in_flight()
     }
 
     /// Takes what the events do not say about the request keyed `key` ([`RequestId`](infera_core::ids::RequestId)): its
     /// session and (when the server records prompts) its token ids. It may arrive before or after
     /// the request's events.
     pub fn note_request(&mut self, meta: RequestMeta, now_us: u64) {
-        if let Some(row) = self.rows.iter_mut().find(|r| r.key == meta.request_id) {
-            attach(&mut row.request, meta);
-            return;
-        }
-        self.metas.insert(meta.request_id.clone(), (meta, now_us));
+        self.rows.note_request(meta, now_us);
     }
 
     /// Takes one committed event.
     pub fn feed(&mut self, env: &Envelope) {
-        match &env.event {
-            Event::RequestRouted(r) => self.routed(r),
-            Event::RequestPrefilled(_) => {}
-            Event::RequestFinished(f) => self.finished(f, env.ts_us),
-            other => {
-                if let Event::WorkerRegistered(w) = other {
-                    self.block_sizes
-                        .insert(w.record.worker_id.clone(), w.record.kv_block_size);
-                }
-                let json = serde_json::to_string(other).unwrap_or_default();
+        match self.rows.feed(env) {
+            assemble::Fed::Request(Some(bytes)) => self.open(env.ts_us, bytes),
+            assemble::Fed::Request(None) => {}
+            assemble::Fed::Other => {
+                let json = serde_json::to_string(&env.event).unwrap_or_default();
                 self.open(env.ts_us, json.len() as u64 + 64);
                 self.events.push(EventRow {
                     seq: env.seq,
                     ts_us: env.ts_us,
-                    kind: other.kind(),
+                    kind: env.event.kind(),
                     source: env
                         .source
                         .as_ref()
@@ -300,107 +209,6 @@ impl Recorder {
     fn open(&mut self, now_us: u64, bytes: u64) {
         self.open_since_us.get_or_insert(now_us);
         self.open_bytes += bytes;
-    }
-
-    fn routed(&mut self, r: &RequestRouted) {
-        let key = r.request_id.request_key().to_owned();
-        let (arrival_us, attempts) = match self.failed.remove(&key) {
-            Some((earlier, _)) => (earlier.arrival_us, earlier.attempts + 1),
-            None => (r.at_us, 1),
-        };
-        self.in_flight.insert(
-            key,
-            InFlight {
-                attempt: r.request_id.0.as_str().to_owned(),
-                arrival_us,
-                attempts,
-                routed: r.clone(),
-            },
-        );
-    }
-
-    fn finished(&mut self, f: &RequestFinished, ts_us: u64) {
-        let key = f.request_id.request_key();
-        let Some(flight) = self.in_flight.remove(key) else {
-            return;
-        };
-        if flight.attempt != f.request_id.0.as_str() {
-            // An older attempt's late news: the newer attempt stays in flight.
-            self.in_flight.insert(key.to_owned(), flight);
-            return;
-        }
-        let Some(row) = self.row(&flight, f, ts_us) else {
-            self.stats.rows_unhashed += 1;
-            return;
-        };
-        if f.status == RequestStatus::WorkerError {
-            // Failed before any byte reached the client: a retry may follow at once.
-            self.failed.insert(key.to_owned(), (flight, row));
-        } else {
-            self.push_row(row, ts_us);
-        }
-    }
-
-    fn push_row(&mut self, mut row: Row, now_us: u64) {
-        if let Some((meta, _)) = self.metas.remove(&row.key) {
-            attach(&mut row.request, meta);
-        }
-        if row.request.arrival_us < self.written_upto_us {
-            self.stats.rows_late += 1;
-            return;
-        }
-        let bytes = 128 + 8 * row.request.block_hashes.len() as u64;
-        self.open(now_us, bytes);
-        self.rows.push(row);
-    }
-
-    fn row(&self, flight: &InFlight, f: &RequestFinished, ts_us: u64) -> Option<Row> {
-        let r = &flight.routed;
-        let first = r.legs.first()?;
-        let block_size = self
-            .block_sizes
-            .get(&first.worker.worker)
-            .copied()
-            .filter(|bs| *bs > 0)?;
-        let input_length = r.prompt_tokens;
-        let blocks = r.blocks.len() as u64;
-        let full = u64::from(input_length / block_size);
-        if blocks < full || blocks > u64::from(input_length.div_ceil(block_size)) {
-            return None;
-        }
-        let decode = r.legs.get(1).map(|l| l.worker.worker.as_str().to_owned());
-        Some(Row {
-            key: r.request_id.request_key().to_owned(),
-            request: TraceRequest {
-                arrival_us: flight.arrival_us,
-                request_id: r.request_id.client_id().to_owned(),
-                model: r.model.clone(),
-                input_length,
-                output_length: f.tokens_out,
-                block_size,
-                block_hashes: r.blocks.iter().map(|b| b.0).collect(),
-                token_ids: None,
-                session_id: None,
-                retention: r.retention,
-                ttl_seconds: None,
-                think_time_us: None,
-                lora: None,
-                cache_salt: None,
-                images: Vec::new(),
-                tenant: r.tenant.clone(),
-                priority: None,
-            },
-            worker: first.worker.worker.as_str().to_owned(),
-            dp_rank: first.worker.dp_rank,
-            decode_worker: decode,
-            overlap_blocks: first.overlap_blocks,
-            policy: r.policy.clone(),
-            status: f.status,
-            ttft_us: f.ttft_us,
-            cached_tokens: f.cached_tokens,
-            finish_us: ts_us,
-            attempts: flight.attempts,
-        })
     }
 
     /// Rotates when the open segment is big or old enough. Call after each batch of events and
@@ -418,43 +226,16 @@ impl Recorder {
     /// recorded). Returns the final counters and the write failures not yet taken.
     pub fn finish(&mut self, now_us: u64) -> (RecorderStats, Vec<TraceError>) {
         self.rotate(now_us, true);
-        (self.stats, std::mem::take(&mut self.errors))
+        (self.stats(), std::mem::take(&mut self.errors))
     }
 
     fn rotate(&mut self, now_us: u64, all: bool) {
-        // Failed attempts not retried by now are final.
-        let failed: Vec<Row> = self.failed.drain().map(|(_, (_, row))| row).collect();
-        for row in failed {
-            self.push_row(row, now_us);
-        }
-        let horizon = now_us.saturating_sub(self.opts.max_in_flight_us);
-        // Metadata of requests that never finished (or were not recordable) is let go.
-        self.metas.retain(|_, (_, at)| *at >= horizon);
-        let watermark = if all {
-            u64::MAX
-        } else {
-            self.in_flight
-                .values()
-                .map(|f| f.arrival_us)
-                .filter(|a| *a >= horizon)
-                .min()
-                .unwrap_or(u64::MAX)
-        };
-        self.rows.sort_by_key(|r| r.request.arrival_us);
-        let ready = self
+        let rows = self
             .rows
-            .partition_point(|r| r.request.arrival_us < watermark);
-        let mut rows: Vec<Row> = self.rows.drain(..ready).collect();
-        self.sessions.forget_idle(now_us);
-        self.sessions
-            .stamp(rows.iter_mut().map(|r| (&mut r.request, r.finish_us)));
+            .take_ready(now_us, self.opts.max_in_flight_us, all);
         let events = std::mem::take(&mut self.events);
-        let kept_bytes: u64 = self
-            .rows
-            .iter()
-            .map(|r| 128 + 8 * r.request.block_hashes.len() as u64)
-            .sum();
-        self.open_since_us = (!self.rows.is_empty()).then_some(now_us);
+        let kept_bytes = self.rows.held_bytes();
+        self.open_since_us = (kept_bytes > 0).then_some(now_us);
         self.open_bytes = kept_bytes;
         if rows.is_empty() && events.is_empty() {
             return;
@@ -462,8 +243,7 @@ impl Recorder {
         let n = self.next_segment;
         self.next_segment += 1;
         let name = format!("{:020}-{n:06}", self.session);
-        if let Some(last) = rows.last() {
-            self.written_upto_us = last.request.arrival_us;
+        if !rows.is_empty() {
             let path = self.opts.dir.join(format!("trace-{name}.parquet"));
             let written = rows.len() as u64;
             match write_rows(rows, self.session, &path) {
@@ -494,7 +274,7 @@ impl Recorder {
     }
 }
 
-fn write_rows(rows: Vec<Row>, session: u64, path: &Path) -> Result<(), TraceError> {
+fn write_rows(rows: Vec<assemble::Row>, session: u64, path: &Path) -> Result<(), TraceError> {
     let mut worker = StringBuilder::new();
     let mut decode = StringBuilder::new();
     let mut policy = StringBuilder::new();
@@ -616,6 +396,7 @@ fn write_events(events: &[EventRow], path: &Path) -> Result<(), TraceError> {
     )
 }
 
+pub(crate) mod assemble;
 pub mod think;
 
 #[cfg(test)]

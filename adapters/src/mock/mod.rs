@@ -166,7 +166,10 @@ pub fn registration_extra(
 ) -> serde_json::Map<String, serde_json::Value> {
     let mut m = serde_json::Map::new();
     m.insert("mock".into(), true.into());
-    m.insert("kv_capacity_blocks".into(), engine.gpu_blocks.into());
+    m.insert(
+        infera_core::event::KV_CAPACITY_BLOCKS.into(),
+        engine.gpu_blocks.into(),
+    );
     if let Some(speed) = engine.prefill_tokens_per_s() {
         m.insert(
             infera_core::event::PREFILL_TOKENS_PER_S.into(),

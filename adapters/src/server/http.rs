@@ -145,6 +145,7 @@ pub(crate) fn router(state: ServerState) -> axum::Router {
             "/v1/admin/scale",
             get(super::scale::get_scale).post(super::scale::post_scale),
         )
+        .route("/v1/admin/tuning", get(super::tuning::get_tuning))
         .route("/v1/workers", get(workers))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),

@@ -62,6 +62,7 @@ mod tenants;
 mod test_support;
 mod tokens;
 pub mod transport;
+mod tuning;
 mod variants;
 
 pub use client::{AdminToken, ClientOptions, ParseBudget};
@@ -135,6 +136,8 @@ pub(crate) struct Inner {
     pub(crate) variants: variants::Variants,
     /// `--enable-scaling-api`: the pools `/v1/admin/scale` reads and resizes.
     pub(crate) scaler: Mutex<Option<Arc<dyn PoolScaler>>>,
+    /// What `--auto-tune` published last (`GET /v1/admin/tuning`); `None` when it is off.
+    pub(crate) tuning: Mutex<Option<Arc<serde_json::Value>>>,
     pub(crate) profiling: std::sync::atomic::AtomicBool,
     /// On-demand adapter loads in progress (see `lora`).
     pub(crate) lora_loads: lora::Loads,
@@ -174,6 +177,7 @@ impl ServerState {
                 restore: Mutex::new(durable::RestoreState::default()),
                 prefetch: Mutex::new(None),
                 scaler: Mutex::new(None),
+                tuning: Mutex::new(None),
                 variants,
                 profiling: std::sync::atomic::AtomicBool::new(false),
                 lora_loads: lora::Loads::default(),

@@ -17,6 +17,9 @@
 //!   `infera server --record-trace` does: target at most 5 % fewer requests per second. Each of
 //!   its samples also runs the plain fleet on the same requests back to back, and the median of
 //!   the paired ratios is printed: the side-by-side figure, free of the machine's drift.
+//!   `…-shadowed` runs it paired the same way with the shadow replay of `--auto-tune advise`
+//!   draining a tap and replaying its window every second (the server's default is every
+//!   minute): target no fewer requests per second, within the noise.
 //! * `e2e/throughput/{round-robin-c32,direct-c32}`: a request the router need not tokenize
 //!   (round-robin), and the same requests sent to the engine directly; target ≥ 20,000 req/s
 //!   and ≤ 150 µs added p50 (`e2e/added/{round-robin,direct}` at one connection).
@@ -136,6 +139,55 @@ fn record(state: &ServerState, dir: &std::path::Path) {
     });
 }
 
+/// Drains a tap of `state` into a shadow-replay window and replays it every second once it
+/// holds 200 requests, on a niced thread, as `infera server --auto-tune advise` does every
+/// minute.
+fn shadow(state: &ServerState) {
+    use infera_replay::shadow::{Budget, ShadowOptions, Window, assess};
+    let mut rx = state.service().tap("shadow", 1 << 16);
+    let service = state.service().clone();
+    let mut window = Window::new(ShadowOptions::default());
+    // The server's budget, a tenth of a core, here over one second.
+    let mut budget = Budget::new(0.1, Duration::from_secs(1), 50_000, 200);
+    let mut replayed_upto = 0;
+    std::thread::spawn(move || {
+        let tid = rustix::thread::gettid();
+        rustix::process::setpriority_process(Some(tid), 10).expect("nice");
+        let mut next = Instant::now() + Duration::from_secs(1);
+        loop {
+            std::thread::sleep(Duration::from_millis(50));
+            let closed = loop {
+                match rx.try_recv() {
+                    Ok(batch) => batch.iter().for_each(|e| window.feed(e)),
+                    Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break false,
+                    Err(_) => break true,
+                }
+            };
+            if closed {
+                break;
+            }
+            if Instant::now() < next {
+                continue;
+            }
+            next = Instant::now() + Duration::from_secs(1);
+            window.advance(infera_core::clock::SystemClock.now_us());
+            if window.len() >= 200 && window.added > replayed_upto {
+                replayed_upto = window.added;
+                let workers: Vec<WorkerRecord> =
+                    service.with_fleet(|f| f.workers().cloned().collect());
+                let base = infera_replay::sim::SimConfig {
+                    router: service.lock().kernel.router_config().clone(),
+                    ..Default::default()
+                };
+                let started = Instant::now();
+                let a = assess(&window, &base, &workers, budget.limit).expect("replayed");
+                let n = a.map_or(0, |a| a.requests);
+                budget.spent(n, started.elapsed().as_secs_f64());
+            }
+        }
+    });
+}
+
 /// A one-token completion, the whole answer of an [`instant_engine`].
 const INSTANT_REPLY: &str = r#"{"id":"cmpl-0","object":"text_completion","model":"bench","choices":[{"index":0,"text":"a","finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
 
@@ -193,13 +245,23 @@ enum Engines {
     Instant,
 }
 
+/// What consumes the front's committed events besides its router.
+#[derive(Clone, Copy)]
+enum Consumer<'a> {
+    None,
+    /// The trace recorder, writing under the folder.
+    Recorder(&'a Path),
+    /// The shadow replay, as `--auto-tune advise` runs it but every second.
+    Shadow,
+}
+
 fn fleet(
     policy: PolicyKind,
     tok: &Arc<Tokenizer>,
-    recording: Option<&std::path::Path>,
+    consumer: Consumer<'_>,
     engines: Engines,
 ) -> Fleet {
-    fleet_with(policy, tok, recording, engines, None, None)
+    fleet_with(policy, tok, consumer, engines, None, None)
 }
 
 /// [`fleet`], its front asking for the keys of `api_keys` (a key file), and with `spans`, its
@@ -207,7 +269,7 @@ fn fleet(
 fn fleet_with(
     policy: PolicyKind,
     tok: &Arc<Tokenizer>,
-    recording: Option<&std::path::Path>,
+    consumer: Consumer<'_>,
     engines: Engines,
     api_keys: Option<&Path>,
     spans: Option<tracing::Dispatch>,
@@ -247,8 +309,10 @@ fn fleet_with(
             let w3c = infera_adapters::telemetry::W3c::default();
             state.service().set_trace_context(Arc::new(w3c));
         }
-        if let Some(dir) = recording {
-            record(&state, dir);
+        match consumer {
+            Consumer::None => {}
+            Consumer::Recorder(dir) => record(&state, dir),
+            Consumer::Shadow => shadow(&state),
         }
         let mut workers = Vec::new();
         for _ in 0..2 {
@@ -307,7 +371,7 @@ fn body(text: &str) -> Bytes {
 
 fn cold(c: &mut Criterion) {
     let tok = tokenizer();
-    let fleet = fleet(PolicyKind::KV_AWARE, &tok, None, Engines::Instant);
+    let fleet = fleet(PolicyKind::KV_AWARE, &tok, Consumer::None, Engines::Instant);
     let mut group = c.benchmark_group("e2e/cold");
     group
         .sample_size(20)
@@ -411,7 +475,7 @@ fn concurrent(fleet: &Fleet, target: SocketAddr, bodies: &[Bytes], iters: u64) -
 fn throughput(c: &mut Criterion) {
     let tok = tokenizer();
     // Distinct 1k-token prompts, cycled: the kv-aware router hashes each of them.
-    let kv = fleet(PolicyKind::KV_AWARE, &tok, None, Engines::Mock);
+    let kv = fleet(PolicyKind::KV_AWARE, &tok, Consumer::None, Engines::Mock);
     let prompts: Vec<Bytes> = (0..256)
         .map(|i| body(&prompt(&tok, &format!("tp{i}"), 1_000)))
         .collect();
@@ -432,9 +496,14 @@ fn throughput(c: &mut Criterion) {
     // over 12 s: the recent-pick window kept every finished request and each log compaction
     // dumped them all. It keeps per-bucket charges now; see `infera_core::fleet`.)
     drop(kv);
-    let kv = fleet(PolicyKind::KV_AWARE, &tok, None, Engines::Mock);
+    let kv = fleet(PolicyKind::KV_AWARE, &tok, Consumer::None, Engines::Mock);
     let dir = tempfile::tempdir().expect("tempdir");
-    let recorded = fleet(PolicyKind::KV_AWARE, &tok, Some(dir.path()), Engines::Mock);
+    let recorded = fleet(
+        PolicyKind::KV_AWARE,
+        &tok,
+        Consumer::Recorder(dir.path()),
+        Engines::Mock,
+    );
     let mut ratios = Vec::new();
     group.bench_function("kv-aware-1k-c32-recorded", |b| {
         b.iter_custom(|iters| {
@@ -457,7 +526,38 @@ fn throughput(c: &mut Criterion) {
     }
     drop((kv, recorded));
 
-    let rr = fleet(PolicyKind::ROUND_ROBIN, &tok, None, Engines::Instant);
+    // The same load with the shadow replay on, paired the same way (target: no fewer requests
+    // per second, within the noise).
+    let kv = fleet(PolicyKind::KV_AWARE, &tok, Consumer::None, Engines::Mock);
+    let shadowed = fleet(PolicyKind::KV_AWARE, &tok, Consumer::Shadow, Engines::Mock);
+    let mut ratios = Vec::new();
+    group.bench_function("kv-aware-1k-c32-shadowed", |b| {
+        b.iter_custom(|iters| {
+            let plain_first = ratios.len() % 2 == 0;
+            let plain = plain_first.then(|| concurrent(&kv, kv.front, &prompts, iters));
+            let with = concurrent(&shadowed, shadowed.front, &prompts, iters);
+            let plain = plain.unwrap_or_else(|| concurrent(&kv, kv.front, &prompts, iters));
+            ratios.push(plain.as_secs_f64() / with.as_secs_f64());
+            with
+        });
+    });
+    ratios.sort_by(f64::total_cmp);
+    if let Some(median) = ratios.get(ratios.len() / 2) {
+        println!(
+            "e2e/throughput/kv-aware-1k-c32-shadowed: paired over {} samples, the shadow \
+             replay costs {:.1} % of the plain rate (median; negative: faster)",
+            ratios.len(),
+            (1.0 - median) * 100.0
+        );
+    }
+    drop((kv, shadowed));
+
+    let rr = fleet(
+        PolicyKind::ROUND_ROBIN,
+        &tok,
+        Consumer::None,
+        Engines::Instant,
+    );
     let short = vec![body("a request the router need not tokenize")];
     group.bench_function("round-robin-c32", |b| {
         b.iter_custom(|iters| concurrent(&rr, rr.front, &short, iters));
@@ -488,7 +588,7 @@ fn throughput(c: &mut Criterion) {
     let keyed = fleet_with(
         PolicyKind::ROUND_ROBIN,
         &tok,
-        None,
+        Consumer::None,
         Engines::Instant,
         Some(&keys),
         None,
@@ -510,7 +610,7 @@ fn throughput(c: &mut Criterion) {
     let traced = fleet_with(
         PolicyKind::ROUND_ROBIN,
         &tok,
-        None,
+        Consumer::None,
         Engines::Instant,
         None,
         Some(spans),

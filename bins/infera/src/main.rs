@@ -4,6 +4,7 @@
 // Tests may unwrap; the non-test build still denies it everywhere.
 
 mod app;
+mod auto_tune;
 mod bench;
 mod cli;
 mod config;

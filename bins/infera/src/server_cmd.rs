@@ -31,6 +31,8 @@
 //! A durable `--event-log` is attached through [`infera_adapters::server::attach_event_log`];
 //! `--record-trace DIR` (and `--record-prompts`) records through [`crate::record`].
 
+use crate::auto_tune::AutoTune;
+use crate::config::server::AutoTuneMode;
 use crate::config::server::RouterMode;
 use crate::config::{DiscoveryConfig, ServerConfig};
 use crate::record::Recording;
@@ -213,6 +215,7 @@ async fn serve_all(
         transport,
         kv_source,
     } = wiring::server_ports(&config).await?;
+    let sim_base = crate::auto_tune::sim_base(options.service.fleet, config.router.queue_threshold);
     let state = ServerState::with_transport(options, tokenizer, transport);
     state.set_profiling(config.enable_profiling);
     state.service().set_sla_metrics(config.enable_sla_metrics);
@@ -270,6 +273,10 @@ async fn serve_all(
         Some(r) => Some(Recording::start(&state, r)?),
         None => None,
     };
+    let auto_tune = match config.auto_tune.mode {
+        AutoTuneMode::Off => None,
+        _ => Some(AutoTune::start(&state, config.auto_tune, sim_base)?),
+    };
     let mut signals = Signals::register()?;
     let shutdown = CancellationToken::new();
     let discovery = follow_fleet(&config.discovery, &state, kv_source, &shutdown).await?;
@@ -297,6 +304,9 @@ async fn serve_all(
     state.service().close_taps();
     if let Some(recording) = recording {
         let _ = tokio::task::spawn_blocking(move || recording.finish()).await;
+    }
+    if let Some(shadow) = auto_tune {
+        let _ = tokio::task::spawn_blocking(move || shadow.finish()).await;
     }
     if let Some(durable) = durable {
         durable.close(DURABLE_GRACE).await;

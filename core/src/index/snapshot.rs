@@ -32,7 +32,8 @@ impl Projection for KvIndex {
             | Event::RequestPrefilled(_)
             | Event::RequestFinished(_)
             | Event::RecentLoad(_)
-            | Event::TierLoadMeasured(_) => {}
+            | Event::TierLoadMeasured(_)
+            | Event::RouterRetuned(_) => {}
         }
     }
 

@@ -51,7 +51,7 @@ pub use cost::{Scored, Scratch, Weights, score_candidates};
 pub use tiers::TierWeights;
 
 use crate::clock::Micros;
-use crate::event::{CandidateScore, RequestRouted, Retention, Role, RoutedLeg};
+use crate::event::{CandidateScore, RequestRouted, Retention, Role, RoutedLeg, Tunables};
 use crate::fleet::{Candidate, FleetState};
 use crate::ids::{BlockHash, RequestId, SessionKey, WorkerId, WorkerRank};
 use serde::{Deserialize, Serialize};
@@ -260,6 +260,27 @@ impl Default for RouterConfig {
 }
 
 impl RouterConfig {
+    /// The settings `--auto-tune` searches, as they are.
+    pub fn tunables(&self) -> Tunables {
+        Tunables {
+            overlap_weight: self.overlap_weight,
+            prefill_overlap_weight: self.prefill_overlap_weight,
+            resident_weight: self.resident_weight,
+            balance_tokens: self.balance_tokens,
+        }
+    }
+
+    /// This configuration with `t` in place of its tunables.
+    pub fn with_tunables(&self, t: &Tunables) -> Self {
+        Self {
+            overlap_weight: t.overlap_weight,
+            prefill_overlap_weight: t.prefill_overlap_weight,
+            resident_weight: t.resident_weight,
+            balance_tokens: t.balance_tokens,
+            ..self.clone()
+        }
+    }
+
     /// The overlap weight for a leg of `role`, before retention scaling.
     pub fn weight_for(&self, role: Role) -> f64 {
         match role {
@@ -466,6 +487,12 @@ impl Router {
 
     pub fn config(&self) -> &RouterConfig {
         &self.config
+    }
+
+    /// Decides with `t` from now on (a fresh policy instance: policies keep only caches and
+    /// their random source, see [`Policy`]).
+    pub fn retune(&mut self, t: &Tunables) {
+        *self = Self::new(self.config.with_tunables(t));
     }
 
     /// Decides where `req` goes: one leg, or a prefill and a decode leg when the model runs

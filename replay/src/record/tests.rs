@@ -2,10 +2,11 @@ use super::*;
 use crate::trace::{LoadOptions, load};
 use arrow_array::Array as _;
 use infera_core::event::{
-    Engine, KvBlocksStored, RequestTransport, Role, RoutedLeg, Tier, WorkerRecord, WorkerRegistered,
+    Engine, Event, KvBlocksStored, RequestFinished, RequestRouted, RequestTransport, Role,
+    RoutedLeg, Tier, WorkerRecord, WorkerRegistered,
 };
 use infera_core::hashing::identity::MmRun;
-use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerRank};
+use infera_core::ids::{BlockHash, EngineHash, RequestId, WorkerId, WorkerRank};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
 const BS: u32 = 16;

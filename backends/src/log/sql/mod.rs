@@ -298,7 +298,7 @@ fn rows(env: &Envelope) -> Result<(EventRow, Option<RequestChange>), LogError> {
         }
         Event::RequestPrefilled(p) => (None, None, Some(p.request_id.0.clone()), None),
         // A snapshot's window: no worker, model or request of its own.
-        Event::RecentLoad(_) => (None, None, None, None),
+        Event::RecentLoad(_) | Event::RouterRetuned(_) => (None, None, None, None),
         Event::TierLoadMeasured(t) => (
             Some((t.source.worker.0.clone(), t.source.dp_rank)),
             None,

@@ -3,7 +3,7 @@
 //! Only the shape of the command line lives here: names, defaults, help and the syntax of
 //! each value. Everything else is checked by `TryFrom<ServerArgs> for ServerConfig`.
 
-use crate::config::server::RouterMode;
+use crate::config::server::{AutoTuneMode, RouterMode};
 use crate::config::units::{ByteSize, HumanDuration};
 use crate::config::{KvEventTransport, RequestTransport};
 use clap::Args;
@@ -447,6 +447,31 @@ pub struct ServerArgs {
     /// --record-trace); a crash loses at most this much of the recording. e.g. 60s, 5m.
     #[arg(long, default_value = "60s", value_name = "DURATION", help_heading = EXTENSIONS)]
     pub record_segment_age: HumanDuration,
+
+    /// Infera extension: shadow replay of the server's own traffic. Every
+    /// --auto-tune-interval the last --auto-tune-window of finished requests is replayed
+    /// through the simulator (on one niced thread, off the request path) with the current
+    /// router tunables and their neighbours on `infera replay --tune`'s grid, and set against
+    /// what the engines reported. advise: publish the front, the recommendation and the
+    /// predicted-against-realised hit rate at GET /v1/admin/tuning and as infera_tuning_*
+    /// metrics. apply: also adopt a neighbour whose predicted gain is beyond the window's
+    /// noise, one step at a time, and roll it back when the next window does not realise it;
+    /// every change is a RouterRetuned event in the log. off: none of it.
+    #[arg(long, value_enum, default_value = "advise", help_heading = EXTENSIONS)]
+    pub auto_tune: AutoTuneMode,
+
+    /// Infera extension: the traffic each shadow replay covers (--auto-tune).
+    #[arg(long, default_value = "10m", value_name = "DURATION", help_heading = EXTENSIONS)]
+    pub auto_tune_window: HumanDuration,
+
+    /// Infera extension: how often the shadow replay runs (--auto-tune).
+    #[arg(long, default_value = "1m", value_name = "DURATION", help_heading = EXTENSIONS)]
+    pub auto_tune_interval: HumanDuration,
+
+    /// Infera extension: the most memory the shadow replay's window holds (--auto-tune); past
+    /// it the oldest requests leave first. About 5 KiB per 10k-token request.
+    #[arg(long, default_value = "256MiB", value_name = "SIZE", help_heading = EXTENSIONS)]
+    pub auto_tune_memory: ByteSize,
 
     /// Infera extension: chat template file (Jinja) used to tokenize chat requests for
     /// prefix hashing. [default: the tokenizer's own template]

@@ -22,6 +22,7 @@ use infera_core::policy::{AffinityMode, PolicyKind};
 use infera_core::service::OutlierConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// `--enable-scaling-api`: the pools of the InferaDeployment the server's Pod belongs to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -380,6 +381,8 @@ pub struct ServerConfig {
     pub event_log: EventLogConfig,
     /// Trace recording, if enabled.
     pub record_trace: Option<TraceRecordingConfig>,
+    /// `--auto-tune` and its window.
+    pub auto_tune: AutoTuneConfig,
     /// Deadlines toward workers over HTTP and the circuit breaker.
     pub worker_edge: WorkerEdgeConfig,
 }
@@ -389,6 +392,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
 
     fn try_from(args: ServerArgs) -> Result<Self, ConfigError> {
         let worker_edge = WorkerEdgeConfig::from_args(&args)?;
+        let auto_tune = AutoTuneConfig::from_args(&args)?;
         let (tokenizer_path, tokenizer_file) = tokenizer(args.router_tokenizer_path)?;
         let model_tokenizers = model_tokenizers(&args.model_tokenizer)?;
         let lora_loading = lora_loading(
@@ -494,6 +498,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
                 args.record_segment_bytes,
                 args.record_segment_age,
             )?,
+            auto_tune,
             worker_edge,
         })
     }
@@ -661,6 +666,48 @@ fn event_log(spec: &str, nats_server: &str) -> Result<EventLogConfig, ConfigErro
         }
     }
     Ok(log)
+}
+
+/// `--auto-tune`: what the shadow replay may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AutoTuneMode {
+    /// No shadow replay.
+    Off,
+    /// Replay and publish the advice; never change the router.
+    Advise,
+    /// Replay, publish, and adopt what the replay shows is better.
+    Apply,
+}
+
+/// `--auto-tune` and its window.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AutoTuneConfig {
+    pub mode: AutoTuneMode,
+    pub window: Duration,
+    pub interval: Duration,
+    pub max_bytes: u64,
+}
+
+impl AutoTuneConfig {
+    fn from_args(args: &ServerArgs) -> Result<Self, ConfigError> {
+        let positive = |flag: &'static str, d: &HumanDuration| {
+            if d.is_zero() {
+                Err(ConfigError::new(flag, "must be positive"))
+            } else {
+                Ok(d.0)
+            }
+        };
+        if args.auto_tune_memory.bytes() == 0 {
+            return Err(ConfigError::new("--auto-tune-memory", "must be positive"));
+        }
+        Ok(Self {
+            mode: args.auto_tune,
+            window: positive("--auto-tune-window", &args.auto_tune_window)?,
+            interval: positive("--auto-tune-interval", &args.auto_tune_interval)?,
+            max_bytes: args.auto_tune_memory.bytes(),
+        })
+    }
 }
 
 fn record_trace(
