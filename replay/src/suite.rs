@@ -21,7 +21,7 @@ use crate::sim::{self, SimConfig, SimError};
 use crate::sweep::{self, Point};
 use crate::trace::{Trace, summarize};
 use crate::tune;
-use infera_core::policy::PolicyKind;
+use infera_core::policy::{INFERA_PROFILE, PYTHON_PROFILE, PolicyKind};
 use rayon::prelude::*;
 use std::fmt::Write as _;
 
@@ -46,9 +46,10 @@ pub struct Policy {
     pub gpu_only: bool,
 }
 
-/// The policies compared: every registered policy at the default weights, then KV-aware at two
-/// higher weights, with resident conversations counted, with recent picks balanced, and with
-/// the GPU-only cost (no credit for kvd tiers: the same as the default on a fleet without them).
+/// The policies compared: every registered policy at the default tunables (the Python
+/// Infera's, `--router-profile python`), then KV-aware at `--router-profile infera`'s, at two
+/// other weights, with resident conversations counted, and with the GPU-only cost (no credit
+/// for kvd tiers: the same as the default on a fleet without them).
 pub fn policies() -> Vec<Policy> {
     let at = |label: String, kind, overlap_weight, resident_weight, balance_tokens| Policy {
         label,
@@ -58,6 +59,7 @@ pub fn policies() -> Vec<Policy> {
         balance_tokens,
         gpu_only: false,
     };
+    let d = PYTHON_PROFILE;
     let mut out: Vec<Policy> = PolicyKind::all()
         .map(|kind| {
             let label = if kind == PolicyKind::default() {
@@ -65,21 +67,39 @@ pub fn policies() -> Vec<Policy> {
             } else {
                 kind.to_string()
             };
-            at(label, kind, 1.0, 0.0, 0)
+            at(
+                label,
+                kind,
+                d.overlap_weight,
+                d.resident_weight,
+                d.balance_tokens,
+            )
         })
         .collect();
     let kv = PolicyKind::KV_AWARE;
+    let infera = INFERA_PROFILE;
     for (label, overlap, resident, balance) in [
+        (
+            "kv-aware, --router-profile infera (weight 16, balance 512 tokens)",
+            infera.overlap_weight,
+            infera.resident_weight,
+            infera.balance_tokens,
+        ),
         ("kv-aware, weight 4", 4.0, 0.0, 0),
         ("kv-aware, weight 16", 16.0, 0.0, 0),
         ("kv-aware, weight 4, resident weight 1", 4.0, 1.0, 0),
-        ("kv-aware, weight 16, balance 512 tokens", 16.0, 0.0, 512),
     ] {
         out.push(at(label.to_owned(), kv, overlap, resident, balance));
     }
     out.push(Policy {
         gpu_only: true,
-        ..at("kv-aware, GPU-only cost".to_owned(), kv, 1.0, 0.0, 0)
+        ..at(
+            "kv-aware, GPU-only cost".to_owned(),
+            kv,
+            d.overlap_weight,
+            d.resident_weight,
+            d.balance_tokens,
+        )
     });
     out
 }

@@ -142,7 +142,8 @@ async fn advise_predicts_what_the_fleet_realises_and_changes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn apply_moves_the_router_one_step_and_judges_the_next_window() {
     let tok = tokenizer_dir();
-    let fleet = fleet(&tok, &["--auto-tune", "apply", "--kv-overlap-weight", "0"]).await;
+    let flags = ["--auto-tune", "apply", "--kv-overlap-weight", "0"];
+    let fleet = fleet(&tok, &flags).await;
     converse(fleet.port, &tok, "first");
     let mut report = Value::Null;
     eventually("a change", || {

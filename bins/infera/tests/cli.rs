@@ -149,7 +149,10 @@ const SERVER_SEED_FLAGS: &[FlagSpec] = &[
     ("--router-tokenizer-path", &["required"]),
     ("--router-mode", &["[default: auto]", "direct"]),
     ("--router-policy", &["[default: kv-aware]", "round-robin"]),
-    ("--kv-overlap-weight", &["[default: 1.0]"]),
+    (
+        "--kv-overlap-weight",
+        &["[default: 1.0]", "16 with --router-profile infera"],
+    ),
     ("--kv-prefill-overlap-weight", &["[default: unset]", "20.0"]),
     ("--kv-decode-overlap-weight", &["[default: unset]", "2.0"]),
     ("--request-max-retries", &["[default: 1]", "0 disables"]),
@@ -181,6 +184,18 @@ const SERVER_SEED_FLAGS: &[FlagSpec] = &[
 ];
 
 const SERVER_EXTENSION_FLAGS: &[FlagSpec] = &[
+    (
+        "--router-profile",
+        &[
+            "[default: python]",
+            "[env: INFERA_ROUTER_PROFILE=]",
+            "infera",
+        ],
+    ),
+    (
+        "--auto-tune",
+        &["[default: advise]", "off", "apply", "/v1/admin/tuning"],
+    ),
     (
         "--router-temperature",
         &["[default: 0]", "argmin", "softmax"],

@@ -241,6 +241,24 @@ pub struct RouterConfig {
     pub tier_weights: TierWeights,
 }
 
+/// The tunables of `--router-profile infera`: near-best on every trace of the routing-quality
+/// suite without tuning (docs/benchmarks.md).
+pub const INFERA_PROFILE: Tunables = Tunables {
+    overlap_weight: 16.0,
+    prefill_overlap_weight: None,
+    resident_weight: 0.0,
+    balance_tokens: 512,
+};
+
+/// The tunables of `--router-profile python`, the default: the Python Infera's defaults, and
+/// [`RouterConfig::default`]'s.
+pub const PYTHON_PROFILE: Tunables = Tunables {
+    overlap_weight: 1.0,
+    prefill_overlap_weight: None,
+    resident_weight: 0.0,
+    balance_tokens: 0,
+};
+
 impl Default for RouterConfig {
     fn default() -> Self {
         Self {

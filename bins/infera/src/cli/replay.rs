@@ -36,9 +36,13 @@ pub struct ReplayArgs {
     /// Routing policy, as `infera server --router-policy`.
     #[arg(long, value_parser = super::policy_parser(), default_value_t)]
     pub router_policy: PolicyKind,
-    /// KV-aware: cache locality vs load balance, as `infera server`.
-    #[arg(long, default_value_t = 1.0)]
-    pub kv_overlap_weight: f64,
+    /// The defaults of the router's tunables not given, as `infera server --router-profile`.
+    #[arg(long, value_enum, default_value = "python")]
+    pub router_profile: crate::config::RouterProfile,
+    /// KV-aware: cache locality vs load balance, as `infera server`. [default: 1.0] (16 with
+    /// --router-profile infera)
+    #[arg(long)]
+    pub kv_overlap_weight: Option<f64>,
     /// KV-aware PD: prefill-side weight. Without --prefill-workers/--decode-workers, a PD fleet is
     /// simulated with a quarter of --workers as prefill workers.
     #[arg(long)]
@@ -54,9 +58,9 @@ pub struct ReplayArgs {
     #[arg(long, default_value_t = 0.0)]
     pub router_resident_weight: f64,
     /// Tokens to prefill that each recent pick a worker took above the fleet's mean costs it,
-    /// as `infera server` (Infera extension).
-    #[arg(long, default_value_t = 0)]
-    pub router_balance_tokens: u32,
+    /// as `infera server` (Infera extension). [default: 0] (512 with --router-profile infera)
+    #[arg(long)]
+    pub router_balance_tokens: Option<u32>,
     /// What a prompt block in a worker's kvd host RAM (--host-blocks) is worth against a GPU
     /// hit, 0 to 1, as `infera server` (Infera extension). [default: measured: 1 − the engine
     /// model's load time over its prefill time]

@@ -369,10 +369,10 @@ pub struct ServerArgs {
     /// much as prefilling this many tokens, times --kv-overlap-weight (the last 64 picks per
     /// worker, a request's own conversation left out); 0 does not count them. Above 0, a hot
     /// prefix shared by many requests spreads over a few workers instead of piling onto its
-    /// first holder, while a prefix longer than the charge stays (try 512 with
-    /// --kv-overlap-weight 16; `infera replay --tune` searches it).
-    #[arg(long, default_value = "0", value_name = "TOKENS", help_heading = EXTENSIONS)]
-    pub router_balance_tokens: u32,
+    /// first holder, while a prefix longer than the charge stays (`infera replay --tune`
+    /// searches it). [default: 0] (512 with --router-profile infera)
+    #[arg(long, value_name = "TOKENS", help_heading = EXTENSIONS)]
+    pub router_balance_tokens: Option<u32>,
 
     /// Infera extension: what a prompt block found in a worker's node kvd's host RAM (L2) is
     /// worth against one in its GPU cache, 0 to 1. [default: measured: 1 − the time kvd takes

@@ -44,6 +44,9 @@ pub struct GaieRouterConfig {
     pub kv_prefill_overlap_weight: Option<f64>,
     /// Decode-role weight in PD mode; `None` uses `kv_overlap_weight`.
     pub kv_decode_overlap_weight: Option<f64>,
+    /// The balance charge of `--router-profile`.
+    #[serde(default)]
+    pub balance_tokens: u32,
 }
 
 /// The validated configuration of `infera gaie`.
@@ -80,6 +83,7 @@ impl GaieConfig {
         let (tokenizer_path, tokenizer_file) = tokenizer(args.router_tokenizer_path)?;
         let discovery = args.discovery.for_router()?;
         args.kv_event_transport.require_built()?;
+        let balance_tokens = args.weights.router_profile.balance_tokens();
         let (kv_overlap_weight, kv_prefill_overlap_weight, kv_decode_overlap_weight) =
             args.weights.validated()?;
         let secure_serving = if args.secure_serving {
@@ -105,6 +109,7 @@ impl GaieConfig {
                 kv_overlap_weight,
                 kv_prefill_overlap_weight,
                 kv_decode_overlap_weight,
+                balance_tokens,
             },
             discovery,
             kv_event_transport: args.kv_event_transport,

@@ -104,12 +104,47 @@ pub enum DiscoveryConfig {
     },
 }
 
+/// `--router-profile`: where the router's unset tunables come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RouterProfile {
+    /// Near-best without tuning on every trace of the routing-quality suite
+    /// (docs/benchmarks.md): --kv-overlap-weight 16, --router-balance-tokens 512.
+    Infera,
+    /// The Python Infera's, the seed's defaults: --kv-overlap-weight 1.0, no balance charge.
+    #[default]
+    Python,
+}
+
+impl RouterProfile {
+    fn tunables(self) -> infera_core::event::Tunables {
+        match self {
+            RouterProfile::Infera => infera_core::policy::INFERA_PROFILE,
+            RouterProfile::Python => infera_core::policy::PYTHON_PROFILE,
+        }
+    }
+
+    /// `--kv-overlap-weight` when it is not given.
+    pub fn overlap_weight(self) -> f64 {
+        self.tunables().overlap_weight
+    }
+
+    /// `--router-balance-tokens` when it is not given.
+    pub fn balance_tokens(self) -> u32 {
+        self.tunables().balance_tokens
+    }
+}
+
 impl OverlapWeightArgs {
-    /// The overall, prefill and decode weights, each checked non-negative.
+    /// The overall, prefill and decode weights, each checked non-negative, the overall one
+    /// `--router-profile`'s when not given.
     pub(crate) fn validated(self) -> Result<(f64, Option<f64>, Option<f64>), ConfigError> {
         let optional = |flag, weight: Option<f64>| weight.map(|w| non_negative_f64(flag, w));
+        let overall = self
+            .kv_overlap_weight
+            .unwrap_or(self.router_profile.overlap_weight());
         Ok((
-            non_negative_f64("--kv-overlap-weight", self.kv_overlap_weight)?,
+            non_negative_f64("--kv-overlap-weight", overall)?,
             optional(
                 "--kv-prefill-overlap-weight",
                 self.kv_prefill_overlap_weight,

@@ -411,6 +411,7 @@ impl TryFrom<ServerArgs> for ServerConfig {
         let discovery = args.discovery.for_router()?;
         args.request_transport.require_built()?;
         args.kv_event_transport.require_built()?;
+        let profile = args.weights.router_profile;
         let (kv_overlap_weight, kv_prefill_overlap_weight, kv_decode_overlap_weight) =
             args.weights.validated()?;
         let router = RouterConfig {
@@ -429,7 +430,9 @@ impl TryFrom<ServerArgs> for ServerConfig {
                 "--router-resident-weight",
                 args.router_resident_weight,
             )?,
-            balance_tokens: args.router_balance_tokens,
+            balance_tokens: args
+                .router_balance_tokens
+                .unwrap_or(profile.balance_tokens()),
             tier_weights: infera_core::policy::TierWeights {
                 host: unit_weight(
                     "--router-host-cache-hit-weight",

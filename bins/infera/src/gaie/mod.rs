@@ -33,6 +33,7 @@ use infera_adapters::server::{ClientOptions, ServerOptions, ServerState};
 use infera_adapters::tokenize::Tokenizer;
 use infera_core::event::Retention;
 use infera_core::fleet::FleetConfig;
+use infera_core::policy::RouterConfig;
 use infera_core::service::ServiceOptions;
 use std::sync::Arc;
 use tokio::net::TcpListener;
@@ -52,12 +53,15 @@ pub fn run(config: GaieConfig) -> anyhow::Result<()> {
     let tokenizer = server_cmd::load_tokenizer(&config.router.tokenizer_path)?;
     let options = ServerOptions {
         service: ServiceOptions {
-            router: server_cmd::router_config(
-                config.router.policy,
-                config.router.kv_overlap_weight,
-                config.router.kv_prefill_overlap_weight,
-                config.router.kv_decode_overlap_weight,
-            ),
+            router: RouterConfig {
+                balance_tokens: config.router.balance_tokens,
+                ..server_cmd::router_config(
+                    config.router.policy,
+                    config.router.kv_overlap_weight,
+                    config.router.kv_prefill_overlap_weight,
+                    config.router.kv_decode_overlap_weight,
+                )
+            },
             fleet: FleetConfig::default(),
             request_max_retries: 0,
             max_body_bytes: ext_proc::MAX_BODY,

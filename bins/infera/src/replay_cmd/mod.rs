@@ -46,7 +46,10 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
         }
         Ok(())
     };
-    nonneg("kv-overlap-weight", a.kv_overlap_weight)?;
+    let overlap_weight = a
+        .kv_overlap_weight
+        .unwrap_or(a.router_profile.overlap_weight());
+    nonneg("kv-overlap-weight", overlap_weight)?;
     nonneg("router-temperature", a.router_temperature)?;
     nonneg("router-resident-weight", a.router_resident_weight)?;
     nonneg("kv-event-delay-ms", a.kv_event_delay_ms)?;
@@ -87,12 +90,14 @@ fn base_config(a: &ReplayArgs, trace_block_size: u32) -> anyhow::Result<SimConfi
         .context("--retention-rule")?;
     let mut cfg = SimConfig::default();
     cfg.router.policy = a.router_policy;
-    cfg.router.overlap_weight = a.kv_overlap_weight;
+    cfg.router.overlap_weight = overlap_weight;
     cfg.router.prefill_overlap_weight = a.kv_prefill_overlap_weight;
     cfg.router.decode_overlap_weight = a.kv_decode_overlap_weight;
     cfg.router.temperature = a.router_temperature;
     cfg.router.resident_weight = a.router_resident_weight;
-    cfg.router.balance_tokens = a.router_balance_tokens;
+    cfg.router.balance_tokens = a
+        .router_balance_tokens
+        .unwrap_or(a.router_profile.balance_tokens());
     for (flag, w) in [
         (
             "--router-host-cache-hit-weight",

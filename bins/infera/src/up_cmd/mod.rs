@@ -88,14 +88,14 @@ pub struct UpArgs {
     #[arg(long, value_name = "PATH")]
     pub router_tokenizer_path: Option<PathBuf>,
 
-    /// KV-aware: cache locality vs load balance, as `infera server`.
-    #[arg(
-        long,
-        default_value = "1.0",
-        value_name = "WEIGHT",
-        allow_negative_numbers = true
-    )]
-    pub kv_overlap_weight: f64,
+    /// The defaults of the router's tunables not given, as `infera server --router-profile`.
+    #[arg(long, value_enum, default_value = "python")]
+    pub router_profile: crate::config::RouterProfile,
+
+    /// KV-aware: cache locality vs load balance, as `infera server`. [default: 1.0] (16 with
+    /// --router-profile infera)
+    #[arg(long, value_name = "WEIGHT", allow_negative_numbers = true)]
+    pub kv_overlap_weight: Option<f64>,
 
     /// Routing policy, as `infera server`.
     #[arg(long, value_parser = crate::cli::policy_parser(), default_value_t)]
@@ -178,7 +178,10 @@ fn validate(args: &UpArgs) -> anyhow::Result<PathBuf> {
     if !(args.speedup.is_finite() && args.speedup > 0.0) {
         bail!("--speedup must be a positive number, got {}", args.speedup);
     }
-    if !args.kv_overlap_weight.is_finite() {
+    let overlap_weight = args
+        .kv_overlap_weight
+        .unwrap_or(args.router_profile.overlap_weight());
+    if !overlap_weight.is_finite() {
         bail!("--kv-overlap-weight must be finite");
     }
     for module in &args.lora_modules {
@@ -222,7 +225,10 @@ async fn up(args: UpArgs, tokenizer: Arc<Tokenizer>) -> anyhow::Result<()> {
         service: ServiceOptions {
             router: RouterConfig {
                 policy: args.router_policy,
-                overlap_weight: args.kv_overlap_weight,
+                overlap_weight: args
+                    .kv_overlap_weight
+                    .unwrap_or(args.router_profile.overlap_weight()),
+                balance_tokens: args.router_profile.balance_tokens(),
                 ..RouterConfig::default()
             },
             fleet: FleetConfig::default(),

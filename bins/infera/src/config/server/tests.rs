@@ -35,7 +35,15 @@ fn defaults_match_the_seed() {
     assert_eq!(config.http.max_body_bytes, ByteSize(32 << 20));
     assert_eq!(config.router.mode, RouterMode::Auto);
     assert_eq!(config.router.policy, PolicyKind::KV_AWARE);
+    // The seed's (the python profile's); the infera profile's is the routing suite's.
     assert_eq!(config.router.kv_overlap_weight, 1.0);
+    assert_eq!(config.router.balance_tokens, 0);
+    let infera = parse(&["--router-profile", "infera"]).unwrap();
+    assert_eq!(infera.router.kv_overlap_weight, 16.0);
+    assert_eq!(infera.router.balance_tokens, 512);
+    let given = parse(&["--kv-overlap-weight", "2", "--router-balance-tokens", "0"]).unwrap();
+    assert_eq!(given.router.kv_overlap_weight, 2.0);
+    assert_eq!(given.router.balance_tokens, 0);
     assert_eq!(config.router.kv_prefill_overlap_weight, None);
     assert_eq!(config.router.temperature, 0.0);
     assert_eq!(config.router.request_max_retries, 1);
@@ -82,7 +90,6 @@ fn negative_weights_and_temperature_are_rejected() {
     assert_eq!(parse(&[]).unwrap().router.resident_weight, 0.0);
     let balance = parse(&["--router-balance-tokens", "1"]).unwrap();
     assert_eq!(balance.router.balance_tokens, 1);
-    assert_eq!(parse(&[]).unwrap().router.balance_tokens, 0);
     let negative = ["infera", "server", "--router-balance-tokens", "-1"];
     assert!(Cli::try_parse_from(negative).is_err());
 }
