@@ -472,6 +472,41 @@ fn concurrent(fleet: &Fleet, target: SocketAddr, bodies: &[Bytes], iters: u64) -
     start.elapsed()
 }
 
+/// `kv-aware-1k-c32-SUFFIX`: a fresh fleet with `consumer` on its committed events, each sample
+/// paired with a fresh plain fleet on the same requests (alternating which goes first); prints
+/// the median of the pairs' ratios as what `consumer` costs.
+fn paired(
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    tok: &Arc<Tokenizer>,
+    prompts: &[Bytes],
+    (suffix, what): (&str, &str),
+    consumer: Consumer<'_>,
+) {
+    let kv = fleet(PolicyKind::KV_AWARE, tok, Consumer::None, Engines::Mock);
+    let with_it = fleet(PolicyKind::KV_AWARE, tok, consumer, Engines::Mock);
+    let mut ratios = Vec::new();
+    let name = format!("kv-aware-1k-c32-{suffix}");
+    group.bench_function(name.as_str(), |b| {
+        b.iter_custom(|iters| {
+            let plain_first = ratios.len() % 2 == 0;
+            let plain = plain_first.then(|| concurrent(&kv, kv.front, prompts, iters));
+            let with = concurrent(&with_it, with_it.front, prompts, iters);
+            let plain = plain.unwrap_or_else(|| concurrent(&kv, kv.front, prompts, iters));
+            ratios.push(plain.as_secs_f64() / with.as_secs_f64());
+            with
+        });
+    });
+    ratios.sort_by(f64::total_cmp);
+    if let Some(median) = ratios.get(ratios.len() / 2) {
+        println!(
+            "e2e/throughput/{name}: paired over {} samples, {what} costs {:.1} % of the plain \
+             rate (median; negative: faster)",
+            ratios.len(),
+            (1.0 - median) * 100.0
+        );
+    }
+}
+
 fn throughput(c: &mut Criterion) {
     let tok = tokenizer();
     // Distinct 1k-token prompts, cycled: the kv-aware router hashes each of them.
@@ -496,61 +531,23 @@ fn throughput(c: &mut Criterion) {
     // over 12 s: the recent-pick window kept every finished request and each log compaction
     // dumped them all. It keeps per-bucket charges now; see `infera_core::fleet`.)
     drop(kv);
-    let kv = fleet(PolicyKind::KV_AWARE, &tok, Consumer::None, Engines::Mock);
     let dir = tempfile::tempdir().expect("tempdir");
-    let recorded = fleet(
-        PolicyKind::KV_AWARE,
+    paired(
+        &mut group,
         &tok,
+        &prompts,
+        ("recorded", "the recorder"),
         Consumer::Recorder(dir.path()),
-        Engines::Mock,
     );
-    let mut ratios = Vec::new();
-    group.bench_function("kv-aware-1k-c32-recorded", |b| {
-        b.iter_custom(|iters| {
-            let plain_first = ratios.len() % 2 == 0;
-            let plain = plain_first.then(|| concurrent(&kv, kv.front, &prompts, iters));
-            let with = concurrent(&recorded, recorded.front, &prompts, iters);
-            let plain = plain.unwrap_or_else(|| concurrent(&kv, kv.front, &prompts, iters));
-            ratios.push(plain.as_secs_f64() / with.as_secs_f64());
-            with
-        });
-    });
-    ratios.sort_by(f64::total_cmp);
-    if let Some(median) = ratios.get(ratios.len() / 2) {
-        println!(
-            "e2e/throughput/kv-aware-1k-c32-recorded: paired over {} samples, the recorder \
-             costs {:.1} % of the plain rate (median; negative: faster)",
-            ratios.len(),
-            (1.0 - median) * 100.0
-        );
-    }
-    drop((kv, recorded));
-
     // The same load with the shadow replay on, paired the same way (target: no fewer requests
     // per second, within the noise).
-    let kv = fleet(PolicyKind::KV_AWARE, &tok, Consumer::None, Engines::Mock);
-    let shadowed = fleet(PolicyKind::KV_AWARE, &tok, Consumer::Shadow, Engines::Mock);
-    let mut ratios = Vec::new();
-    group.bench_function("kv-aware-1k-c32-shadowed", |b| {
-        b.iter_custom(|iters| {
-            let plain_first = ratios.len() % 2 == 0;
-            let plain = plain_first.then(|| concurrent(&kv, kv.front, &prompts, iters));
-            let with = concurrent(&shadowed, shadowed.front, &prompts, iters);
-            let plain = plain.unwrap_or_else(|| concurrent(&kv, kv.front, &prompts, iters));
-            ratios.push(plain.as_secs_f64() / with.as_secs_f64());
-            with
-        });
-    });
-    ratios.sort_by(f64::total_cmp);
-    if let Some(median) = ratios.get(ratios.len() / 2) {
-        println!(
-            "e2e/throughput/kv-aware-1k-c32-shadowed: paired over {} samples, the shadow \
-             replay costs {:.1} % of the plain rate (median; negative: faster)",
-            ratios.len(),
-            (1.0 - median) * 100.0
-        );
-    }
-    drop((kv, shadowed));
+    paired(
+        &mut group,
+        &tok,
+        &prompts,
+        ("shadowed", "the shadow replay"),
+        Consumer::Shadow,
+    );
 
     let rr = fleet(
         PolicyKind::ROUND_ROBIN,
