@@ -376,6 +376,8 @@ impl Shadow {
             "current": shadow::flags(&current),
             "window": {
                 "requests": self.window.len(),
+                "added": self.window.added,
+                "replayed": self.replayed_upto,
                 "bytes": self.window.bytes(),
                 "evicted": self.window.evicted,
                 "window_s": self.config.window.as_secs_f64(),

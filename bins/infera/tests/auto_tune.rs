@@ -17,8 +17,8 @@ use serde_json::{Value, json};
 /// paragraph, `TURNS` turns each; every thread keeps its conversations open at once and takes
 /// their turns in rotation.
 const CLIENTS: usize = 4;
-const PER_CLIENT: usize = 6;
-const TURNS: usize = 10;
+const PER_CLIENT: usize = 12;
+const TURNS: usize = 5;
 
 fn converse(port: u16, tok: &str, tag: &str) {
     std::thread::scope(|scope| {
@@ -144,12 +144,24 @@ async fn apply_moves_the_router_one_step_and_judges_the_next_window() {
     let tok = tokenizer_dir();
     let flags = ["--auto-tune", "apply", "--kv-overlap-weight", "0"];
     let fleet = fleet(&tok, &flags).await;
-    converse(fleet.port, &tok, "first");
+    // Rounds of conversations until a replay adopts a change: each round waits for a change or
+    // for the replay of its last request.
     let mut report = Value::Null;
-    eventually("a change", || {
-        report = tuning(fleet.port);
-        report["changes"].as_array().is_some_and(|c| !c.is_empty())
-    });
+    let changed = |report: &Value| report["changes"].as_array().is_some_and(|c| !c.is_empty());
+    let per_round = (CLIENTS * PER_CLIENT * TURNS) as u64;
+    for round in 1..=4 {
+        converse(fleet.port, &tok, &format!("first-{round}"));
+        eventually("the round to be replayed", || {
+            report = tuning(fleet.port);
+            let w = &report["window"];
+            changed(&report)
+                || (w["added"].as_u64() >= Some(round * per_round) && w["added"] == w["replayed"])
+        });
+        if changed(&report) {
+            break;
+        }
+    }
+    assert!(changed(&report), "no change after four rounds: {report}");
     let first = report["changes"][0]["change"].clone();
     assert_eq!(first["reason"], "adopt", "{report}");
     assert_eq!(first["from"]["overlap_weight"], 0.0, "{report}");
