@@ -400,4 +400,4 @@ pub(crate) mod assemble;
 pub mod think;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -54,7 +54,7 @@ use infera_core::event::{Engine, WorkerRecord};
 use infera_core::fleet::FleetConfig;
 use infera_core::ids::WorkerId;
 use infera_core::policy::{PolicyKind, RouterConfig};
-use infera_core::service::ServiceOptions;
+use infera_core::service::{ServiceOptions, drain_tap};
 use infera_replay::record::{Recorder, RecorderOptions};
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
@@ -123,13 +123,7 @@ fn record(state: &ServerState, dir: &std::path::Path) {
     std::thread::spawn(move || {
         loop {
             std::thread::sleep(Duration::from_millis(50));
-            let closed = loop {
-                match rx.try_recv() {
-                    Ok(batch) => batch.iter().for_each(|e| recorder.feed(e)),
-                    Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break false,
-                    Err(_) => break true,
-                }
-            };
+            let closed = drain_tap(&mut rx, |e| recorder.feed(e));
             recorder.tick(clock.now_us());
             if closed {
                 break;
@@ -156,14 +150,7 @@ fn shadow(state: &ServerState) {
         let mut next = Instant::now() + Duration::from_secs(1);
         loop {
             std::thread::sleep(Duration::from_millis(50));
-            let closed = loop {
-                match rx.try_recv() {
-                    Ok(batch) => batch.iter().for_each(|e| window.feed(e)),
-                    Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break false,
-                    Err(_) => break true,
-                }
-            };
-            if closed {
+            if drain_tap(&mut rx, |e| window.feed(e)) {
                 break;
             }
             if Instant::now() < next {

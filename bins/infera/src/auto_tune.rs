@@ -20,6 +20,7 @@ use infera_adapters::server::ServerState;
 use infera_core::clock::{Clock, SystemClock};
 use infera_core::event::{Event, RouterRetuned};
 use infera_core::log::NewEvent;
+use infera_core::service::drain_tap;
 use infera_replay::shadow::adopt::{Change, Tuner};
 use infera_replay::shadow::{self, Assessment, Budget, ShadowOptions, Window};
 use infera_replay::sim::SimConfig;
@@ -209,17 +210,9 @@ impl AutoTune {
                     tracing::warn!(error = %e, "auto-tune: cannot lower the shadow thread's priority");
                 }
                 let mut next = Instant::now() + config.interval;
-                use tokio::sync::mpsc::error::TryRecvError;
                 loop {
                     std::thread::sleep(DRAIN_EVERY);
-                    let closed = loop {
-                        match rx.try_recv() {
-                            Ok(batch) => batch.iter().for_each(|e| shadow.window.feed(e)),
-                            Err(TryRecvError::Empty) => break false,
-                            Err(TryRecvError::Disconnected) => break true,
-                        }
-                    };
-                    if closed {
+                    if drain_tap(&mut rx, |e| shadow.window.feed(e)) {
                         break;
                     }
                     if Instant::now() >= next {

@@ -11,6 +11,7 @@ use crate::config::server::TraceRecordingConfig;
 use anyhow::Context as _;
 use infera_adapters::server::ServerState;
 use infera_core::clock::{Clock, SystemClock};
+use infera_core::service::drain_tap;
 use infera_replay::record::{Recorder, RecorderOptions, RecorderStats};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -129,7 +130,6 @@ impl Recording {
                     }
                     exported.publish(&rec.stats(), rec.in_flight());
                 };
-                use tokio::sync::mpsc::error::TryRecvError;
                 // Drained in rounds, not woken per batch: on a busy server one wake-up takes
                 // hundreds of batches, which keeps the recorder's CPU off the request path.
                 loop {
@@ -138,13 +138,7 @@ impl Recording {
                     while let Ok(m) = metas.try_recv() {
                         recorder.note_request(m, now);
                     }
-                    let closed = loop {
-                        match rx.try_recv() {
-                            Ok(batch) => batch.iter().for_each(|e| recorder.feed(e)),
-                            Err(TryRecvError::Empty) => break false,
-                            Err(TryRecvError::Disconnected) => break true,
-                        }
-                    };
+                    let closed = drain_tap(&mut rx, |e| recorder.feed(e));
                     while let Ok(m) = metas.try_recv() {
                         recorder.note_request(m, now);
                     }

@@ -60,7 +60,7 @@ pub use outlier::OutlierConfig;
 pub use pd::{Leg, Pair};
 pub use prepare::{Prepared, RequestKeys};
 pub use reply::{Reply, ReplyBody, RequestError};
-pub use taps::{EventBatch, RequestMeta};
+pub use taps::{EventBatch, RequestMeta, drain_tap};
 
 use crate::clock::Clock;
 use crate::fleet::{FleetConfig, FleetState};

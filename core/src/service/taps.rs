@@ -37,6 +37,18 @@ pub struct RequestMeta {
     pub priority: Option<i32>,
 }
 
+/// Hands `f` every event queued on a tap's receiving end, in order, without waiting. Returns
+/// whether the tap is closed ([`Service::close_taps`]): nothing more will come.
+pub fn drain_tap(rx: &mut mpsc::Receiver<EventBatch>, mut f: impl FnMut(&Envelope)) -> bool {
+    loop {
+        match rx.try_recv() {
+            Ok(batch) => batch.iter().for_each(&mut f),
+            Err(mpsc::error::TryRecvError::Empty) => return false,
+            Err(mpsc::error::TryRecvError::Disconnected) => return true,
+        }
+    }
+}
+
 /// The open request-metadata tap.
 #[derive(Debug)]
 pub(crate) struct MetaTap {
@@ -214,6 +226,30 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("\nx_total 7\n"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn draining_takes_what_is_queued_and_says_when_the_tap_closed() {
+        let st = state();
+        let mut rx = st.tap("drained", 16);
+        st.register_worker(record("a"));
+        st.register_worker(record("b"));
+        let mut seen = Vec::new();
+        assert!(!drain_tap(&mut rx, |e| seen.push(e.seq)));
+        assert_eq!(seen.len(), 2);
+        assert!(seen[0] < seen[1]);
+        assert!(
+            !drain_tap(&mut rx, |e| seen.push(e.seq)),
+            "nothing new, still open"
+        );
+        st.register_worker(record("c"));
+        st.close_taps();
+        assert!(drain_tap(&mut rx, |e| seen.push(e.seq)));
+        assert_eq!(
+            seen.len(),
+            3,
+            "what was queued before the close still comes"
+        );
     }
 
     #[tokio::test]

@@ -11,7 +11,7 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
 const BS: u32 = 16;
 
-fn env(seq: u64, ts_us: u64, event: Event) -> Envelope {
+pub(crate) fn env(seq: u64, ts_us: u64, event: Event) -> Envelope {
     Envelope {
         v: 2,
         seq,
@@ -21,7 +21,7 @@ fn env(seq: u64, ts_us: u64, event: Event) -> Envelope {
     }
 }
 
-fn registered(id: &str) -> Event {
+pub(crate) fn registered(id: &str) -> Event {
     Event::WorkerRegistered(WorkerRegistered {
         record: WorkerRecord {
             worker_id: WorkerId::new(id),
@@ -41,7 +41,7 @@ fn registered(id: &str) -> Event {
     })
 }
 
-fn routed(id: &str, worker: &str, at_us: u64, prompt_tokens: u32) -> Event {
+pub(crate) fn routed(id: &str, worker: &str, at_us: u64, prompt_tokens: u32) -> Event {
     let blocks = (0..u64::from(prompt_tokens / BS)).map(BlockHash).collect();
     Event::RequestRouted(RequestRouted {
         request_id: RequestId::new(id),
@@ -63,7 +63,7 @@ fn routed(id: &str, worker: &str, at_us: u64, prompt_tokens: u32) -> Event {
     })
 }
 
-fn finished(id: &str, status: RequestStatus) -> Event {
+pub(crate) fn finished(id: &str, status: RequestStatus) -> Event {
     Event::RequestFinished(RequestFinished {
         request_id: RequestId::new(id),
         status,

@@ -39,7 +39,6 @@ use infera_core::event::{
     Envelope, PREFILL_TOKENS_PER_S, RequestStatus, Role, Tunables, WorkerRecord,
 };
 use infera_core::rng::Rng;
-use infera_core::service::RequestMeta;
 use std::collections::VecDeque;
 
 pub mod adopt;
@@ -106,11 +105,6 @@ impl Window {
     /// Takes one committed event.
     pub fn feed(&mut self, env: &Envelope) {
         self.assembler.feed(env);
-    }
-
-    /// Takes what the events do not say about a request (see [`crate::record::Recorder::note_request`]).
-    pub fn note_request(&mut self, meta: RequestMeta, now_us: u64) {
-        self.assembler.note_request(meta, now_us);
     }
 
     /// Moves the requests finished by `now_us` into the window and lets the old ones go.

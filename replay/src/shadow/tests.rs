@@ -2,10 +2,8 @@ use super::adopt::{Reason, Tuner};
 use super::*;
 use crate::sim::RequestOutcome;
 use crate::trace::synth::{SynthConfig, synthesize};
-use infera_core::event::{
-    Engine, Event, RequestFinished, RequestRouted, RoutedLeg, WorkerRegistered,
-};
-use infera_core::ids::{BlockHash, RequestId, WorkerId, WorkerRank};
+use infera_core::event::Engine;
+use infera_core::ids::WorkerId;
 
 /// The suite's agentic trace at `concurrency` sessions open at once.
 fn agentic(concurrency: f64, sessions: usize, seed: u64) -> Trace {
@@ -262,60 +260,20 @@ fn with_the_simulator_as_the_fleet_the_replay_predicts_exactly() {
     assert!(gap > 0.05 && gap < 0.15, "{gap}");
 }
 
+/// A worker's registration, then `n` requests of `prompt_tokens` arriving `every_us` apart, each
+/// finished as it arrives (the recorder tests' events).
 fn meta_free_events(n: u64, prompt_tokens: u32, every_us: u64) -> Vec<Envelope> {
-    let mut out = vec![Envelope {
-        v: 5,
-        seq: 1,
-        ts_us: 0,
-        source: None,
-        event: Event::WorkerRegistered(WorkerRegistered {
-            record: WorkerRecord::mixed(
-                WorkerId::new("w:1"),
-                "http://w:1".into(),
-                "m",
-                Engine::Vllm,
-                16,
-            ),
-        }),
-    }];
+    use crate::record::tests::{env, finished, registered, routed};
+    let mut out = vec![env(1, 0, registered("w:1"))];
     for i in 0..n {
         let at_us = 1 + i * every_us;
-        let id = RequestId::new(format!("r{i}"));
-        let routed = Event::RequestRouted(RequestRouted {
-            request_id: id.clone(),
-            model: "m".into(),
-            legs: vec![RoutedLeg {
-                worker: WorkerRank::new("w:1", 0),
-                role: Role::Mixed,
-                overlap_blocks: 0,
-            }],
-            blocks: (0..u64::from(prompt_tokens / 16)).map(BlockHash).collect(),
-            prompt_tokens,
-            policy: "kv-aware".into(),
-            weights: Vec::new(),
-            top: Vec::new(),
-            retention: None,
+        let id = format!("r{i}");
+        out.push(env(
+            2 + 2 * i,
             at_us,
-            tenant: None,
-            session: None,
-        });
-        let finished = Event::RequestFinished(RequestFinished {
-            request_id: id,
-            status: RequestStatus::Ok,
-            ttft_us: Some(1_000),
-            tokens_in: prompt_tokens,
-            tokens_out: 1,
-            cached_tokens: Some(0),
-        });
-        for (k, event) in [routed, finished].into_iter().enumerate() {
-            out.push(Envelope {
-                v: 5,
-                seq: 2 + 2 * i + k as u64,
-                ts_us: at_us,
-                source: None,
-                event,
-            });
-        }
+            routed(&id, "w:1", at_us, prompt_tokens),
+        ));
+        out.push(env(3 + 2 * i, at_us, finished(&id, RequestStatus::Ok)));
     }
     out
 }

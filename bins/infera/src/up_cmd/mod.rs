@@ -178,10 +178,7 @@ fn validate(args: &UpArgs) -> anyhow::Result<PathBuf> {
     if !(args.speedup.is_finite() && args.speedup > 0.0) {
         bail!("--speedup must be a positive number, got {}", args.speedup);
     }
-    let overlap_weight = args
-        .kv_overlap_weight
-        .unwrap_or(args.router_profile.overlap_weight());
-    if !overlap_weight.is_finite() {
+    if args.kv_overlap_weight.is_some_and(|w| !w.is_finite()) {
         bail!("--kv-overlap-weight must be finite");
     }
     for module in &args.lora_modules {
